@@ -1,0 +1,532 @@
+//! The in-process event bus and the hub every consumer subscribes to.
+//!
+//! ```text
+//! training thread ──publish──▶ bounded lock-free queue ──▶ dispatcher thread ──▶ Hub
+//!  (never blocks; full queue                                      │  apply(&Event) to the Snapshot
+//!   = drop and count)                                             │  inline sinks (JSONL, metrics)
+//!                                                                 └─ broadcast to subscribers
+//! ```
+//!
+//! Publishing is a sequence-number increment, a clock read and a push into a bounded
+//! `ArrayQueue`; when the queue is full the event is dropped and counted, and the dispatcher
+//! turns the count into an `events_dropped` event so every consumer sees it. Subscribers get
+//! the snapshot first, then the live events; one that lags is resynced from a fresh snapshot and
+//! told how many events it missed. A replay feeds the same [`Hub`], so consumers cannot tell a
+//! replay from a live run.
+
+use super::model::{Event, EventKind, Phase};
+use super::snapshot::Snapshot;
+use crossbeam_queue::ArrayQueue;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::broadcast;
+
+/// Events the publish queue holds before it drops.
+pub const DEFAULT_QUEUE_CAPACITY: usize = 1 << 16;
+/// Events a subscriber may fall behind before it is resynced.
+pub const DEFAULT_SUBSCRIBER_CAPACITY: usize = 1 << 14;
+/// How long the dispatcher sleeps when the queue is empty.
+const DISPATCH_IDLE: Duration = Duration::from_millis(2);
+
+/// A consumer that runs inline on the dispatcher thread and sees every event that was not
+/// dropped at publish, in order. Sinks must be quick; they are flushed after each batch.
+pub trait EventSink: Send {
+    /// Called once per event.
+    fn on_event(&mut self, event: &Event);
+    /// Called after each batch and at shutdown.
+    fn flush(&mut self) {}
+}
+
+/// What a subscriber receives after its initial snapshot.
+#[derive(Debug, Clone)]
+pub enum Update {
+    /// The next event.
+    Event(Arc<Event>),
+    /// Start over from this snapshot (after a replay seek).
+    Resync(Arc<Snapshot>),
+}
+
+/// A subscription: the snapshot at the moment of subscribing, then every later update.
+#[derive(Debug)]
+pub struct Subscription {
+    /// The state before the first update in `rx`.
+    pub snapshot: Snapshot,
+    /// Later updates. `Lagged(n)` means `n` were missed: call [`Hub::resubscribe`].
+    pub rx: broadcast::Receiver<Update>,
+}
+
+struct HubState {
+    snapshot: Snapshot,
+    sinks: Vec<Box<dyn EventSink>>,
+}
+
+/// The aggregator: owns the current [`Snapshot`], runs the sinks, and fans events out.
+pub struct Hub {
+    state: Mutex<HubState>,
+    tx: broadcast::Sender<Update>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("subscribers", &self.tx.receiver_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Hub {
+    fn default() -> Self {
+        Hub::new()
+    }
+}
+
+impl Hub {
+    /// An empty hub.
+    pub fn new() -> Hub {
+        let (tx, _) = broadcast::channel(DEFAULT_SUBSCRIBER_CAPACITY);
+        Hub {
+            state: Mutex::new(HubState {
+                snapshot: Snapshot::new(),
+                sinks: Vec::new(),
+            }),
+            tx,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HubState> {
+        // A panicking sink must not take the dashboards down with it.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a sink; it sees every event ingested from now on.
+    pub fn add_sink(&self, sink: Box<dyn EventSink>) {
+        self.lock().sinks.push(sink);
+    }
+
+    /// Applies one event: snapshot, sinks, subscribers.
+    pub fn ingest(&self, event: Event) {
+        let mut st = self.lock();
+        st.snapshot.apply(&event);
+        for s in st.sinks.iter_mut() {
+            s.on_event(&event);
+        }
+        // No subscribers is fine: the error only says nobody listens.
+        let _ = self.tx.send(Update::Event(Arc::new(event)));
+    }
+
+    /// Flushes every sink.
+    pub fn flush(&self) {
+        for s in self.lock().sinks.iter_mut() {
+            s.flush();
+        }
+    }
+
+    /// Replaces the snapshot (replay seek) and tells every subscriber to resync.
+    pub fn reset(&self, snapshot: Snapshot) {
+        let mut st = self.lock();
+        st.snapshot = snapshot;
+        let _ = self
+            .tx
+            .send(Update::Resync(Arc::new(st.snapshot.clone())));
+    }
+
+    /// The current snapshot.
+    pub fn snapshot(&self) -> Snapshot {
+        self.lock().snapshot.clone()
+    }
+
+    /// Reads the current snapshot without cloning it.
+    pub fn with_snapshot<R>(&self, f: impl FnOnce(&Snapshot) -> R) -> R {
+        f(&self.lock().snapshot)
+    }
+
+    /// Snapshot first, then every later update, with nothing lost or repeated in between.
+    pub fn subscribe(&self) -> Subscription {
+        let st = self.lock();
+        Subscription {
+            snapshot: st.snapshot.clone(),
+            rx: self.tx.subscribe(),
+        }
+    }
+
+    /// For a subscriber that lagged: a fresh snapshot and a receiver positioned after it.
+    pub fn resubscribe(&self) -> Subscription {
+        self.subscribe()
+    }
+
+    /// Number of live subscribers.
+    pub fn subscriber_count(&self) -> usize {
+        self.tx.receiver_count()
+    }
+}
+
+struct Shared {
+    queue: ArrayQueue<Event>,
+    seq: AtomicU64,
+    dropped: AtomicU64,
+    start: Instant,
+    step: AtomicU64,
+    phase: AtomicU8,
+    phase_since_ns: AtomicU64,
+    stop: AtomicBool,
+    hub: Arc<Hub>,
+    wall_clock_unix_ms: u64,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn dispatch_pending(&self, last_dropped: &mut u64) -> usize {
+        let mut n = 0;
+        while let Some(e) = self.queue.pop() {
+            self.hub.ingest(e);
+            n += 1;
+        }
+        let dropped = self.dropped.load(Ordering::Relaxed);
+        if dropped != *last_dropped {
+            *last_dropped = dropped;
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+            self.hub.ingest(Event::new(
+                seq,
+                self.now_ns(),
+                self.step.load(Ordering::Relaxed),
+                Phase::from_u8(self.phase.load(Ordering::Relaxed)),
+                EventKind::EventsDropped { total: dropped },
+            ));
+            n += 1;
+        }
+        if n > 0 {
+            self.hub.flush();
+        }
+        n
+    }
+}
+
+struct Dispatcher {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Dispatcher {
+    fn stop(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let handle = self
+            .thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(h) = handle {
+            h.thread().unpark();
+            // The dispatcher only panics if a sink does; the events are gone either way.
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The publishing side. Cheap to clone; every clone publishes into the same run.
+///
+/// A disabled bus (see [`Bus::disabled`]) allocates nothing and every publish is a no-op.
+#[derive(Clone)]
+pub struct Bus {
+    inner: Option<Arc<Dispatcher>>,
+}
+
+impl std::fmt::Debug for Bus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.inner {
+            None => f.write_str("Bus(disabled)"),
+            Some(d) => f
+                .debug_struct("Bus")
+                .field("published", &d.shared.seq.load(Ordering::Relaxed))
+                .field("dropped", &d.shared.dropped.load(Ordering::Relaxed))
+                .finish(),
+        }
+    }
+}
+
+impl Bus {
+    /// A bus with a fresh hub and the default queue capacity.
+    pub fn new() -> Bus {
+        Bus::with_hub(Arc::new(Hub::new()), DEFAULT_QUEUE_CAPACITY)
+    }
+
+    /// A bus that feeds `hub`, dropping events beyond `capacity` queued ones.
+    pub fn with_hub(hub: Arc<Hub>, capacity: usize) -> Bus {
+        let wall_clock_unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let shared = Arc::new(Shared {
+            queue: ArrayQueue::new(capacity.max(1)),
+            seq: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            start: Instant::now(),
+            step: AtomicU64::new(0),
+            phase: AtomicU8::new(Phase::Idle.to_u8()),
+            phase_since_ns: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            hub,
+            wall_clock_unix_ms,
+        });
+        let worker = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("stagehand-events".into())
+            .spawn(move || {
+                let mut last_dropped = 0;
+                loop {
+                    let n = worker.dispatch_pending(&mut last_dropped);
+                    if worker.stop.load(Ordering::Acquire) {
+                        worker.dispatch_pending(&mut last_dropped);
+                        worker.hub.flush();
+                        break;
+                    }
+                    if n == 0 {
+                        std::thread::park_timeout(DISPATCH_IDLE);
+                    }
+                }
+            })
+            .ok();
+        Bus {
+            inner: Some(Arc::new(Dispatcher {
+                shared,
+                thread: Mutex::new(thread),
+            })),
+        }
+    }
+
+    /// A bus that publishes nothing and costs nothing.
+    pub fn disabled() -> Bus {
+        Bus { inner: None }
+    }
+
+    /// Whether events go anywhere.
+    pub fn is_enabled(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// The hub this bus feeds (None when disabled).
+    pub fn hub(&self) -> Option<&Arc<Hub>> {
+        self.inner.as_ref().map(|d| &d.shared.hub)
+    }
+
+    /// Publishes an event tagged with the current step and phase. Never blocks: if the queue
+    /// is full the event is dropped and counted.
+    #[inline]
+    pub fn publish(&self, kind: EventKind) {
+        let Some(d) = &self.inner else { return };
+        let s = &d.shared;
+        let seq = s.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let e = Event::new(
+            seq,
+            s.now_ns(),
+            s.step.load(Ordering::Relaxed),
+            Phase::from_u8(s.phase.load(Ordering::Relaxed)),
+            kind,
+        );
+        if s.queue.push(e).is_err() {
+            s.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Publishes an event built by `f`, only when the bus is enabled (saves building it).
+    #[inline]
+    pub fn publish_with(&self, f: impl FnOnce() -> EventKind) {
+        if self.inner.is_some() {
+            self.publish(f());
+        }
+    }
+
+    /// Moves the run to `phase` of `step` and publishes the boundary with the duration of the
+    /// phase being left.
+    pub fn enter_phase(&self, step: u64, phase: Phase) {
+        let Some(d) = &self.inner else { return };
+        let s = &d.shared;
+        let now = s.now_ns();
+        let from = Phase::from_u8(s.phase.load(Ordering::Relaxed));
+        let since = s.phase_since_ns.swap(now, Ordering::Relaxed);
+        s.step.store(step, Ordering::Relaxed);
+        s.phase.store(phase.to_u8(), Ordering::Relaxed);
+        self.publish(EventKind::PhaseChanged {
+            from,
+            to: phase,
+            duration_s: (now.saturating_sub(since)) as f64 / 1e9,
+        });
+    }
+
+    /// The step and phase events are currently tagged with.
+    pub fn context(&self) -> (u64, Phase) {
+        match &self.inner {
+            None => (0, Phase::Idle),
+            Some(d) => (
+                d.shared.step.load(Ordering::Relaxed),
+                Phase::from_u8(d.shared.phase.load(Ordering::Relaxed)),
+            ),
+        }
+    }
+
+    /// Nanoseconds since the bus was created (the run's clock).
+    pub fn now_ns(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |d| d.shared.now_ns())
+    }
+
+    /// Wall clock at `t_ns == 0`, for the `run_started` event.
+    pub fn wall_clock_unix_ms(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |d| d.shared.wall_clock_unix_ms)
+    }
+
+    /// Events published so far (including dropped ones).
+    pub fn published(&self) -> u64 {
+        self.inner
+            .as_ref()
+            .map_or(0, |d| d.shared.seq.load(Ordering::Relaxed))
+    }
+
+    /// Events dropped because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.inner
+            .as_ref()
+            .map_or(0, |d| d.shared.dropped.load(Ordering::Relaxed))
+    }
+
+    /// Waits until every event published before this call has reached the hub and its sinks.
+    pub fn flush(&self) {
+        let Some(d) = &self.inner else { return };
+        let target = d.shared.seq.load(Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if d.shared.queue.is_empty() {
+                let applied = d.shared.hub.with_snapshot(|s| s.last_seq);
+                let dropped = d.shared.dropped.load(Ordering::Relaxed);
+                if applied >= target || dropped > 0 {
+                    break;
+                }
+            }
+            if let Some(h) = d.thread.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                h.thread().unpark();
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        d.shared.hub.flush();
+    }
+
+    /// Stops the dispatcher after delivering everything queued. Later publishes are queued but
+    /// never delivered. Called automatically when the last clone is dropped.
+    pub fn close(&self) {
+        if let Some(d) = &self.inner {
+            d.stop();
+        }
+    }
+}
+
+impl Default for Bus {
+    fn default() -> Self {
+        Bus::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::model::{BlockId, EventKind};
+
+    #[test]
+    fn subscriber_sees_snapshot_then_events() {
+        let bus = Bus::new();
+        let hub = bus.hub().expect("enabled").clone();
+        bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
+        bus.flush();
+        let mut sub = hub.subscribe();
+        assert_eq!(sub.snapshot.weights.prefetch_hits, 1);
+        bus.publish(EventKind::PrefetchHit { block: BlockId(1) });
+        bus.flush();
+        match sub.rx.try_recv() {
+            Ok(Update::Event(e)) => assert_eq!(e.seq, 2),
+            other => panic!("expected the second event, got {other:?}"),
+        }
+        assert!(sub.rx.try_recv().is_err(), "nothing else");
+    }
+
+    #[test]
+    fn full_queue_drops_and_counts_without_blocking() {
+        let hub = Arc::new(Hub::new());
+        let bus = Bus::with_hub(hub.clone(), 4);
+        // Stop the dispatcher so the queue fills.
+        if let Some(d) = &bus.inner {
+            d.shared.stop.store(true, Ordering::Release);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        for _ in 0..10 {
+            bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
+        }
+        assert_eq!(bus.dropped(), 6);
+        assert_eq!(bus.published(), 10);
+    }
+
+    #[test]
+    fn dropped_count_becomes_an_event() {
+        let hub = Arc::new(Hub::new());
+        let bus = Bus::with_hub(hub.clone(), 2);
+        if let Some(d) = &bus.inner {
+            d.shared.dropped.store(5, Ordering::Relaxed);
+        }
+        bus.publish(EventKind::RunEnded { steps: 0 });
+        bus.close();
+        assert_eq!(hub.snapshot().dropped_events, 5);
+        assert_eq!(hub.snapshot().event_counts["events_dropped"], 1);
+    }
+
+    #[test]
+    fn lagging_subscriber_is_told_how_many_it_missed() {
+        let hub = Hub::new();
+        let mut sub = hub.subscribe();
+        for i in 0..(DEFAULT_SUBSCRIBER_CAPACITY as u64 + 10) {
+            hub.ingest(Event::new(
+                i + 1,
+                i,
+                0,
+                Phase::Idle,
+                EventKind::PrefetchHit { block: BlockId(0) },
+            ));
+        }
+        match sub.rx.try_recv() {
+            Err(broadcast::error::TryRecvError::Lagged(n)) => assert_eq!(n, 10),
+            other => panic!("expected Lagged, got {other:?}"),
+        }
+        let fresh = hub.resubscribe();
+        assert_eq!(
+            fresh.snapshot.weights.prefetch_hits,
+            DEFAULT_SUBSCRIBER_CAPACITY as u64 + 10
+        );
+    }
+
+    #[test]
+    fn phases_tag_events_and_carry_durations() {
+        let bus = Bus::new();
+        bus.enter_phase(3, Phase::StepBegin);
+        bus.enter_phase(3, Phase::Forward);
+        bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
+        bus.flush();
+        let snap = bus.hub().expect("enabled").snapshot();
+        assert_eq!((snap.step, snap.phase), (3, Phase::Forward));
+        assert_eq!(bus.context(), (3, Phase::Forward));
+    }
+
+    #[test]
+    fn disabled_bus_is_inert() {
+        let bus = Bus::disabled();
+        bus.publish(EventKind::RunEnded { steps: 0 });
+        bus.enter_phase(1, Phase::Forward);
+        assert_eq!(bus.published(), 0);
+        assert!(bus.hub().is_none());
+    }
+}

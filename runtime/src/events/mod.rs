@@ -1,0 +1,17 @@
+//! The event spine: the typed event model, the bus, the snapshot reducer, JSONL telemetry and
+//! replay. Everything here builds without libtorch, so readers (the terminal UI, exporters)
+//! depend on it alone.
+
+pub mod bus;
+pub mod jsonl;
+pub mod model;
+pub mod replay;
+pub mod snapshot;
+pub mod wire;
+
+pub use bus::{Bus, EventSink, Hub, Subscription, Update};
+pub use jsonl::{JsonlSink, OpenMode, ReadReport};
+pub use model::*;
+pub use replay::{Replay, ReplayStatus};
+pub use snapshot::Snapshot;
+pub use wire::{StreamMessage, DEFAULT_SERVER_ADDR};
