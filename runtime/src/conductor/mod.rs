@@ -1,0 +1,1 @@
+//! Conductor: phases, budgets, PCIe slots and policy hints across the runtimes.
