@@ -1,0 +1,237 @@
+// The C++ side of Stagehand's libtorch substrate. Compiled by build.rs against the headers of
+// the installed libtorch (it must be rebuilt for another torch version).
+//
+// 1. Saved-tensor hooks. libtorch's public default hooks only hold Python objects, so we
+//    subclass torch::autograd::Engine, override get_default_saved_variable_hooks() to return our
+//    hooks while a thread-local context is set, and install the subclass as the default engine
+//    before the first backward. Pack runs on the forward thread; unpack and release may run on
+//    the engine's worker threads, so each hooks object carries its own reference to the context.
+//    Rust callbacks report failure through a status code and a message; we turn that into a
+//    c10::Error, so a failing hook surfaces as a torch error, never as an abort or an unwind
+//    across the FFI boundary.
+// 2. Device allocator statistics (allocated/reserved/active, current and peak), peak reset,
+//    empty cache, and free/total memory: the VRAM signal for watermarks.
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace {
+
+constexpr size_t kErrLen = 1024;
+
+// Callbacks into Rust. Each returns 0 on success, or non-zero with a message in `err`.
+struct Callbacks {
+  // Takes ownership of `tensor` (a heap at::Tensor). Writes the handle.
+  int (*pack)(void* ctx, at::Tensor* tensor, uint64_t* handle, char* err, size_t err_len);
+  // Writes a heap at::Tensor whose ownership passes to C++.
+  int (*unpack)(void* ctx, uint64_t handle, at::Tensor** out, char* err, size_t err_len);
+  // The saved variable is gone; forget the handle. Must not fail.
+  void (*release)(void* ctx, uint64_t handle);
+  // Returns a new reference to the context (for a hooks object that outlives the scope).
+  void* (*retain)(void* ctx);
+  // Drops a reference obtained from `retain`.
+  void (*drop)(void* ctx);
+};
+
+Callbacks g_callbacks{};
+std::atomic<bool> g_installed{false};
+thread_local void* t_ctx = nullptr;
+
+class StagehandHooks final : public torch::autograd::SavedVariableHooks {
+ public:
+  explicit StagehandHooks(void* ctx) : ctx_(g_callbacks.retain(ctx)) {}
+
+  ~StagehandHooks() override {
+    if (packed_) g_callbacks.release(ctx_, handle_);
+    g_callbacks.drop(ctx_);
+  }
+
+  void call_pack_hook(const at::Tensor& tensor) override {
+    char err[kErrLen] = {0};
+    int rc = g_callbacks.pack(ctx_, new at::Tensor(tensor), &handle_, err, kErrLen);
+    TORCH_CHECK(rc == 0, "stagehand pack hook failed: ", err);
+    packed_ = true;
+  }
+
+  at::Tensor call_unpack_hook() override {
+    TORCH_CHECK(packed_, "stagehand unpack hook called before pack");
+    char err[kErrLen] = {0};
+    at::Tensor* out = nullptr;
+    int rc = g_callbacks.unpack(ctx_, handle_, &out, err, kErrLen);
+    TORCH_CHECK(rc == 0 && out != nullptr, "stagehand unpack hook failed: ", err);
+    at::Tensor result = std::move(*out);
+    delete out;
+    return result;
+  }
+
+ private:
+  void* ctx_;
+  uint64_t handle_ = 0;
+  bool packed_ = false;
+};
+
+class StagehandEngine final : public torch::autograd::Engine {
+ public:
+  static StagehandEngine& instance() {
+    static StagehandEngine engine;
+    return engine;
+  }
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
+    if (t_ctx != nullptr) return std::make_unique<StagehandHooks>(t_ctx);
+    return Engine::get_default_saved_variable_hooks();
+  }
+
+ private:
+  StagehandEngine() = default;
+};
+
+torch::autograd::Engine& engine_stub() { return StagehandEngine::instance(); }
+
+void write_err(char* err, size_t len, const char* msg) {
+  if (err == nullptr || len == 0) return;
+  std::strncpy(err, msg, len - 1);
+  err[len - 1] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+// Installs the engine and the callbacks. Idempotent; must run before the first backward.
+int stagehand_hooks_install(
+    int (*pack)(void*, at::Tensor*, uint64_t*, char*, size_t),
+    int (*unpack)(void*, uint64_t, at::Tensor**, char*, size_t),
+    void (*release)(void*, uint64_t),
+    void* (*retain)(void*),
+    void (*drop)(void*),
+    char* err,
+    size_t err_len) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (g_installed.load()) return 0;
+  try {
+    g_callbacks = Callbacks{pack, unpack, release, retain, drop};
+    torch::autograd::set_default_engine_stub(&engine_stub);
+    g_installed.store(true);
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+// Whether the hook engine is the default engine.
+int stagehand_hooks_installed() { return g_installed.load() ? 1 : 0; }
+
+// Sets this thread's hook context (null: hooks off) and returns the previous one.
+void* stagehand_hooks_set_context(void* ctx) {
+  void* prev = t_ctx;
+  t_ctx = ctx;
+  return prev;
+}
+
+// Storage identity of a tensor, for dedupe and weight recognition.
+void stagehand_tensor_identity(const at::Tensor* t, uint64_t* storage_ptr, int64_t* storage_offset,
+                               uint64_t* storage_nbytes) {
+  if (!t->defined() || !t->has_storage()) {
+    *storage_ptr = 0;
+    *storage_offset = 0;
+    *storage_nbytes = 0;
+    return;
+  }
+  *storage_ptr = reinterpret_cast<uint64_t>(t->storage().data());
+  *storage_offset = t->storage_offset();
+  *storage_nbytes = t->storage().nbytes();
+}
+
+// ---- device allocator statistics --------------------------------------------------------
+
+struct StagehandAllocStats {
+  int64_t allocated_current;
+  int64_t allocated_peak;
+  int64_t reserved_current;
+  int64_t reserved_peak;
+  int64_t active_current;
+  int64_t active_peak;
+  int64_t num_ooms;
+  int64_t num_alloc_retries;
+};
+
+static c10::DeviceAllocator* cuda_allocator() {
+  auto* a = c10::GetAllocator(c10::DeviceType::CUDA);
+  if (a == nullptr) return nullptr;
+  return dynamic_cast<c10::DeviceAllocator*>(a);
+}
+
+// 0 on success; 1 when no CUDA allocator is registered; 2 on a torch error (message in err).
+int stagehand_cuda_alloc_stats(int device, StagehandAllocStats* out, char* err, size_t err_len) {
+  try {
+    auto* a = cuda_allocator();
+    if (a == nullptr || !a->initialized()) return 1;
+    auto s = a->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out->allocated_current = s.allocated_bytes[kAll].current;
+    out->allocated_peak = s.allocated_bytes[kAll].peak;
+    out->reserved_current = s.reserved_bytes[kAll].current;
+    out->reserved_peak = s.reserved_bytes[kAll].peak;
+    out->active_current = s.active_bytes[kAll].current;
+    out->active_peak = s.active_bytes[kAll].peak;
+    out->num_ooms = s.num_ooms;
+    out->num_alloc_retries = s.num_alloc_retries;
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 2;
+  }
+}
+
+int stagehand_cuda_reset_peak(int device, char* err, size_t err_len) {
+  try {
+    auto* a = cuda_allocator();
+    if (a == nullptr || !a->initialized()) return 1;
+    a->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 2;
+  }
+}
+
+int stagehand_cuda_empty_cache(char* err, size_t err_len) {
+  try {
+    auto* a = cuda_allocator();
+    if (a == nullptr || !a->initialized()) return 1;
+    a->emptyCache();
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 2;
+  }
+}
+
+int stagehand_cuda_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes, char* err,
+                            size_t err_len) {
+  try {
+    auto* a = cuda_allocator();
+    if (a == nullptr || !a->initialized()) return 1;
+    auto info = a->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    *free_bytes = info.first;
+    *total_bytes = info.second;
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 2;
+  }
+}
+
+}  // extern "C"

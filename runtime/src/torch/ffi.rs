@@ -1,0 +1,87 @@
+//! Raw declarations of the C++ shim (`csrc/shim.cpp`). Only `torch::*` modules use them.
+
+use std::os::raw::{c_char, c_int, c_void};
+use torch_sys::C_tensor;
+
+pub(crate) type PackFn =
+    unsafe extern "C" fn(*mut c_void, *mut C_tensor, *mut u64, *mut c_char, usize) -> c_int;
+pub(crate) type UnpackFn =
+    unsafe extern "C" fn(*mut c_void, u64, *mut *mut C_tensor, *mut c_char, usize) -> c_int;
+pub(crate) type ReleaseFn = unsafe extern "C" fn(*mut c_void, u64);
+pub(crate) type RetainFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+pub(crate) type DropFn = unsafe extern "C" fn(*mut c_void);
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct AllocStats {
+    pub allocated_current: i64,
+    pub allocated_peak: i64,
+    pub reserved_current: i64,
+    pub reserved_peak: i64,
+    pub active_current: i64,
+    pub active_peak: i64,
+    pub num_ooms: i64,
+    pub num_alloc_retries: i64,
+}
+
+extern "C" {
+    pub(crate) fn stagehand_hooks_install(
+        pack: PackFn,
+        unpack: UnpackFn,
+        release: ReleaseFn,
+        retain: RetainFn,
+        drop: DropFn,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_hooks_installed() -> c_int;
+    pub(crate) fn stagehand_hooks_set_context(ctx: *mut c_void) -> *mut c_void;
+    pub(crate) fn stagehand_tensor_identity(
+        t: *const C_tensor,
+        storage_ptr: *mut u64,
+        storage_offset: *mut i64,
+        storage_nbytes: *mut u64,
+    );
+    pub(crate) fn stagehand_cuda_alloc_stats(
+        device: c_int,
+        out: *mut AllocStats,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_cuda_reset_peak(device: c_int, err: *mut c_char, err_len: usize)
+        -> c_int;
+    pub(crate) fn stagehand_cuda_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+    pub(crate) fn stagehand_cuda_mem_info(
+        device: c_int,
+        free_bytes: *mut u64,
+        total_bytes: *mut u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// Reads a NUL-terminated message written by the shim.
+pub(crate) fn message(buf: &[c_char]) -> String {
+    let bytes: Vec<u8> = buf
+        .iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Writes `msg` NUL-terminated into a shim-owned buffer.
+///
+/// # Safety
+/// `buf` must be valid for `len` bytes.
+pub(crate) unsafe fn write_message(buf: *mut c_char, len: usize, msg: &str) {
+    if buf.is_null() || len == 0 {
+        return;
+    }
+    let n = msg.len().min(len - 1);
+    // SAFETY: the caller guarantees `buf` is valid for `len` bytes and n < len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(msg.as_ptr() as *const c_char, buf, n);
+        *buf.add(n) = 0;
+    }
+}

@@ -1,0 +1,233 @@
+//! Process-wide saved-tensor hooks, gated per thread.
+//!
+//! While a [`SavedTensorHooks`] guard is alive on a thread, every tensor that autograd saves for
+//! backward on that thread goes through the guard's [`SavedTensorStore`]: `pack` receives the
+//! tensor and returns a handle, `unpack` (in backward, possibly on an autograd worker thread)
+//! turns the handle back into a tensor, and `release` says the saved variable is gone.
+//!
+//! Things a store must know (design.md section 3):
+//! - autograd may save one tensor several times (a ReLU output twice): compare
+//!   [`TensorIdentity`] to dedupe;
+//! - `nn::linear` saves `W.t()`, a non-leaf view of the weight: recognise parameters by
+//!   storage pointer, not by `is_leaf`;
+//! - never keep an un-detached output (it references its `grad_fn`: a cycle); keep
+//!   `tensor.detach()` or a copy;
+//! - with hooks autograd skips its version-counter check, so a store returning stale data goes
+//!   unnoticed: return exactly what was saved.
+//!
+//! Callbacks run with the hooks switched off on the current thread and with grad mode off, so a
+//! store may run tensor operations freely. A store error or panic becomes a torch error in the
+//! operation (forward) or in backward, never an abort.
+
+use super::ffi;
+use crate::error::{Error, Result};
+use std::marker::PhantomData;
+use std::os::raw::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+/// Where saved tensors go between forward and backward.
+pub trait SavedTensorStore: Send + Sync + 'static {
+    /// Takes a tensor autograd saves; returns a handle to give back in `unpack`/`release`.
+    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, String>;
+    /// Returns the tensor saved under `handle`.
+    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, String>;
+    /// The saved variable holding `handle` is gone. Must not fail.
+    fn release(&self, handle: u64);
+}
+
+/// Storage identity of a tensor: equal identities mean the same memory seen the same way.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TensorIdentity {
+    /// Address of the storage's data (0 for a tensor without storage).
+    pub storage_ptr: u64,
+    /// Offset into the storage, in elements.
+    pub storage_offset: i64,
+    /// Bytes of the whole storage.
+    pub storage_nbytes: u64,
+    pub sizes: Vec<i64>,
+    pub strides: Vec<i64>,
+    pub kind: tch::Kind,
+}
+
+impl TensorIdentity {
+    /// Reads the identity of `t`.
+    pub fn of(t: &Tensor) -> TensorIdentity {
+        let (mut ptr, mut off, mut nbytes) = (0u64, 0i64, 0u64);
+        // SAFETY: `t` is a live tensor; the shim only reads its storage metadata.
+        unsafe { ffi::stagehand_tensor_identity(t.as_ptr(), &mut ptr, &mut off, &mut nbytes) };
+        TensorIdentity {
+            storage_ptr: ptr,
+            storage_offset: off,
+            storage_nbytes: nbytes,
+            sizes: t.size(),
+            strides: t.stride(),
+            kind: t.kind(),
+        }
+    }
+}
+
+type Ctx = Arc<dyn SavedTensorStore>;
+
+/// Runs a callback with hooks off on this thread and grad mode off, catching panics.
+fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
+    // SAFETY: setting the thread-local context to null and restoring it is always valid.
+    let prev = unsafe { ffi::stagehand_hooks_set_context(std::ptr::null_mut()) };
+    let out = catch_unwind(AssertUnwindSafe(|| tch::no_grad(f)));
+    // SAFETY: restores the value read above on the same thread.
+    unsafe { ffi::stagehand_hooks_set_context(prev) };
+    match out {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("panic in {what}: {msg}"))
+        }
+    }
+}
+
+unsafe extern "C" fn pack_cb(
+    ctx: *mut c_void,
+    t: *mut C_tensor,
+    handle: *mut u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    // SAFETY: `ctx` is a live `Box<Ctx>` made by `retain_cb`; `t` is a heap tensor whose
+    // ownership the shim hands to us.
+    let (store, tensor) = unsafe { (&*(ctx as *const Ctx), Tensor::from_ptr(t)) };
+    match guarded("pack", || store.pack(tensor)) {
+        Ok(h) => {
+            // SAFETY: `handle` is a valid out-parameter.
+            unsafe { *handle = h };
+            0
+        }
+        Err(msg) => {
+            // SAFETY: the shim's buffer is valid for `err_len` bytes.
+            unsafe { ffi::write_message(err, err_len, &msg) };
+            1
+        }
+    }
+}
+
+unsafe extern "C" fn unpack_cb(
+    ctx: *mut c_void,
+    handle: u64,
+    out: *mut *mut C_tensor,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    // SAFETY: `ctx` is a live `Box<Ctx>`.
+    let store = unsafe { &*(ctx as *const Ctx) };
+    match guarded("unpack", || store.unpack(handle)) {
+        Ok(mut tensor) => {
+            let ptr = tensor.as_mut_ptr();
+            // Ownership of the heap tensor passes to the shim, which deletes it.
+            std::mem::forget(tensor);
+            // SAFETY: `out` is a valid out-parameter.
+            unsafe { *out = ptr };
+            0
+        }
+        Err(msg) => {
+            // SAFETY: the shim's buffer is valid for `err_len` bytes.
+            unsafe { ffi::write_message(err, err_len, &msg) };
+            1
+        }
+    }
+}
+
+unsafe extern "C" fn release_cb(ctx: *mut c_void, handle: u64) {
+    // SAFETY: `ctx` is a live `Box<Ctx>`.
+    let store = unsafe { &*(ctx as *const Ctx) };
+    let _ = guarded("release", || {
+        store.release(handle);
+        Ok(())
+    });
+}
+
+unsafe extern "C" fn retain_cb(ctx: *mut c_void) -> *mut c_void {
+    // SAFETY: `ctx` is a live `Box<Ctx>`; we return a new box holding another reference.
+    let store = unsafe { &*(ctx as *const Ctx) };
+    Box::into_raw(Box::new(store.clone())) as *mut c_void
+}
+
+unsafe extern "C" fn drop_cb(ctx: *mut c_void) {
+    // SAFETY: `ctx` came from `Box::into_raw` in `retain_cb` and is dropped exactly once.
+    drop(unsafe { Box::from_raw(ctx as *mut Ctx) });
+}
+
+/// Makes the hook engine libtorch's default engine. Idempotent. Must happen before the first
+/// backward of the process (every [`SavedTensorHooks::enable`] calls it).
+pub fn install() -> Result<()> {
+    let mut err = [0 as c_char; 1024];
+    // SAFETY: the callbacks match the shim's signatures and live for the whole program.
+    let rc = unsafe {
+        ffi::stagehand_hooks_install(
+            pack_cb,
+            unpack_cb,
+            release_cb,
+            retain_cb,
+            drop_cb,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if rc != 0 {
+        return Err(Error::Torch(format!(
+            "installing the saved-tensor hook engine: {}",
+            ffi::message(&err)
+        )));
+    }
+    Ok(())
+}
+
+/// Whether the hook engine is installed.
+pub fn installed() -> bool {
+    // SAFETY: reads an atomic flag.
+    unsafe { ffi::stagehand_hooks_installed() != 0 }
+}
+
+/// While alive, sends every tensor autograd saves on this thread to a store. Restores the
+/// previous store (or none) when dropped. Not `Send`: it belongs to the thread that made it.
+pub struct SavedTensorHooks {
+    ctx: *mut c_void,
+    prev: *mut c_void,
+    _thread_bound: PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for SavedTensorHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavedTensorHooks").finish_non_exhaustive()
+    }
+}
+
+impl SavedTensorHooks {
+    /// Turns the hooks on for this thread, sending saved tensors to `store`.
+    pub fn enable(store: Arc<dyn SavedTensorStore>) -> Result<SavedTensorHooks> {
+        install()?;
+        let ctx = Box::into_raw(Box::new(store)) as *mut c_void;
+        // SAFETY: `ctx` is a live `Box<Ctx>` until this guard drops it.
+        let prev = unsafe { ffi::stagehand_hooks_set_context(ctx) };
+        Ok(SavedTensorHooks {
+            ctx,
+            prev,
+            _thread_bound: PhantomData,
+        })
+    }
+}
+
+impl Drop for SavedTensorHooks {
+    fn drop(&mut self) {
+        // SAFETY: restores the previous context on the thread that set ours, then frees our
+        // reference; hooks objects created meanwhile hold their own references.
+        unsafe {
+            ffi::stagehand_hooks_set_context(self.prev);
+            drop(Box::from_raw(self.ctx as *mut Ctx));
+        }
+    }
+}
