@@ -1,9 +1,17 @@
 #![doc = include_str!("../README.md")]
 
 pub mod conductor;
+#[cfg(feature = "torch")]
+pub mod device;
 pub mod error;
 pub mod events;
 #[cfg(feature = "torch")]
+pub mod activations;
+#[cfg(feature = "torch")]
+pub mod saved;
+#[cfg(feature = "torch")]
 pub mod torch;
+#[cfg(feature = "torch")]
+pub mod weights;
 
 pub use error::{Error, Result};

@@ -1,0 +1,186 @@
+//! Host buffers for copies: pinned on CUDA, plain aligned memory on the host device.
+
+use crate::error::{Error, Result};
+use std::alloc::Layout;
+use std::ops::Range;
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+
+/// Alignment of every host buffer (page size: good for DMA and for any dtype).
+const ALIGN: usize = 4096;
+
+#[derive(Debug)]
+enum Owner {
+    Heap(Layout),
+    Pinned(Arc<cudarc::driver::CudaContext>),
+    Empty,
+}
+
+/// An owned, fixed-size, page-aligned host buffer.
+#[derive(Debug)]
+pub struct HostBuffer {
+    ptr: *mut u8,
+    len: usize,
+    owner: Owner,
+}
+
+// SAFETY: the buffer owns its memory exclusively; access goes through &self / &mut self.
+unsafe impl Send for HostBuffer {}
+// SAFETY: shared access is read-only through `as_slice`.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Zeroed pageable memory.
+    pub(crate) fn pageable(len: usize) -> HostBuffer {
+        if len == 0 {
+            return HostBuffer {
+                ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                len: 0,
+                owner: Owner::Empty,
+            };
+        }
+        let layout = Layout::from_size_align(len, ALIGN).expect("buffer size fits a layout");
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        HostBuffer {
+            ptr,
+            len,
+            owner: Owner::Heap(layout),
+        }
+    }
+
+    /// Wraps pinned memory from `cuMemHostAlloc`.
+    ///
+    /// # Safety
+    /// `ptr` must come from `cuMemHostAlloc` in `ctx` with at least `len` bytes.
+    pub(crate) unsafe fn pinned(
+        ptr: *mut u8,
+        len: usize,
+        ctx: Arc<cudarc::driver::CudaContext>,
+    ) -> HostBuffer {
+        HostBuffer {
+            ptr,
+            len,
+            owner: Owner::Pinned(ctx),
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-sized buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the memory is page-locked (copies can run asynchronously at full bandwidth).
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.owner, Owner::Pinned(_))
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` bytes for the life of `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is valid for `len` bytes and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Checks that `bytes` at `offset` fit.
+    pub fn range(&self, offset: usize, bytes: usize) -> Result<Range<usize>> {
+        match offset.checked_add(bytes) {
+            Some(end) if end <= self.len => Ok(offset..end),
+            _ => Err(Error::TooLarge {
+                what: "copy".into(),
+                needed: bytes as u64,
+                limit: format!("the host buffer has {} bytes from offset {offset}", self.len),
+            }),
+        }
+    }
+
+    /// Copies a contiguous CPU tensor's bytes into the buffer at `offset`.
+    pub fn write_tensor(&mut self, offset: usize, src: &Tensor) -> Result<usize> {
+        let src = cpu_contiguous(src, "source")?;
+        let bytes = src.numel() * src.kind().elt_size_in_bytes();
+        let range = self.range(offset, bytes)?;
+        // SAFETY: `src` is a contiguous CPU tensor of `bytes` bytes.
+        let data = unsafe { std::slice::from_raw_parts(src.data_ptr() as *const u8, bytes) };
+        self.as_mut_slice()[range].copy_from_slice(data);
+        Ok(bytes)
+    }
+
+    /// Copies bytes at `offset` into a contiguous CPU tensor.
+    pub fn read_into(&self, offset: usize, dst: &Tensor) -> Result<usize> {
+        let dst = cpu_contiguous(dst, "destination")?;
+        let bytes = dst.numel() * dst.kind().elt_size_in_bytes();
+        let range = self.range(offset, bytes)?;
+        // SAFETY: `dst` is a contiguous CPU tensor of `bytes` bytes that we may write.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.as_slice()[range].as_ptr(),
+                dst.data_ptr() as *mut u8,
+                bytes,
+            )
+        };
+        Ok(bytes)
+    }
+
+    /// A new CPU tensor holding a copy of the bytes at `offset`.
+    pub fn to_tensor(&self, offset: usize, kind: Kind, shape: &[i64]) -> Result<Tensor> {
+        let t = Tensor::empty(shape, (kind, tch::Device::Cpu));
+        self.read_into(offset, &t)?;
+        Ok(t)
+    }
+}
+
+fn cpu_contiguous<'a>(t: &'a Tensor, what: &str) -> Result<&'a Tensor> {
+    if t.device() != tch::Device::Cpu || !t.is_contiguous() {
+        return Err(Error::State(format!(
+            "{what} must be a contiguous CPU tensor, got {:?} (contiguous: {})",
+            t.device(),
+            t.is_contiguous()
+        )));
+    }
+    Ok(t)
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        match &self.owner {
+            // SAFETY: allocated with this layout in `pageable`.
+            Owner::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr, *layout) },
+            Owner::Pinned(ctx) => {
+                let _ = ctx.bind_to_thread();
+                // SAFETY: allocated by cuMemHostAlloc in this context; freed once.
+                let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut _) };
+            }
+            Owner::Empty => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_round_trip_through_a_buffer() {
+        let mut b = HostBuffer::pageable(1024);
+        assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
+        let t = Tensor::arange(10, (Kind::Int64, tch::Device::Cpu));
+        assert_eq!(b.write_tensor(16, &t).expect("write"), 80);
+        let back = b.to_tensor(16, Kind::Int64, &[10]).expect("read");
+        assert!(back.equal(&t));
+        let err = b.write_tensor(1000, &t).expect_err("does not fit");
+        assert!(err.to_string().contains("80 bytes"), "{err}");
+    }
+}

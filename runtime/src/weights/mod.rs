@@ -1,0 +1,1 @@
+//! Weight Stagehand: stream weights block by block through a bounded pinned pool.
