@@ -465,6 +465,25 @@ pub struct ConductorStepMetrics {
     pub partial_count: u64,
     /// Seconds spent in each phase of the step.
     pub phase_durations: PhaseDurations,
+    /// Each attached runtime's knobs at the end of the step, by adapter name
+    /// (`stagehand: {max_inflight, prefetch_window}`, `activation_stagehand: {max_d2h, max_h2d}`).
+    #[serde(default)]
+    pub runtime_snapshots: std::collections::BTreeMap<String, serde_json::Value>,
+    /// Transfer slots granted in the step (over-limit grants included).
+    #[serde(default)]
+    pub slot_grant_count: u64,
+    /// Transfer slots refused in the step.
+    #[serde(default)]
+    pub slot_deny_count: u64,
+    /// Required copies let through a full slot pool in the step.
+    #[serde(default)]
+    pub slot_over_limit_count: u64,
+    /// Bytes reported by completed H2D slot tokens in the step.
+    #[serde(default)]
+    pub h2d_bytes: u64,
+    /// Bytes reported by completed D2H slot tokens in the step.
+    #[serde(default)]
+    pub d2h_bytes: u64,
 }
 
 /// Seconds spent in each phase of one step.
