@@ -1,0 +1,133 @@
+//! OpenTelemetry export: the SDK's in-memory exporters, and the OTLP/HTTP exporters built from
+//! the `OTEL_*` variables against an in-process receiver.
+
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+use stagehand::events::{EventSink, Snapshot};
+use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand_exporter::OtelSink;
+use std::io::{Read, Write};
+
+#[test]
+fn metrics_and_step_spans_reach_the_in_memory_exporters() {
+    let metrics = InMemoryMetricExporter::default();
+    let spans = InMemorySpanExporter::default();
+    let mp = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(metrics.clone()).build())
+        .build();
+    let tp = SdkTracerProvider::builder().with_simple_exporter(spans.clone()).build();
+    let mut sink = OtelSink::with_providers(mp, tp);
+    let events = SyntheticRun::new(SyntheticConfig::default()).events(3);
+    let snap = Snapshot::from_events(&events);
+    for e in &events {
+        sink.on_event(e);
+    }
+    sink.flush();
+    sink.force_flush().expect("flushes");
+
+    let finished = metrics.get_finished_metrics().expect("metrics");
+    let last = finished.last().expect("one export at least");
+    let mut seen = std::collections::BTreeMap::new();
+    for scope in last.scope_metrics() {
+        for m in scope.metrics() {
+            seen.insert(m.name().to_owned(), m.unit().to_owned());
+            if m.name() == "stagehand.prefetch.hits" {
+                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
+                    panic!("prefetch hits is a u64 sum")
+                };
+                let total: u64 = sum.data_points().map(|p| p.value()).sum();
+                assert_eq!(total, snap.weights.prefetch_hits);
+                let p = sum.data_points().next().expect("a point");
+                let keys: Vec<String> = p.attributes().map(|kv| kv.key.to_string()).collect();
+                assert!(keys.contains(&"device".to_owned()) && keys.contains(&"device_name".to_owned()));
+            }
+            if m.name() == "stagehand.transfer.bytes" {
+                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
+                    panic!("transfer bytes is a u64 sum")
+                };
+                let total: u64 = sum.data_points().map(|p| p.value()).sum();
+                assert_eq!(total, snap.transfers.h2d.bytes + snap.transfers.d2h.bytes);
+            }
+        }
+    }
+    for (name, unit) in [
+        ("stagehand.transfer.bytes", "By"),
+        ("stagehand.transfer.duration", "s"),
+        ("stagehand.phase.duration", "s"),
+        ("stagehand.vram", "By"),
+        ("stagehand.residency.blocks", ""),
+        ("stagehand.conductor.denials", ""),
+        ("stagehand.activation.restores", ""),
+    ] {
+        assert_eq!(seen.get(name).map(String::as_str), Some(unit), "{name} in {seen:?}");
+    }
+
+    let spans = spans.get_finished_spans().expect("spans");
+    let steps: Vec<_> = spans.iter().filter(|s| s.name.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 3, "one span per step");
+    for step in &steps {
+        let children: Vec<_> = spans
+            .iter()
+            .filter(|s| s.parent_span_id == step.span_context.span_id())
+            .map(|s| s.name.to_string())
+            .collect();
+        assert_eq!(children, ["step_begin", "forward", "backward", "optimizer", "step_end"]);
+        assert!(step.end_time >= step.start_time);
+    }
+    sink.shutdown().expect("shuts down");
+}
+
+/// A minimal OTLP/HTTP receiver: answers every POST with an empty protobuf response and
+/// reports the request paths.
+fn receiver() -> (String, std::sync::mpsc::Receiver<(String, String)>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 8192];
+            // Read the head, then the body by its length.
+            let (head, body_len, head_len) = loop {
+                let n = match s.read(&mut chunk) { Ok(0) | Err(_) => break (String::new(), 0, 0), Ok(n) => n };
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&buf[..i]).to_string();
+                    let len = head.lines()
+                        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                        .unwrap_or(0);
+                    break (head, len, i + 4);
+                }
+            };
+            while buf.len() < head_len + body_len {
+                match s.read(&mut chunk) { Ok(0) | Err(_) => break, Ok(n) => buf.extend_from_slice(&chunk[..n]) }
+            }
+            let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
+            let ctype = head.lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-type:").map(|v| v.trim().to_owned()))
+                .unwrap_or_default();
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            let _ = tx.send((path, ctype));
+        }
+    });
+    (format!("http://{addr}"), rx)
+}
+
+#[test]
+fn from_env_exports_over_otlp_http_to_the_configured_endpoint() {
+    let (endpoint, rx) = receiver();
+    // SAFETY of the process environment: this is the only test of this binary that touches it.
+    std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
+    std::env::set_var("OTEL_SERVICE_NAME", "stagehand-test");
+    let mut sink = OtelSink::from_env().expect("builds from env");
+    for e in SyntheticRun::new(SyntheticConfig::default()).events(2) {
+        sink.on_event(&e);
+    }
+    sink.flush();
+    sink.shutdown().expect("exports and shuts down");
+    let got: Vec<(String, String)> = rx.try_iter().collect();
+    assert!(got.iter().any(|(p, c)| p == "/v1/metrics" && c == "application/x-protobuf"), "{got:?}");
+    assert!(got.iter().any(|(p, _)| p == "/v1/traces"), "{got:?}");
+}
