@@ -673,3 +673,36 @@ fn disabled_conductor_allocates_nothing_and_says_proceed() {
     );
     assert_eq!(Arc::strong_count(&wk), 1, "the disabled Conductor kept no adapter");
 }
+
+#[test]
+fn tokens_and_handles_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Conductor>();
+    send_sync::<Knobs>();
+    fn send<T: Send>() {}
+    send::<SlotToken>();
+
+    let rig = Rig::new();
+    rig.conductor.begin_step(1).expect("begin");
+    rig.conductor.enter_forward().expect("forward");
+    rig.conductor.enter_backward().expect("backward");
+    // The autograd worker restores while the training thread holds a slot.
+    let held = rig
+        .conductor
+        .acquire_slot(Direction::H2d, Owner::Weights, Priority::Required)
+        .expect("slot");
+    let worker = {
+        let c = rig.conductor.clone();
+        std::thread::spawn(move || {
+            let t = c
+                .acquire_slot(Direction::H2d, Owner::Activations, Priority::Required)
+                .expect("slot");
+            t.complete(3 * MIB, Duration::from_micros(500));
+            c.metrics().map(|m| m.h2d_bytes)
+        })
+    };
+    let bytes = worker.join().expect("worker");
+    assert_eq!(bytes, Some(3 * MIB));
+    drop(held);
+    assert_eq!(rig.conductor.metrics().expect("enabled").h2d_inflight, 0);
+}
