@@ -1,0 +1,72 @@
+//! The device layer on real tensors: the host device everywhere, the CUDA backend where a GPU is
+//! present (skipped with a message otherwise).
+
+use stagehand::device::Device;
+use tch::{Kind, Tensor};
+
+fn cuda() -> Option<Device> {
+    match Device::cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipping CUDA checks: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn round_trip_through_pinned_memory_on_copy_streams() {
+    for dev in [Some(Device::host(1 << 30)), cuda()].into_iter().flatten() {
+        let n = 1 << 20;
+        let src = Tensor::arange(n, (Kind::Float, dev.tch_device())) * 0.5;
+        let stream = dev.copy_stream().expect("stream");
+        let mut buf = dev.alloc_host((n * 4) as usize).expect("buffer");
+        assert_eq!(buf.is_pinned(), dev.is_cuda());
+        // d2h is ordered after the kernel that produced `src` (the default).
+        stream.d2h(&mut buf, 0, &src, None).expect("d2h").wait().expect("wait");
+        let back = buf.to_tensor(0, Kind::Float, &[n]).expect("host view");
+        assert!(back.equal(&src.to_device(tch::Device::Cpu)), "d2h bytes");
+        let dst = Tensor::full([n], -1.0, (Kind::Float, dev.tch_device()));
+        let copy = stream.h2d(&dst, &buf, 0, None).expect("h2d");
+        // The compute stream waits on the copy's event, with no host synchronisation.
+        dev.compute_wait(&copy.done).expect("compute waits");
+        let sum = (&dst - &src).abs().sum(Kind::Float).double_value(&[]);
+        assert_eq!(sum, 0.0, "compute saw the copied data");
+        drop(copy);
+    }
+}
+
+#[test]
+fn copy_waits_for_pending_compute_work() {
+    // A poisoned-buffer check: the source is produced by a long chain of kernels; a d2h that
+    // did not wait for them would read stale or partial data.
+    let Some(dev) = cuda() else { return };
+    let n = 1 << 22;
+    let mut x = Tensor::zeros([n], (Kind::Float, dev.tch_device()));
+    for _ in 0..50 {
+        x = (&x + 1.0).sqrt() * (&x + 1.0).sqrt();
+    }
+    let expect = x.to_device(tch::Device::Cpu);
+    let stream = dev.copy_stream().expect("stream");
+    let mut buf = dev.alloc_host((n * 4) as usize).expect("buffer");
+    stream.d2h(&mut buf, 0, &x, None).expect("d2h").wait().expect("wait");
+    let got = buf.to_tensor(0, Kind::Float, &[n]).expect("host view");
+    assert!(got.allclose(&expect, 1e-6, 1e-6, false));
+}
+
+#[test]
+fn device_reports_memory_and_identity() {
+    let host = Device::host(1 << 20);
+    assert_eq!(host.info().total_bytes, 1 << 20);
+    assert_eq!(host.info().name, "host (simulated)");
+    if let Some(dev) = cuda() {
+        let before = dev.memory().allocated;
+        let t = Tensor::zeros([64 << 20], (Kind::Uint8, dev.tch_device()));
+        let during = dev.memory();
+        assert!(during.allocated >= before + (64 << 20), "{during:?}");
+        assert!(during.peak >= during.allocated);
+        drop(t);
+        assert!(dev.info().total_bytes > 1 << 30);
+        println!("cuda device: {}", dev.info().name);
+    }
+}
