@@ -1,0 +1,353 @@
+//! The routes. Every one is documented in `assets/openapi.json`, served at `/api/openapi.json`.
+
+use crate::assets;
+use crate::replay::{BadControl, ReplayDriver, SeekRequest, SpeedRequest, StepRequest};
+use crate::stream::Feed;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{OriginalUri, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use serde::Serialize;
+use serde_json::json;
+use stagehand::events::snapshot::STEP_HISTORY;
+use stagehand::events::{Hub, SCHEMA_VERSION};
+use stagehand_exporter::{Metrics, TEXT_CONTENT_TYPE};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How often an idle stream sends a keep-alive (an SSE comment, or a WebSocket ping).
+pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
+/// Steps returned by `/api/steps` when no `limit` is given.
+pub const DEFAULT_STEPS_LIMIT: usize = 100;
+
+/// Whether the server shows a live run or replays a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Live,
+    Replay,
+}
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub(crate) hub: Arc<Hub>,
+    metrics: Metrics,
+    replay: Option<Arc<ReplayDriver>>,
+    stop: watch::Receiver<bool>,
+}
+
+impl AppState {
+    /// A live run's hub, with the metrics sink attached to it.
+    pub fn live(hub: Arc<Hub>, metrics: Metrics) -> AppState {
+        AppState {
+            hub,
+            metrics,
+            replay: None,
+            stop: watch::channel(false).1,
+        }
+    }
+
+    /// A replay: the driver feeds a hub of its own, with a metrics sink.
+    pub fn replay(driver: Arc<ReplayDriver>) -> AppState {
+        let hub = Arc::new(Hub::new());
+        let metrics = Metrics::new();
+        hub.add_sink(Box::new(metrics.clone()));
+        AppState {
+            hub,
+            metrics,
+            replay: Some(driver),
+            stop: watch::channel(false).1,
+        }
+    }
+
+    /// Streams end when `stop` turns true (graceful shutdown).
+    pub fn with_shutdown(mut self, stop: watch::Receiver<bool>) -> AppState {
+        self.stop = stop;
+        self
+    }
+
+    /// The hub the routes read.
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    /// Live or replay.
+    pub fn mode(&self) -> Mode {
+        if self.replay.is_some() {
+            Mode::Replay
+        } else {
+            Mode::Live
+        }
+    }
+}
+
+/// A 4xx/5xx answer with a JSON body: `{"error": "...", "status": 400}`.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(json!({ "error": self.message, "status": self.status.as_u16() })),
+        )
+            .into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> ApiError {
+        ApiError::new(r.status(), format!("bad request body: {}", r.body_text()))
+    }
+}
+
+impl From<BadControl> for ApiError {
+    fn from(b: BadControl) -> ApiError {
+        ApiError::bad(b.0)
+    }
+}
+
+/// The router of every route, for serving with your own tokio or testing in memory.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/", get(|| async { assets::page("index.html") }))
+        .route("/assets/{*file}", get(asset))
+        .route("/api/snapshot", get(snapshot))
+        .route("/api/stream", get(sse))
+        .route("/api/ws", get(ws))
+        .route("/api/run", get(run))
+        .route("/api/steps", get(steps))
+        .route("/api/openapi.json", get(openapi))
+        .route("/api/replay/status", get(replay_status))
+        .route("/api/replay/play", post(replay_play))
+        .route("/api/replay/pause", post(replay_pause))
+        .route("/api/replay/seek", post(replay_seek))
+        .route("/api/replay/speed", post(replay_speed))
+        .route("/api/replay/step", post(replay_step))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn not_found(OriginalUri(uri): OriginalUri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no route '{}': see /api/openapi.json", uri.path()),
+    )
+}
+
+async fn method_not_allowed(OriginalUri(uri): OriginalUri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("method not allowed on '{}': see /api/openapi.json", uri.path()),
+    )
+}
+
+async fn asset(axum::extract::Path(file): axum::extract::Path<String>) -> Response {
+    assets::page(&file)
+}
+
+async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        assets::OPENAPI,
+    )
+        .into_response()
+}
+
+async fn snapshot(State(s): State<AppState>) -> Response {
+    // Serialized under the hub's lock, without a clone of the whole snapshot.
+    match s.hub.with_snapshot(serde_json::to_vec) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn run(State(s): State<AppState>) -> Json<serde_json::Value> {
+    let body = s.hub.with_snapshot(|snap| {
+        json!({
+            "mode": s.mode(),
+            "run": snap.run,
+            "ended": snap.ended,
+            "step": snap.step,
+            "phase": snap.phase,
+            "events_applied": snap.events_applied,
+            "dropped_events": snap.dropped_events,
+            "schema_version": SCHEMA_VERSION,
+            "server_version": env!("CARGO_PKG_VERSION"),
+        })
+    });
+    Json(body)
+}
+
+fn parse_param<T: std::str::FromStr>(q: &HashMap<String, String>, key: &str, what: &str) -> Result<Option<T>, ApiError> {
+    match q.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|_| ApiError::bad(format!("'{key}={v}' is not valid: expected {what}"))),
+    }
+}
+
+async fn steps(
+    State(s): State<AppState>,
+    q: Result<Query<HashMap<String, String>>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::bad(format!("bad query: {}", e.body_text())))?;
+    if let Some(k) = q.keys().find(|k| *k != "from" && *k != "limit") {
+        return Err(ApiError::bad(format!(
+            "unknown parameter '{k}': expected 'from' and 'limit'"
+        )));
+    }
+    let from: u64 = parse_param(&q, "from", "a step number (a non-negative integer)")?.unwrap_or(0);
+    let limit: usize = parse_param(&q, "limit", &format!("an integer from 1 to {STEP_HISTORY}"))?
+        .unwrap_or(DEFAULT_STEPS_LIMIT);
+    if limit == 0 || limit > STEP_HISTORY {
+        return Err(ApiError::bad(format!(
+            "'limit={limit}' is out of range: expected 1 to {STEP_HISTORY}"
+        )));
+    }
+    let body = s.hub.with_snapshot(|snap| {
+        let selected: Vec<_> = snap.steps.iter().filter(|r| r.step >= from).take(limit).collect();
+        let more = snap.steps.iter().filter(|r| r.step >= from).count() > selected.len();
+        json!({
+            "first_available": snap.steps.front().map(|r| r.step),
+            "last_available": snap.steps.back().map(|r| r.step),
+            "from": from,
+            "limit": limit,
+            "more": more,
+            "steps": selected,
+        })
+    });
+    Ok(Json(body))
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    match s.metrics.render() {
+        Ok(text) => ([(header::CONTENT_TYPE, TEXT_CONTENT_TYPE)], text).into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+fn sse_stream(feed: Feed) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    stream::unfold(feed, |mut feed| async move {
+        let msg = feed.next().await?;
+        let ev = SseEvent::default()
+            .event(msg.name())
+            .json_data(&msg)
+            // Serializing our own types cannot fail; say so on the stream if it ever does.
+            .unwrap_or_else(|e| SseEvent::default().comment(format!("serialization error: {e}")));
+        Some((Ok(ev), feed))
+    })
+}
+
+async fn sse(State(s): State<AppState>) -> impl IntoResponse {
+    let feed = Feed::new(s.hub.clone(), s.stop.clone());
+    Sse::new(sse_stream(feed)).keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
+}
+
+async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
+    upgrade.on_upgrade(move |socket| ws_session(socket, s))
+}
+
+async fn ws_session(mut socket: WebSocket, s: AppState) {
+    let mut feed = Feed::new(s.hub.clone(), s.stop.clone());
+    let mut ping = tokio::time::interval(KEEP_ALIVE);
+    ping.tick().await;
+    loop {
+        tokio::select! {
+            msg = feed.next() => {
+                let Some(msg) = msg else { break };
+                let Ok(text) = serde_json::to_string(&msg) else { break };
+                if socket.send(Message::Text(text.into())).await.is_err() {
+                    return;
+                }
+            }
+            incoming = socket.recv() => match incoming {
+                None | Some(Err(_)) | Some(Ok(Message::Close(_))) => return,
+                // Clients have nothing to say; pongs and stray frames are ignored.
+                Some(Ok(_)) => {}
+            },
+            _ = ping.tick() => {
+                if socket.send(Message::Ping(Vec::new().into())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let _ = socket.send(Message::Close(None)).await;
+}
+
+fn driver(s: &AppState) -> Result<&Arc<ReplayDriver>, ApiError> {
+    s.replay.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "this server shows a live run: replay controls exist only when replaying a file",
+        )
+    })
+}
+
+async fn replay_status(State(s): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    Ok(Json(json!(driver(&s)?.status())))
+}
+
+async fn replay_play(State(s): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    Ok(Json(json!(driver(&s)?.set_paused(false))))
+}
+
+async fn replay_pause(State(s): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    Ok(Json(json!(driver(&s)?.set_paused(true))))
+}
+
+async fn replay_seek(
+    State(s): State<AppState>,
+    body: Result<Json<SeekRequest>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let d = driver(&s)?;
+    let Json(req) = body?;
+    Ok(Json(json!(d.seek(&req, &s.hub)?)))
+}
+
+async fn replay_speed(
+    State(s): State<AppState>,
+    body: Result<Json<SpeedRequest>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let d = driver(&s)?;
+    let Json(req) = body?;
+    Ok(Json(json!(d.set_speed(&req)?)))
+}
+
+async fn replay_step(
+    State(s): State<AppState>,
+    body: Result<Json<StepRequest>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let d = driver(&s)?;
+    let Json(req) = body?;
+    Ok(Json(json!(d.step(&req, &s.hub)?)))
+}

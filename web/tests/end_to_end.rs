@@ -1,0 +1,85 @@
+//! A real server on port 0 during a (synthetic) run: the SSE stream read as a client does, and
+//! the picture it builds checked against `/api/snapshot`.
+
+mod http;
+
+use stagehand::events::{Bus, Snapshot, StreamMessage};
+use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand_web::Server;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[test]
+fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
+    let hub = Arc::new(stagehand::events::Hub::new());
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
+    let addr = server.addr();
+    assert!(addr.ip().is_loopback());
+    let mut sse = http::Sse::open(addr);
+
+    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+    let publisher = {
+        let bus = bus.clone();
+        std::thread::spawn(move || {
+            SyntheticRun::new(SyntheticConfig::default()).publish(&bus, 5, Duration::from_millis(20))
+        })
+    };
+
+    let mut local: Option<Snapshot> = None;
+    let (mut events, mut snapshots, mut lagged) = (0u64, 0u64, 0u64);
+    while let Some((name, data)) = sse.next() {
+        if name == "comment" {
+            continue;
+        }
+        let msg: StreamMessage = serde_json::from_str(&data).expect("a stream message");
+        assert_eq!(msg.name(), name, "the SSE event name is the message type");
+        match msg {
+            StreamMessage::Snapshot { snapshot } => {
+                snapshots += 1;
+                local = Some(*snapshot);
+            }
+            StreamMessage::Event { event } => {
+                events += 1;
+                let snap = local.as_mut().expect("a snapshot comes first");
+                snap.apply(&event);
+                if snap.ended {
+                    break;
+                }
+            }
+            StreamMessage::Lagged { missed } => {
+                assert!(missed > 0);
+                lagged += 1;
+            }
+        }
+    }
+    assert_eq!(publisher.join().expect("publisher"), 5);
+    bus.flush();
+    let local = local.expect("snapshot received");
+    assert!(local.ended, "the stream reached run_ended");
+    assert!(snapshots >= 1 && events > 500, "{snapshots} snapshots, {events} events, {lagged} lagged");
+
+    let api = http::request(addr, "GET", "/api/snapshot", None);
+    assert_eq!(api.status, 200);
+    let api: Snapshot = serde_json::from_slice(&api.body).expect("a snapshot");
+    assert_eq!(api.last_seq, local.last_seq);
+    assert_eq!(api.events_applied, local.events_applied);
+    assert_eq!(api.blocks, local.blocks);
+    assert_eq!(api.weights.prefetch_hits, local.weights.prefetch_hits);
+    assert_eq!(api.transfers.h2d.bytes, local.transfers.h2d.bytes);
+    assert_eq!(api.conductor.denials_by_reason, local.conductor.denials_by_reason);
+    assert_eq!(api.steps.len(), 5);
+
+    let metrics = http::request(addr, "GET", "/metrics", None);
+    assert_eq!(metrics.status, 200);
+    let hits = metrics
+        .text()
+        .lines()
+        .find(|l| l.starts_with("stagehand_prefetch_hits_total{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(hits, Some(local.weights.prefetch_hits as f64));
+    assert!(metrics.text().contains("device_name=\"host (simulated)\""));
+
+    server.shutdown().expect("shuts down");
+    assert!(std::net::TcpStream::connect(addr).is_err(), "the port is closed");
+}

@@ -1,0 +1,199 @@
+//! Every route, in memory (`Router::oneshot`), live and replaying.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use stagehand::events::{Hub, Snapshot};
+use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand_exporter::Metrics;
+use stagehand_web::{router, AppState, ReplayDriver};
+use std::sync::Arc;
+use tower::ServiceExt;
+
+fn live_state(steps: u64) -> AppState {
+    let hub = Arc::new(Hub::new());
+    let metrics = Metrics::new();
+    hub.add_sink(Box::new(metrics.clone()));
+    for e in SyntheticRun::new(SyntheticConfig::default()).events(steps) {
+        hub.ingest(e);
+    }
+    AppState::live(hub, metrics)
+}
+
+async fn call(state: &AppState, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, String, Vec<u8>) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
+        .expect("request");
+    let resp = router(state.clone()).oneshot(req).await.expect("answers");
+    let status = resp.status();
+    let ctype = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes().to_vec();
+    (status, ctype, bytes)
+}
+
+async fn call_json(state: &AppState, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, Value) {
+    let (status, ctype, bytes) = call(state, method, uri, body).await;
+    assert!(ctype.starts_with("application/json"), "{uri}: content-type {ctype}");
+    (status, serde_json::from_slice(&bytes).expect("JSON body"))
+}
+
+fn assert_error(status: StatusCode, body: &Value, want: StatusCode, mentions: &str) {
+    assert_eq!(status, want, "{body}");
+    assert_eq!(body["status"], want.as_u16());
+    let msg = body["error"].as_str().expect("an error message");
+    assert!(msg.contains(mentions), "{msg:?} should mention {mentions:?}");
+}
+
+#[tokio::test]
+async fn snapshot_run_and_steps() {
+    let state = live_state(6);
+    let (status, snap) = call_json(&state, "GET", "/api/snapshot", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let snap: Snapshot = serde_json::from_value(snap).expect("a snapshot");
+    let expected = state.hub().snapshot();
+    assert_eq!(snap.last_seq, expected.last_seq);
+    assert_eq!(snap.blocks, expected.blocks);
+
+    let (status, run) = call_json(&state, "GET", "/api/run", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(run["mode"], "live");
+    assert_eq!(run["run"]["device"]["name"], "host (simulated)");
+    assert_eq!(run["run"]["model"], "synthetic gpt L=12");
+    assert!(run["run"]["versions"]["stagehand"].is_string());
+    assert_eq!(run["run"]["config"]["blocks"], 12);
+    assert_eq!(run["ended"], true);
+
+    let (status, steps) = call_json(&state, "GET", "/api/steps?from=2&limit=3", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let numbers: Vec<u64> = steps["steps"].as_array().expect("steps").iter()
+        .map(|s| s["step"].as_u64().expect("number")).collect();
+    assert_eq!(numbers, [2, 3, 4]);
+    assert_eq!(steps["more"], true);
+    assert!(steps["steps"][0]["train"]["loss"].is_number());
+    let (_, all) = call_json(&state, "GET", "/api/steps", None).await;
+    assert_eq!(all["steps"].as_array().map(Vec::len), Some(6));
+    assert_eq!(all["more"], false);
+}
+
+#[tokio::test]
+async fn bad_requests_get_json_4xx() {
+    let state = live_state(1);
+    let (s, b) = call_json(&state, "GET", "/api/steps?limit=0", None).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "limit=0");
+    let (s, b) = call_json(&state, "GET", "/api/steps?limit=100000", None).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "limit=100000");
+    let (s, b) = call_json(&state, "GET", "/api/steps?from=abc", None).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "from=abc");
+    let (s, b) = call_json(&state, "GET", "/api/steps?frm=1", None).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "frm");
+    let (s, b) = call_json(&state, "GET", "/api/nothing", None).await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "/api/nothing");
+    let (s, b) = call_json(&state, "POST", "/api/snapshot", None).await;
+    assert_error(s, &b, StatusCode::METHOD_NOT_ALLOWED, "/api/snapshot");
+    let (s, b) = call_json(&state, "GET", "/api/replay/status", None).await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "live run");
+    let (s, b) = call_json(&state, "POST", "/api/replay/play", None).await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "live run");
+}
+
+#[tokio::test]
+async fn metrics_page_and_openapi() {
+    let state = live_state(2);
+    let (s, ctype, body) = call(&state, "GET", "/metrics", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(ctype.starts_with("text/plain; version=0.0.4"));
+    let text = String::from_utf8(body).expect("utf-8");
+    assert!(text.contains("# TYPE stagehand_transfer_duration_seconds histogram"));
+
+    let (s, ctype, body) = call(&state, "GET", "/", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(ctype.starts_with("text/html"));
+    let html = String::from_utf8(body).expect("utf-8");
+    for id in ["connection", "vram-chart", "residency-grid", "event-log"] {
+        assert!(html.contains(&format!("data-testid=\"{id}\"")), "page lacks {id}");
+    }
+    for asset in ["app.js", "app.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css"] {
+        let (s, _, body) = call(&state, "GET", &format!("/assets/{asset}"), None).await;
+        assert_eq!(s, StatusCode::OK, "{asset}");
+        assert!(!body.is_empty(), "{asset}");
+    }
+    let (s, b) = call_json(&state, "GET", "/assets/nope.js", None).await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "nope.js");
+
+    let (s, doc) = call_json(&state, "GET", "/api/openapi.json", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    for path in ["/api/snapshot", "/api/stream", "/api/ws", "/api/run", "/api/steps", "/metrics",
+                 "/api/replay/status", "/api/replay/play", "/api/replay/pause", "/api/replay/seek",
+                 "/api/replay/speed", "/api/replay/step", "/api/openapi.json"] {
+        assert!(doc["paths"][path].is_object(), "openapi lacks {path}");
+    }
+}
+
+#[tokio::test]
+async fn sse_starts_with_a_snapshot() {
+    let state = live_state(1);
+    let req = Request::builder().uri("/api/stream").body(Body::empty()).expect("request");
+    let resp = router(state.clone()).oneshot(req).await.expect("answers");
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut body = resp.into_body();
+    let frame = body.frame().await.expect("a frame").expect("ok").into_data().expect("data");
+    let text = String::from_utf8(frame.to_vec()).expect("utf-8");
+    assert!(text.starts_with("event: snapshot\ndata: {\"type\":\"snapshot\""), "{}", &text[..80.min(text.len())]);
+}
+
+#[tokio::test]
+async fn replay_controls_drive_the_hub() {
+    let events = SyntheticRun::new(SyntheticConfig::default()).events(4);
+    let total = events.len();
+    let state = AppState::replay(Arc::new(ReplayDriver::new(events)));
+    let (s, st) = call_json(&state, "GET", "/api/replay/status", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!((st["position"].as_u64(), st["total"].as_u64(), st["paused"].as_bool()), (Some(0), Some(total as u64), Some(true)));
+    let (_, run) = call_json(&state, "GET", "/api/run", None).await;
+    assert_eq!(run["mode"], "replay");
+
+    let (s, st) = call_json(&state, "POST", "/api/replay/step", Some(json!({ "events": 10 }))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(st["position"], 10);
+    assert_eq!(state.hub().snapshot().events_applied, 10);
+
+    let (s, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "fraction": 1.0 }))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(st["position"].as_u64(), Some(total as u64));
+    assert!(state.hub().snapshot().ended);
+
+    let (s, _) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "position": 0 }))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(state.hub().snapshot().events_applied, 0, "a seek back resets the hub");
+
+    let (s, st) = call_json(&state, "POST", "/api/replay/speed", Some(json!({ "speed": 4.0 }))).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(st["speed"], 4.0);
+    let (s, st) = call_json(&state, "POST", "/api/replay/play", None).await;
+    assert_eq!((s, st["paused"].as_bool()), (StatusCode::OK, Some(false)));
+    let (_, st) = call_json(&state, "POST", "/api/replay/pause", None).await;
+    assert_eq!(st["paused"], true);
+
+    let (s, b) = call_json(&state, "POST", "/api/replay/speed", Some(json!({ "speed": 0 }))).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "speed 0");
+    let (s, b) = call_json(&state, "POST", "/api/replay/speed", Some(json!({ "speed": "fast" }))).await;
+    assert!(s.is_client_error(), "{s}");
+    assert!(b["error"].as_str().is_some_and(|m| m.contains("bad request body")));
+    let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({}))).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "exactly one");
+    let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "position": total + 1 }))).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "past the end");
+    let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "fraction": 2.0 }))).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "fraction 2");
+}
