@@ -61,6 +61,8 @@ pub struct SyntheticRun {
     /// Spilled tensors not yet restored: (tensor, bytes, size class, from the pool).
     spilled: Vec<(TensorId, u64, u32, bool)>,
     act_slabs_in_use: u32,
+    /// Bytes of activations kept on the device in this step's forward, freed by its backward.
+    kept_bytes: u64,
     items: Vec<Item>,
 }
 
@@ -80,6 +82,7 @@ impl SyntheticRun {
             peak: 64 << 20,
             spilled: Vec::new(),
             act_slabs_in_use: 0,
+            kept_bytes: 0,
             items: Vec::new(),
         }
     }
@@ -205,6 +208,7 @@ impl SyntheticRun {
             self.spilled.push((tensor, bytes, class, pool_hit));
         } else {
             self.allocated += bytes;
+            self.kept_bytes += bytes;
             self.ev(2_000, EventKind::Pack {
                 tensor, decision: PackDecision::Kept, reason: Some(KeepReason::UnderWatermark), bytes,
                 class: None, pool_hit: None, region: None,
@@ -315,6 +319,8 @@ impl SyntheticRun {
             }
             self.vram();
         }
+        self.allocated = self.allocated.saturating_sub(std::mem::take(&mut self.kept_bytes));
+        self.vram();
         self.items.push(Item::Phase(step, Phase::Optimizer));
         self.ev(0, EventKind::HintsChanged {
             hints: Hints { max_inflight_h2d: Some(1), suppress_speculative: true, ..Hints::default() },

@@ -147,3 +147,26 @@ fn dropped_events_are_counted_from_the_running_total() {
     let s = scrape(&m.render().expect("renders"));
     assert_eq!(value(&s, "stagehand_events_dropped_total", &[]), 10.0);
 }
+
+#[test]
+fn grafana_dashboard_queries_only_exported_metrics() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/grafana/stagehand.json")).expect("dashboard");
+    let dash: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let panels = dash["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 10);
+    let known: Vec<&str> = METRIC_NAMES.iter().map(|(n, _)| *n).collect();
+    for p in panels {
+        for t in p["targets"].as_array().expect("targets") {
+            let expr = t["expr"].as_str().expect("expr");
+            let names: Vec<&str> = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("stagehand_"))
+                .collect();
+            assert!(!names.is_empty(), "{expr}");
+            for n in names {
+                let base = n.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
+                assert!(known.contains(&n) || known.contains(&base), "{} queries unknown {n}", p["title"]);
+            }
+        }
+    }
+}

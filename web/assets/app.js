@@ -3,12 +3,11 @@
 "use strict";
 (function () {
   const STATES = ["unloaded", "host_staged", "prefetching", "gpu_ready", "evicting", "gpu_freeing"];
-  const VRAM_HISTORY = 600, PHASE_SPANS = 96, RECENT_DENIALS = 32, LOG_LINES = 200;
+  const VRAM_HISTORY = 600, PHASE_SPANS = 96, RECENT_TRANSFERS = 64, RECENT_DENIALS = 32, LOG_LINES = 200;
   const $ = (id) => document.getElementById(id);
   const q = (tid) => document.querySelector(`[data-testid="${tid}"]`);
   let snap = null, mode = "live", received = 0, dirty = true, es = null;
   const log = [];
-  const tput = { t: [], h2d: [], d2h: [], lastT: 0, acc: { h2d: 0, d2h: 0 } };
 
   function mib(b) {
     if (b >= 1 << 30) return (b / (1 << 30)).toFixed(2) + " GiB";
@@ -72,7 +71,7 @@
         const d = s.transfers[e.dir];
         d.inflight = Math.max(0, d.inflight - 1); d.count += 1; d.bytes += e.bytes; d.busy_ms += e.duration_ms;
         if (e.duration_ms > 0) d.last_gbps = e.bytes / (e.duration_ms * 1e6);
-        tput.acc[e.dir] += e.bytes;
+        push(s.transfers.recent, { seq: e.seq, t_ns: e.t_ns, id: e.id, dir: e.dir, owner: e.owner, bytes: e.bytes, duration_ms: e.duration_ms }, RECENT_TRANSFERS);
         break;
       }
       case "pool_configured": {
@@ -146,7 +145,7 @@
                   { stroke: "#8a96a3", grid: { stroke: "#26303b" }, ticks: { stroke: "#26303b" }, values: (u, v) => v.map((x) => (x / 1048576).toFixed(0) + " MiB"), size: 70 }];
     const ve = $("vram-chart");
     vramPlot = new uPlot({ width: chartWidth(ve), height: 220, legend: { show: true }, scales: { x: { time: false } },
-      axes: [Object.assign({}, axes[0], { values: (u, v) => v.map((x) => x.toFixed(1) + " s") }), axes[1]],
+      axes: [Object.assign({}, axes[0], { values: (u, v) => v.map((x) => x.toFixed(2) + " s") }), axes[1]],
       series: [{ label: "t" },
         { label: "allocated", stroke: "#3fb950", fill: "rgba(63,185,80,0.12)", width: 2 },
         { label: "reserved", stroke: "#58a6ff", width: 1 },
@@ -154,23 +153,27 @@
         { label: "low watermark", stroke: "#e0b341", dash: [6, 4], width: 1.5 },
         { label: "budget", stroke: "#8a96a3", dash: [2, 4], width: 1 }] }, [[], [], [], [], [], []], ve);
     const te = $("tput-chart");
-    tputPlot = new uPlot({ width: chartWidth(te), height: 140, legend: { show: true }, scales: { x: { time: true } },
-      axes: [axes[0], Object.assign({}, axes[1], { values: (u, v) => v.map((x) => (x / 1e9).toFixed(1) + " GB/s") })],
-      series: [{ label: "time" }, { label: "H2D", stroke: "#58a6ff", width: 2 }, { label: "D2H", stroke: "#f78166", width: 2 }] },
+    const dot = (color) => ({ stroke: color, width: 0, spanGaps: true, points: { show: true, size: 5, fill: color, stroke: color }, paths: () => null });
+    tputPlot = new uPlot({ width: chartWidth(te), height: 150, legend: { show: true }, scales: { x: { time: false } },
+      axes: [Object.assign({}, axes[0], { values: (u, v) => v.map((x) => x.toFixed(2) + " s") }), Object.assign({}, axes[1], { values: (u, v) => v.map((x) => (x / 1e9).toFixed(1) + " GB/s") })],
+      series: [{ label: "t" }, Object.assign({ label: "H2D" }, dot("#58a6ff")), Object.assign({ label: "D2H" }, dot("#f78166"))] },
       [[], [], []], te);
     window.addEventListener("resize", () => {
       vramPlot.setSize({ width: chartWidth(ve), height: 220 });
-      tputPlot.setSize({ width: chartWidth(te), height: 140 });
+      tputPlot.setSize({ width: chartWidth(te), height: 150 });
     });
   }
-  function sampleThroughput() {
-    const now = Date.now() / 1000;
-    if (tput.lastT) {
-      const dt = now - tput.lastT;
-      push(tput.t, now, 120); push(tput.h2d, tput.acc.h2d / dt, 120); push(tput.d2h, tput.acc.d2h / dt, 120);
+  function drawThroughput() {
+    if (!tputPlot || !snap) return;
+    const rec = snap.transfers.recent || [];
+    const x = [], h = [], d = [];
+    for (const r of rec) {
+      if (!(r.duration_ms > 0)) continue;
+      x.push(r.t_ns / 1e9);
+      const gbps = r.bytes / (r.duration_ms * 1e6) * 1e9;
+      h.push(r.dir === "h2d" ? gbps : null); d.push(r.dir === "d2h" ? gbps : null);
     }
-    tput.lastT = now; tput.acc.h2d = 0; tput.acc.d2h = 0;
-    if (tputPlot) tputPlot.setData([tput.t, tput.h2d, tput.d2h]);
+    tputPlot.setData([x, h, d]);
   }
 
   // ---- render -----------------------------------------------------------------------------
@@ -260,14 +263,24 @@
     const hs = [h.max_inflight_h2d != null ? `H2D <= ${h.max_inflight_h2d}` : null, h.max_inflight_d2h != null ? `D2H <= ${h.max_inflight_d2h}` : null,
       h.prefetch_window_cap != null ? `window <= ${h.prefetch_window_cap}` : null, h.suppress_speculative ? "no speculative" : null].filter(Boolean);
     set("hints", undefined, (hs.length ? hs.join(", ") : "none") + (c.hints_rule ? ` (rule ${c.hints_rule})` : ""));
-    const spans = s.phase_spans.slice(-30);
-    if (spans.length) {
-      const t0 = spans[0].start_ns, t1 = spans[spans.length - 1].end_ns, total = Math.max(1, t1 - t0);
-      $("timeline").innerHTML = spans.map((p) => `<div class="ph-${p.phase}" style="width:${(100 * (p.end_ns - p.start_ns) / total).toFixed(3)}%" title="step ${p.step} ${p.phase}: ${((p.end_ns - p.start_ns) / 1e6).toFixed(2)} ms"></div>`).join("");
-    }
+    // The last steps' phases, laid end to end (idle time between steps left out).
+    const lastSteps = [...new Set(s.phase_spans.map((p) => p.step))].slice(-3);
+    const spans = s.phase_spans.filter((p) => lastSteps.includes(p.step));
+    const tl = spans.map((p, i) => {
+      const ms = (p.end_ns - p.start_ns) / 1e6;
+      const sep = i > 0 && spans[i - 1].step !== p.step ? " sep" : "";
+      return `<div class="ph-${p.phase}${sep}" style="flex-grow:${Math.max(ms * 1000, 1)}" title="step ${p.step} ${p.phase}: ${ms.toFixed(2)} ms"></div>`;
+    }).join("");
+    if ($("timeline").innerHTML !== tl) $("timeline").innerHTML = tl;
+    set("phase-legend", undefined, lastSteps.length ? `steps ${lastSteps[0]}-${lastSteps[lastSteps.length - 1]}: ` +
+      ["forward", "backward", "optimizer"].map((ph) => {
+        const ms = spans.filter((p) => p.phase === ph).reduce((acc, p) => acc + (p.end_ns - p.start_ns) / 1e6, 0);
+        return `${ph} ${ms.toFixed(1)} ms`;
+      }).join(", ") : "no completed phases yet");
     $("denials").innerHTML = c.recent_denials.slice(-6).reverse().map((d) =>
       `<tr><td>step ${d.step}</td><td>${d.phase}</td><td>${d.owner}</td><td>${d.what}</td><td class="reason">${d.reason}</td></tr>`).join("");
 
+    drawThroughput();
     const lg = $("log");
     const atBottom = lg.scrollTop + lg.clientHeight >= lg.scrollHeight - 4;
     lg.innerHTML = log.map((l) => `<div class="${l.warn ? "warn" : ""}"><span class="s">#${l.seq} ${l.where}</span> <span class="k">${l.kind}</span> ${escapeHtml(l.rest)}</div>`).join("");
@@ -334,7 +347,6 @@
     makeCharts();
     connect();
     setInterval(render, 100);
-    setInterval(sampleThroughput, 1000);
   }
   window.__stagehand = { snapshot: () => snap, received: () => received };
   init();

@@ -46,7 +46,7 @@ fn read_head(r: &mut impl BufRead) -> (u16, Vec<(String, String)>) {
 
 pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Response {
     let mut s = TcpStream::connect(addr).expect("connects");
-    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(90))).expect("timeout");
     let body = body.unwrap_or("");
     write!(
         s,
@@ -61,6 +61,13 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -
     if chunked {
         let mut c = Chunked { r, left: 0, done: false };
         c.read_to_end(&mut body).expect("body");
+    } else if let Some(len) = headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.parse::<usize>().ok())
+    {
+        body.resize(len, 0);
+        r.read_exact(&mut body).expect("body");
     } else {
         r.read_to_end(&mut body).expect("body");
     }
