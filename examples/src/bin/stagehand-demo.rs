@@ -41,6 +41,15 @@ struct Args {
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
+    /// Address of the HTTP API, web dashboard and /metrics (loopback by default).
+    #[arg(long, default_value = stagehand_web::DEFAULT_SERVER_ADDR)]
+    addr: String,
+    /// Do not serve the API and dashboards.
+    #[arg(long)]
+    no_serve: bool,
+    /// After training, keep serving until Enter is pressed.
+    #[arg(long)]
+    keep_serving: bool,
 }
 
 fn main() -> Result<()> {
@@ -66,6 +75,15 @@ fn main() -> Result<()> {
     hub.add_sink(Box::new(
         JsonlSink::open(&out, OpenMode::CreateNew).context("opening the telemetry file")?,
     ));
+    // Started before `run_started` is published, so /metrics takes its device labels from it.
+    let server = if args.no_serve {
+        None
+    } else {
+        Some(
+            stagehand_web::Server::live(hub.clone(), &args.addr)
+                .with_context(|| format!("serving on {}", args.addr))?,
+        )
+    };
 
     let cfg = GptConfig {
         vocab: 128,
@@ -115,6 +133,12 @@ fn main() -> Result<()> {
             ""
         }
     );
+    if let Some(server) = &server {
+        let url = server.url();
+        println!("  dashboard  {url}/");
+        println!("  metrics    {url}/metrics");
+        println!("  live TUI   stagehand-top --connect {url}");
+    }
     println!("  telemetry  {}", out.display());
     println!("  replay it  stagehand-top --replay {}", out.display());
     println!("  weights    resident (weight streaming is not wired into the demo yet)");
@@ -185,5 +209,13 @@ fn main() -> Result<()> {
         snap.events_applied, snap.dropped_events
     );
     println!("  telemetry  {}", out.display());
+    if let Some(server) = server {
+        if args.keep_serving {
+            println!("serving {} until Enter is pressed", server.url());
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+        }
+        server.shutdown()?;
+    }
     Ok(())
 }
