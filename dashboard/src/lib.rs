@@ -1,1 +1,8 @@
+#![doc = include_str!("../README.md")]
 
+pub mod app;
+pub mod keys;
+pub mod source;
+pub mod synthetic;
+pub mod theme;
+pub mod views;

@@ -1,0 +1,683 @@
+//! A deterministic synthetic run: every kind of event a real run emits, with realistic shapes
+//! (blocks streaming through their residency states, copies, pool slabs, spills and restores,
+//! Conductor reservations, denials and hints, VRAM samples, per-step metrics, a warning and a
+//! bus drop), and no wall-clock values. Used by the tests' fixtures, the benchmark and `--demo`.
+
+use stagehand::events::*;
+
+/// Shape of a synthetic run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyntheticRun {
+    /// Managed weight blocks.
+    pub blocks: u32,
+    /// Complete training steps.
+    pub steps: u64,
+    /// End with a partial step that leaves blocks in each of the six residency states (a run
+    /// caught mid-step) instead of a `run_ended` event.
+    pub end_mid_step: bool,
+}
+
+impl Default for SyntheticRun {
+    fn default() -> Self {
+        SyntheticRun {
+            blocks: 8,
+            steps: 3,
+            end_mid_step: true,
+        }
+    }
+}
+
+const MIB: u64 = 1 << 20;
+const BLOCK_BYTES: u64 = 48 * MIB;
+const BUDGET: u64 = 1024 * MIB;
+const HIGH: u64 = 900 * MIB;
+const LOW: u64 = 700 * MIB;
+const WEIGHT_SLABS: u32 = 4;
+
+struct Gen {
+    seq: u64,
+    t_ns: u64,
+    step: u64,
+    phase: Phase,
+    out: Vec<Event>,
+    transfer: u64,
+    tensor: u64,
+    reservation: u64,
+    vram: u64,
+    peak: u64,
+    state: Vec<BlockState>,
+}
+
+impl Gen {
+    fn push(&mut self, kind: EventKind) {
+        self.seq += 1;
+        self.t_ns += 37_000;
+        self.out
+            .push(Event::new(self.seq, self.t_ns, self.step, self.phase, kind));
+    }
+
+    fn wait_us(&mut self, us: u64) {
+        self.t_ns += us * 1000;
+    }
+
+    fn phase(&mut self, to: Phase, duration_s: f64) {
+        let from = self.phase;
+        self.phase = to;
+        self.push(EventKind::PhaseChanged {
+            from,
+            to,
+            duration_s,
+        });
+    }
+
+    fn residency(&mut self, b: u32, to: BlockState, refcount: u32) {
+        let from = self.state[b as usize];
+        self.state[b as usize] = to;
+        self.push(EventKind::Residency {
+            block: BlockId(b),
+            from,
+            to,
+            refcount,
+        });
+    }
+
+    fn sample(&mut self) {
+        self.peak = self.peak.max(self.vram);
+        self.push(EventKind::VramSample {
+            allocated_bytes: self.vram,
+            reserved_bytes: self.vram + 64 * MIB,
+            peak_allocated_bytes: self.peak,
+            high_watermark_bytes: HIGH,
+            low_watermark_bytes: LOW,
+            budget_bytes: BUDGET,
+        });
+    }
+
+    fn copy(&mut self, dir: Direction, owner: Owner, bytes: u64, subject: String, us: u64) {
+        self.transfer += 1;
+        let id = TransferId(self.transfer);
+        self.push(EventKind::TransferIssued {
+            id,
+            dir,
+            owner,
+            bytes,
+            subject,
+        });
+        self.wait_us(us);
+        self.push(EventKind::TransferCompleted {
+            id,
+            dir,
+            owner,
+            bytes,
+            duration_ms: us as f64 / 1000.0,
+        });
+    }
+
+    /// Unloaded -> HostStaged -> Prefetching -> GpuReady, with its slab and its copy.
+    fn load(&mut self, b: u32, slab: u32, miss: bool) {
+        self.push(EventKind::SlotGranted {
+            dir: Direction::H2d,
+            owner: Owner::Weights,
+            speculative: !miss,
+            inflight: 1,
+        });
+        self.push(EventKind::SlabAcquired {
+            pool: PoolKind::Weights,
+            class: 0,
+            slab: SlabId(slab),
+            bytes: BLOCK_BYTES,
+            waited_ms: 0.0,
+        });
+        self.residency(b, BlockState::HostStaged, 0);
+        self.residency(b, BlockState::Prefetching, 0);
+        // Copies run at about 20 GB/s, a little slower for the first block of a step.
+        let us = if miss { 3_400 } else { 2_500 + (b as u64 % 3) * 100 };
+        self.copy(Direction::H2d, Owner::Weights, BLOCK_BYTES, format!("blocks.{b}"), us);
+        self.vram += BLOCK_BYTES;
+        self.residency(b, BlockState::GpuReady, 1);
+        self.push(EventKind::SlabReleased {
+            pool: PoolKind::Weights,
+            class: 0,
+            slab: SlabId(slab),
+        });
+        self.push(EventKind::SlotReleased {
+            dir: Direction::H2d,
+            owner: Owner::Weights,
+            inflight: 0,
+        });
+        if miss {
+            self.push(EventKind::PrefetchMiss {
+                block: BlockId(b),
+                stall_ms: 3.4,
+            });
+        } else {
+            self.push(EventKind::PrefetchHit { block: BlockId(b) });
+        }
+        self.sample();
+    }
+
+    /// Frees a frozen block, or saves a trainable one back to the host.
+    fn evict(&mut self, b: u32, trainable: bool, reason: EvictionReason) {
+        self.push(EventKind::Eviction {
+            block: BlockId(b),
+            reason,
+            score: (b as f64 + 1.0) * BLOCK_BYTES as f64,
+            bytes: BLOCK_BYTES,
+        });
+        if trainable {
+            self.residency(b, BlockState::Evicting, 0);
+            self.copy(Direction::D2h, Owner::Weights, BLOCK_BYTES, format!("blocks.{b}"), 2_700);
+            self.residency(b, BlockState::Unloaded, 0);
+        } else {
+            self.residency(b, BlockState::GpuFreeing, 0);
+            self.residency(b, BlockState::Unloaded, 0);
+        }
+        self.vram = self.vram.saturating_sub(BLOCK_BYTES);
+        self.sample();
+    }
+
+    fn reserve(
+        &mut self,
+        owner: Owner,
+        mode: ReservationMode,
+        priority: Priority,
+        requested: u64,
+        outcome: ReservationOutcome,
+        reason: Option<DenyReason>,
+    ) -> ReservationId {
+        self.reservation += 1;
+        let granted = match outcome {
+            ReservationOutcome::Granted => requested,
+            ReservationOutcome::Partial => requested / 2,
+            _ => 0,
+        };
+        let id = ReservationId(self.reservation);
+        self.push(EventKind::Reservation {
+            id,
+            owner,
+            resource: Resource::Vram,
+            mode,
+            priority,
+            requested_bytes: requested,
+            granted_bytes: granted,
+            outcome,
+            reason,
+            scope: Some(self.phase),
+        });
+        id
+    }
+}
+
+/// The events of a synthetic run, in order, numbered from 1.
+pub fn events(run: SyntheticRun) -> Vec<Event> {
+    let blocks = run.blocks.max(2);
+    let mut g = Gen {
+        seq: 0,
+        t_ns: 0,
+        step: 0,
+        phase: Phase::Idle,
+        out: Vec::new(),
+        transfer: 0,
+        tensor: 0,
+        reservation: 0,
+        vram: 96 * MIB,
+        peak: 0,
+        state: vec![BlockState::Unloaded; blocks as usize],
+    };
+    g.push(EventKind::RunStarted {
+        run_id: "synthetic-0001".into(),
+        wall_clock_unix_ms: 0,
+        device: DeviceInfo {
+            kind: DeviceKind::Host,
+            index: 0,
+            name: "host (simulated)".into(),
+            total_bytes: 2048 * MIB,
+        },
+        model: format!("gpt d=512 L={blocks}"),
+        versions: [("stagehand".to_string(), "0.1.0".to_string())].into(),
+        config: serde_json::json!({ "budget_mb": 1024, "prefetch_window": 2 }),
+    });
+    g.push(EventKind::PoolConfigured {
+        pool: PoolKind::Weights,
+        classes: vec![PoolClass {
+            slab_bytes: BLOCK_BYTES,
+            slabs: WEIGHT_SLABS,
+        }],
+        pinned: true,
+    });
+    g.push(EventKind::PoolConfigured {
+        pool: PoolKind::Activations,
+        classes: vec![
+            PoolClass { slab_bytes: MIB, slabs: 16 },
+            PoolClass { slab_bytes: 4 * MIB, slabs: 8 },
+            PoolClass { slab_bytes: 16 * MIB, slabs: 4 },
+        ],
+        pinned: true,
+    });
+    for b in 0..blocks {
+        g.push(EventKind::BlockRegistered {
+            block: BlockId(b),
+            name: format!("blocks.{b}"),
+            bytes: BLOCK_BYTES,
+            exec_order: b,
+            file_backed: b % 2 == 0,
+            trainable: b % 4 == 3,
+        });
+    }
+    g.push(EventKind::ItineraryLearned {
+        order: (0..blocks).map(BlockId).collect(),
+    });
+    g.sample();
+
+    // How many blocks fit: the rest stream through.
+    let resident_cap = 4u32.min(blocks);
+    for step in 1..=run.steps {
+        g.step = step;
+        g.phase(Phase::StepBegin, 0.0);
+        g.push(EventKind::HintsChanged {
+            hints: Hints::default(),
+            rule: PolicyRule::Reset,
+        });
+        g.phase(Phase::Forward, 0.001);
+        let mut resident: Vec<u32> = (0..blocks)
+            .filter(|b| g.state[*b as usize] == BlockState::GpuReady)
+            .collect();
+        for b in 0..blocks {
+            g.push(EventKind::PrefetchWindow {
+                cursor: b,
+                backward: false,
+                window: (b + 1..(b + 3).min(blocks)).map(BlockId).collect(),
+            });
+            if g.state[b as usize] == BlockState::GpuReady {
+                g.push(EventKind::PrefetchHit { block: BlockId(b) });
+            } else {
+                if resident.len() as u32 >= resident_cap {
+                    let victim = resident.remove(0);
+                    g.evict(victim, victim % 4 == 3, EvictionReason::Budget);
+                }
+                g.load(b, b % WEIGHT_SLABS, b == 0 && step == 1);
+                resident.push(b);
+            }
+            // Two saved tensors per block: one kept, one spilled.
+            g.tensor += 1;
+            g.push(EventKind::Pack {
+                tensor: TensorId(g.tensor),
+                decision: PackDecision::Kept,
+                reason: Some(if b + 1 == blocks {
+                    KeepReason::TailOfForward
+                } else {
+                    KeepReason::TooSmall
+                }),
+                bytes: 256 * 1024,
+                class: None,
+                pool_hit: None,
+                region: Some(format!("blocks.{b}")),
+            });
+            g.tensor += 1;
+            let class = b % 3;
+            let hit = !(step == 2 && b == 5);
+            g.push(EventKind::Pack {
+                tensor: TensorId(g.tensor),
+                decision: PackDecision::Spilled,
+                reason: None,
+                bytes: (1 << (20 + 2 * class)) - 4096,
+                class: Some(class),
+                pool_hit: Some(hit),
+                region: Some(format!("blocks.{b}")),
+            });
+            if hit {
+                g.push(EventKind::SlabAcquired {
+                    pool: PoolKind::Activations,
+                    class,
+                    slab: SlabId(b / 3),
+                    bytes: 1 << (20 + 2 * class),
+                    waited_ms: 0.0,
+                });
+            } else {
+                g.push(EventKind::PoolExhausted {
+                    pool: PoolKind::Activations,
+                    class,
+                    requested_bytes: 16 * MIB - 4096,
+                });
+                g.push(EventKind::PageableFallback {
+                    pool: PoolKind::Activations,
+                    bytes: 16 * MIB - 4096,
+                });
+            }
+            g.copy(
+                Direction::D2h,
+                Owner::Activations,
+                (1 << (20 + 2 * class)) - 4096,
+                format!("tensor {}", g.tensor),
+                90 + 300 * class as u64,
+            );
+            g.push(EventKind::SpillFinalized {
+                tensor: TensorId(g.tensor),
+                bytes: (1 << (20 + 2 * class)) - 4096,
+                inline: b % 4 == 0,
+            });
+            if b == blocks / 2 {
+                g.push(EventKind::SpillingToggled {
+                    on: true,
+                    vram_allocated_bytes: g.vram,
+                });
+            }
+        }
+        g.phase(Phase::Backward, 0.030);
+        g.push(EventKind::HintsChanged {
+            hints: Hints {
+                max_inflight_h2d: Some(1),
+                max_inflight_d2h: Some(2),
+                prefetch_window_cap: Some(1),
+                suppress_speculative: false,
+            },
+            rule: PolicyRule::BackwardPressure,
+        });
+        let r1 = g.reserve(
+            Owner::Activations,
+            ReservationMode::Hard,
+            Priority::Required,
+            64 * MIB,
+            ReservationOutcome::Granted,
+            None,
+        );
+        g.reserve(
+            Owner::Weights,
+            ReservationMode::Soft,
+            Priority::Speculative,
+            256 * MIB,
+            ReservationOutcome::Partial,
+            None,
+        );
+        g.reserve(
+            Owner::Weights,
+            ReservationMode::Burst,
+            Priority::Speculative,
+            512 * MIB,
+            ReservationOutcome::Denied,
+            Some(DenyReason::InsufficientHeadroom),
+        );
+        for b in (0..blocks).rev() {
+            g.push(EventKind::PrefetchWindow {
+                cursor: b,
+                backward: true,
+                window: (b.saturating_sub(1)..b).map(BlockId).collect(),
+            });
+            let class = b % 3;
+            g.copy(
+                Direction::H2d,
+                Owner::Activations,
+                (1 << (20 + 2 * class)) - 4096,
+                format!("tensor {}", 2 * (b as u64 + 1)),
+                80 + 250 * class as u64,
+            );
+            g.push(EventKind::Restored {
+                tensor: TensorId(g.tensor - 2 * (blocks - 1 - b) as u64),
+                bytes: (1 << (20 + 2 * class)) - 4096,
+                predicted: b % 3 != 0,
+                stall_ms: if b % 3 == 0 { 0.25 } else { 0.0 },
+            });
+            if !(step == 2 && b == 5) {
+                g.push(EventKind::SlabReleased {
+                    pool: PoolKind::Activations,
+                    class,
+                    slab: SlabId(b / 3),
+                });
+            }
+        }
+        g.push(EventKind::SpillingToggled {
+            on: false,
+            vram_allocated_bytes: g.vram,
+        });
+        g.push(EventKind::ReservationReleased {
+            id: r1,
+            bytes: 64 * MIB,
+        });
+        g.phase(Phase::Optimizer, 0.041);
+        g.push(EventKind::HintsChanged {
+            hints: Hints {
+                max_inflight_h2d: Some(1),
+                max_inflight_d2h: None,
+                prefetch_window_cap: None,
+                suppress_speculative: true,
+            },
+            rule: PolicyRule::OptimizerProtection,
+        });
+        g.push(EventKind::SlotDenied {
+            dir: Direction::H2d,
+            owner: Owner::Weights,
+            speculative: true,
+            reason: DenyReason::PhaseRuleSuppressedSpeculative,
+        });
+        g.reserve(
+            Owner::Trainer,
+            ReservationMode::Floor,
+            Priority::Critical,
+            128 * MIB,
+            ReservationOutcome::Granted,
+            None,
+        );
+        g.reserve(
+            Owner::Weights,
+            ReservationMode::Ceiling,
+            Priority::Background,
+            512 * MIB,
+            ReservationOutcome::CapRecorded,
+            None,
+        );
+        if step == 2 {
+            g.push(EventKind::Warning {
+                source: Owner::Activations,
+                message: "pinned pool class 2 exhausted; fell back to pageable memory".into(),
+            });
+            g.push(EventKind::EventsDropped { total: 17 });
+            g.push(EventKind::SlotDenied {
+                dir: Direction::D2h,
+                owner: Owner::Activations,
+                speculative: false,
+                reason: DenyReason::D2hSlotsExhausted,
+            });
+            g.push(EventKind::HintsChanged {
+                hints: Hints {
+                    max_inflight_h2d: Some(1),
+                    max_inflight_d2h: Some(1),
+                    prefetch_window_cap: None,
+                    suppress_speculative: true,
+                },
+                rule: PolicyRule::Contention,
+            });
+        }
+        g.wait_us(9_000);
+        g.phase(Phase::StepEnd, 0.012);
+        let ab = blocks as u64;
+        g.push(EventKind::WeightStep(WeightStepMetrics {
+            h2d_bytes: BLOCK_BYTES * ab,
+            d2h_bytes: BLOCK_BYTES * (ab / 4),
+            stall_time_ms: if step == 1 { 3.4 } else { 0.0 },
+            stall_count: u64::from(step == 1),
+            evictions: ab - resident_cap as u64,
+            prefetch_hits: ab - u64::from(step == 1),
+            prefetch_misses: u64::from(step == 1),
+            hit_rate: if step == 1 { (ab - 1) as f64 / ab as f64 } else { 1.0 },
+            vram_used_mb: (g.vram / MIB) as f64,
+            vram_reserved_mb: (g.vram / MIB + 64) as f64,
+            host_pool_free: WEIGHT_SLABS,
+            host_pool_in_use: 0,
+            ..Default::default()
+        }));
+        g.push(EventKind::ActivationStep(ActivationStepMetrics {
+            activations_saved: 2 * ab,
+            activations_kept: ab,
+            activations_spilled: ab,
+            activations_restored: ab,
+            activations_predicted: ab - ab.div_ceil(3),
+            weight_handles: 0,
+            spill_bytes: 21 * MIB * ab / 3,
+            restore_bytes: 21 * MIB * ab / 3,
+            stall_time_ms: 0.25 * ab.div_ceil(3) as f64,
+            stall_count: ab.div_ceil(3),
+            pool_hits: ab - u64::from(step == 2),
+            pool_misses: u64::from(step == 2),
+            vram_peak_mb: (g.peak / MIB) as f64,
+            ..Default::default()
+        }));
+        g.push(EventKind::ConductorStep(ConductorStepMetrics {
+            vram_allocated_mb: (g.vram / MIB) as f64,
+            vram_headroom_mb: ((BUDGET - g.vram.min(BUDGET)) / MIB) as f64,
+            pinned_granted_mb: 0.0,
+            h2d_inflight: 0,
+            d2h_inflight: 0,
+            grant_count: 2,
+            deny_count: 1,
+            partial_count: 1,
+            phase_durations: PhaseDurations {
+                forward: 0.030,
+                backward: 0.041,
+                optimizer: 0.012,
+            },
+            ..Default::default()
+        }));
+        g.push(EventKind::TrainStep(TrainStepMetrics {
+            loss: 4.0 / (step as f64 + 1.0),
+            step_time_s: 0.085 + 0.001 * step as f64,
+            tokens: 16_384,
+            vram_peak_bytes: g.peak,
+            ..Default::default()
+        }));
+        g.phase(Phase::Idle, 0.0);
+    }
+
+    if run.end_mid_step {
+        // A run caught mid-step: leave one block in each residency state.
+        g.step = run.steps + 1;
+        g.phase(Phase::StepBegin, 0.0);
+        g.phase(Phase::Forward, 0.001);
+        let ready: Vec<u32> = (0..blocks)
+            .filter(|b| g.state[*b as usize] == BlockState::GpuReady)
+            .collect();
+        // Evict all but two, one frozen left mid-free and one trainable mid-save.
+        for (i, b) in ready.iter().enumerate() {
+            match i {
+                0 => {
+                    g.push(EventKind::Eviction {
+                        block: BlockId(*b),
+                        reason: EvictionReason::Watermark,
+                        score: 1.0e8,
+                        bytes: BLOCK_BYTES,
+                    });
+                    g.residency(*b, BlockState::Evicting, 0);
+                }
+                1 => {
+                    g.push(EventKind::Eviction {
+                        block: BlockId(*b),
+                        reason: EvictionReason::Watermark,
+                        score: 0.9e8,
+                        bytes: BLOCK_BYTES,
+                    });
+                    g.residency(*b, BlockState::GpuFreeing, 0);
+                }
+                _ => {}
+            }
+        }
+        let unloaded: Vec<u32> = (0..blocks)
+            .filter(|b| g.state[*b as usize] == BlockState::Unloaded)
+            .collect();
+        if let Some(&b) = unloaded.first() {
+            g.load(b, 0, false);
+            g.push(EventKind::Protection {
+                block: BlockId(b),
+                protected: true,
+            });
+        }
+        if let Some(&b) = unloaded.get(1) {
+            g.push(EventKind::SlabAcquired {
+                pool: PoolKind::Weights,
+                class: 0,
+                slab: SlabId(1),
+                bytes: BLOCK_BYTES,
+                waited_ms: 0.4,
+            });
+            g.residency(b, BlockState::HostStaged, 0);
+            g.residency(b, BlockState::Prefetching, 0);
+            g.transfer += 1;
+            let id = TransferId(g.transfer);
+            g.push(EventKind::TransferIssued {
+                id,
+                dir: Direction::H2d,
+                owner: Owner::Weights,
+                bytes: BLOCK_BYTES,
+                subject: format!("blocks.{b}"),
+            });
+        }
+        if let Some(&b) = unloaded.get(2) {
+            g.push(EventKind::SlabAcquired {
+                pool: PoolKind::Weights,
+                class: 0,
+                slab: SlabId(2),
+                bytes: BLOCK_BYTES,
+                waited_ms: 0.0,
+            });
+            g.residency(b, BlockState::HostStaged, 0);
+        }
+        g.push(EventKind::PrefetchWindow {
+            cursor: unloaded.first().copied().unwrap_or(0),
+            backward: false,
+            window: unloaded.iter().skip(1).take(2).copied().map(BlockId).collect(),
+        });
+        g.vram = HIGH + 20 * MIB;
+        g.sample();
+    } else {
+        g.push(EventKind::RunEnded { steps: run.steps });
+    }
+    g.out
+}
+
+/// The events of a synthetic run as JSONL text, one event a line.
+pub fn jsonl(run: SyntheticRun) -> String {
+    let mut s = String::new();
+    for e in events(run) {
+        // An Event always serializes: every field is plain data.
+        if let Ok(line) = serde_json::to_string(&e) {
+            s.push_str(&line);
+            s.push('\n');
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagehand::events::Snapshot;
+
+    #[test]
+    fn every_residency_transition_is_valid_and_all_six_states_show_at_the_end() {
+        let ev = events(SyntheticRun::default());
+        for e in &ev {
+            if let EventKind::Residency { from, to, .. } = e.kind {
+                assert!(from.can_transition_to(to), "seq {}: {from} -> {to}", e.seq);
+            }
+        }
+        let s = Snapshot::from_events(&ev);
+        let counts = s.residency_counts();
+        for st in BlockState::ALL {
+            assert!(counts.get(&st).copied().unwrap_or(0) > 0, "no block {st}: {counts:?}");
+        }
+        assert_eq!(s.dropped_events, 17);
+        assert_eq!(s.warnings.len(), 1);
+    }
+
+    #[test]
+    fn sequence_and_time_only_grow() {
+        let ev = events(SyntheticRun {
+            blocks: 12,
+            steps: 5,
+            end_mid_step: false,
+        });
+        for w in ev.windows(2) {
+            assert_eq!(w[1].seq, w[0].seq + 1);
+            assert!(w[1].t_ns > w[0].t_ns);
+        }
+        assert!(matches!(ev.last().map(|e| &e.kind), Some(EventKind::RunEnded { steps: 5 })));
+    }
+}
