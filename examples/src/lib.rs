@@ -1,4 +1,5 @@
-//! Real tch training loops wrapped with Stagehand: the model and data they share.
+//! Real tch training loops wrapped with Stagehand: the model, data and loop they share.
 
 pub mod data;
 pub mod gpt;
+pub mod trainer;

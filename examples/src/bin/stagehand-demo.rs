@@ -6,12 +6,9 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
 use stagehand::events::jsonl::{JsonlSink, OpenMode};
-use stagehand::events::{Bus, EventKind, Phase, TrainStepMetrics};
-use stagehand_examples::data::progression_batch;
-use stagehand_examples::gpt::{Gpt, GptConfig};
+use stagehand::events::Bus;
+use stagehand_examples::trainer::{announce, train, TrainConfig};
 use std::path::PathBuf;
-use std::time::Instant;
-use tch::nn::{self, Module, OptimizerConfig};
 
 /// Train a GPT-style model under Stagehand and watch it live.
 #[derive(Debug, Parser)]
@@ -85,43 +82,13 @@ fn main() -> Result<()> {
         )
     };
 
-    let cfg = GptConfig {
-        vocab: 128,
-        block_size: args.seq,
-        n_layer: args.layers,
-        n_head: 4,
-        n_embd: args.d_model,
-    };
-    tch::manual_seed(0);
-    let vs = nn::VarStore::new(device.tch_device());
-    let model = Gpt::new(&vs.root(), cfg);
-    let mut opt = nn::AdamW::default().build(&vs, 3e-3)?;
-
-    let model_desc = format!(
-        "gpt L={} d={} seq={} ({:.1}M params)",
-        cfg.n_layer,
-        cfg.n_embd,
-        cfg.block_size,
-        cfg.parameters() as f64 / 1e6
-    );
-    bus.publish(EventKind::RunStarted {
-        run_id: out
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        wall_clock_unix_ms: bus.wall_clock_unix_ms(),
-        device: info.clone(),
-        model: model_desc.clone(),
-        versions: [
-            ("stagehand".to_owned(), env!("CARGO_PKG_VERSION").to_owned()),
-            ("libtorch".to_owned(), "2.11.0".to_owned()),
-        ]
-        .into_iter()
-        .collect(),
-        config: serde_json::json!({
-            "steps": args.steps, "batch": args.batch, "budget_mib": args.budget_mib,
-        }),
-    });
+    let cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget);
+    let run_id = out
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    announce(&bus, &cfg, &device, &run_id);
+    let model_desc = cfg.describe();
 
     println!("stagehand demo: {model_desc}");
     println!(
@@ -149,61 +116,20 @@ fn main() -> Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let (mut first_loss, mut last_loss) = (None, 0.0);
-    let mut total_time = 0.0;
-    for step in 1..=args.steps {
-        let t0 = Instant::now();
-        device.reset_peak();
-        bus.enter_phase(step, Phase::StepBegin);
-        let batch = progression_batch(args.batch, args.seq, cfg.vocab, device.tch_device());
-        bus.enter_phase(step, Phase::Forward);
-        let logits = model.forward(&batch.inputs);
-        let loss = Gpt::loss(&logits, &batch.targets);
-        bus.enter_phase(step, Phase::Backward);
-        opt.zero_grad();
-        loss.backward();
-        bus.enter_phase(step, Phase::Optimizer);
-        opt.step();
-        let loss_v = loss.double_value(&[]);
-        bus.enter_phase(step, Phase::StepEnd);
-        let dt = t0.elapsed().as_secs_f64();
-        total_time += dt;
-        let mem = device.memory();
-        bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-            high_watermark_bytes: budget * 8 / 10,
-            low_watermark_bytes: budget * 6 / 10,
-            budget_bytes: budget,
-        });
-        bus.publish(EventKind::TrainStep(TrainStepMetrics {
-            loss: loss_v,
-            step_time_s: dt,
-            tokens: (args.batch * args.seq) as u64,
-            vram_peak_bytes: mem.peak,
-        }));
-        first_loss.get_or_insert(loss_v);
-        last_loss = loss_v;
-        bar.set_message(format!("loss {loss_v:.3}  {:.0} ms/step", dt * 1e3));
+    let summary = train(&cfg, &device, &bus, |_, loss, dt| {
+        bar.set_message(format!("loss {loss:.3}  {:.0} ms/step", dt * 1e3));
         bar.inc(1);
-    }
-    bus.enter_phase(args.steps, Phase::Idle);
-    bus.publish(EventKind::RunEnded { steps: args.steps });
+    })?;
     bar.finish();
     bus.flush();
     let snap = hub.snapshot();
     bus.close();
 
     println!("summary");
-    println!(
-        "  loss       {:.3} -> {last_loss:.3}",
-        first_loss.unwrap_or(f64::NAN)
-    );
-    println!(
-        "  step time  {:.1} ms mean",
-        total_time / args.steps.max(1) as f64 * 1e3
-    );
+    let (first, last) = summary.loss_drop();
+    println!("  loss       {first:.3} -> {last:.3} (mean of the first and last tenth)");
+    println!("  step time  {:.1} ms mean", summary.mean_step_s * 1e3);
+    println!("  peak VRAM  {:.1} MiB", summary.peak_bytes as f64 / (1 << 20) as f64);
     println!(
         "  events     {} recorded, {} dropped",
         snap.events_applied, snap.dropped_events
