@@ -23,7 +23,7 @@ pub fn draw(f: &mut Frame<'_>, state: &State, vs: &ViewState, theme: &Theme) {
     let [header, body, footer] = Layout::vertical([
         Constraint::Length(2),
         Constraint::Min(3),
-        Constraint::Length(1),
+        Constraint::Length(2),
     ])
     .areas(f.area());
     draw_header(f, header, state, vs, theme);
@@ -129,17 +129,11 @@ fn draw_header(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
     let s = &state.snapshot;
     let sep = || Span::styled(theme.sep(), theme.dim());
     let mut top = vec![Span::styled("stagehand-top", theme.accent())];
-    if let Some(run) = &s.run {
-        top.push(sep());
-        top.push(Span::raw(format!("{} {} on {}", run.run_id, run.model, run.device.name)));
-    }
     top.push(sep());
     top.push(Span::styled(format!("step {} {}", s.step, s.phase), theme.strong()));
     if s.ended {
         top.push(Span::raw(" (ended)"));
     }
-    top.push(sep());
-    top.push(source_span(&state.source, state.paused, theme));
     if s.dropped_events > 0 {
         top.push(sep());
         top.push(Span::styled(format!("dropped {}", s.dropped_events), theme.alert()));
@@ -148,6 +142,8 @@ fn draw_header(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
         top.push(sep());
         top.push(Span::styled(format!("lagged {}", state.lagged), theme.alert()));
     }
+    top.push(sep());
+    top.push(source_span(&state.source, state.paused, theme));
     let mut tabs = Vec::new();
     for (i, v) in View::ALL.iter().enumerate() {
         let label = format!(" {} {} ", i + 1, v.title());
@@ -156,6 +152,10 @@ fn draw_header(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
         } else {
             tabs.push(Span::styled(label, theme.dim()));
         }
+    }
+    if let Some(run) = &s.run {
+        tabs.push(Span::styled(theme.sep(), theme.dim()));
+        tabs.push(Span::raw(format!("{} {} on {}", run.run_id, run.model, run.device.name)));
     }
     f.render_widget(Paragraph::new(vec![Line::from(top), Line::from(tabs)]), area);
 }
@@ -184,15 +184,8 @@ fn source_span<'a>(src: &SourceStatus, paused: bool, theme: &Theme) -> Span<'a> 
 }
 
 fn draw_footer(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
-    let line = if let Some(input) = &vs.filter_input {
-        let cursor = if theme.ascii { "_" } else { "█" };
-        Line::from(vec![
-            Span::styled("filter /", theme.accent()),
-            Span::raw(input.clone()),
-            Span::raw(cursor),
-            Span::styled("   Enter apply  Esc cancel  kind:NAME block:N step:A-B", theme.dim()),
-        ])
-    } else if let SourceStatus::Replay { status, report, skipped, .. } = &state.source {
+    let keys = Span::styled("? help  q quit  Tab views  / filter  space pause", theme.dim());
+    let first = if let SourceStatus::Replay { status, .. } = &state.source {
         let play = match (status.paused, theme.ascii) {
             (true, false) => "⏸",
             (true, true) => "||",
@@ -210,9 +203,9 @@ fn draw_footer(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
         ];
         let (full, empty) = theme.bar_cells();
         let w = 20usize;
-        let n = (frac * w as f64).round() as usize;
-        spans.push(Span::styled(full.repeat(n.min(w)), theme.accent()));
-        spans.push(Span::styled(empty.repeat(w - n.min(w)), theme.dim()));
+        let n = ((frac * w as f64).round() as usize).min(w);
+        spans.push(Span::styled(full.repeat(n), theme.accent()));
+        spans.push(Span::styled(empty.repeat(w - n), theme.dim()));
         spans.push(Span::raw(format!(
             " {} / {}",
             fmt_t(status.t_ns),
@@ -222,26 +215,46 @@ fn draw_footer(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
             spans.push(Span::styled(" following", theme.accent()));
         }
         spans.push(Span::styled(theme.sep(), theme.dim()));
-        let style = if *skipped > 0 { theme.alert() } else { theme.dim() };
-        spans.push(Span::styled(report.clone(), style));
-        Line::from(spans)
-    } else {
-        let mut spans = vec![Span::styled(
-            "? help  q quit  Tab views  / filter  space pause",
-            theme.dim(),
-        )];
-        if !vs.filter.is_empty() {
-            spans.push(Span::styled(theme.sep(), theme.dim()));
-            spans.push(Span::styled(format!("filter: {}", vs.filter.text), theme.accent()));
-        }
-        spans.push(Span::styled(theme.sep(), theme.dim()));
         spans.push(Span::styled(
-            format!("{} events, {} resyncs", state.snapshot.events_applied, state.resets),
+            "<- -> event  [ ] step  < > seek  - + speed  Home End",
             theme.dim(),
         ));
         Line::from(spans)
+    } else {
+        Line::from(vec![
+            keys.clone(),
+            Span::styled(theme.sep(), theme.dim()),
+            Span::styled(
+                format!("{} events, {} resyncs", state.snapshot.events_applied, state.resets),
+                theme.dim(),
+            ),
+        ])
     };
-    f.render_widget(Paragraph::new(line), area);
+    let second = if let Some(input) = &vs.filter_input {
+        let cursor = if theme.ascii { "_" } else { "█" };
+        Line::from(vec![
+            Span::styled("filter /", theme.accent()),
+            Span::raw(input.clone()),
+            Span::raw(cursor),
+            Span::styled("   Enter apply  Esc cancel  kind:NAME block:N step:A-B", theme.dim()),
+        ])
+    } else {
+        let mut spans = Vec::new();
+        if let SourceStatus::Replay { report, skipped, .. } = &state.source {
+            let style = if *skipped > 0 { theme.alert() } else { theme.dim() };
+            spans.push(Span::styled(report.clone(), style));
+            spans.push(Span::styled(theme.sep(), theme.dim()));
+            spans.push(keys);
+        }
+        if !vs.filter.is_empty() {
+            if !spans.is_empty() {
+                spans.push(Span::styled(theme.sep(), theme.dim()));
+            }
+            spans.push(Span::styled(format!("filter: {}", vs.filter.text), theme.accent()));
+        }
+        Line::from(spans)
+    };
+    f.render_widget(Paragraph::new(vec![first, second]), area);
 }
 
 fn fmt_speed(s: f64) -> String {

@@ -12,7 +12,7 @@ use stagehand::events::{BlockId, BlockState};
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let [strip, table] =
-        Layout::vertical([Constraint::Length(5), Constraint::Min(3)]).areas(area);
+        Layout::vertical([Constraint::Length(6), Constraint::Min(3)]).areas(area);
     draw_strip(f, strip, state, theme);
     draw_table(f, table, state, vs, theme);
 }
@@ -63,9 +63,7 @@ fn draw_strip(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
         ),
         theme.dim(),
     );
-    let lines = vec![Line::from(legend), Line::from(cells), Line::from(marks)];
-    let mut lines = lines;
-    lines.insert(1, info);
+    let lines = vec![Line::from(legend), info, Line::from(cells), Line::from(marks)];
     f.render_widget(
         Paragraph::new(lines).block(boxed(" Residency ", theme)),
         area,
