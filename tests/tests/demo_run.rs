@@ -1,0 +1,134 @@
+//! A real tch training run (the demo's loop) on the host device, or on CUDA where present,
+//! drives runtime -> bus -> JSONL file, the HTTP stream, `/metrics` and the snapshot; all of
+//! them must agree with each other and with the run's own counts, and the loss must fall.
+
+use stagehand::device::Device;
+use stagehand::events::jsonl::{read_file, JsonlSink, OpenMode};
+use stagehand::events::{Bus, Hub, Snapshot, StreamMessage};
+use stagehand_examples::trainer::{announce, train, TrainConfig};
+use stagehand_web::Server;
+use std::io::{BufRead, BufReader};
+use std::sync::Arc;
+
+/// Reads `/api/stream` until `run_ended`, applying every message as a client does.
+fn follow_stream(url: String) -> std::thread::JoinHandle<(Snapshot, u64, u64)> {
+    std::thread::spawn(move || {
+        let resp = ureq::get(&format!("{url}/api/stream"))
+            .call()
+            .expect("stream opens");
+        let reader = BufReader::new(resp.into_reader());
+        let (mut snap, mut events, mut lagged) = (None::<Snapshot>, 0u64, 0u64);
+        let mut name = String::new();
+        for line in reader.lines() {
+            let line = line.expect("stream line");
+            if let Some(n) = line.strip_prefix("event:") {
+                name = n.trim().to_owned();
+            } else if let Some(data) = line.strip_prefix("data:") {
+                let msg: StreamMessage = serde_json::from_str(data.trim()).expect("message");
+                assert_eq!(msg.name(), name);
+                match msg {
+                    StreamMessage::Snapshot { snapshot } => snap = Some(*snapshot),
+                    StreamMessage::Lagged { .. } => lagged += 1,
+                    StreamMessage::Event { event } => {
+                        events += 1;
+                        let s = snap.as_mut().expect("snapshot first");
+                        s.apply(&event);
+                        if s.ended {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        (snap.expect("a snapshot arrived"), events, lagged)
+    })
+}
+
+#[test]
+fn demo_run_agrees_across_every_consumer() {
+    stagehand::torch::init();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("run.jsonl");
+    let budget = 64 << 20;
+    let device = Device::auto(budget);
+
+    let hub = Arc::new(Hub::new());
+    hub.add_sink(Box::new(JsonlSink::open(&path, OpenMode::CreateNew).expect("sink")));
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("server");
+    let stream = follow_stream(server.url());
+    // Let the client subscribe before the run starts, so it sees the run from its first event.
+    while hub.subscriber_count() == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+
+    let cfg = TrainConfig::demo(60, 4, 64, 32, 16, budget);
+    announce(&bus, &cfg, &device, "e2e");
+    let summary = train(&cfg, &device, &bus, |_, _, _| {}).expect("training runs");
+    bus.flush();
+
+    // The run's own counts.
+    assert_eq!(summary.steps, 60);
+    let (first, last) = summary.loss_drop();
+    assert!(last < first * 0.8, "loss must fall: {first:.3} -> {last:.3}");
+
+    // The hub's snapshot.
+    let live = hub.snapshot();
+    assert!(live.ended);
+    assert_eq!(live.dropped_events, 0);
+    let trained: Vec<u64> = live.steps.iter().filter(|r| r.train.is_some()).map(|r| r.step).collect();
+    assert_eq!(trained, (1..=60).collect::<Vec<_>>());
+    let loss_of = |s: &Snapshot, step: u64| s.step_record(step).and_then(|r| r.train.as_ref()).map(|t| t.loss);
+    assert_eq!(loss_of(&live, 60), summary.losses.last().copied());
+
+    // The HTTP stream, applied client-side, reaches the same picture.
+    let (streamed, events, lagged) = stream.join().expect("stream reader");
+    assert_eq!(lagged, 0, "a fast client on loopback does not lag");
+    assert!(events > 60 * 5, "{events} events streamed");
+    assert_eq!(streamed.last_seq, live.last_seq);
+    assert_eq!(streamed.steps, live.steps);
+    assert_eq!(streamed.event_counts, live.event_counts);
+
+    // The JSONL file replays to the same snapshot.
+    let (recorded, report) = read_file(&path).expect("telemetry file");
+    assert_eq!(report.skipped_total, 0);
+    assert_eq!(Snapshot::from_events(&recorded), live);
+
+    // /api/snapshot serves it.
+    let api: Snapshot = serde_json::from_reader(
+        ureq::get(&format!("{}/api/snapshot", server.url()))
+            .call()
+            .expect("snapshot route")
+            .into_reader(),
+    )
+    .expect("snapshot json");
+    assert_eq!(api, live);
+
+    // /metrics counts the same steps and events.
+    let text = ureq::get(&format!("{}/metrics", server.url()))
+        .call()
+        .expect("metrics route")
+        .into_string()
+        .expect("metrics text");
+    let lines = text.lines().map(|l| Ok(l.to_owned()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("prometheus text format");
+    let value = |name: &str| {
+        scrape
+            .samples
+            .iter()
+            .filter(|s| s.metric == name)
+            .map(|s| match s.value {
+                prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) => v,
+                prometheus_parse::Value::Untyped(v) => v,
+                _ => 0.0,
+            })
+            .sum::<f64>()
+    };
+    assert_eq!(value("stagehand_step"), 60.0, "{text}");
+    assert_eq!(value("stagehand_events_total"), live.events_applied as f64);
+    assert!(
+        (value("stagehand_loss") - summary.losses[59]).abs() < 1e-9,
+        "loss gauge"
+    );
+    server.shutdown().expect("shutdown");
+}
