@@ -1,1 +1,92 @@
-//! Activation Stagehand: spill saved tensors to a size-class pinned pool and restore them ahead of backward.
+//! Activation Stagehand: spill saved tensors to a size-class pinned pool and restore them ahead
+//! of backward.
+//!
+//! Inside [`ActivationRuntime::managed_forward`], every tensor autograd saves goes through the
+//! runtime's [`ActivationStore`]: a managed weight becomes a handle for the weight runtime
+//! ([`crate::saved::WeightResolver`]), small, off-device or parameter tensors are kept, and
+//! activations are kept while device memory is under the high watermark and spilled above it
+//! until it falls under the low one. A spill is an async D2H copy on a dedicated stream into a
+//! slab of the [`pool::SpillPool`]; the device tensor is dropped only once its copy completed.
+//! In backward, unpack brings a spilled tensor back (the compute stream waits on the copy), and
+//! the predictive restorer brings the next ones back ahead of need, following the reverse of the
+//! pack order within a device allowance.
+//!
+//! Spilling can be scoped to named regions ([`ActivationRuntime::region`]), limited to a
+//! fraction of the eligible bytes and to tensors above a minimum size; once the first step has
+//! taught the runtime the order and size of the region groups, the last groups of the forward
+//! (the first that backward needs) stay on the device.
+//!
+//! ```no_run
+//! use stagehand::activations::{ActivationConfig, ActivationRuntime};
+//! use stagehand::device::Device;
+//! use stagehand::events::Bus;
+//! # fn main() -> stagehand::Result<()> {
+//! let config = ActivationConfig::builder().watermarks_mb(8_000, 6_000).build()?;
+//! let acts = ActivationRuntime::new(Device::auto(1 << 30), config, Bus::disabled(), None)?;
+//! # let (x, w) = (tch::Tensor::ones([4, 4], tch::kind::FLOAT_CPU), tch::Tensor::ones([4, 4], tch::kind::FLOAT_CPU).set_requires_grad(true));
+//! acts.step_begin(1);
+//! let loss = {
+//!     let _hooks = acts.managed_forward()?;
+//!     let _block = acts.region("blocks.0");
+//!     x.matmul(&w).relu().sum(tch::Kind::Float)
+//! };
+//! loss.backward();
+//! let metrics = acts.step_end()?;
+//! # let _ = metrics;
+//! # Ok(()) }
+//! ```
+
+pub mod config;
+pub mod policy;
+pub mod pool;
+pub mod record;
+mod restore;
+mod runtime;
+mod store;
+pub mod transfer;
+
+pub use config::{ActivationConfig, ActivationConfigBuilder};
+pub use pool::{PoolLease, PoolStats, SpillPool};
+pub use runtime::{ActivationRuntime, GroupProfile, ManagedForward, RegionGuard};
+pub use store::ActivationStore;
+pub use transfer::TransferLimits;
+
+use crate::events::{Bus, EventKind};
+
+/// The bus, gated by the `telemetry_enabled` option.
+#[derive(Clone)]
+pub struct Telemetry {
+    bus: Bus,
+    on: bool,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry").field("on", &self.on).finish()
+    }
+}
+
+impl Telemetry {
+    /// Publishes to `bus` when `on`.
+    pub fn new(bus: Bus, on: bool) -> Telemetry {
+        Telemetry { bus, on }
+    }
+
+    /// Publishes nothing.
+    pub fn off() -> Telemetry {
+        Telemetry {
+            bus: Bus::disabled(),
+            on: false,
+        }
+    }
+
+    /// Publishes the event built by `f` (built only when it goes somewhere).
+    pub fn publish_with(&self, f: impl FnOnce() -> EventKind) {
+        if self.on {
+            self.bus.publish_with(f);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,290 @@
+//! Options of the activation runtime, with the seed's defaults, validated once by a builder.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// One mebibyte, the unit the seed's options are written in.
+pub const MB: u64 = 1 << 20;
+/// Spilling switches on when device memory reaches this (seed: 20000 MB).
+pub const DEFAULT_HIGH_WATERMARK_BYTES: u64 = 20_000 * MB;
+/// Spilling switches off when device memory falls under this (seed: 16000 MB).
+pub const DEFAULT_LOW_WATERMARK_BYTES: u64 = 16_000 * MB;
+/// Slab size of each class of the pinned pool, in MB (seed: 1, 4, 16, 64, 256).
+pub const DEFAULT_CLASS_SIZES_MB: [u64; 5] = [1, 4, 16, 64, 256];
+/// Slabs in each class (seed: 512 x 1 MB, then 2 of each larger class; about 1.2 GB pinned).
+pub const DEFAULT_SLABS_PER_CLASS: [u32; 5] = [512, 2, 2, 2, 2];
+/// Spill copies in flight before pack finalizes inline (seed: 1, to leave PCIe to weights).
+pub const DEFAULT_MAX_INFLIGHT_D2H: u32 = 1;
+/// Predictive restores in flight (seed: 1).
+pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 1;
+/// Tensors smaller than this are kept: a tiny spill is pure overhead (seed section 15.4 floor).
+pub const DEFAULT_MIN_SPILL_BYTES: u64 = 64 * 1024;
+/// Fraction of the eligible bytes that may be spilled (Megatron's default: all of them).
+pub const DEFAULT_SPILL_FRACTION: f64 = 1.0;
+/// Region groups at the end of the forward kept on the device once the order is learned
+/// (Megatron reserves a margin so the first backward ops never wait on a reload).
+pub const DEFAULT_KEEP_TAIL_GROUPS: u32 = 1;
+/// Spilled tensors the predictive restorer brings back ahead of backward.
+pub const DEFAULT_RESTORE_LOOKAHEAD: u32 = 4;
+/// Device bytes that restores issued ahead of need may occupy at once.
+pub const DEFAULT_RESTORE_ALLOWANCE_BYTES: u64 = 512 * MB;
+/// CRC32 of every spill, verified at restore (seed: off; a debugging aid).
+pub const DEFAULT_DEBUG_CHECKSUMS: bool = false;
+/// Publish events and per-step metrics (seed: on).
+pub const DEFAULT_TELEMETRY_ENABLED: bool = true;
+/// When every fitting class is exhausted, spill into pageable memory (seed: yes, counted as a miss).
+pub const DEFAULT_PAGEABLE_FALLBACK: bool = true;
+
+/// Everything the activation runtime can be told. Build it with [`ActivationConfig::builder`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ActivationConfig {
+    /// Spilling turns on when allocated device bytes are at or above this.
+    pub high_watermark_bytes: u64,
+    /// Spilling turns off when allocated device bytes are below this.
+    pub low_watermark_bytes: u64,
+    /// Slab size of each pool class, ascending.
+    pub class_sizes_bytes: Vec<u64>,
+    /// Slabs in each class, parallel to `class_sizes_bytes`.
+    pub slabs_per_class: Vec<u32>,
+    /// Spill copies in flight before pack finalizes inline.
+    pub max_inflight_d2h: u32,
+    /// Predictive restores in flight.
+    pub max_inflight_h2d: u32,
+    /// Smaller saved tensors are kept.
+    pub min_spill_bytes: u64,
+    /// Fraction in [0, 1] of the eligible bytes that may be spilled.
+    pub spill_fraction: f64,
+    /// Regions where spilling is allowed (empty: everywhere). A pattern matches a region path
+    /// when it equals a run of its dotted segments: `mlp` matches `blocks.3.mlp`.
+    pub regions: Vec<String>,
+    /// Region groups at the end of the forward that stay on the device once learned (0: off).
+    pub keep_tail_groups: u32,
+    /// Spilled tensors restored ahead of need (0: restore on demand only).
+    pub restore_lookahead: u32,
+    /// Device bytes restores ahead of need may hold at once.
+    pub restore_allowance_bytes: u64,
+    /// CRC32 of every spill, verified before its restore.
+    pub debug_checksums: bool,
+    /// Publish events and per-step metrics.
+    pub telemetry_enabled: bool,
+    /// Spill into pageable memory when the pool has no fitting slab.
+    pub pageable_fallback: bool,
+}
+
+impl Default for ActivationConfig {
+    fn default() -> Self {
+        ActivationConfig {
+            high_watermark_bytes: DEFAULT_HIGH_WATERMARK_BYTES,
+            low_watermark_bytes: DEFAULT_LOW_WATERMARK_BYTES,
+            class_sizes_bytes: DEFAULT_CLASS_SIZES_MB.iter().map(|m| m * MB).collect(),
+            slabs_per_class: DEFAULT_SLABS_PER_CLASS.to_vec(),
+            max_inflight_d2h: DEFAULT_MAX_INFLIGHT_D2H,
+            max_inflight_h2d: DEFAULT_MAX_INFLIGHT_H2D,
+            min_spill_bytes: DEFAULT_MIN_SPILL_BYTES,
+            spill_fraction: DEFAULT_SPILL_FRACTION,
+            regions: Vec::new(),
+            keep_tail_groups: DEFAULT_KEEP_TAIL_GROUPS,
+            restore_lookahead: DEFAULT_RESTORE_LOOKAHEAD,
+            restore_allowance_bytes: DEFAULT_RESTORE_ALLOWANCE_BYTES,
+            debug_checksums: DEFAULT_DEBUG_CHECKSUMS,
+            telemetry_enabled: DEFAULT_TELEMETRY_ENABLED,
+            pageable_fallback: DEFAULT_PAGEABLE_FALLBACK,
+        }
+    }
+}
+
+fn invalid(field: &'static str, value: impl std::fmt::Debug, expected: &str) -> Error {
+    Error::Config {
+        field,
+        value: format!("{value:?}"),
+        expected: expected.into(),
+    }
+}
+
+impl ActivationConfig {
+    /// A builder starting from the defaults.
+    pub fn builder() -> ActivationConfigBuilder {
+        ActivationConfigBuilder {
+            cfg: ActivationConfig::default(),
+            uniform_slabs: None,
+        }
+    }
+
+    /// Checks every rule; the builder calls this, deserialized configs should too.
+    pub fn validate(&self) -> Result<()> {
+        if self.high_watermark_bytes <= self.low_watermark_bytes {
+            return Err(invalid(
+                "high_watermark_bytes",
+                self.high_watermark_bytes,
+                &format!("greater than low_watermark_bytes ({})", self.low_watermark_bytes),
+            ));
+        }
+        if self.class_sizes_bytes.iter().any(|&c| c == 0)
+            || self.class_sizes_bytes.windows(2).any(|w| w[0] >= w[1])
+        {
+            return Err(invalid(
+                "class_sizes_bytes",
+                &self.class_sizes_bytes,
+                "non-zero sizes in strictly ascending order",
+            ));
+        }
+        if self.slabs_per_class.len() != self.class_sizes_bytes.len() {
+            return Err(invalid(
+                "slabs_per_class",
+                &self.slabs_per_class,
+                &format!("one count per class ({} classes)", self.class_sizes_bytes.len()),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.spill_fraction) {
+            return Err(invalid("spill_fraction", self.spill_fraction, "a fraction in [0, 1]"));
+        }
+        if self.max_inflight_d2h == 0 {
+            return Err(invalid("max_inflight_d2h", 0, "at least 1"));
+        }
+        if self.max_inflight_h2d == 0 {
+            return Err(invalid("max_inflight_h2d", 0, "at least 1"));
+        }
+        if self.regions.iter().any(|r| r.is_empty()) {
+            return Err(invalid("regions", &self.regions, "non-empty region names"));
+        }
+        Ok(())
+    }
+}
+
+/// Sets options one by one; [`build`](ActivationConfigBuilder::build) validates them once.
+#[derive(Debug, Clone)]
+pub struct ActivationConfigBuilder {
+    cfg: ActivationConfig,
+    uniform_slabs: Option<u32>,
+}
+
+impl ActivationConfigBuilder {
+    /// High and low watermarks in MB.
+    pub fn watermarks_mb(self, high: u64, low: u64) -> Self {
+        self.watermarks_bytes(high * MB, low * MB)
+    }
+    /// High and low watermarks in bytes.
+    pub fn watermarks_bytes(mut self, high: u64, low: u64) -> Self {
+        self.cfg.high_watermark_bytes = high;
+        self.cfg.low_watermark_bytes = low;
+        self
+    }
+    /// Pool class sizes in MB.
+    pub fn classes_mb(self, sizes: &[u64]) -> Self {
+        let bytes: Vec<u64> = sizes.iter().map(|m| m * MB).collect();
+        self.classes_bytes(&bytes)
+    }
+    /// Pool class sizes in bytes.
+    pub fn classes_bytes(mut self, sizes: &[u64]) -> Self {
+        self.cfg.class_sizes_bytes = sizes.to_vec();
+        self
+    }
+    /// Slabs per class, parallel to the classes.
+    pub fn slabs_per_class(mut self, counts: &[u32]) -> Self {
+        self.cfg.slabs_per_class = counts.to_vec();
+        self.uniform_slabs = None;
+        self
+    }
+    /// The same slab count for every class (the seed's "single int").
+    pub fn uniform_slabs(mut self, count: u32) -> Self {
+        self.uniform_slabs = Some(count);
+        self
+    }
+    /// In-flight caps for spills (D2H) and predictive restores (H2D).
+    pub fn max_inflight(mut self, d2h: u32, h2d: u32) -> Self {
+        self.cfg.max_inflight_d2h = d2h;
+        self.cfg.max_inflight_h2d = h2d;
+        self
+    }
+    /// Minimum bytes of a tensor to spill.
+    pub fn min_spill_bytes(mut self, bytes: u64) -> Self {
+        self.cfg.min_spill_bytes = bytes;
+        self
+    }
+    /// Fraction of the eligible bytes to spill.
+    pub fn spill_fraction(mut self, fraction: f64) -> Self {
+        self.cfg.spill_fraction = fraction;
+        self
+    }
+    /// Regions where spilling is allowed.
+    pub fn regions<S: Into<String>>(mut self, regions: impl IntoIterator<Item = S>) -> Self {
+        self.cfg.regions = regions.into_iter().map(Into::into).collect();
+        self
+    }
+    /// Region groups at the end of the forward kept on the device (0: off).
+    pub fn keep_tail_groups(mut self, groups: u32) -> Self {
+        self.cfg.keep_tail_groups = groups;
+        self
+    }
+    /// Predictive restore depth and its device allowance.
+    pub fn restore_ahead(mut self, lookahead: u32, allowance_bytes: u64) -> Self {
+        self.cfg.restore_lookahead = lookahead;
+        self.cfg.restore_allowance_bytes = allowance_bytes;
+        self
+    }
+    /// CRC32 on spill, verified before restore.
+    pub fn debug_checksums(mut self, on: bool) -> Self {
+        self.cfg.debug_checksums = on;
+        self
+    }
+    /// Events and per-step metrics.
+    pub fn telemetry(mut self, on: bool) -> Self {
+        self.cfg.telemetry_enabled = on;
+        self
+    }
+    /// Spill into pageable memory when the pool has no fitting slab.
+    pub fn pageable_fallback(mut self, on: bool) -> Self {
+        self.cfg.pageable_fallback = on;
+        self
+    }
+    /// Validates and returns the configuration.
+    pub fn build(mut self) -> Result<ActivationConfig> {
+        if let Some(n) = self.uniform_slabs {
+            self.cfg.slabs_per_class = vec![n; self.cfg.class_sizes_bytes.len()];
+        }
+        self.cfg.validate()?;
+        Ok(self.cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_seeds_and_valid() {
+        let c = ActivationConfig::default();
+        c.validate().expect("defaults are valid");
+        assert_eq!(c.high_watermark_bytes, 20_000 * MB);
+        assert_eq!(c.low_watermark_bytes, 16_000 * MB);
+        assert_eq!(c.class_sizes_bytes, vec![MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]);
+        assert_eq!(c.slabs_per_class, vec![512, 2, 2, 2, 2]);
+        assert_eq!((c.max_inflight_d2h, c.max_inflight_h2d), (1, 1));
+        assert!(!c.debug_checksums && c.telemetry_enabled);
+    }
+
+    #[test]
+    fn builder_rejects_bad_values_with_the_field_named() {
+        let e = ActivationConfig::builder().watermarks_mb(10, 10).build().expect_err("high == low");
+        assert!(e.to_string().contains("high_watermark_bytes"), "{e}");
+        let e = ActivationConfig::builder()
+            .classes_mb(&[1, 4])
+            .slabs_per_class(&[1, 2, 3])
+            .build()
+            .expect_err("not parallel");
+        assert!(e.to_string().contains("slabs_per_class"), "{e}");
+        let e = ActivationConfig::builder().classes_mb(&[4, 1]).uniform_slabs(1).build().expect_err("descending");
+        assert!(e.to_string().contains("class_sizes_bytes"), "{e}");
+        let e = ActivationConfig::builder().spill_fraction(1.5).build().expect_err("fraction");
+        assert!(e.to_string().contains("spill_fraction"), "{e}");
+        let e = ActivationConfig::builder().max_inflight(0, 1).build().expect_err("cap");
+        assert!(e.to_string().contains("max_inflight_d2h"), "{e}");
+    }
+
+    #[test]
+    fn uniform_slabs_follow_the_classes() {
+        let c = ActivationConfig::builder().classes_mb(&[1, 2, 8]).uniform_slabs(3).build().expect("valid");
+        assert_eq!(c.slabs_per_class, vec![3, 3, 3]);
+    }
+}
