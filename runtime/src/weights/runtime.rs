@@ -1,0 +1,387 @@
+//! `WeightRuntime`: the block-mode API (explicit blocks and steps) that layer mode builds on.
+
+use super::file::FileSource;
+use super::handles::WeightStore;
+use super::policy::Itinerary;
+use super::registry::{group_by_pattern, BlockSpec};
+use super::scheduler::{PtrIndex, Scheduler, TuningKnobs};
+use super::WeightConfig;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::events::{BlockId, BlockState, Bus, EvictionReason, WeightStepMetrics};
+use crate::saved::{WeightResolver, WeightSave};
+use crate::torch::{SavedTensorHooks, TensorIdentity};
+use regex::Regex;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tch::Tensor;
+
+pub(crate) struct Inner {
+    sched: Mutex<Scheduler>,
+    index: PtrIndex,
+    knobs: Arc<TuningKnobs>,
+    device: Device,
+    bus: Bus,
+}
+
+/// The weight runtime. Cheap to clone; clones share one runtime.
+#[derive(Clone)]
+pub struct WeightRuntime {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for WeightRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightRuntime").finish_non_exhaustive()
+    }
+}
+
+/// A block in use: resident until the guard drops (which calls `after_block`).
+#[must_use = "the block is released when the guard drops"]
+#[derive(Debug)]
+pub struct BlockGuard {
+    rt: WeightRuntime,
+    id: BlockId,
+}
+
+impl BlockGuard {
+    /// The block held.
+    pub fn id(&self) -> BlockId {
+        self.id
+    }
+}
+
+impl Drop for BlockGuard {
+    fn drop(&mut self) {
+        // The guard only exists after a successful `before_block`, so the refcount is >= 1.
+        let _ = self.rt.after_block(self.id);
+    }
+}
+
+impl WeightRuntime {
+    /// An empty runtime on `device`; add blocks with [`register_block`](Self::register_block).
+    pub fn new(device: Device, config: WeightConfig, bus: Bus) -> Result<WeightRuntime> {
+        let index: PtrIndex = Arc::default();
+        let sched = Scheduler::new(device.clone(), config, bus.clone(), index.clone())?;
+        let knobs = sched.knobs.clone();
+        Ok(WeightRuntime {
+            inner: Arc::new(Inner {
+                sched: Mutex::new(sched),
+                index,
+                knobs,
+                device,
+                bus,
+            }),
+        })
+    }
+
+    /// Block mode: every VarStore variable whose path has a prefix fully matching `pattern`
+    /// (for example `^blocks\.\d+$`) joins that block; the other variables move to the device
+    /// once and stay there. Create the VarStore on the CPU for models larger than VRAM.
+    pub fn from_var_store(
+        vs: &tch::nn::VarStore,
+        pattern: &str,
+        device: Device,
+        config: WeightConfig,
+        bus: Bus,
+    ) -> Result<WeightRuntime> {
+        let re = Regex::new(pattern).map_err(|e| Error::Config {
+            field: "block_pattern",
+            value: format!("'{pattern}'"),
+            expected: format!("a regular expression ({e})"),
+        })?;
+        let (blocks, rest) = group_by_pattern(vs.variables(), &re);
+        if blocks.is_empty() {
+            return Err(Error::Config {
+                field: "block_pattern",
+                value: format!("'{pattern}'"),
+                expected: "a pattern matching at least one VarStore path prefix".into(),
+            });
+        }
+        let rt = WeightRuntime::new(device.clone(), config, bus)?;
+        let dev = device.tch_device();
+        for (_, mut t) in rest {
+            if t.device() != dev {
+                let moved = t.f_to_device(dev)?;
+                t.set_data(&moved);
+            }
+        }
+        for (name, params) in blocks {
+            rt.register_block(&name, params)?;
+        }
+        Ok(rt)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Scheduler> {
+        self.inner.sched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a block made of `params` (path, variable); the variables are copied to host memory
+    /// and freed on the device until the block is needed.
+    pub fn register_block(&self, name: &str, params: Vec<(String, Tensor)>) -> Result<BlockId> {
+        self.lock().register(name, params)
+    }
+
+    /// Makes an unloaded frozen block stream from a safetensors file: `key_prefix + path` of
+    /// each parameter must be in the file with the same dtype and shape. The host copy is freed.
+    pub fn back_with_file(&self, id: BlockId, path: &std::path::Path, key_prefix: &str) -> Result<()> {
+        let mut s = self.lock();
+        let spec = s.block(id)?.spec.clone();
+        if spec.trainable() {
+            return Err(Error::Config {
+                field: "file_backed",
+                value: format!("'{}'", spec.name),
+                expected: "a frozen block (trainable weights must live in host memory)".into(),
+            });
+        }
+        let f = FileSource::open(path, &spec, key_prefix)?;
+        s.back_with_file(id, f)
+    }
+
+    /// The id of the block named `name`.
+    pub fn block_id(&self, name: &str) -> Result<BlockId> {
+        self.lock()
+            .blocks
+            .iter()
+            .find(|b| b.spec.name == name)
+            .map(|b| b.spec.id)
+            .ok_or_else(|| Error::UnknownBlock(name.to_string()))
+    }
+
+    /// Every block's description, in registration order.
+    pub fn blocks(&self) -> Vec<BlockSpec> {
+        self.lock().blocks.iter().map(|b| b.spec.clone()).collect()
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The bus events go to.
+    pub fn bus(&self) -> &Bus {
+        &self.inner.bus
+    }
+
+    /// Starts a step (block mode).
+    pub fn begin_step(&self) -> Result<()> {
+        self.lock().begin_step()
+    }
+
+    /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.
+    pub fn end_step(&self) -> Result<()> {
+        self.lock().end_step()
+    }
+
+    /// Makes `id` resident (a prefetch hit or a counted stall), holds it, prefetches ahead.
+    pub fn before_block(&self, id: BlockId) -> Result<()> {
+        self.lock().before_block(id)
+    }
+
+    /// Releases `id` after its forward.
+    pub fn after_block(&self, id: BlockId) -> Result<()> {
+        self.lock().after_block(id)
+    }
+
+    /// Holds `id` resident until the guard drops.
+    pub fn block(&self, id: BlockId) -> Result<BlockGuard> {
+        self.before_block(id)?;
+        Ok(BlockGuard {
+            rt: self.clone(),
+            id,
+        })
+    }
+
+    /// Runs `f` with `id` resident.
+    pub fn run_block<T>(&self, id: BlockId, f: impl FnOnce() -> T) -> Result<T> {
+        let _g = self.block(id)?;
+        Ok(f())
+    }
+
+    /// Protects blocks from eviction (`on`) or lifts the protection.
+    pub fn keep_resident(&self, ids: &[BlockId], on: bool) -> Result<()> {
+        let mut s = self.lock();
+        let bus = s.bus.clone();
+        for &id in ids {
+            s.residency.set_protected(id, on, &bus)?;
+        }
+        Ok(())
+    }
+
+    /// Evicts an unused resident block now.
+    pub fn evict(&self, id: BlockId) -> Result<()> {
+        self.lock().evict(id, EvictionReason::Explicit, 0.0)
+    }
+
+    /// Turns the saved-tensor hooks on for this thread with a store that keeps managed weights
+    /// as handles (so eviction frees them) and everything else as it is. Keep the guard alive
+    /// over forward (backward needs nothing). The activation runtime uses
+    /// [`resolver`](Self::resolver) instead.
+    pub fn hooks(&self) -> Result<SavedTensorHooks> {
+        SavedTensorHooks::enable(Arc::new(WeightStore::new(self.resolver())))
+    }
+
+    /// This runtime as the resolver the saved-tensor stores call.
+    pub fn resolver(&self) -> Arc<dyn WeightResolver> {
+        Arc::new(self.clone())
+    }
+
+    /// The residency state of `id`.
+    pub fn state(&self, id: BlockId) -> Result<BlockState> {
+        self.lock().residency.state(id)
+    }
+
+    /// The refcount of `id`.
+    pub fn refcount(&self, id: BlockId) -> Result<u32> {
+        Ok(self.lock().residency.get(id)?.refcount)
+    }
+
+    /// The learned itinerary (after step 0).
+    pub fn itinerary(&self) -> Option<Itinerary> {
+        let s = self.lock();
+        if s.learned {
+            s.itinerary.clone()
+        } else {
+            None
+        }
+    }
+
+    /// Device bytes held by resident and in-flight blocks.
+    pub fn resident_bytes(&self) -> usize {
+        self.lock().resident_bytes
+    }
+
+    /// Metrics of the open step so far.
+    pub fn current_metrics(&self) -> WeightStepMetrics {
+        self.lock().metrics.clone()
+    }
+
+    /// Metrics of the last finished step.
+    pub fn last_step_metrics(&self) -> WeightStepMetrics {
+        self.lock().last_metrics.clone()
+    }
+
+    /// Steps finished so far.
+    pub fn step(&self) -> u64 {
+        self.lock().step
+    }
+
+    /// Prefetch depth (a Conductor knob; read on every use).
+    pub fn set_prefetch_window(&self, k: u32) {
+        self.inner.knobs.prefetch_window.store(k, Ordering::Relaxed);
+    }
+
+    /// H2D copies in flight at once (a Conductor knob; read on every use).
+    pub fn set_max_inflight_h2d(&self, n: u32) {
+        self.inner.knobs.max_inflight_h2d.store(n.max(1), Ordering::Relaxed);
+    }
+
+    /// Steps begin when the first block runs again or after a backward (layer mode).
+    pub fn set_auto_step(&self, on: bool) {
+        self.lock().auto_step = on;
+    }
+
+    /// Ends an open step (layer mode's last step, which no later forward closes).
+    pub fn finish(&self) -> Result<()> {
+        let mut s = self.lock();
+        if s.step_open {
+            s.end_step()?;
+        }
+        Ok(())
+    }
+
+    /// Moves every gradient to host memory and takes trainable blocks off the device (the
+    /// optimizer is about to change their host copy).
+    pub fn collect_grads(&self) -> Result<()> {
+        self.lock().collect_grads()
+    }
+
+    /// Zeroes the host gradients.
+    pub fn zero_grads(&self) -> Result<()> {
+        self.lock().zero_host_grads()
+    }
+
+    /// The host copy of parameter `param` of `id` (a fresh CPU tensor; for checks and saving).
+    pub fn host_param(&self, id: BlockId, param: usize) -> Result<Tensor> {
+        self.lock().host_param(id, param)
+    }
+
+    /// The host gradient of parameter `param` of `id` (a fresh CPU tensor, or `None` when the
+    /// parameter is frozen). Call [`collect_grads`](Self::collect_grads) first.
+    pub fn host_grad(&self, id: BlockId, param: usize) -> Result<Option<Tensor>> {
+        let s = self.lock();
+        let b = s.block(id)?;
+        match &b.source {
+            super::scheduler::Source::Host(h) => {
+                let v = h
+                    .views
+                    .get(param)
+                    .ok_or_else(|| Error::State(format!("block {id} has no parameter {param}")))?;
+                let g = v.grad();
+                Ok(if g.defined() { Some(g.f_detach_copy()?) } else { None })
+            }
+            super::scheduler::Source::File(_) => Ok(None),
+        }
+    }
+
+    /// The host tensors of every trainable parameter (leaves with gradients) for the offloaded
+    /// optimizer.
+    pub(crate) fn trainable_host_params(&self) -> Vec<Tensor> {
+        let s = self.lock();
+        let mut out = Vec::new();
+        for b in &s.blocks {
+            if let super::scheduler::Source::Host(h) = &b.source {
+                out.extend(h.views.iter().filter(|v| v.requires_grad()).map(|v| v.shallow_clone()));
+            }
+        }
+        out
+    }
+
+    /// Evicts everything and leaves each parameter as a CPU copy of its weights; later calls
+    /// fail with `Shutdown`; the pool wakes its waiters. Idempotent.
+    pub fn shutdown(&self) -> Result<()> {
+        self.lock().shutdown()
+    }
+}
+
+impl WeightResolver for WeightRuntime {
+    fn resolve(&self, tensor: &Tensor) -> Option<WeightSave> {
+        let id = TensorIdentity::of(tensor);
+        if id.storage_ptr == 0 {
+            return None;
+        }
+        let index = self.inner.index.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = index.get(&id.storage_ptr)?;
+        let elt = id.kind.elt_size_in_bytes();
+        let byte = usize::try_from(id.storage_offset).ok()? * elt;
+        let (param, &(offset, bytes, kind)) = entry
+            .params
+            .iter()
+            .enumerate()
+            .find(|(_, (o, b, _))| byte >= *o && byte < o + (*b).max(1))?;
+        if kind != id.kind {
+            return None;
+        }
+        let _ = bytes;
+        Some(WeightSave {
+            block: entry.block,
+            param: param as u32,
+            storage_offset: id.storage_offset - (offset / elt) as i64,
+            sizes: id.sizes.clone(),
+            strides: id.strides.clone(),
+            bytes: (tensor.numel() * elt) as u64,
+        })
+    }
+
+    fn materialize(&self, save: &WeightSave) -> std::result::Result<Tensor, String> {
+        let mut s = self.lock();
+        s.backward_use(save.block).map_err(|e| e.to_string())?;
+        s.param_view(save.block, save.param, save.storage_offset, &save.sizes, &save.strides)
+            .map_err(|e| e.to_string())
+    }
+
+    fn release(&self, _save: &WeightSave) {
+        // Nothing is held per save: the handle is plain data and residency is decided by the
+        // itinerary, not by how many saved views exist.
+    }
+}
