@@ -232,10 +232,15 @@ impl ActivationRuntime {
 
     /// Starts step `step`: counters to zero, spilling off, the device's peak restarted.
     pub fn step_begin(&self, step: u64) {
-        let _ = step;
         let weights = {
             let mut g = self.shared.lock();
             // Records left by a step that never ended are released now.
+            if g.records.live() > 0 {
+                self.shared.warn(format!(
+                    "step {step} began with {} saved tensors of a step that never ended; releasing them",
+                    g.records.live()
+                ));
+            }
             let left: Vec<usize> = (0..g.records.len()).collect();
             let saves: Vec<WeightSave> = left.into_iter().filter_map(|i| self.shared.retire(&mut g, i)).collect();
             g.records.drain();

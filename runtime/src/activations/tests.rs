@@ -1,0 +1,242 @@
+//! Runtime-level tests that drive the store directly (pack/unpack/release as autograd would),
+//! on the host device, with events captured from the bus.
+
+use super::*;
+use crate::device::Device;
+use crate::events::{Event, EventKind, EventSink, Hub, PackDecision};
+use crate::torch::SavedTensorStore;
+use std::sync::{Arc, Mutex};
+use tch::{Kind, Tensor};
+
+const N: u64 = 64 << 10; // bytes of one test tensor
+
+struct Collect(Arc<Mutex<Vec<Event>>>);
+
+impl EventSink for Collect {
+    fn on_event(&mut self, e: &Event) {
+        if let Ok(mut v) = self.0.lock() {
+            v.push(e.clone());
+        }
+    }
+}
+
+fn setup(cfg: ActivationConfig) -> (ActivationRuntime, Bus, Arc<Mutex<Vec<Event>>>) {
+    let hub = Arc::new(Hub::new());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    hub.add_sink(Box::new(Collect(seen.clone())));
+    let bus = Bus::with_hub(hub, 1 << 16);
+    let rt = ActivationRuntime::new(Device::host(1 << 30), cfg, bus.clone(), None).expect("runtime");
+    (rt, bus, seen)
+}
+
+fn events(bus: &Bus, seen: &Arc<Mutex<Vec<Event>>>) -> Vec<EventKind> {
+    bus.flush();
+    seen.lock().expect("events").iter().map(|e| e.kind.clone()).collect()
+}
+
+fn tensor(seed: f64) -> Tensor {
+    Tensor::arange((N / 4) as i64, (Kind::Float, tch::Device::Cpu)) * seed
+}
+
+fn base() -> ActivationConfigBuilder {
+    ActivationConfig::builder()
+        .watermarks_bytes(1, 0)
+        .min_spill_bytes(1)
+        .classes_bytes(&[N, 4 * N])
+        .slabs_per_class(&[16, 2])
+        .keep_tail_groups(0)
+}
+
+#[test]
+fn cap_of_one_never_stops_spilling_thanks_to_inline_finalize() {
+    for (cap, inline_expected) in [(1u32, 9usize), (3, 9)] {
+        let (rt, bus, seen) = setup(base().max_inflight(cap, 1).build().expect("config"));
+        let store = rt.store();
+        rt.step_begin(1);
+        let ts: Vec<Tensor> = (0..11).map(|i| tensor(i as f64)).collect();
+        let handles: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
+        let m = rt.metrics();
+        // The first pack sees an empty device and is kept; every later one is spilled.
+        assert_eq!((m.activations_kept, m.activations_spilled), (1, 10), "cap {cap}");
+        for (h, t) in handles.iter().zip(&ts).rev() {
+            assert!(store.unpack(*h).expect("unpack").equal(t));
+            store.release(*h);
+        }
+        rt.step_end().expect("step end");
+        let fin: Vec<bool> = events(&bus, &seen)
+            .into_iter()
+            .filter_map(|k| match k {
+                EventKind::SpillFinalized { inline, .. } => Some(inline),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(fin.len(), 10, "every spill finalized once");
+        assert_eq!(fin.iter().filter(|i| **i).count(), inline_expected, "cap {cap}");
+    }
+}
+
+#[test]
+fn hysteresis_spills_from_high_until_under_low() {
+    let cfg = base().watermarks_bytes(3 * N, 2 * N).max_inflight(1, 1).build().expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.step_begin(1);
+    let kept: Vec<u64> = (0..3).map(|i| store.pack(tensor(i as f64)).expect("pack")).collect();
+    assert!(!rt.is_spilling());
+    assert_eq!(rt.device().memory().allocated, 3 * N);
+    let s1 = store.pack(tensor(9.0)).expect("pack");
+    assert!(rt.is_spilling(), "on at the high watermark");
+    // Free two kept tensors: 1 kept + 1 spill in flight = 2N, between the watermarks: still on.
+    store.release(kept[0]);
+    store.release(kept[1]);
+    let s2 = store.pack(tensor(8.0)).expect("pack");
+    assert!(rt.is_spilling());
+    // The inline finalize of s1 frees its N; now under low: off again.
+    store.release(kept[2]);
+    let k = store.pack(tensor(7.0)).expect("pack");
+    assert!(!rt.is_spilling());
+    let toggles: Vec<bool> = events(&bus, &seen)
+        .into_iter()
+        .filter_map(|e| match e {
+            EventKind::SpillingToggled { on, .. } => Some(on),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(toggles, vec![true, false]);
+    let m = rt.metrics();
+    assert_eq!((m.activations_spilled, m.activations_kept), (2, 4));
+    for h in [s1, s2, k] {
+        store.release(h);
+    }
+    rt.step_end().expect("step end");
+    assert_eq!(rt.device().memory().allocated, 0);
+}
+
+#[test]
+fn checksums_catch_a_corrupted_host_buffer() {
+    let (rt, bus, seen) = setup(base().debug_checksums(true).build().expect("config"));
+    let store = rt.store();
+    rt.step_begin(1);
+    let _first = store.pack(tensor(1.0)).expect("kept");
+    let h = store.pack(tensor(2.0)).expect("spilled");
+    {
+        let shared = rt.shared();
+        let mut g = shared.lock();
+        shared.finalize_all_spills(&mut g).expect("finalize");
+        let idx = g.records.index_of(h).expect("record");
+        let mut lease = g.records.get_mut(idx).and_then(|r| r.lease.take()).expect("lease");
+        let (buf, off) = g.pool.buffer_mut(&mut lease).expect("buffer");
+        buf.as_mut_slice()[off + 17] ^= 0x40;
+        if let Some(r) = g.records.get_mut(idx) {
+            r.lease = Some(lease);
+        }
+    }
+    let err = store.unpack(h).expect_err("corruption detected");
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(events(&bus, &seen)
+        .iter()
+        .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("checksum"))));
+    rt.step_end().expect("step end");
+    assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
+}
+
+#[test]
+fn duplicates_are_spilled_once_and_both_handles_restore() {
+    let (rt, bus, seen) = setup(base().build().expect("config"));
+    let store = rt.store();
+    rt.step_begin(1);
+    let _k = store.pack(tensor(1.0)).expect("kept");
+    let t = tensor(3.0);
+    let a = store.pack(t.shallow_clone()).expect("spill");
+    let b = store.pack(t.shallow_clone()).expect("duplicate");
+    assert_eq!(rt.metrics().activations_spilled, 1);
+    assert!(store.unpack(b).expect("b").equal(&t));
+    assert!(store.unpack(a).expect("a").equal(&t));
+    let decisions: Vec<PackDecision> = events(&bus, &seen)
+        .into_iter()
+        .filter_map(|e| match e {
+            EventKind::Pack { decision, .. } => Some(decision),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(decisions, vec![PackDecision::Kept, PackDecision::Spilled, PackDecision::Duplicate]);
+    store.release(a);
+    assert_eq!(rt.live_records(), 2, "one handle still holds the spilled record");
+    store.release(b);
+    assert_eq!(rt.live_records(), 1);
+    let m = rt.step_end().expect("step end");
+    assert_eq!(m.activations_restored, 1);
+}
+
+#[test]
+fn exhausted_pool_falls_back_to_pageable_memory_with_a_warning() {
+    let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).build().expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.step_begin(1);
+    let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
+    let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
+    let m = rt.metrics();
+    assert_eq!((m.activations_spilled, m.pool_hits, m.pool_misses), (3, 1, 2));
+    for (h, t) in hs.iter().zip(&ts).rev() {
+        assert!(store.unpack(*h).expect("unpack").equal(t));
+    }
+    let ev = events(&bus, &seen);
+    assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::PageableFallback { .. })).count(), 2);
+    assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::Warning { .. })).count(), 1);
+    rt.step_end().expect("step end");
+    let s = rt.pool_stats();
+    assert_eq!((s.free, s.fallbacks, s.fallbacks_live), (vec![1], 2, 0));
+}
+
+#[test]
+fn predictive_restorer_runs_ahead_so_only_the_first_unpack_stalls() {
+    let cfg = base().restore_ahead(2, 8 * N).max_inflight(1, 1).build().expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.step_begin(1);
+    let ts: Vec<Tensor> = (0..7).map(|i| tensor(i as f64 + 1.0)).collect();
+    let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
+    for (h, t) in hs.iter().zip(&ts).rev() {
+        assert!(store.unpack(*h).expect("unpack").equal(t));
+        store.release(*h);
+    }
+    let m = rt.step_end().expect("step end");
+    assert_eq!(m.activations_spilled, 6);
+    assert_eq!(m.stall_count, 1, "{m:?}");
+    assert_eq!(m.activations_predicted, 5, "{m:?}");
+    assert_eq!(m.activations_restored, 6);
+    let restored: Vec<bool> = events(&bus, &seen)
+        .into_iter()
+        .filter_map(|e| match e {
+            EventKind::Restored { predicted, .. } => Some(predicted),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(restored, vec![false, true, true, true, true, true]);
+}
+
+#[test]
+fn nothing_is_left_after_the_step_even_without_backward() {
+    let (rt, bus, seen) = setup(base().build().expect("config"));
+    let store = rt.store();
+    rt.step_begin(1);
+    let hs: Vec<u64> = (0..5).map(|i| store.pack(tensor(i as f64)).expect("pack")).collect();
+    let _ = store.unpack(hs[4]).expect("restore one");
+    assert!(rt.device().memory().allocated > 0);
+    let m = rt.step_end().expect("step end");
+    assert_eq!(m.activations_saved, 5);
+    assert_eq!(rt.live_records(), 0);
+    assert_eq!(rt.device().memory().allocated, 0, "every accounted byte given back");
+    assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
+    // A release arriving after the step ended is ignored; an unpack is a clear error.
+    store.release(hs[0]);
+    let err = store.unpack(hs[1]).expect_err("cleared");
+    assert!(err.contains("already ended"), "{err}");
+    let ev = events(&bus, &seen);
+    let step = ev.iter().find_map(|e| match e {
+        EventKind::ActivationStep(m) => Some(m.clone()),
+        _ => None,
+    });
+    assert_eq!(step, Some(m));
+}
