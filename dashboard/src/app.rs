@@ -35,11 +35,12 @@ pub enum SourceStatus {
     Connecting { url: String, attempt: u32 },
     /// A live stream that is delivering.
     Connected { url: String },
-    /// A live stream that failed; it tries again after `retry_in`.
+    /// A live stream that failed (attempts in a row so far); it tries again after `retry_in`.
     Disconnected {
         url: String,
         error: String,
         retry_in: Duration,
+        attempt: u32,
     },
     /// A replay of a file.
     Replay {

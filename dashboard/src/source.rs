@@ -183,6 +183,7 @@ impl LiveSource {
                 url: String::new(),
                 error: format!("cannot start the reader thread: {e}"),
                 retry_in: Duration::ZERO,
+                attempt: 0,
             });
         }
         LiveSource {
@@ -257,11 +258,14 @@ fn read_loop(
             }
             Err(e) => e.to_string(),
         };
-        let wait = backoff.delay(attempt.max(1));
+        // A stream that was up counts as one failed attempt: retry quickly first.
+        let attempt_now = attempt.max(1);
+        let wait = backoff.delay(attempt_now);
         set(&status, SourceStatus::Disconnected {
             url: url.clone(),
             error,
             retry_in: wait,
+            attempt: attempt_now,
         });
         let until = Instant::now() + wait;
         while Instant::now() < until {

@@ -172,9 +172,9 @@ fn source_span<'a>(src: &SourceStatus, paused: bool, theme: &Theme) -> Span<'a> 
         SourceStatus::Connected { url } => {
             Span::styled(format!("{dot} live {url}{pause}"), theme.band(0.0))
         }
-        SourceStatus::Disconnected { url, error, retry_in } => Span::styled(
+        SourceStatus::Disconnected { url, error, retry_in, attempt } => Span::styled(
             format!(
-                "{dot} disconnected from {url}: {error}; retry in {:.1} s",
+                "{dot} disconnected from {url}: {error}; retry in {:.1} s (attempt {attempt})",
                 retry_in.as_secs_f64()
             ),
             theme.alert(),

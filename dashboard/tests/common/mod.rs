@@ -40,3 +40,82 @@ pub fn draw(state: &State, vs: &ViewState, theme: &Theme) -> Terminal<TestBacken
     t.draw(|f| views::draw(f, state, vs, theme)).expect("draws");
     t
 }
+
+use stagehand::events::{Event, Snapshot, StreamMessage};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+
+/// What one connection to the test server is sent.
+#[derive(Debug, Clone)]
+pub enum Msg {
+    Message(StreamMessage),
+    /// A keep-alive comment.
+    Comment,
+}
+
+/// A snapshot message of the state after `events`.
+pub fn snapshot_of(events: &[Event]) -> Msg {
+    Msg::Message(StreamMessage::Snapshot {
+        snapshot: Box::new(Snapshot::from_events(events)),
+    })
+}
+
+/// Event messages.
+pub fn events_of(events: &[Event]) -> Vec<Msg> {
+    events
+        .iter()
+        .map(|e| Msg::Message(StreamMessage::Event { event: Box::new(e.clone()) }))
+        .collect()
+}
+
+/// A tiny SSE server speaking the `/api/stream` protocol: connection `i` is sent `script[i]`,
+/// then closed if `close[i]`, else held open until the test ends. Returns its address.
+pub fn sse_server(script: Vec<(Vec<Msg>, bool)>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("binds a port");
+    let addr = listener.local_addr().expect("has an address").to_string();
+    std::thread::spawn(move || {
+        let mut held: Vec<TcpStream> = Vec::new();
+        for (msgs, close) in script {
+            let Ok((mut conn, _)) = listener.accept() else { return };
+            // Read the request head.
+            let mut r = BufReader::new(conn.try_clone().expect("clones the stream"));
+            let mut line = String::new();
+            let mut path = String::new();
+            while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+                if path.is_empty() {
+                    path = line.split_whitespace().nth(1).unwrap_or_default().to_owned();
+                }
+                if line == "\r\n" {
+                    break;
+                }
+                line.clear();
+            }
+            assert_eq!(path, "/api/stream");
+            let mut body = String::from(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n",
+            );
+            for m in msgs {
+                match m {
+                    Msg::Comment => body.push_str(": keep-alive\n\n"),
+                    Msg::Message(m) => {
+                        let data = serde_json::to_string(&m).expect("serializes");
+                        body.push_str(&format!("event: {}\ndata: {data}\n\n", m.name()));
+                    }
+                }
+            }
+            if conn.write_all(body.as_bytes()).is_err() {
+                return;
+            }
+            let _ = conn.flush();
+            if !close {
+                held.push(conn);
+            }
+        }
+        // Keep held connections open until the process ends.
+        let _open = held;
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+    });
+    addr
+}

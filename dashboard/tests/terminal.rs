@@ -1,0 +1,128 @@
+//! The real `stagehand-top` binary in a pseudo-terminal: keys in, screen read back through a
+//! VT100 parser. Against a replay file, and against a live SSE stream.
+
+mod common;
+
+use common::*;
+use portable_pty::{native_pty_system, Child, CommandBuilder, MasterPty, PtySize};
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+struct Tui {
+    child: Box<dyn Child + Send + Sync>,
+    writer: Box<dyn Write + Send>,
+    screen: Arc<Mutex<vt100::Parser>>,
+    _master: Box<dyn MasterPty + Send>,
+}
+
+impl Tui {
+    fn start(args: &[&str]) -> Tui {
+        let pair = native_pty_system()
+            .openpty(PtySize { rows: H, cols: W, pixel_width: 0, pixel_height: 0 })
+            .expect("opens a pty");
+        let mut cmd = CommandBuilder::new(env!("CARGO_BIN_EXE_stagehand-top"));
+        cmd.args(args);
+        cmd.cwd(env!("CARGO_MANIFEST_DIR"));
+        cmd.env("TERM", "xterm-256color");
+        cmd.env_remove("NO_COLOR");
+        let child = pair.slave.spawn_command(cmd).expect("starts stagehand-top");
+        drop(pair.slave);
+        let mut reader = pair.master.try_clone_reader().expect("pty reader");
+        let writer = pair.master.take_writer().expect("pty writer");
+        let screen = Arc::new(Mutex::new(vt100::Parser::new(H, W, 0)));
+        let s = screen.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            while let Ok(n) = reader.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                s.lock().expect("screen lock").process(&buf[..n]);
+            }
+        });
+        Tui { child, writer, screen, _master: pair.master }
+    }
+
+    fn contents(&self) -> String {
+        self.screen.lock().expect("screen lock").screen().contents()
+    }
+
+    /// Waits until the screen shows `text` (failing after a generous limit, never timing).
+    fn wait_for(&self, text: &str) -> String {
+        let limit = Instant::now() + Duration::from_secs(30);
+        loop {
+            let c = self.contents();
+            if c.contains(text) {
+                return c;
+            }
+            assert!(Instant::now() < limit, "screen never showed {text:?}:\n{c}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn keys(&mut self, bytes: &str) {
+        self.writer.write_all(bytes.as_bytes()).expect("writes keys");
+        self.writer.flush().expect("flushes keys");
+    }
+
+    fn quit(mut self) {
+        self.keys("q");
+        let limit = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("waits") {
+                assert!(status.success(), "exit status {status:?}");
+                return;
+            }
+            assert!(Instant::now() < limit, "did not quit:\n{}", self.contents());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Tui {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+    }
+}
+
+#[test]
+fn replay_in_a_terminal_follows_keys() {
+    let mut t = Tui::start(&["--replay", RUN, "--paused"]);
+    t.wait_for("0/751");
+    t.keys("\x1b[F"); // End
+    t.wait_for("751/751");
+    t.wait_for("dropped 17");
+    t.keys("2");
+    let s = t.wait_for("gpu_freeing 1");
+    assert!(s.contains("blocks.7"), "{s}");
+    t.keys("jj\r"); // the third block's details
+    t.wait_for("Block blocks.2");
+    t.keys("7/kind:events_dropped\r");
+    t.wait_for("17 dropped so far");
+    t.keys("["); // back to the start of the current training step
+    t.wait_for("step 4 step_begin");
+    t.keys("?");
+    t.wait_for("Keys (Esc or ? to close)");
+    t.quit();
+}
+
+#[test]
+fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
+    let ev = stagehand_dashboard::synthetic::events(Default::default());
+    let mut first = vec![snapshot_of(&ev[..400])];
+    first.extend(events_of(&ev[400..]));
+    let addr = sse_server(vec![(first, true), (vec![snapshot_of(&ev)], false)]);
+    let url = format!("http://{addr}");
+    let mut t = Tui::start(&["--connect", &url]);
+    // The first connection is closed by the server; the second snapshot makes the second resync.
+    t.wait_for("751 events, 2 resyncs");
+    let s = t.wait_for(&format!("live http://{addr}/api/stream"));
+    assert!(s.contains("step 4 forward"), "{s}");
+    assert!(s.contains("dropped 17"), "{s}");
+    t.keys("6");
+    t.wait_for("Phase timeline");
+    t.quit();
+}
