@@ -582,6 +582,16 @@ pub fn describe(k: &EventKind) -> String {
     }
 }
 
+/// The wire name of a policy rule.
+pub fn rule_name(r: PolicyRule) -> &'static str {
+    match r {
+        PolicyRule::Reset => "reset",
+        PolicyRule::BackwardPressure => "backward_pressure",
+        PolicyRule::OptimizerProtection => "optimizer_protection",
+        PolicyRule::Contention => "contention",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -734,15 +744,5 @@ mod tests {
         assert_eq!(d, "#3 prefetching -> gpu_ready ref=1");
         let h = fmt_hints(&Hints { max_inflight_h2d: Some(1), suppress_speculative: true, ..Default::default() });
         assert_eq!(h, "h2d<=1 d2h<=- window<=- no-speculative");
-    }
-}
-
-/// The wire name of a policy rule.
-pub fn rule_name(r: PolicyRule) -> &'static str {
-    match r {
-        PolicyRule::Reset => "reset",
-        PolicyRule::BackwardPressure => "backward_pressure",
-        PolicyRule::OptimizerProtection => "optimizer_protection",
-        PolicyRule::Contention => "contention",
     }
 }

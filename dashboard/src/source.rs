@@ -8,7 +8,7 @@ use stagehand::events::{Event, Replay, Snapshot, StreamMessage, DEFAULT_SERVER_A
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -284,11 +284,8 @@ impl Source for LiveSource {
         }
         // Bounded by time so a flood never starves drawing and keys.
         let budget = now + Duration::from_millis(30);
-        loop {
-            match self.rx.try_recv() {
-                Ok(u) => out.push(u),
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-            }
+        while let Ok(u) = self.rx.try_recv() {
+            out.push(u);
             if out.len() % 1024 == 0 && Instant::now() > budget {
                 break;
             }
