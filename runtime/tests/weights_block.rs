@@ -1,0 +1,351 @@
+//! Block mode end to end: equality with the unwrapped model, eviction order, gradient
+//! accumulation, offloaded AdamW, file-backed blocks, shutdown. Runs on the host device, and on
+//! CUDA where present (`Device::auto`).
+
+use stagehand::device::Device;
+use stagehand::events::{BlockId, BlockState, Bus, EventKind, Update};
+use stagehand::weights::{OffloadedAdamW, WeightConfig, WeightRuntime};
+use stagehand::Error;
+use std::sync::Mutex;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Kind, Tensor};
+
+static RNG: Mutex<()> = Mutex::new(());
+
+fn rng() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const D: i64 = 16;
+const H: i64 = 32;
+
+type Block = (nn::Linear, nn::Linear);
+
+fn build(vs: &nn::VarStore, n: usize) -> Vec<Block> {
+    (0..n)
+        .map(|i| {
+            let p = vs.root() / "blocks" / i;
+            (
+                nn::linear(&p / "fc1", D, H, Default::default()),
+                nn::linear(&p / "fc2", H, D, Default::default()),
+            )
+        })
+        .collect()
+}
+
+fn block_fwd(b: &Block, x: &Tensor) -> Tensor {
+    x + b.1.forward(&b.0.forward(x).relu())
+}
+
+/// Bytes of one block in the runtime's layout (fc1 w,b + fc2 w,b, each 256-aligned).
+fn block_bytes() -> u64 {
+    let a = |b: i64| (b as u64 * 4).div_ceil(256) * 256;
+    a(D * H) + a(H) + a(H * D) + a(D)
+}
+
+/// A reference model on the device and an identical managed one (its VarStore on the CPU).
+fn pair(n: usize, trainable: bool) -> (nn::VarStore, Vec<Block>, nn::VarStore, Vec<Block>) {
+    let dev = Device::auto(1 << 30).tch_device();
+    let _g = rng();
+    tch::manual_seed(7);
+    let mut vr = nn::VarStore::new(dev);
+    let r = build(&vr, n);
+    let mut vm = nn::VarStore::new(tch::Device::Cpu);
+    let m = build(&vm, n);
+    vm.copy(&vr).expect("copy weights");
+    if !trainable {
+        vr.freeze();
+        vm.freeze();
+    }
+    (vr, r, vm, m)
+}
+
+fn runtime(vm: &nn::VarStore, device: Device, budget_blocks: u64, k: u32, bus: Bus, inference: bool) -> WeightRuntime {
+    let cfg = WeightConfig::builder()
+        .pool(4 << 20, 1 << 20)
+        .watermarks(1 << 40, 1 << 39)
+        .weight_budget(budget_blocks * block_bytes())
+        .prefetch_window(k)
+        .inference_mode(inference)
+        .build()
+        .expect("config");
+    WeightRuntime::from_var_store(vm, r"^blocks\.\d+$", device, cfg, bus).expect("runtime")
+}
+
+fn input(dev: tch::Device, seed: i64) -> Tensor {
+    let _g = rng();
+    tch::manual_seed(seed);
+    Tensor::randn([8, D], (Kind::Float, dev))
+}
+
+fn managed_forward(rt: &WeightRuntime, ids: &[BlockId], m: &[Block], x: &Tensor) -> Tensor {
+    let _hooks = rt.hooks().expect("hooks");
+    let mut h = x.shallow_clone();
+    for (id, b) in ids.iter().zip(m) {
+        h = rt.run_block(*id, || block_fwd(b, &h)).expect("block");
+    }
+    h
+}
+
+fn ids(rt: &WeightRuntime, n: usize) -> Vec<BlockId> {
+    (0..n).map(|i| rt.block_id(&format!("blocks.{i}")).expect("id")).collect()
+}
+
+#[test]
+fn frozen_outputs_and_input_grads_equal_the_unwrapped_model_on_every_step() {
+    let device = Device::auto(1 << 30);
+    let dev = device.tch_device();
+    let n = 6;
+    let (_vr, r, vm, m) = pair(n, false);
+    let rt = runtime(&vm, device.clone(), 3, 2, Bus::disabled(), false);
+    let ids = ids(&rt, n);
+    let mut misses0 = 0;
+    for step in 0..4 {
+        let x = input(dev, 100 + step).set_requires_grad(true);
+        let xr = x.detach().set_requires_grad(true);
+        let want = r.iter().fold(xr.shallow_clone(), |h, b| block_fwd(b, &h));
+        want.sum(Kind::Float).backward();
+
+        rt.begin_step().expect("begin");
+        let got = managed_forward(&rt, &ids, &m, &x);
+        got.sum(Kind::Float).backward();
+        rt.end_step().expect("end");
+
+        assert!(got.equal(&want), "step {step}: outputs differ");
+        assert!(x.grad().equal(&xr.grad()), "step {step}: input grads differ");
+        assert!(rt.resident_bytes() as u64 <= 3 * block_bytes(), "over the weight budget");
+        let mx = rt.last_step_metrics();
+        assert!(mx.evictions > 0, "step {step}: a 3-block budget for 6 blocks must evict");
+        if step == 0 {
+            // Tracing: no prefetch, so every forward block is a demand load.
+            assert!(mx.prefetch_misses >= n as u64, "{mx:?}");
+            misses0 = mx.prefetch_misses;
+        } else {
+            assert!(mx.prefetch_hits > 0, "step {step}: the itinerary drives prefetch: {mx:?}");
+            if !device.is_cuda() {
+                // Host copies land at once, so every prefetched block is a hit.
+                assert!(mx.prefetch_misses < misses0, "step {step}: prefetch must cut misses: {mx:?}");
+            }
+        }
+    }
+    let it = rt.itinerary().expect("learned after step 0");
+    assert_eq!(it.forward(), ids.as_slice());
+}
+
+#[test]
+fn eviction_picks_the_farthest_next_use() {
+    let device = Device::host(1 << 30);
+    let n = 4;
+    let (_vr, _r, vm, m) = pair(n, false);
+    let bus = Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let rt = runtime(&vm, device, 3, 0, bus.clone(), true);
+    let ids = ids(&rt, n);
+    let x = input(tch::Device::Cpu, 1);
+    for _ in 0..2 {
+        rt.begin_step().expect("begin");
+        let _ = tch::no_grad(|| managed_forward(&rt, &ids, &m, &x));
+        rt.end_step().expect("end");
+    }
+    bus.flush();
+    let mut evicted = Vec::new();
+    while let Ok(u) = sub.rx.try_recv() {
+        if let Update::Event(e) = u {
+            if let EventKind::Eviction { block, .. } = &e.kind {
+                evicted.push(block.0);
+            }
+        }
+    }
+    // Step 0 (no itinerary yet): block 0 makes room for block 3. Step 1, forward-only
+    // itinerary 0,1,2,3: loading 0 evicts 3 (next use farthest), loading 3 evicts 2.
+    assert_eq!(evicted, [0, 3, 2]);
+}
+
+#[test]
+fn keep_resident_blocks_are_never_evicted() {
+    let device = Device::host(1 << 30);
+    let n = 4;
+    let (_vr, _r, vm, m) = pair(n, false);
+    let rt = runtime(&vm, device, 2, 0, Bus::disabled(), true);
+    let ids = ids(&rt, n);
+    let x = input(tch::Device::Cpu, 1);
+    rt.begin_step().expect("begin");
+    rt.run_block(ids[0], || ()).expect("load 0");
+    rt.keep_resident(&[ids[0]], true).expect("protect");
+    for _ in 0..2 {
+        let _ = tch::no_grad(|| managed_forward(&rt, &ids, &m, &x));
+    }
+    assert_eq!(rt.state(ids[0]).expect("state"), BlockState::GpuReady);
+    rt.keep_resident(&[ids[0]], false).expect("unprotect");
+    rt.end_step().expect("end");
+    // With 1 free slot of 2 and block 0 protected, a block in use plus a needed one cannot fit.
+    rt.keep_resident(&[ids[0]], true).expect("protect");
+    rt.begin_step().expect("begin");
+    let _g1 = rt.block(ids[1]).expect("block 1 in use");
+    let e = rt.block(ids[2]).expect_err("no room: 0 protected, 1 in use");
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+}
+
+#[test]
+fn gradient_accumulation_over_four_micro_batches_equals_the_unwrapped_model() {
+    let device = Device::auto(1 << 30);
+    let dev = device.tch_device();
+    let n = 4;
+    let (vr, r, vm, m) = pair(n, true);
+    let rt = runtime(&vm, device, 2, 1, Bus::disabled(), false);
+    let ids = ids(&rt, n);
+    for mb in 0..4 {
+        let x = input(dev, 200 + mb);
+        let want = r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h));
+        want.square().mean(Kind::Float).backward();
+        rt.begin_step().expect("begin");
+        let got = managed_forward(&rt, &ids, &m, &x);
+        got.square().mean(Kind::Float).backward();
+        rt.end_step().expect("end");
+        assert!(got.equal(&want), "micro-batch {mb}: outputs differ");
+    }
+    rt.collect_grads().expect("collect");
+    let refs = vr.variables();
+    let exact = !dev.is_cuda();
+    for (bi, id) in ids.iter().enumerate() {
+        for (pi, p) in rt.blocks()[bi].params.iter().enumerate() {
+            let g = rt.host_grad(*id, pi).expect("grad").expect("trainable");
+            let want = refs[&p.name].grad().to_device(tch::Device::Cpu);
+            if exact {
+                assert!(g.equal(&want), "{}: accumulated grads differ", p.name);
+            } else {
+                assert!(g.allclose(&want, 1e-5, 1e-6, false), "{}: accumulated grads differ", p.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn offloaded_adamw_equals_nn_adamw_over_twenty_steps() {
+    let device = Device::auto(1 << 30);
+    let dev = device.tch_device();
+    let n = 3;
+    let (vr, r, vm, m) = pair(n, true);
+    let rt = runtime(&vm, device, 2, 1, Bus::disabled(), false);
+    let ids = ids(&rt, n);
+    let lr = 1e-2;
+    let mut ref_opt = nn::AdamW::default().build(&vr, lr).expect("adamw");
+    let mut opt = OffloadedAdamW::new(&rt, lr, nn::AdamW::default()).expect("offloaded adamw");
+    let target = input(dev, 999);
+    let mut last = (0.0, 0.0);
+    for step in 0..20 {
+        let x = input(dev, 300 + step);
+        let loss_r = (r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h)) - &target)
+            .square()
+            .mean(Kind::Float);
+        ref_opt.zero_grad();
+        loss_r.backward();
+        ref_opt.step();
+
+        opt.zero_grad().expect("zero");
+        rt.begin_step().expect("begin");
+        let loss = (managed_forward(&rt, &ids, &m, &x) - &target).square().mean(Kind::Float);
+        loss.backward();
+        rt.end_step().expect("end");
+        opt.step().expect("step");
+        last = (loss.double_value(&[]), loss_r.double_value(&[]));
+        if !dev.is_cuda() {
+            assert_eq!(last.0, last.1, "step {step}: losses differ");
+        }
+    }
+    let refs = vr.variables();
+    for (bi, id) in ids.iter().enumerate() {
+        for (pi, p) in rt.blocks()[bi].params.iter().enumerate() {
+            let got = rt.host_param(*id, pi).expect("param");
+            let want = refs[&p.name].to_device(tch::Device::Cpu);
+            if dev.is_cuda() {
+                assert!(got.allclose(&want, 1e-4, 1e-5, false), "{} differs", p.name);
+            } else {
+                assert!(got.equal(&want), "{}: parameters differ after 20 AdamW steps", p.name);
+            }
+        }
+    }
+    assert!(last.0 < 10.0, "training diverged: {last:?}");
+}
+
+#[test]
+fn file_backed_blocks_stream_from_safetensors() {
+    let device = Device::auto(1 << 30);
+    let dev = device.tch_device();
+    let n = 3;
+    let (_vr, r, vm, m) = pair(n, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.safetensors");
+    let named: Vec<(String, Tensor)> = vm.variables().into_iter().map(|(k, v)| (format!("model.{k}"), v)).collect();
+    Tensor::write_safetensors(&named, &path).expect("write");
+    let rt = runtime(&vm, device, 2, 1, Bus::disabled(), false);
+    let ids = ids(&rt, n);
+    for id in &ids {
+        rt.back_with_file(*id, &path, "model.").expect("file-backed");
+    }
+    let e = rt.back_with_file(ids[0], &path, "nope.").expect_err("missing keys");
+    assert!(e.to_string().contains("nope.blocks.0"), "{e}");
+    for step in 0..3 {
+        let x = input(dev, 400 + step).set_requires_grad(true);
+        let want = r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h));
+        rt.begin_step().expect("begin");
+        let got = managed_forward(&rt, &ids, &m, &x);
+        got.sum(Kind::Float).backward();
+        rt.end_step().expect("end");
+        assert!(got.equal(&want), "step {step}: outputs differ");
+        assert!(rt.last_step_metrics().host_pool_in_use <= 4);
+    }
+}
+
+#[test]
+fn resolver_recognises_resident_weights_by_storage() {
+    let device = Device::auto(1 << 30);
+    let (_vr, _r, vm, m) = pair(2, false);
+    let rt = runtime(&vm, device, 2, 0, Bus::disabled(), false);
+    let ids = ids(&rt, 2);
+    rt.begin_step().expect("begin");
+    let _g = rt.block(ids[1]).expect("resident");
+    let res = rt.resolver();
+    let w = &m[1].1.ws;
+    let save = res.resolve(&w.tr()).expect("a transposed weight is a managed weight");
+    // Parameters in natural name order: fc1.bias, fc1.weight, fc2.bias, fc2.weight.
+    assert_eq!((save.block, save.param), (ids[1], 3));
+    assert_eq!(save.sizes, [H, D]);
+    let back = res.materialize(&save).expect("materialize");
+    assert!(back.equal(&w.tr()));
+    assert!(res.resolve(&w.copy()).is_none(), "a copy is not the weight");
+    assert!(res.resolve(&m[0].0.ws).is_none(), "an evicted block resolves to nothing");
+}
+
+#[test]
+fn oversized_blocks_and_misuse_are_typed_errors() {
+    let (_vr, _r, vm, _m) = pair(2, false);
+    let cfg = WeightConfig::builder().pool(1024, 512).build().expect("config");
+    let e = WeightRuntime::from_var_store(&vm, r"^blocks\.\d+$", Device::host(1 << 30), cfg, Bus::disabled())
+        .expect_err("a block is larger than a slab");
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("blocks.0"), "{e}");
+
+    let rt = runtime(&vm, Device::host(1 << 30), 2, 0, Bus::disabled(), false);
+    let e = rt.before_block(BlockId(0)).expect_err("outside a step");
+    assert!(matches!(e, Error::State(_)), "{e}");
+    assert!(matches!(rt.before_block(BlockId(9)), Err(Error::UnknownBlock(_))));
+    assert!(matches!(rt.after_block(BlockId(0)), Err(Error::State(_))), "refcount underflow");
+    assert!(WeightRuntime::from_var_store(&vm, r"^nothing$", Device::host(1), WeightConfig::default(), Bus::disabled()).is_err());
+}
+
+#[test]
+fn shutdown_refuses_later_use_and_leaves_cpu_weights() {
+    let device = Device::auto(1 << 30);
+    let (_vr, r, vm, m) = pair(2, false);
+    let rt = runtime(&vm, device, 2, 0, Bus::disabled(), false);
+    let ids = ids(&rt, 2);
+    rt.begin_step().expect("begin");
+    rt.run_block(ids[0], || ()).expect("load");
+    rt.shutdown().expect("shutdown");
+    rt.shutdown().expect("idempotent");
+    assert!(matches!(rt.begin_step(), Err(Error::Shutdown(_))));
+    assert!(matches!(rt.before_block(ids[0]), Err(Error::Shutdown(_))));
+    assert_eq!(m[0].0.ws.device(), tch::Device::Cpu);
+    assert!(m[0].0.ws.equal(&r[0].0.ws.to_device(tch::Device::Cpu)));
+}
