@@ -1,8 +1,11 @@
 //! A real tch training run (the demo's loop) on the host device, or on CUDA where present,
-//! drives runtime -> bus -> JSONL file, the HTTP stream, `/metrics` and the snapshot; all of
-//! them must agree with each other and with the run's own counts, and the loss must fall.
+//! drives runtime -> bus -> JSONL file, the HTTP stream, `/metrics`, the snapshot and the
+//! terminal UI's state (live from the server, and replaying the file); all of them must agree
+//! with each other and with the run's own counts, and the loss must fall.
 
 use stagehand::device::Device;
+use stagehand_dashboard::app::State as TuiState;
+use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, ReplaySource, Source};
 use stagehand::events::jsonl::{read_file, JsonlSink, OpenMode};
 use stagehand::events::{Bus, Hub, Snapshot, StreamMessage};
 use stagehand_examples::trainer::{announce, train, TrainConfig};
@@ -60,6 +63,11 @@ fn demo_run_agrees_across_every_consumer() {
     while hub.subscriber_count() == 0 {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
+    // stagehand-top's live source, on the real server.
+    let mut tui_live = LiveSource::connect(
+        stream_url(Some(&server.url())).expect("stream url"),
+        Backoff::default(),
+    );
     let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
 
     let cfg = TrainConfig::demo(60, 4, 64, 32, 16, budget);
@@ -130,5 +138,30 @@ fn demo_run_agrees_across_every_consumer() {
         (value("stagehand_loss") - summary.losses[59]).abs() < 1e-9,
         "loss gauge"
     );
+
+    // stagehand-top's state, fed live by the server, reaches the same picture...
+    let mut tui = TuiState::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut updates = Vec::new();
+    while !(tui.snapshot.ended && tui.snapshot.last_seq == live.last_seq) {
+        assert!(std::time::Instant::now() < deadline, "the live TUI source caught up");
+        tui_live.poll(std::time::Instant::now(), &mut updates);
+        for u in updates.drain(..) {
+            tui.ingest(u);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(tui.snapshot.steps, live.steps);
+    assert_eq!(tui.snapshot.event_counts, live.event_counts);
+
+    // ...and so does its replay of the file, played to the end.
+    let mut replay = ReplaySource::open(&path, false).expect("replay source");
+    let mut tui_replay = TuiState::new();
+    replay.control(stagehand_dashboard::app::Control::ToEnd, &mut updates);
+    replay.poll(std::time::Instant::now(), &mut updates);
+    for u in updates.drain(..) {
+        tui_replay.ingest(u);
+    }
+    assert_eq!(tui_replay.snapshot, live);
     server.shutdown().expect("shutdown");
 }
