@@ -8,6 +8,8 @@ pub mod events;
 #[cfg(feature = "torch")]
 pub mod activations;
 #[cfg(feature = "torch")]
+pub mod nn;
+#[cfg(feature = "torch")]
 pub mod saved;
 #[cfg(feature = "torch")]
 pub mod torch;

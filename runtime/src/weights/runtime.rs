@@ -112,6 +112,11 @@ impl WeightRuntime {
         Ok(rt)
     }
 
+    /// A number that identifies this runtime (shared by its clones).
+    pub fn identity(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     fn lock(&self) -> MutexGuard<'_, Scheduler> {
         self.inner.sched.lock().unwrap_or_else(|p| p.into_inner())
     }

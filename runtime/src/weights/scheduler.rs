@@ -223,7 +223,7 @@ impl Scheduler {
         let mut vars = Vec::with_capacity(params.len());
         for (p, (_, var)) in spec.params.iter().zip(params) {
             let mut var = var;
-            var.set_data(&torch(Tensor::f_empty([0], (p.kind, dev)))?);
+            var.set_data(&placeholder(p.kind, &p.shape, dev)?);
             vars.push(var);
         }
         self.residency.add(name);
@@ -726,7 +726,7 @@ impl Scheduler {
         let dev = self.device.tch_device();
         let b = &mut self.blocks[id.0 as usize];
         for (p, var) in b.spec.params.iter().zip(b.vars.iter_mut()) {
-            var.set_data(&torch(Tensor::f_empty([0], (p.kind, dev)))?);
+            var.set_data(&placeholder(p.kind, &p.shape, dev)?);
         }
         b.device_buf = None;
         let ptr = std::mem::take(&mut b.device_ptr);
@@ -844,6 +844,18 @@ impl Scheduler {
         self.shut_down = true;
         Ok(())
     }
+}
+
+/// What an evicted parameter points at: its full shape with every stride 0 over one element.
+/// Keeping the shape matters: autograd's `AccumulateGrad` may still run for a parameter whose
+/// block is evicted (an embedding's weight is never needed in backward), and it lays the new
+/// gradient out after the parameter; with a 0-element placeholder it would fail (the seed's
+/// device-mismatch bug, in another guise). An expanded tensor is not dense, so libtorch just
+/// keeps a contiguous gradient, which the next flush moves to the host.
+fn placeholder(kind: Kind, shape: &[i64], dev: tch::Device) -> Result<Tensor> {
+    let one = torch(Tensor::f_zeros([1], (kind, dev)))?;
+    let t = torch(one.f_view(vec![1i64; shape.len()].as_slice()))?;
+    torch(t.f_expand(shape, false))
 }
 
 fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
