@@ -187,6 +187,8 @@ fn d2h_bandwidth(dev: &Device) -> f64 {
 
 fn main() {
     let dev = Device::auto(64 << 30);
+    // Before the first backward of the process (see the hook engine's docs).
+    stagehand::torch::hooks::install().expect("hook engine");
     let a = args(dev.is_cuda());
     println!(
         "device: {} | model: {} blocks, dim {}, {} tokens, fp32 | {} timed steps",

@@ -21,6 +21,9 @@ fn rng() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn device() -> Device {
+    // The hook engine must be libtorch's engine before the first backward of the process (a
+    // resident run included): the device threads start once per process, for the first engine.
+    stagehand::torch::hooks::install().expect("hook engine");
     Device::auto(1 << 30)
 }
 
