@@ -97,6 +97,15 @@ class StagehandEngine final : public torch::autograd::Engine {
 
 torch::autograd::Engine& engine_stub() { return StagehandEngine::instance(); }
 
+// libtorch starts the autograd engine's device threads once per process, for whichever engine
+// runs the first backward. Installing our engine while the binary loads, before main, means no
+// backward can ever run on the stock engine first. It behaves exactly like the stock engine
+// until a thread sets a hook context.
+struct InstallAtLoad {
+  InstallAtLoad() { torch::autograd::set_default_engine_stub(&engine_stub); }
+};
+InstallAtLoad g_install_at_load;
+
 void write_err(char* err, size_t len, const char* msg) {
   if (err == nullptr || len == 0) return;
   std::strncpy(err, msg, len - 1);

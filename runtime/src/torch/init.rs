@@ -9,10 +9,18 @@ use std::sync::OnceLock;
 
 static CUDA_LOADED: OnceLock<Result<(), String>> = OnceLock::new();
 
-/// Loads libtorch's CUDA backend if it is present. Idempotent and cheap after the first call;
-/// every runtime constructor calls it. Returns whether CUDA is usable.
+/// Loads libtorch's CUDA backend if it is present and installs the saved-tensor hook engine.
+/// Idempotent and cheap after the first call; every runtime constructor calls it. Returns
+/// whether CUDA is usable.
+///
+/// The hook engine itself becomes libtorch's default engine while the binary loads (libtorch
+/// starts the autograd engine's device threads once per process, so it must be the default
+/// before the first backward); this registers the Rust callbacks it calls.
 pub fn init() -> bool {
     let _ = CUDA_LOADED.get_or_init(load_torch_cuda);
+    if let Err(e) = super::hooks::install() {
+        eprintln!("stagehand: {e}");
+    }
     cuda_available()
 }
 
