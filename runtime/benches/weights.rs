@@ -75,7 +75,7 @@ fn main() -> anyhow::Result<()> {
     for b in 0..blocks {
         for (n, s) in NAMES.iter().zip(shapes(d)) {
             let t = (Tensor::randn(s, (Kind::Float, dev)) * (1.0 / (s[1] as f64).sqrt())).to_kind(kind);
-            let _ = (vr.root() / "blocks" / b).var_copy(n, &t);
+            let _ = (vr.root() / "blocks" / b).add(n, t, false);
         }
     }
     vr.freeze();
@@ -102,7 +102,7 @@ fn main() -> anyhow::Result<()> {
     for b in 0..blocks {
         for n in NAMES {
             let t = ref_vars[&format!("blocks.{b}.{n}")].to_device(tch::Device::Cpu);
-            let _ = (vs.root() / "blocks" / b).var_copy(n, &t);
+            let _ = (vs.root() / "blocks" / b).add(n, t, false);
         }
     }
     drop(ref_vars);
@@ -142,8 +142,10 @@ fn main() -> anyhow::Result<()> {
     let mut streamed = f64::MAX;
     let mut bytes = 0u64;
     let mut last = Default::default();
+    let mut after_step = Vec::new();
     for _ in 0..steps {
         let t = step_streamed()?;
+        after_step.push(probe.memory().allocated);
         if t < streamed {
             streamed = t;
             last = rt.last_step_metrics();
@@ -182,6 +184,15 @@ fn main() -> anyhow::Result<()> {
         last.prefetch_hits, last.prefetch_misses, last.stall_time_ms, last.evictions
     );
     println!("peak allocated during streamed steps: {:.2} GB", peak as f64 / 1e9);
+    let (first, lastm) = (after_step[0], after_step[after_step.len() - 1]);
+    println!(
+        "allocated after each step: first {:.3} GB, last {:.3} GB, max {:.3} GB ({} steps; growth {} bytes)",
+        first as f64 / 1e9,
+        lastm as f64 / 1e9,
+        after_step.iter().max().copied().unwrap_or(0) as f64 / 1e9,
+        after_step.len(),
+        lastm as i64 - first as i64
+    );
     println!("ratio streamed / floor: {:.3} (target <= 1.15 on the GPU)", streamed / floor);
     rt.shutdown()?;
     Ok(())

@@ -61,6 +61,9 @@ impl Drop for BlockGuard {
 impl WeightRuntime {
     /// An empty runtime on `device`; add blocks with [`register_block`](Self::register_block).
     pub fn new(device: Device, config: WeightConfig, bus: Bus) -> Result<WeightRuntime> {
+        // The hook engine must be libtorch's engine before the first backward of the process,
+        // and registering trainable blocks runs one (to give host leaves a gradient).
+        crate::torch::hooks::install()?;
         let index: PtrIndex = Arc::default();
         let sched = Scheduler::new(device.clone(), config, bus.clone(), index.clone())?;
         let knobs = sched.knobs.clone();
