@@ -13,6 +13,9 @@ use stagehand::device::Device;
 use stagehand::events::Bus;
 use stagehand::events::BlockId;
 use stagehand::weights::{WeightConfig, WeightRuntime};
+use stagehand::torch::SavedTensorHooks;
+use stagehand::weights::WeightStore;
+use std::sync::Arc;
 use std::time::Instant;
 use tch::{nn, Kind, Tensor};
 
@@ -109,6 +112,11 @@ fn main() -> anyhow::Result<()> {
     vs.freeze();
     drop(resident_w);
     drop(vr);
+    sync()?;
+    println!(
+        "allocated after dropping the resident model: {:.3} GB",
+        probe.memory().allocated as f64 / 1e9
+    );
     let cfg = WeightConfig::builder()
         .pool(block_bytes as u64 * 2, block_bytes as u64)
         .watermarks(u64::MAX / 2, u64::MAX / 4)
@@ -119,12 +127,16 @@ fn main() -> anyhow::Result<()> {
     let rt = WeightRuntime::from_var_store(&vs, r"^blocks\.\d+$", probe.clone(), cfg, Bus::disabled())?;
     let ids: Vec<BlockId> = (0..blocks).map(|b| rt.block_id(&format!("blocks.{b}"))).collect::<Result<_, _>>()?;
     let streamed_w = weights_of(&vs, blocks);
+    // The weight runtime's own store (what `rt.hooks()` installs), kept here to count entries.
+    let store = Arc::new(WeightStore::new(rt.resolver()));
+    let saved_after_forward = std::cell::Cell::new(0usize);
+    let saved_after_backward = std::cell::Cell::new(0usize);
     let step_streamed = || -> anyhow::Result<f64> {
         let x = x0.detach().set_requires_grad(true);
         let t0 = Instant::now();
         rt.begin_step()?;
         let y = {
-            let _hooks = rt.hooks()?;
+            let _hooks = SavedTensorHooks::enable(store.clone())?;
             let mut h = x.shallow_clone();
             for (id, w) in ids.iter().zip(&streamed_w) {
                 let _g = rt.block(*id)?;
@@ -132,7 +144,10 @@ fn main() -> anyhow::Result<()> {
             }
             h
         };
+        saved_after_forward.set(store.len());
         y.to_kind(Kind::Float).mean(Kind::Float).backward();
+        drop(y);
+        saved_after_backward.set(store.len());
         rt.end_step()?;
         sync()?;
         Ok(t0.elapsed().as_secs_f64())
@@ -146,6 +161,14 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..steps {
         let t = step_streamed()?;
         after_step.push(probe.memory().allocated);
+        if std::env::var("SH_VERBOSE").is_ok() {
+            println!(
+                "  step {t:.4} s: allocated {:.3} GB, resident blocks {:.3} GB, copies in flight {:?}",
+                probe.memory().allocated as f64 / 1e9,
+                rt.resident_bytes() as f64 / 1e9,
+                rt.copies_in_flight()
+            );
+        }
         if t < streamed {
             streamed = t;
             last = rt.last_step_metrics();
@@ -183,6 +206,11 @@ fn main() -> anyhow::Result<()> {
         "prefetch hits {} misses {} stall {:.1} ms evictions {}",
         last.prefetch_hits, last.prefetch_misses, last.stall_time_ms, last.evictions
     );
+    println!(
+        "saved-tensor store entries: {} after forward, {} after backward",
+        saved_after_forward.get(),
+        saved_after_backward.get()
+    );
     println!("peak allocated during streamed steps: {:.2} GB", peak as f64 / 1e9);
     let (first, lastm) = (after_step[0], after_step[after_step.len() - 1]);
     println!(
@@ -195,5 +223,7 @@ fn main() -> anyhow::Result<()> {
     );
     println!("ratio streamed / floor: {:.3} (target <= 1.15 on the GPU)", streamed / floor);
     rt.shutdown()?;
+    sync()?;
+    println!("allocated after shutdown: {:.3} GB", probe.memory().allocated as f64 / 1e9);
     Ok(())
 }

@@ -283,6 +283,15 @@ impl Pending {
         Ok(())
     }
 
+    /// Stops keeping the copied tensor alive and returns the completion event, without waiting.
+    /// Sound only for a copy whose *destination* the compute stream already waits on (via
+    /// [`Device::compute_wait`] on `done`): the caching allocator then reuses that memory in
+    /// compute-stream order, after the copy. A copy's host source must still outlive `done`.
+    pub fn release_after_compute_wait(mut self) -> Event {
+        self.keep_alive = None;
+        self.done.clone()
+    }
+
     /// Copy duration in milliseconds, once complete (0 on the host device).
     pub fn elapsed_ms(&self) -> f64 {
         self.start.elapsed_ms(&self.done)

@@ -259,6 +259,12 @@ impl WeightRuntime {
         self.lock().resident_bytes
     }
 
+    /// Copies not yet seen complete: (blocks still prefetching, copies of ready or evicted
+    /// blocks whose buffers stay alive until their copy completes).
+    pub fn copies_in_flight(&self) -> (usize, usize) {
+        self.lock().copies_in_flight()
+    }
+
     /// Metrics of the open step so far.
     pub fn current_metrics(&self) -> WeightStepMetrics {
         self.lock().metrics.clone()
