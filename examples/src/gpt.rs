@@ -1,8 +1,62 @@
 //! A small GPT in the style of tch's own examples (min-GPT): token and position embeddings, a
 //! stack of pre-norm blocks with causal self-attention and an MLP, and a language-model head.
+//!
+//! The layers that hold weights come from a [`Layers`] factory, so one model definition trains
+//! resident (plain `tch::nn`, [`TchLayers`]) or streamed by Stagehand's layer mode
+//! ([`StreamedLayers`]): the diff a user makes is the factory. The norms carry no parameters, so
+//! every parameter lives in a linear or embedding layer.
 
+use stagehand::nn as snn;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
+
+/// Makes the layers that hold weights, at a path like `["blocks", "3", "qkv"]`.
+pub trait Layers {
+    fn linear(&self, path: &[String], in_dim: i64, out_dim: i64) -> Box<dyn Module>;
+    fn embedding(&self, path: &[String], n: i64, dim: i64) -> Box<dyn Module>;
+}
+
+/// Plain `tch::nn` layers on a VarStore path.
+#[derive(Debug)]
+pub struct TchLayers<'a>(pub nn::Path<'a>);
+
+impl Layers for TchLayers<'_> {
+    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn Module> {
+        let p = path.iter().fold(&self.0 / "", |p, s| p / s.as_str());
+        Box::new(nn::linear(p, i, o, Default::default()))
+    }
+    fn embedding(&self, path: &[String], n: i64, d: i64) -> Box<dyn Module> {
+        let p = path.iter().fold(&self.0 / "", |p, s| p / s.as_str());
+        Box::new(nn::embedding(p, n, d, Default::default()))
+    }
+}
+
+/// Stagehand's drop-in layers: each one a block streamed from host memory.
+#[derive(Debug)]
+pub struct StreamedLayers<'a>(pub &'a snn::ManagedVarStore);
+
+impl Layers for StreamedLayers<'_> {
+    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn Module> {
+        let p = path.iter().fold(self.0.root(), |p, s| p / s.as_str());
+        Box::new(snn::linear(p, i, o, Default::default()))
+    }
+    fn embedding(&self, path: &[String], n: i64, d: i64) -> Box<dyn Module> {
+        let p = path.iter().fold(self.0.root(), |p, s| p / s.as_str());
+        Box::new(snn::embedding(p, n, d, Default::default()))
+    }
+}
+
+fn at(prefix: &[String], name: &str) -> Vec<String> {
+    let mut v = prefix.to_vec();
+    v.push(name.to_owned());
+    v
+}
+
+/// Layer norm without learnable parameters.
+fn norm(x: &Tensor) -> Tensor {
+    let d = *x.size().last().expect("a norm input has a last dimension");
+    x.layer_norm([d], None::<&Tensor>, None::<&Tensor>, 1e-5, false)
+}
 
 /// Model size.
 #[derive(Debug, Clone, Copy)]
@@ -18,33 +72,31 @@ impl GptConfig {
     /// Parameters of the model (embeddings, blocks, head).
     pub fn parameters(&self) -> i64 {
         let d = self.n_embd;
-        let per_block = 4 * d * d + 4 * d + 2 * (4 * d * d) + 4 * d + d + 4 * d;
-        self.vocab * d + self.block_size * d + self.n_layer * per_block + 2 * d + d * self.vocab
+        // qkv, proj, fc, fc_out with their biases.
+        let per_block = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+        self.vocab * d + self.block_size * d + self.n_layer * per_block + d * self.vocab + self.vocab
     }
 }
 
 /// One transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
 #[derive(Debug)]
 pub struct Block {
-    ln1: nn::LayerNorm,
-    ln2: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    fc: nn::Linear,
-    fc_out: nn::Linear,
+    qkv: Box<dyn Module>,
+    proj: Box<dyn Module>,
+    fc: Box<dyn Module>,
+    fc_out: Box<dyn Module>,
     n_head: i64,
 }
 
 impl Block {
-    pub fn new(p: &nn::Path<'_>, cfg: &GptConfig) -> Block {
+    /// Block layers at `path` (e.g. `["blocks", "3"]`).
+    pub fn new(layers: &dyn Layers, path: &[String], cfg: &GptConfig) -> Block {
         let d = cfg.n_embd;
         Block {
-            ln1: nn::layer_norm(p / "ln1", vec![d], Default::default()),
-            ln2: nn::layer_norm(p / "ln2", vec![d], Default::default()),
-            qkv: nn::linear(p / "qkv", d, 3 * d, Default::default()),
-            proj: nn::linear(p / "proj", d, d, Default::default()),
-            fc: nn::linear(p / "fc", d, 4 * d, Default::default()),
-            fc_out: nn::linear(p / "fc_out", 4 * d, d, Default::default()),
+            qkv: layers.linear(&at(path, "qkv"), d, 3 * d),
+            proj: layers.linear(&at(path, "proj"), d, d),
+            fc: layers.linear(&at(path, "fc"), d, 4 * d),
+            fc_out: layers.linear(&at(path, "fc_out"), 4 * d, d),
             n_head: cfg.n_head,
         }
     }
@@ -66,8 +118,8 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let x = x + self.attention(&self.ln1.forward(x));
-        let h = self.fc.forward(&self.ln2.forward(&x)).gelu("tanh");
+        let x = x + self.attention(&norm(x));
+        let h = self.fc.forward(&norm(&x)).gelu("tanh");
         &x + self.fc_out.forward(&h)
     }
 }
@@ -76,26 +128,25 @@ impl Module for Block {
 #[derive(Debug)]
 pub struct Gpt {
     pub cfg: GptConfig,
-    tok: nn::Embedding,
-    pos: nn::Embedding,
+    tok: Box<dyn Module>,
+    pos: Box<dyn Module>,
     pub blocks: Vec<Block>,
-    ln_f: nn::LayerNorm,
-    head: nn::Linear,
+    head: Box<dyn Module>,
 }
 
 impl Gpt {
-    /// Builds the model under `p`; block `i` lives at `blocks.i`.
-    pub fn new(p: &nn::Path<'_>, cfg: GptConfig) -> Gpt {
+    /// Builds the model from `layers`; block `i`'s layers live at `blocks.i.*`.
+    pub fn new(layers: &dyn Layers, cfg: GptConfig) -> Gpt {
         let d = cfg.n_embd;
+        let name = |s: &str| vec![s.to_owned()];
         Gpt {
             cfg,
-            tok: nn::embedding(p / "tok", cfg.vocab, d, Default::default()),
-            pos: nn::embedding(p / "pos", cfg.block_size, d, Default::default()),
+            tok: layers.embedding(&name("tok"), cfg.vocab, d),
+            pos: layers.embedding(&name("pos"), cfg.block_size, d),
             blocks: (0..cfg.n_layer)
-                .map(|i| Block::new(&(p / "blocks" / i), &cfg))
+                .map(|i| Block::new(layers, &["blocks".to_owned(), i.to_string()], &cfg))
                 .collect(),
-            ln_f: nn::layer_norm(p / "ln_f", vec![d], Default::default()),
-            head: nn::linear(p / "head", d, cfg.vocab, Default::default()),
+            head: layers.linear(&name("head"), d, cfg.vocab),
         }
     }
 
@@ -108,7 +159,7 @@ impl Gpt {
 
     /// Logits from the output of the last block.
     pub fn logits(&self, x: &Tensor) -> Tensor {
-        self.head.forward(&self.ln_f.forward(x))
+        self.head.forward(&norm(x))
     }
 
     /// Cross-entropy of next-token prediction.

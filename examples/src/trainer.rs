@@ -2,17 +2,52 @@
 //! run exactly the same code.
 
 use crate::data::progression_batch;
-use crate::gpt::{Gpt, GptConfig};
+use crate::gpt::{Gpt, GptConfig, StreamedLayers, TchLayers};
 use anyhow::Result;
+use stagehand::activations::{ActivationConfig, ActivationRuntime};
+use stagehand::conductor::{
+    ActivationAdapter, Conductor, ConductorConfig, KnobValues, Knobs, WeightAdapter,
+};
 use stagehand::device::Device;
+use stagehand::nn::{LayerOptions, ManagedVarStore};
+use stagehand::weights::{OffloadedAdamW, WeightRuntime};
+use std::sync::Arc;
 use stagehand::events::{Bus, EventKind, Phase, TrainStepMetrics};
 use std::time::Instant;
 use tch::nn::{self, Module, OptimizerConfig};
+
+/// How the model's memory is managed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Memory {
+    /// Plain tch: every weight and activation stays on the device.
+    Resident,
+    /// Stagehand: weights stream through layer mode with `weight_budget_bytes` of device room,
+    /// activations spill above `spill_high_bytes` (until under `spill_low_bytes`), and the
+    /// Conductor runs the phases with a soft cap at the whole budget.
+    Streamed {
+        weight_budget_bytes: u64,
+        spill_high_bytes: u64,
+        spill_low_bytes: u64,
+    },
+}
+
+impl Memory {
+    /// Splits a device budget the way the demo does: an eighth of it for resident weights,
+    /// activations spilled above a half (down to three eighths).
+    pub fn streamed_within(budget: u64) -> Memory {
+        Memory::Streamed {
+            weight_budget_bytes: budget / 8,
+            spill_high_bytes: budget / 2,
+            spill_low_bytes: budget * 3 / 8,
+        }
+    }
+}
 
 /// What to train and where.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
     pub steps: u64,
+    pub memory: Memory,
     pub model: GptConfig,
     pub batch: i64,
     pub learning_rate: f64,
@@ -26,6 +61,7 @@ impl TrainConfig {
     pub fn demo(steps: u64, layers: i64, d_model: i64, seq: i64, batch: i64, budget_bytes: u64) -> TrainConfig {
         TrainConfig {
             steps,
+            memory: Memory::streamed_within(budget_bytes),
             model: GptConfig {
                 vocab: 128,
                 block_size: seq,
@@ -58,6 +94,10 @@ impl TrainConfig {
 pub struct Summary {
     pub steps: u64,
     pub losses: Vec<f64>,
+    /// Saved tensors the activation runtime spilled, by its own count (0 when resident).
+    pub activations_spilled: u64,
+    /// Bytes it spilled.
+    pub spill_bytes: u64,
     pub mean_step_s: f64,
     pub peak_bytes: u64,
 }
@@ -91,6 +131,7 @@ pub fn announce(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str) {
             "d_model": cfg.model.n_embd,
             "seq": cfg.model.block_size,
             "budget_bytes": cfg.budget_bytes,
+            "memory": format!("{:?}", cfg.memory),
         }),
     });
 }
@@ -101,14 +142,53 @@ pub fn train(
     cfg: &TrainConfig,
     device: &Device,
     bus: &Bus,
+    on_step: impl FnMut(u64, f64, f64),
+) -> Result<Summary> {
+    match cfg.memory {
+        Memory::Resident => train_resident(cfg, device, bus, on_step),
+        Memory::Streamed { .. } => train_streamed(cfg, device, bus, on_step),
+    }
+}
+
+/// Publishes the end-of-step samples every run reports.
+fn report_step(bus: &Bus, device: &Device, cfg: &TrainConfig, loss: f64, dt: f64) -> u64 {
+    let mem = device.memory();
+    let budget = cfg.budget_bytes;
+    let (high, low) = match cfg.memory {
+        Memory::Streamed {
+            spill_high_bytes,
+            spill_low_bytes,
+            ..
+        } => (spill_high_bytes, spill_low_bytes),
+        Memory::Resident => (budget * 8 / 10, budget * 6 / 10),
+    };
+    bus.publish(EventKind::VramSample {
+        allocated_bytes: mem.allocated,
+        reserved_bytes: mem.reserved,
+        peak_allocated_bytes: mem.peak,
+        high_watermark_bytes: high,
+        low_watermark_bytes: low,
+        budget_bytes: budget,
+    });
+    bus.publish(EventKind::TrainStep(TrainStepMetrics {
+        loss,
+        step_time_s: dt,
+        tokens: (cfg.batch * cfg.model.block_size) as u64,
+        vram_peak_bytes: mem.peak,
+    }));
+    mem.peak
+}
+
+fn train_resident(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
     mut on_step: impl FnMut(u64, f64, f64),
 ) -> Result<Summary> {
     tch::manual_seed(cfg.seed);
     let vs = nn::VarStore::new(device.tch_device());
-    let model = Gpt::new(&vs.root(), cfg.model);
+    let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
     let mut opt = nn::AdamW::default().build(&vs, cfg.learning_rate)?;
-    let budget = cfg.budget_bytes;
-    let tokens = (cfg.batch * cfg.model.block_size) as u64;
     let mut losses = Vec::with_capacity(cfg.steps as usize);
     let (mut total, mut peak) = (0.0, 0u64);
     for step in 1..=cfg.steps {
@@ -127,22 +207,7 @@ pub fn train(
         let loss_v = loss.double_value(&[]);
         bus.enter_phase(step, Phase::StepEnd);
         let dt = t0.elapsed().as_secs_f64();
-        let mem = device.memory();
-        peak = peak.max(mem.peak);
-        bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-            high_watermark_bytes: budget * 8 / 10,
-            low_watermark_bytes: budget * 6 / 10,
-            budget_bytes: budget,
-        });
-        bus.publish(EventKind::TrainStep(TrainStepMetrics {
-            loss: loss_v,
-            step_time_s: dt,
-            tokens,
-            vram_peak_bytes: mem.peak,
-        }));
+        peak = peak.max(report_step(bus, device, cfg, loss_v, dt));
         total += dt;
         losses.push(loss_v);
         on_step(step, loss_v, dt);
@@ -152,6 +217,147 @@ pub fn train(
     Ok(Summary {
         steps: cfg.steps,
         losses,
+        activations_spilled: 0,
+        spill_bytes: 0,
+        mean_step_s: total / cfg.steps.max(1) as f64,
+        peak_bytes: peak,
+    })
+}
+
+/// Copies the Conductor's knobs (set by its hints at each phase boundary) into the runtimes.
+fn apply_knobs(weights: &Arc<Knobs>, acts: &Arc<Knobs>, rt: &WeightRuntime, ar: &ActivationRuntime) {
+    let w = weights.load();
+    rt.set_prefetch_window(if w.suppress_speculative { 1 } else { w.prefetch_window });
+    rt.set_max_inflight_h2d(w.max_inflight_h2d);
+    let a = acts.load();
+    let limits = ar.limits();
+    limits.set_max_inflight_d2h(a.max_inflight_d2h);
+    limits.set_max_inflight_h2d(a.max_inflight_h2d);
+    limits.set_suppress_speculative(a.suppress_speculative);
+}
+
+fn train_streamed(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
+    mut on_step: impl FnMut(u64, f64, f64),
+) -> Result<Summary> {
+    let Memory::Streamed {
+        weight_budget_bytes,
+        spill_high_bytes,
+        spill_low_bytes,
+    } = cfg.memory
+    else {
+        anyhow::bail!("train_streamed needs Memory::Streamed");
+    };
+    tch::manual_seed(cfg.seed);
+    // Weights: layer mode. The model is built in host memory; each linear and embedding is a
+    // block streamed to the device ahead of use. The activation runtime's store resolves saved
+    // weights through this runtime, so it installs no hooks of its own.
+    let store = ManagedVarStore::new(
+        nn::VarStore::new(tch::Device::Cpu),
+        LayerOptions {
+            vram_budget: Some(weight_budget_bytes),
+            prefetch_k: 2,
+            telemetry: bus.clone(),
+            device: Some(device.clone()),
+            install_hooks: false,
+            ..LayerOptions::default()
+        },
+    )?;
+    let model = Gpt::new(&StreamedLayers(&store), cfg.model);
+    let weights = store.runtime().clone();
+    let mut opt = OffloadedAdamW::new(&weights, cfg.learning_rate, nn::AdamW::default())?;
+
+    // Activations: spill above the high watermark into a modest pinned pool.
+    let acts = ActivationRuntime::new(
+        device.clone(),
+        ActivationConfig::builder()
+            .watermarks_bytes(spill_high_bytes, spill_low_bytes)
+            .classes_mb(&[1, 4, 16])
+            .slabs_per_class(&[64, 16, 4])
+            .max_inflight(4, 2)
+            .build()?,
+        bus.clone(),
+        Some(weights.resolver()),
+    )?;
+
+    // Conductor: phases, hints and their knobs for both runtimes.
+    let mib = |b: u64| (b >> 20).max(1);
+    let conductor = {
+        let dev = device.clone();
+        Conductor::new(
+            ConductorConfig::builder()
+                .vram_soft_cap_mb(mib(cfg.budget_bytes))
+                .vram_hard_cap_mb(mib(cfg.budget_bytes) + mib(cfg.budget_bytes) / 10 + 1)
+                .build()?,
+            bus.clone(),
+            move || dev.memory().allocated,
+        )?
+    };
+    let weight_knobs = Knobs::new(KnobValues {
+        max_inflight_h2d: 2,
+        max_inflight_d2h: 1,
+        prefetch_window: 2,
+        suppress_speculative: false,
+    });
+    let act_knobs = Knobs::new(KnobValues {
+        max_inflight_h2d: 2,
+        max_inflight_d2h: 4,
+        prefetch_window: 4,
+        suppress_speculative: false,
+    });
+    conductor.register(WeightAdapter::new(weight_knobs.clone()))?;
+    conductor.register(ActivationAdapter::new(act_knobs.clone()))?;
+
+    let mut losses = Vec::with_capacity(cfg.steps as usize);
+    let (mut total, mut peak) = (0.0, 0u64);
+    let (mut spilled, mut spill_bytes) = (0u64, 0u64);
+    for step in 1..=cfg.steps {
+        let t0 = Instant::now();
+        device.reset_peak();
+        conductor.begin_step(step)?;
+        acts.step_begin(step);
+        let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
+        conductor.enter_forward()?;
+        apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
+        let loss = {
+            let _hooks = acts.managed_forward()?;
+            let mut x = model.embed(&batch.inputs);
+            for (i, block) in model.blocks.iter().enumerate() {
+                let _region = acts.region(&format!("blocks.{i}"));
+                x = block.forward(&x);
+            }
+            Gpt::loss(&model.logits(&x), &batch.targets)
+        };
+        conductor.enter_backward()?;
+        apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
+        opt.zero_grad()?;
+        loss.backward();
+        let loss_v = loss.double_value(&[]);
+        drop(loss);
+        let m = acts.step_end()?;
+        spilled += m.activations_spilled;
+        spill_bytes += m.spill_bytes;
+        conductor.enter_optimizer()?;
+        apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
+        opt.step()?;
+        conductor.end_step()?;
+        let dt = t0.elapsed().as_secs_f64();
+        peak = peak.max(report_step(bus, device, cfg, loss_v, dt));
+        total += dt;
+        losses.push(loss_v);
+        on_step(step, loss_v, dt);
+    }
+    weights.finish()?;
+    conductor.shutdown();
+    bus.enter_phase(cfg.steps, Phase::Idle);
+    bus.publish(EventKind::RunEnded { steps: cfg.steps });
+    Ok(Summary {
+        steps: cfg.steps,
+        losses,
+        activations_spilled: spilled,
+        spill_bytes,
         mean_step_s: total / cfg.steps.max(1) as f64,
         peak_bytes: peak,
     })

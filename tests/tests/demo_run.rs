@@ -52,7 +52,9 @@ fn demo_run_agrees_across_every_consumer() {
     stagehand::torch::init();
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("run.jsonl");
-    let budget = 64 << 20;
+    // Small enough that weights stream (an eighth of it for resident weights) and activations
+    // spill (above half of it).
+    let budget = 4 << 20;
     let device = Device::auto(budget);
 
     let hub = Arc::new(Hub::new());
@@ -83,6 +85,15 @@ fn demo_run_agrees_across_every_consumer() {
     // The hub's snapshot.
     let live = hub.snapshot();
     assert!(live.ended);
+    // Streaming and spilling really happened, and the events count what the runtimes counted.
+    assert!(summary.activations_spilled > 0, "activations spilled");
+    assert_eq!(live.activations.spilled, summary.activations_spilled);
+    assert_eq!(live.activations.spill_bytes, summary.spill_bytes);
+    assert_eq!(live.activations.restored, live.activations.spilled, "every spill came back");
+    assert!(live.transfers.h2d.bytes > 0 && live.weights.evictions > 0, "weights streamed");
+    assert!(live.blocks.len() as i64 >= 4 * 4 + 3, "every weight layer is a block");
+    assert!(live.conductor.hint_changes > 0, "the Conductor set hints");
+    assert!(summary.peak_bytes <= budget, "peak {} over budget {budget}", summary.peak_bytes);
     assert_eq!(live.dropped_events, 0);
     let trained: Vec<u64> = live.steps.iter().filter(|r| r.train.is_some()).map(|r| r.step).collect();
     assert_eq!(trained, (1..=60).collect::<Vec<_>>());

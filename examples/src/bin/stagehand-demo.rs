@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
 use stagehand::events::jsonl::{JsonlSink, OpenMode};
 use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce, train, TrainConfig};
+use stagehand_examples::trainer::{announce, train, Memory, TrainConfig};
 use std::path::PathBuf;
 
 /// Train a GPT-style model under Stagehand and watch it live.
@@ -30,7 +30,7 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     batch: i64,
     /// Device VRAM budget in MiB (the simulated VRAM on the host device).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 32)]
     budget_mib: u64,
     /// Telemetry file (JSONL); never overwritten. Default: runs/stagehand-<time>.jsonl
     #[arg(long)]
@@ -44,6 +44,9 @@ struct Args {
     /// Do not serve the API and dashboards.
     #[arg(long)]
     no_serve: bool,
+    /// Train with plain tch (everything resident), to compare.
+    #[arg(long)]
+    resident: bool,
     /// After training, keep serving until Enter is pressed.
     #[arg(long)]
     keep_serving: bool,
@@ -82,7 +85,10 @@ fn main() -> Result<()> {
         )
     };
 
-    let cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget);
+    let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget);
+    if args.resident {
+        cfg.memory = Memory::Resident;
+    }
     let run_id = out
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -108,8 +114,31 @@ fn main() -> Result<()> {
     }
     println!("  telemetry  {}", out.display());
     println!("  replay it  stagehand-top --replay {}", out.display());
-    println!("  weights    resident (weight streaming is not wired into the demo yet)");
-    println!("  activations resident (activation spilling is not wired into the demo yet)");
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    match cfg.memory {
+        Memory::Resident => {
+            println!("  memory     resident: plain tch, no streaming, no spilling (--resident)")
+        }
+        Memory::Streamed {
+            weight_budget_bytes,
+            spill_high_bytes,
+            spill_low_bytes,
+        } => {
+            let weights = (cfg.model.parameters() * 4) as u64;
+            println!(
+                "  weights    streamed: {:.1} MiB of weights through {:.1} MiB of device room{}",
+                mib(weights),
+                mib(weight_budget_bytes),
+                if weights > weight_budget_bytes { " (so blocks really stream)" } else { "" }
+            );
+            println!(
+                "  activations spilled to pinned host memory above {:.1} MiB, down to {:.1} MiB",
+                mib(spill_high_bytes),
+                mib(spill_low_bytes)
+            );
+            println!("  conductor  phases, budgets and hints (soft cap {:.0} MiB)", mib(budget));
+        }
+    }
 
     let bar = ProgressBar::new(args.steps);
     bar.set_style(
@@ -130,6 +159,30 @@ fn main() -> Result<()> {
     println!("  loss       {first:.3} -> {last:.3} (mean of the first and last tenth)");
     println!("  step time  {:.1} ms mean", summary.mean_step_s * 1e3);
     println!("  peak VRAM  {:.1} MiB", summary.peak_bytes as f64 / (1 << 20) as f64);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    if matches!(cfg.memory, Memory::Streamed { .. }) {
+        println!(
+            "  moved      {:.1} MiB H2D, {:.1} MiB D2H",
+            mib(snap.transfers.h2d.bytes),
+            mib(snap.transfers.d2h.bytes)
+        );
+        println!(
+            "  weights    {} prefetch hits, {} misses, {} evictions, {:.1} ms stalled",
+            snap.weights.prefetch_hits,
+            snap.weights.prefetch_misses,
+            snap.weights.evictions,
+            snap.weights.stall_time_ms
+        );
+        println!(
+            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} stalls",
+            snap.activations.saved,
+            snap.activations.spilled,
+            mib(snap.activations.spill_bytes),
+            snap.activations.restored,
+            snap.activations.predicted,
+            snap.activations.stall_count
+        );
+    }
     println!(
         "  events     {} recorded, {} dropped",
         snap.events_applied, snap.dropped_events
