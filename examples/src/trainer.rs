@@ -277,6 +277,8 @@ fn train_streamed(
             .classes_mb(&[1, 4, 16])
             .slabs_per_class(&[64, 16, 4])
             .max_inflight(4, 2)
+            // Restores ahead of backward may use what the weights leave of the spill window.
+            .restore_ahead(4, (spill_high_bytes - spill_low_bytes).max(1))
             .build()?,
         bus.clone(),
         Some(weights.resolver()),
