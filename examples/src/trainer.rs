@@ -48,6 +48,8 @@ impl Memory {
 pub struct TrainConfig {
     pub steps: u64,
     pub memory: Memory,
+    /// Run the Conductor in streamed mode (off: the trainer tags phases itself).
+    pub conductor: bool,
     pub model: GptConfig,
     pub batch: i64,
     pub learning_rate: f64,
@@ -62,6 +64,7 @@ impl TrainConfig {
         TrainConfig {
             steps,
             memory: Memory::streamed_within(budget_bytes),
+            conductor: true,
             model: GptConfig {
                 vocab: 128,
                 block_size: seq,
@@ -290,6 +293,7 @@ fn train_streamed(
         let dev = device.clone();
         Conductor::new(
             ConductorConfig::builder()
+                .enabled(cfg.conductor)
                 .vram_soft_cap_mb(mib(cfg.budget_bytes))
                 .vram_hard_cap_mb(mib(cfg.budget_bytes) + mib(cfg.budget_bytes) / 10 + 1)
                 .build()?,
@@ -318,10 +322,24 @@ fn train_streamed(
     for step in 1..=cfg.steps {
         let t0 = Instant::now();
         device.reset_peak();
-        conductor.begin_step(step)?;
+        let phase = |p: Phase| -> Result<()> {
+            if !conductor.is_enabled() {
+                bus.enter_phase(step, p);
+                return Ok(());
+            }
+            match p {
+                Phase::StepBegin => conductor.begin_step(step)?,
+                Phase::Forward => conductor.enter_forward()?,
+                Phase::Backward => conductor.enter_backward()?,
+                Phase::Optimizer => conductor.enter_optimizer()?,
+                _ => conductor.end_step()?,
+            }
+            Ok(())
+        };
+        phase(Phase::StepBegin)?;
         acts.step_begin(step);
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
-        conductor.enter_forward()?;
+        phase(Phase::Forward)?;
         apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
         let loss = {
             let _hooks = acts.managed_forward()?;
@@ -332,7 +350,7 @@ fn train_streamed(
             }
             Gpt::loss(&model.logits(&x), &batch.targets)
         };
-        conductor.enter_backward()?;
+        phase(Phase::Backward)?;
         apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
         opt.zero_grad()?;
         loss.backward();
@@ -341,10 +359,10 @@ fn train_streamed(
         let m = acts.step_end()?;
         spilled += m.activations_spilled;
         spill_bytes += m.spill_bytes;
-        conductor.enter_optimizer()?;
+        phase(Phase::Optimizer)?;
         apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
         opt.step()?;
-        conductor.end_step()?;
+        phase(Phase::StepEnd)?;
         let dt = t0.elapsed().as_secs_f64();
         peak = peak.max(report_step(bus, device, cfg, loss_v, dt));
         total += dt;

@@ -47,6 +47,9 @@ struct Args {
     /// Train with plain tch (everything resident), to compare.
     #[arg(long)]
     resident: bool,
+    /// Stream and spill without the Conductor, to compare.
+    #[arg(long)]
+    no_conductor: bool,
     /// After training, keep serving until Enter is pressed.
     #[arg(long)]
     keep_serving: bool,
@@ -89,6 +92,7 @@ fn main() -> Result<()> {
     if args.resident {
         cfg.memory = Memory::Resident;
     }
+    cfg.conductor = !args.no_conductor;
     let run_id = out
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -136,7 +140,11 @@ fn main() -> Result<()> {
                 mib(spill_high_bytes),
                 mib(spill_low_bytes)
             );
-            println!("  conductor  phases, budgets and hints (soft cap {:.0} MiB)", mib(budget));
+            if cfg.conductor {
+                println!("  conductor  phases, budgets and hints (soft cap {:.0} MiB)", mib(budget));
+            } else {
+                println!("  conductor  off (--no-conductor)");
+            }
         }
     }
 
