@@ -272,13 +272,23 @@ fn train_streamed(
     let weights = store.runtime().clone();
     let mut opt = OffloadedAdamW::new(&weights, cfg.learning_rate, nn::AdamW::default())?;
 
-    // Activations: spill above the high watermark into a modest pinned pool.
+    // Activations: spill above the high watermark into a pinned pool sized from the budget:
+    // the seed's classes up to a quarter of the budget, each holding about half the budget.
+    let budget_mb = (cfg.budget_bytes >> 20).max(4);
+    let classes: Vec<u64> = [1u64, 4, 16, 64, 256]
+        .into_iter()
+        .filter(|c| *c <= (budget_mb / 4).max(1))
+        .collect();
+    let slabs: Vec<u32> = classes
+        .iter()
+        .map(|c| (budget_mb / (2 * c)).clamp(2, 128) as u32)
+        .collect();
     let acts = ActivationRuntime::new(
         device.clone(),
         ActivationConfig::builder()
             .watermarks_bytes(spill_high_bytes, spill_low_bytes)
-            .classes_mb(&[1, 4, 16])
-            .slabs_per_class(&[64, 16, 4])
+            .classes_mb(&classes)
+            .slabs_per_class(&slabs)
             .max_inflight(4, 2)
             // Restores ahead of backward may use what the weights leave of the spill window.
             .restore_ahead(4, (spill_high_bytes - spill_low_bytes).max(1))
