@@ -1,0 +1,57 @@
+//! Every example program runs and does what its doc says.
+
+use std::process::Command;
+
+fn run(bin: &str, args: &[&str]) -> String {
+    let out = Command::new(bin).args(args).output().expect("the example starts");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{bin} failed: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+fn losses(text: &str) -> Vec<String> {
+    text.lines().filter(|l| l.starts_with("step")).map(str::to_owned).collect()
+}
+
+#[test]
+fn wrapping_a_loop_changes_memory_not_results() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("run.jsonl");
+    let before = run(env!("CARGO_BIN_EXE_train-before"), &["20"]);
+    let after = run(env!("CARGO_BIN_EXE_train-after"), &["20", file.to_str().expect("utf-8 path")]);
+    assert_eq!(losses(&before).len(), 2);
+    assert_eq!(losses(&before), losses(&after), "streamed training is exact");
+    assert!(after.contains("evictions"), "{after}");
+    assert!(file.exists());
+
+    let replay = run(env!("CARGO_BIN_EXE_replay"), &[file.to_str().expect("utf-8 path")]);
+    assert!(replay.contains("stagehand-top --replay"), "{replay}");
+    let trace: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(format!("{}.trace.json", file.display())).expect("trace written"),
+    )
+    .expect("trace json");
+    stagehand_exporter::trace::validate(&trace).expect("a valid Chrome/Perfetto trace");
+}
+
+#[test]
+fn inference_streams_a_model_larger_than_its_budget() {
+    let text = run(env!("CARGO_BIN_EXE_inference"), &["2"]);
+    let last = text.lines().last().expect("a summary line");
+    let resident: u64 = last
+        .split(" bytes resident")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("resident bytes");
+    let budget: u64 = last
+        .rsplit("budget ")
+        .next()
+        .and_then(|s| s.trim_end_matches(')').parse().ok())
+        .expect("budget");
+    assert!(resident <= budget, "{last}");
+    assert!(last.contains("evictions") && !last.starts_with("last pass: 0 evictions"), "{last}");
+}
