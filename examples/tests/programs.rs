@@ -55,3 +55,21 @@ fn inference_streams_a_model_larger_than_its_budget() {
     assert!(resident <= budget, "{last}");
     assert!(last.contains("evictions") && !last.starts_with("last pass: 0 evictions"), "{last}");
 }
+
+#[test]
+fn adapters_train_over_a_frozen_base_streamed_from_its_file() {
+    let text = run(env!("CARGO_BIN_EXE_adapter-finetune"), &["40"]);
+    let last = text.lines().last().expect("a summary line");
+    let nums: Vec<f64> = last
+        .trim_start_matches("loss ")
+        .split(" -> ")
+        .map(|s| s.split(';').next().unwrap_or(s).trim().parse().expect("a loss"))
+        .collect();
+    assert!(nums[1] < nums[0] * 0.9, "the adapters learn: {last}");
+    let evictions: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.split("evictions ").nth(1))
+        .filter_map(|s| s.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(evictions.iter().all(|e| *e > 0), "blocks stream from the file: {text}");
+}
