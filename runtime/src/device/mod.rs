@@ -271,6 +271,16 @@ pub struct Pending {
 }
 
 impl Pending {
+    /// A copy that already finished (the host device copies synchronously).
+    fn finished(bytes: usize) -> Pending {
+        Pending {
+            done: Event::complete(),
+            start: Event::complete(),
+            bytes,
+            keep_alive: None,
+        }
+    }
+
     /// Whether the copy finished (never blocks).
     pub fn is_complete(&self) -> bool {
         self.done.is_complete()
@@ -360,27 +370,13 @@ impl CopyStream {
                         bytes,
                     )
                 };
-                Ok(Pending {
-                    done: Event::complete(),
-                    start: Event::complete(),
-                    bytes,
-                    keep_alive: None,
-                })
+                Ok(Pending::finished(bytes))
             }
-            Some(s) => {
-                self.order_after(after)?;
-                let start = self.record()?;
+            Some(s) => self.issue(after, dst, bytes, || {
                 // SAFETY: `dst` is a live contiguous device tensor of `bytes` bytes; `src` is a
                 // pinned buffer that outlives the copy (callers keep slabs until `done`).
-                unsafe { cuda::h2d(s, dst.data_ptr() as u64, &src.as_slice()[range])? };
-                let done = self.record()?;
-                Ok(Pending {
-                    done,
-                    start,
-                    bytes,
-                    keep_alive: Some(dst.shallow_clone()),
-                })
-            }
+                unsafe { cuda::h2d(s, dst.data_ptr() as u64, &src.as_slice()[range]) }
+            }),
         }
     }
 
@@ -405,28 +401,35 @@ impl CopyStream {
                         bytes,
                     )
                 };
-                Ok(Pending {
-                    done: Event::complete(),
-                    start: Event::complete(),
-                    bytes,
-                    keep_alive: None,
-                })
+                Ok(Pending::finished(bytes))
             }
-            Some(s) => {
-                self.order_after(after)?;
-                let start = self.record()?;
+            Some(s) => self.issue(after, src, bytes, || {
                 // SAFETY: `src` stays alive (kept in the Pending) until the copy completes;
                 // `dst` is pinned memory owned by the caller, who waits before reading it.
-                unsafe { cuda::d2h(s, &mut dst.as_mut_slice()[range], src.data_ptr() as u64)? };
-                let done = self.record()?;
-                Ok(Pending {
-                    done,
-                    start,
-                    bytes,
-                    keep_alive: Some(src.shallow_clone()),
-                })
-            }
+                unsafe { cuda::d2h(s, &mut dst.as_mut_slice()[range], src.data_ptr() as u64) }
+            }),
         }
+    }
+
+    /// Orders a CUDA copy after `after` (or the compute stream), issues it between two timing
+    /// events, and keeps `keep` alive until it completes.
+    fn issue(
+        &self,
+        after: Option<&Event>,
+        keep: &Tensor,
+        bytes: usize,
+        copy: impl FnOnce() -> Result<()>,
+    ) -> Result<Pending> {
+        self.order_after(after)?;
+        let start = self.record()?;
+        copy()?;
+        let done = self.record()?;
+        Ok(Pending {
+            done,
+            start,
+            bytes,
+            keep_alive: Some(keep.shallow_clone()),
+        })
     }
 
     fn order_after(&self, after: Option<&Event>) -> Result<()> {
