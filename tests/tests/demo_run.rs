@@ -7,7 +7,7 @@ use stagehand::device::Device;
 use stagehand_dashboard::app::State as TuiState;
 use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, ReplaySource, Source};
 use stagehand::events::jsonl::{read_file, JsonlSink, OpenMode};
-use stagehand::events::{Bus, Hub, Snapshot, StreamMessage};
+use stagehand::events::{Bus, EventKind, Hub, Phase, PolicyRule, Snapshot, StreamMessage};
 use stagehand_examples::trainer::{announce, train, TrainConfig};
 use stagehand_web::Server;
 use std::io::{BufRead, BufReader};
@@ -117,6 +117,17 @@ fn demo_run_agrees_across_every_consumer() {
     // The JSONL file replays to the same snapshot.
     let (recorded, report) = read_file(&path).expect("telemetry file");
     assert_eq!(report.skipped_total, 0);
+    // The Conductor's rules fire in the event stream: optimizer protection in every step's
+    // optimizer phase, and the reset at the next step's begin.
+    let rule_count = |rule: PolicyRule, phase: Phase| {
+        recorded
+            .iter()
+            .filter(|e| e.phase == phase)
+            .filter(|e| matches!(&e.kind, EventKind::HintsChanged { rule: r, .. } if *r == rule))
+            .count()
+    };
+    assert_eq!(rule_count(PolicyRule::OptimizerProtection, Phase::Optimizer), 60);
+    assert_eq!(rule_count(PolicyRule::Reset, Phase::StepBegin), 59);
     assert_eq!(Snapshot::from_events(&recorded), live);
 
     // /api/snapshot serves it.
