@@ -439,12 +439,6 @@ pub fn fmt_hints(h: &Hints) -> String {
     s
 }
 
-fn tag<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
-}
 
 /// One line saying what an event says, for the Events log.
 pub fn describe(k: &EventKind) -> String {
@@ -468,7 +462,7 @@ pub fn describe(k: &EventKind) -> String {
         PrefetchMiss { block, stall_ms } => format!("#{block} stalled {stall_ms:.2} ms"),
         Eviction { block, reason, score, bytes } => format!(
             "#{block} {} {} score {score:.2e}",
-            tag(reason),
+            stagehand::events::wire_name(reason),
             fmt_bytes(*bytes)
         ),
         PrefetchWindow { cursor, backward, window } => format!(
@@ -494,24 +488,24 @@ pub fn describe(k: &EventKind) -> String {
         ),
         PoolConfigured { pool, classes, pinned } => format!(
             "{} {} classes{}",
-            tag(pool),
+            stagehand::events::wire_name(pool),
             classes.len(),
             if *pinned { " pinned" } else { "" }
         ),
         SlabAcquired { pool, class, slab, waited_ms, .. } => {
-            format!("{} class {class} slab {slab} waited {waited_ms:.2} ms", tag(pool))
+            format!("{} class {class} slab {slab} waited {waited_ms:.2} ms", stagehand::events::wire_name(pool))
         }
-        SlabReleased { pool, class, slab } => format!("{} class {class} slab {slab}", tag(pool)),
+        SlabReleased { pool, class, slab } => format!("{} class {class} slab {slab}", stagehand::events::wire_name(pool)),
         PoolExhausted { pool, class, requested_bytes } => format!(
             "{} class {class} wanted {}",
-            tag(pool),
+            stagehand::events::wire_name(pool),
             fmt_bytes(*requested_bytes)
         ),
-        PageableFallback { pool, bytes } => format!("{} {}", tag(pool), fmt_bytes(*bytes)),
+        PageableFallback { pool, bytes } => format!("{} {}", stagehand::events::wire_name(pool), fmt_bytes(*bytes)),
         Pack { tensor, decision, reason, bytes, .. } => format!(
             "t{tensor} {}{} {}",
-            tag(decision),
-            reason.map(|r| format!(" ({})", tag(&r))).unwrap_or_default(),
+            stagehand::events::wire_name(decision),
+            reason.map(|r| format!(" ({})", stagehand::events::wire_name(&r))).unwrap_or_default(),
             fmt_bytes(*bytes)
         ),
         SpillFinalized { tensor, bytes, inline } => format!(
@@ -533,11 +527,11 @@ pub fn describe(k: &EventKind) -> String {
             format!(
                 "r{id} {} {} {} {}/{} {}{}",
                 owner.as_str(),
-                tag(mode),
-                tag(priority),
+                stagehand::events::wire_name(mode),
+                stagehand::events::wire_name(priority),
                 fmt_bytes(*granted_bytes),
                 fmt_bytes(*requested_bytes),
-                tag(outcome),
+                stagehand::events::wire_name(outcome),
                 reason.map(|r| format!(" ({})", r.as_str())).unwrap_or_default()
             )
         }
@@ -558,7 +552,7 @@ pub fn describe(k: &EventKind) -> String {
         SlotReleased { dir, owner, inflight } => {
             format!("{} {} inflight {inflight}", dir.as_str(), owner.as_str())
         }
-        HintsChanged { hints, rule } => format!("{}: {}", tag(rule), fmt_hints(hints)),
+        HintsChanged { hints, rule } => format!("{}: {}", stagehand::events::wire_name(rule), fmt_hints(hints)),
         VramSample { allocated_bytes, budget_bytes, .. } => format!(
             "{} of {}",
             fmt_bytes(*allocated_bytes),

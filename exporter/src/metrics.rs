@@ -465,12 +465,6 @@ impl Families {
     }
 }
 
-fn tag<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
-}
 
 fn pool_name(p: PoolKind) -> &'static str {
     match p {
@@ -523,7 +517,7 @@ impl Inner {
                     .observe(stall_ms.max(0.0) / 1e3);
             }
             EventKind::Eviction { reason, .. } => {
-                f.evictions.with_label_values(&[&tag(reason)]).inc()
+                f.evictions.with_label_values(&[&stagehand::events::wire_name(reason)]).inc()
             }
             EventKind::TransferCompleted {
                 dir,
@@ -553,7 +547,7 @@ impl Inner {
                 decision, bytes, ..
             } => {
                 f.activations_packed
-                    .with_label_values(&[&tag(decision)])
+                    .with_label_values(&[&stagehand::events::wire_name(decision)])
                     .inc();
                 if *decision == PackDecision::Spilled {
                     f.spill_bytes.inc_by(*bytes);
@@ -582,7 +576,7 @@ impl Inner {
                 ..
             } => {
                 f.reservations
-                    .with_label_values(&[&tag(outcome), &tag(mode)])
+                    .with_label_values(&[&stagehand::events::wire_name(outcome), &stagehand::events::wire_name(mode)])
                     .inc();
                 if matches!(
                     outcome,
@@ -601,7 +595,7 @@ impl Inner {
                 f.denials.with_label_values(&["slot", reason.as_str()]).inc()
             }
             EventKind::HintsChanged { rule, .. } => {
-                f.hint_changes.with_label_values(&[&tag(rule)]).inc()
+                f.hint_changes.with_label_values(&[&stagehand::events::wire_name(rule)]).inc()
             }
             EventKind::TrainStep(m) => {
                 f.loss.set(m.loss);

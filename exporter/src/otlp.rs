@@ -371,10 +371,7 @@ impl OtelSink {
                 );
             }
             EventKind::Eviction { reason, .. } => {
-                let r = serde_json::to_value(reason)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default();
+                let r = stagehand::events::wire_name(reason);
                 i.evictions.add(1, &self.attrs(&[("reason", r)]));
             }
             EventKind::TransferCompleted {
@@ -395,10 +392,7 @@ impl OtelSink {
             EventKind::Pack {
                 decision, bytes, ..
             } => {
-                let name = serde_json::to_value(decision)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default();
+                let name = stagehand::events::wire_name(decision);
                 i.activations_packed
                     .add(1, &self.attrs(&[("decision", name)]));
                 if *decision == PackDecision::Spilled {

@@ -757,6 +757,15 @@ impl EventKind {
     }
 }
 
+/// The wire name of a unit-variant enum value (its serde tag), e.g. `"watermark"` for
+/// [`EvictionReason::Watermark`]; empty for values that do not serialize to a string.
+pub fn wire_name<T: Serialize>(v: &T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
 /// The envelope every event travels in.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {
@@ -861,6 +870,13 @@ mod tests {
             let json = serde_json::to_value(&k).expect("serializes");
             assert_eq!(json["kind"], k.name());
         }
+    }
+
+    #[test]
+    fn wire_names_are_serde_tags() {
+        assert_eq!(wire_name(&EvictionReason::Watermark), "watermark");
+        assert_eq!(wire_name(&KeepReason::TailOfForward), "tail_of_forward");
+        assert_eq!(wire_name(&42u32), "");
     }
 
     #[test]

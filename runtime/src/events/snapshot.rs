@@ -314,12 +314,6 @@ fn bump(map: &mut BTreeMap<String, u64>, key: &str) {
     *map.entry(key.to_owned()).or_insert(0) += 1;
 }
 
-fn tag<T: Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
-}
 
 impl Snapshot {
     /// An empty snapshot, before any event.
@@ -516,7 +510,7 @@ impl Snapshot {
                 let seq = e.seq;
                 if let Some(b) = self.block_mut(*block) {
                     b.evictions += 1;
-                    b.last = format!("evicted ({}, score {score:.3e})", tag(reason));
+                    b.last = format!("evicted ({}, score {score:.3e})", wire_name(reason));
                     b.last_seq = seq;
                 }
             }
@@ -627,7 +621,7 @@ impl Snapshot {
                     PackDecision::Kept => {
                         a.kept += 1;
                         if let Some(r) = reason {
-                            bump(&mut a.kept_by_reason, &tag(r));
+                            bump(&mut a.kept_by_reason, &wire_name(r));
                         }
                     }
                     PackDecision::Spilled => {
@@ -676,8 +670,8 @@ impl Snapshot {
                 ..
             } => {
                 let c = &mut self.conductor;
-                bump(&mut c.by_mode, &tag(mode));
-                bump(&mut c.by_priority, &tag(priority));
+                bump(&mut c.by_mode, &wire_name(mode));
+                bump(&mut c.by_priority, &wire_name(priority));
                 match outcome {
                     ReservationOutcome::Granted => c.grants += 1,
                     ReservationOutcome::Partial => c.partials += 1,
@@ -700,7 +694,7 @@ impl Snapshot {
                             step: e.step,
                             phase: e.phase,
                             owner: *owner,
-                            what: format!("{} reservation", tag(mode)),
+                            what: format!("{} reservation", wire_name(mode)),
                             reason: *r,
                         },
                         RECENT_DENIALS,
