@@ -140,24 +140,64 @@ fn capped(configured: u32, hint: Option<u32>) -> u32 {
     hint.map_or(configured, |h| configured.min(h))
 }
 
+/// A runtime's knobs with the values they had when an adapter attached, so the adapter can
+/// compute hints against the configured values and restore them on detach.
+#[derive(Debug)]
+struct SavedKnobs {
+    knobs: Arc<Knobs>,
+    original: Option<KnobValues>,
+}
+
+impl SavedKnobs {
+    fn new(knobs: Arc<Knobs>) -> SavedKnobs {
+        SavedKnobs {
+            knobs,
+            original: None,
+        }
+    }
+
+    /// Remembers the current values as the configured ones.
+    fn attach(&mut self) {
+        self.original = Some(self.knobs.load());
+    }
+
+    /// The configured values (remembered now if not yet).
+    fn original(&mut self) -> KnobValues {
+        *self.original.get_or_insert_with(|| self.knobs.load())
+    }
+
+    /// The configured values, if remembered.
+    fn saved(&self) -> Option<KnobValues> {
+        self.original
+    }
+
+    /// Puts the configured values back.
+    fn detach(&mut self) {
+        if let Some(o) = self.original.take() {
+            self.knobs.store(o);
+        }
+    }
+}
+
+impl std::ops::Deref for SavedKnobs {
+    type Target = Knobs;
+    fn deref(&self) -> &Knobs {
+        &self.knobs
+    }
+}
+
 /// Tunes the weight runtime: copy engine inflight and prefetch window.
 #[derive(Debug)]
 pub struct WeightAdapter {
-    knobs: Arc<Knobs>,
-    original: Option<KnobValues>,
+    knobs: SavedKnobs,
 }
 
 impl WeightAdapter {
     /// An adapter over the weight runtime's knobs.
     pub fn new(knobs: Arc<Knobs>) -> WeightAdapter {
         WeightAdapter {
-            knobs,
-            original: None,
+            knobs: SavedKnobs::new(knobs),
         }
-    }
-
-    fn original(&mut self) -> KnobValues {
-        *self.original.get_or_insert_with(|| self.knobs.load())
     }
 }
 
@@ -171,13 +211,13 @@ impl RuntimeAdapter for WeightAdapter {
     }
 
     fn attach(&mut self) {
-        self.original = Some(self.knobs.load());
+        self.knobs.attach();
     }
 
     fn on_phase(&mut self, _step: u64, _phase: Phase) {}
 
     fn apply_hints(&mut self, hints: &Hints, _phase: Phase) {
-        let o = self.original();
+        let o = self.knobs.original();
         let mut window = capped(o.prefetch_window, hints.prefetch_window_cap);
         if hints.suppress_speculative {
             window = window.min(1);
@@ -191,9 +231,7 @@ impl RuntimeAdapter for WeightAdapter {
     }
 
     fn detach(&mut self) {
-        if let Some(o) = self.original.take() {
-            self.knobs.store(o);
-        }
+        self.knobs.detach();
     }
 
     fn runtime_snapshot(&self) -> serde_json::Value {
@@ -206,7 +244,8 @@ impl RuntimeAdapter for WeightAdapter {
 
     fn configured_prefetch_window(&self) -> Option<u32> {
         Some(
-            self.original
+            self.knobs
+                .saved()
                 .map_or_else(|| self.knobs.prefetch_window(), |o| o.prefetch_window),
         )
     }
@@ -215,21 +254,15 @@ impl RuntimeAdapter for WeightAdapter {
 /// Tunes the activation runtime: spill (D2H) and restore (H2D) inflight.
 #[derive(Debug)]
 pub struct ActivationAdapter {
-    knobs: Arc<Knobs>,
-    original: Option<KnobValues>,
+    knobs: SavedKnobs,
 }
 
 impl ActivationAdapter {
     /// An adapter over the activation runtime's knobs.
     pub fn new(knobs: Arc<Knobs>) -> ActivationAdapter {
         ActivationAdapter {
-            knobs,
-            original: None,
+            knobs: SavedKnobs::new(knobs),
         }
-    }
-
-    fn original(&mut self) -> KnobValues {
-        *self.original.get_or_insert_with(|| self.knobs.load())
     }
 }
 
@@ -243,13 +276,13 @@ impl RuntimeAdapter for ActivationAdapter {
     }
 
     fn attach(&mut self) {
-        self.original = Some(self.knobs.load());
+        self.knobs.attach();
     }
 
     fn on_phase(&mut self, _step: u64, _phase: Phase) {}
 
     fn apply_hints(&mut self, hints: &Hints, phase: Phase) {
-        let o = self.original();
+        let o = self.knobs.original();
         let mut d2h = capped(o.max_inflight_d2h, hints.max_inflight_d2h);
         if hints.suppress_speculative && phase == Phase::Optimizer {
             d2h = 0;
@@ -263,9 +296,7 @@ impl RuntimeAdapter for ActivationAdapter {
     }
 
     fn detach(&mut self) {
-        if let Some(o) = self.original.take() {
-            self.knobs.store(o);
-        }
+        self.knobs.detach();
     }
 
     fn runtime_snapshot(&self) -> serde_json::Value {
