@@ -5,13 +5,10 @@ use crate::data::progression_batch;
 use crate::gpt::{Gpt, GptConfig, StreamedLayers, TchLayers};
 use anyhow::Result;
 use stagehand::activations::{ActivationConfig, ActivationRuntime};
-use stagehand::conductor::{
-    ActivationAdapter, Conductor, ConductorConfig, KnobValues, Knobs, WeightAdapter,
-};
+use stagehand::conductor::{Conductor, ConductorConfig};
 use stagehand::device::Device;
 use stagehand::nn::{LayerOptions, ManagedVarStore};
-use stagehand::weights::{OffloadedAdamW, WeightRuntime};
-use std::sync::Arc;
+use stagehand::weights::OffloadedAdamW;
 use stagehand::events::{Bus, EventKind, Phase, TrainStepMetrics};
 use std::time::Instant;
 use tch::nn::{self, Module, OptimizerConfig};
@@ -227,18 +224,6 @@ fn train_resident(
     })
 }
 
-/// Copies the Conductor's knobs (set by its hints at each phase boundary) into the runtimes.
-fn apply_knobs(weights: &Arc<Knobs>, acts: &Arc<Knobs>, rt: &WeightRuntime, ar: &ActivationRuntime) {
-    let w = weights.load();
-    rt.set_prefetch_window(if w.suppress_speculative { 1 } else { w.prefetch_window });
-    rt.set_max_inflight_h2d(w.max_inflight_h2d);
-    let a = acts.load();
-    let limits = ar.limits();
-    limits.set_max_inflight_d2h(a.max_inflight_d2h);
-    limits.set_max_inflight_h2d(a.max_inflight_h2d);
-    limits.set_suppress_speculative(a.suppress_speculative);
-}
-
 fn train_streamed(
     cfg: &TrainConfig,
     device: &Device,
@@ -297,7 +282,9 @@ fn train_streamed(
         Some(weights.resolver()),
     )?;
 
-    // Conductor: phases, hints and their knobs for both runtimes.
+    // Conductor: phases, and for both runtimes knobs that follow its hints and a transfer
+    // slot before every copy. The weights' prefetches (2 in flight) and the activations'
+    // restores (2) share two H2D slots; the spills (4) have a D2H slot each.
     let mib = |b: u64| (b >> 20).max(1);
     let conductor = {
         let dev = device.clone();
@@ -306,25 +293,15 @@ fn train_streamed(
                 .enabled(cfg.conductor)
                 .vram_soft_cap_mb(mib(cfg.budget_bytes))
                 .vram_hard_cap_mb(mib(cfg.budget_bytes) + mib(cfg.budget_bytes) / 10 + 1)
+                .h2d_slots(2)
+                .d2h_slots(4)
                 .build()?,
             bus.clone(),
             move || dev.memory().allocated,
         )?
     };
-    let weight_knobs = Knobs::new(KnobValues {
-        max_inflight_h2d: 2,
-        max_inflight_d2h: 1,
-        prefetch_window: 2,
-        suppress_speculative: false,
-    });
-    let act_knobs = Knobs::new(KnobValues {
-        max_inflight_h2d: 2,
-        max_inflight_d2h: 4,
-        prefetch_window: 4,
-        suppress_speculative: false,
-    });
-    conductor.register(WeightAdapter::new(weight_knobs.clone()))?;
-    conductor.register(ActivationAdapter::new(act_knobs.clone()))?;
+    weights.attach_conductor(&conductor)?;
+    acts.attach_conductor(&conductor)?;
 
     let mut losses = Vec::with_capacity(cfg.steps as usize);
     let (mut total, mut peak) = (0.0, 0u64);
@@ -350,7 +327,6 @@ fn train_streamed(
         acts.step_begin(step);
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         phase(Phase::Forward)?;
-        apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
         let loss = {
             let _hooks = acts.managed_forward()?;
             let mut x = model.embed(&batch.inputs);
@@ -361,7 +337,6 @@ fn train_streamed(
             Gpt::loss(&model.logits(&x), &batch.targets)
         };
         phase(Phase::Backward)?;
-        apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
         opt.zero_grad()?;
         loss.backward();
         let loss_v = loss.double_value(&[]);
@@ -370,7 +345,6 @@ fn train_streamed(
         spilled += m.activations_spilled;
         spill_bytes += m.spill_bytes;
         phase(Phase::Optimizer)?;
-        apply_knobs(&weight_knobs, &act_knobs, &weights, &acts);
         opt.step()?;
         phase(Phase::StepEnd)?;
         let dt = t0.elapsed().as_secs_f64();

@@ -47,6 +47,9 @@ pub enum Error {
     /// Reading weights or telemetry failed.
     #[error("{path}: {message}")]
     Io { path: String, message: String },
+    /// The Conductor refused a call (a phase out of order, an adapter registered twice).
+    #[error("conductor: {0}")]
+    Conductor(#[from] crate::conductor::Error),
 }
 
 #[cfg(feature = "torch")]

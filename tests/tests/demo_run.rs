@@ -7,7 +7,9 @@ use stagehand::device::Device;
 use stagehand_dashboard::app::State as TuiState;
 use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, ReplaySource, Source};
 use stagehand::events::jsonl::{read_file, JsonlSink, OpenMode};
-use stagehand::events::{Bus, EventKind, Hub, Phase, PolicyRule, Snapshot, StreamMessage};
+use stagehand::events::{
+    Bus, Direction, EventKind, Hub, Phase, PolicyRule, Snapshot, StreamMessage,
+};
 use stagehand_examples::trainer::{announce, train, TrainConfig};
 use stagehand_web::Server;
 use std::io::{BufRead, BufReader};
@@ -128,6 +130,41 @@ fn demo_run_agrees_across_every_consumer() {
     };
     assert_eq!(rule_count(PolicyRule::OptimizerProtection, Phase::Optimizer), 60);
     assert_eq!(rule_count(PolicyRule::Reset, Phase::StepBegin), 59);
+    // Every copy of both runtimes took a Conductor slot: in each step the H2D bytes the slots
+    // recorded are the bytes the runtimes reported copied host-to-device (the weights' final
+    // reap, after the last step's metrics, excepted), and a required copy was never refused.
+    for step in 1..=60u64 {
+        let in_step = |e: &&stagehand::events::Event| e.step == step && e.phase != Phase::StepEnd;
+        let m = recorded
+            .iter()
+            .filter(|e| e.step == step)
+            .find_map(|e| match &e.kind {
+                EventKind::ConductorStep(m) => Some(m.clone()),
+                _ => None,
+            })
+            .expect("a conductor_step per step");
+        let copied: u64 = recorded
+            .iter()
+            .filter(in_step)
+            .filter_map(|e| match &e.kind {
+                EventKind::TransferCompleted { dir: Direction::H2d, bytes, .. } => Some(*bytes),
+                _ => None,
+            })
+            .sum();
+        let issued = recorded
+            .iter()
+            .filter(in_step)
+            .filter(|e| matches!(e.kind, EventKind::TransferIssued { .. }))
+            .count() as u64;
+        assert!(copied > 0, "step {step} streamed weights");
+        assert_eq!(m.h2d_bytes, copied, "step {step}: {m:?}");
+        assert!(m.slot_grant_count >= issued, "step {step}: {} grants, {issued} copies", m.slot_grant_count);
+    }
+    for e in &recorded {
+        if let EventKind::SlotDenied { speculative, .. } = &e.kind {
+            assert!(speculative, "a required copy was refused: {e:?}");
+        }
+    }
     assert_eq!(Snapshot::from_events(&recorded), live);
 
     // /api/snapshot serves it.

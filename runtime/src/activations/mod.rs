@@ -43,13 +43,12 @@ pub mod record;
 mod restore;
 mod runtime;
 mod store;
-pub mod transfer;
+mod transfer;
 
 pub use config::{ActivationConfig, ActivationConfigBuilder};
 pub use pool::{PoolLease, PoolStats, SpillPool};
 pub use runtime::{ActivationRuntime, GroupProfile, ManagedForward, RegionGuard};
 pub use store::ActivationStore;
-pub use transfer::TransferLimits;
 
 use crate::events::{Bus, EventKind};
 

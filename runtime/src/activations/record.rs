@@ -1,6 +1,7 @@
 //! Per-tensor records of one step: what was saved, where its bytes are, and its state.
 
 use super::pool::PoolLease;
+use crate::conductor::SlotToken;
 use crate::device::Pending;
 use crate::error::{Error, Result};
 use crate::events::TensorId;
@@ -66,6 +67,8 @@ pub struct Record {
     pub lease: Option<PoolLease>,
     /// The copy in flight (D2H while spilling, H2D while restoring).
     pub copy: Option<Pending>,
+    /// The Conductor's slot for that copy, given back once the copy is seen complete.
+    pub slot: Option<SlotToken>,
     pub crc: Option<u32>,
     /// Bytes this record adds to the device's accounted memory (host device).
     pub device_bytes: u64,
@@ -93,6 +96,7 @@ impl Record {
             meta: None,
             lease: None,
             copy: None,
+            slot: None,
             crc: None,
             device_bytes: 0,
             predicted: false,

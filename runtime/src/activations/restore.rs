@@ -7,13 +7,20 @@
 //! the device when their unpack comes. A restore's destination is a fresh allocator tensor, so
 //! the copy is ordered after the compute stream (rule (b) of design.md section 4) and the compute
 //! stream waits on the copy's event before the tensor is handed to autograd.
+//!
+//! Under a Conductor every restore takes an H2D slot: on demand and for the first spilled
+//! tensor ahead (needed for certain, just early) with REQUIRED priority, further ahead with
+//! SPECULATIVE priority; a refused one ends this round of prediction. The knobs bound the
+//! prediction: `prefetch_window` tensors ahead (1 while `suppress_speculative`), at most
+//! `max_inflight_h2d` restores in flight.
 
 use super::record::RecordState;
 use super::runtime::{Inner, Shared};
 use super::transfer::transfer_id;
+use crate::conductor::SlotToken;
 use crate::error::{Error, Result};
-use crate::events::{Direction, EventKind, Owner};
-use std::time::Instant;
+use crate::events::{Direction, EventKind, Owner, Priority};
+use std::time::{Duration, Instant};
 use tch::Tensor;
 
 /// How far below the served record the restorer looks for spilled ones (bounds the work per
@@ -21,8 +28,15 @@ use tch::Tensor;
 const SCAN_LIMIT: usize = 512;
 
 impl Shared {
-    /// Starts the H2D copy of a spilled record into a new device tensor.
-    pub(super) fn issue_restore(&self, g: &mut Inner, idx: usize, predicted: bool) -> Result<()> {
+    /// Starts the H2D copy of a spilled record into a new device tensor, holding `slot` (the
+    /// Conductor's, if any) until the copy completes.
+    pub(super) fn issue_restore(
+        &self,
+        g: &mut Inner,
+        idx: usize,
+        predicted: bool,
+        slot: Option<SlotToken>,
+    ) -> Result<()> {
         let Inner {
             records,
             pool,
@@ -62,6 +76,7 @@ impl Shared {
         let pending = transfers.h2d.h2d(&dst, buf, off, None)?;
         rec.tensor = Some(dst);
         rec.copy = Some(pending);
+        rec.slot = slot;
         rec.predicted = predicted;
         rec.restored_ahead = predicted;
         rec.stall_since = (!predicted).then_some(started);
@@ -102,6 +117,9 @@ impl Shared {
             }
             None => 0.0,
         };
+        if let Some(slot) = rec.slot.take() {
+            slot.complete(rec.bytes, Duration::from_secs_f64(elapsed.max(0.0) / 1e3));
+        }
         rec.transition(RecordState::Restored)?;
         if let Some(lease) = rec.lease.take() {
             pool.release(lease);
@@ -191,12 +209,15 @@ impl Shared {
 
     /// Issues restores for the spilled records backward will need after record `idx`.
     pub(super) fn predict_from(&self, g: &mut Inner, idx: usize) -> Result<()> {
-        let lookahead = self.config.restore_lookahead as usize;
-        if lookahead == 0 || self.limits.suppress_speculative() {
+        let mut lookahead = self.knobs.prefetch_window() as usize;
+        if self.knobs.suppress_speculative() {
+            lookahead = lookahead.min(1);
+        }
+        if lookahead == 0 {
             return Ok(());
         }
         self.reap_restores(g, false)?;
-        let cap = self.limits.max_inflight_h2d();
+        let cap = self.knobs.max_inflight_h2d() as usize;
         let mut ahead = 0;
         for j in (idx.saturating_sub(SCAN_LIMIT)..idx).rev() {
             if ahead >= lookahead {
@@ -213,10 +234,16 @@ impl Shared {
                     {
                         break;
                     }
-                    if rec.state == RecordState::Spilling {
+                    let state = rec.state;
+                    let priority = if ahead == 0 { Priority::Required } else { Priority::Speculative };
+                    // A refusal is published by the Conductor; the next unpack tries again.
+                    let Ok(slot) = g.conductor.acquire_slot(Direction::H2d, Owner::Activations, priority) else {
+                        break;
+                    };
+                    if state == RecordState::Spilling {
                         self.finalize_spill(g, j, false)?;
                     }
-                    self.issue_restore(g, j, true)?;
+                    self.issue_restore(g, j, true, Some(slot))?;
                     ahead += 1;
                 }
                 RecordState::Restoring | RecordState::Restored if !rec.unpacked => ahead += 1,

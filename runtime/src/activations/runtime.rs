@@ -6,8 +6,9 @@ use super::policy::SpillPolicy;
 use super::pool::{PoolStats, SpillPool};
 use super::record::{Record, RecordState, Records};
 use super::store::ActivationStore;
-use super::transfer::{TransferLimits, Transfers};
+use super::transfer::Transfers;
 use super::Telemetry;
+use crate::conductor::{ActivationAdapter, Conductor, KnobValues, Knobs};
 use crate::device::Device;
 use crate::error::Result;
 use crate::events::{ActivationStepMetrics, Bus, EventKind, Owner};
@@ -53,6 +54,8 @@ pub(super) struct Inner {
     pub predicted_bytes: u64,
     /// Storage addresses of registered model parameters.
     pub parameters: HashSet<u64>,
+    /// Grants the transfer slots (disabled: every copy proceeds at no cost).
+    pub conductor: Conductor,
 }
 
 /// Everything the store and the runtime share.
@@ -60,7 +63,9 @@ pub(super) struct Shared {
     pub device: Device,
     pub config: ActivationConfig,
     pub telemetry: Telemetry,
-    pub limits: Arc<TransferLimits>,
+    /// The in-flight caps, restore lookahead and speculation switch, shared with the
+    /// Conductor's adapter and read at every decision.
+    pub knobs: Arc<Knobs>,
     pub resolver: Option<Arc<dyn WeightResolver>>,
     pub inner: Mutex<Inner>,
 }
@@ -193,10 +198,16 @@ impl ActivationRuntime {
             next_tensor: 0,
             predicted_bytes: 0,
             parameters: HashSet::new(),
+            conductor: Conductor::disabled(),
         };
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {
-                limits: Arc::new(TransferLimits::new(config.max_inflight_d2h, config.max_inflight_h2d)),
+                knobs: Knobs::new(KnobValues {
+                    max_inflight_d2h: config.max_inflight_d2h,
+                    max_inflight_h2d: config.max_inflight_h2d,
+                    prefetch_window: config.restore_lookahead,
+                    suppress_speculative: false,
+                }),
                 device,
                 config,
                 telemetry,
@@ -216,9 +227,29 @@ impl ActivationRuntime {
         &self.shared.device
     }
 
-    /// The in-flight caps, shared so an arbiter can change them while training runs.
-    pub fn limits(&self) -> Arc<TransferLimits> {
-        self.shared.limits.clone()
+    /// The tunables read at every decision, starting at the configured values:
+    /// `max_inflight_d2h` (spills in flight before pack finalizes inline; 0 pauses spilling),
+    /// `max_inflight_h2d` (restores ahead of need in flight), `prefetch_window` (how many
+    /// spilled tensors to restore ahead) and `suppress_speculative` (restore only the next
+    /// one ahead). An attached Conductor writes them at each phase boundary.
+    pub fn knobs(&self) -> Arc<Knobs> {
+        self.shared.knobs.clone()
+    }
+
+    /// Puts the runtime under `conductor`: its knobs follow the Conductor's hints (and return
+    /// to their values now when it detaches), and every spill and restore takes a transfer
+    /// slot first. Fails if an activation runtime is already attached to that Conductor.
+    pub fn attach_conductor(&self, conductor: &Conductor) -> Result<()> {
+        conductor.register(ActivationAdapter::new(self.knobs()))?;
+        self.shared.lock().conductor = conductor.clone();
+        Ok(())
+    }
+
+    /// Leaves the Conductor: knobs back to their values at attach, copies no longer take
+    /// slots. A no-op when none is attached.
+    pub fn detach_conductor(&self) {
+        let c = std::mem::replace(&mut self.shared.lock().conductor, Conductor::disabled());
+        c.detach(ActivationAdapter::NAME);
     }
 
     /// Declares model parameters: saves of them (or views, like `W.t()`) are kept, since

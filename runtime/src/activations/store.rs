@@ -5,7 +5,7 @@ use super::record::{Record, RecordState, TensorMeta};
 use super::runtime::{Inner, Shared};
 use super::transfer::transfer_id;
 use crate::error::{Error, Result};
-use crate::events::{Direction, EventKind, KeepReason, Owner, PackDecision, TensorId};
+use crate::events::{Direction, EventKind, KeepReason, Owner, PackDecision, Priority, TensorId};
 use crate::saved::WeightSave;
 use crate::torch::{SavedTensorStore, TensorIdentity};
 use std::sync::Arc;
@@ -141,6 +141,10 @@ impl Shared {
         }
         g.metrics.activations_saved += 1;
         let reason = match verdict {
+            Verdict::Spill if self.spills_paused() => {
+                g.policy.spill_refused(bytes);
+                KeepReason::SpillsPaused
+            }
             Verdict::Spill => match self.spill(&mut g, &t, identity.clone(), bytes, id, region.clone()) {
                 Ok(handle) => return Ok(handle),
                 Err(Error::TooLarge { .. }) => {
@@ -184,6 +188,11 @@ impl Shared {
     ) -> Result<u64> {
         self.make_room_d2h(g)?;
         let (mut lease, hit) = g.pool.acquire(bytes)?;
+        // Required: a spill the policy asked for relieves memory now, so it is never refused.
+        let slot = g
+            .conductor
+            .acquire_slot(Direction::D2h, Owner::Activations, Priority::Required)
+            .ok();
         let src = t.detach();
         let contiguous = src.is_contiguous();
         let src = if contiguous { src } else { src.f_contiguous()? };
@@ -210,6 +219,7 @@ impl Shared {
         rec.tensor = Some(src);
         rec.lease = Some(lease);
         rec.copy = Some(pending);
+        rec.slot = slot;
         rec.meta = Some(meta);
         // A contiguous copy made here is not the saved storage: dedupe only when we hold that.
         rec.identity = contiguous.then_some(identity);
@@ -267,7 +277,11 @@ impl Shared {
                     self.finalize_spill(&mut g, idx, false)?;
                 }
                 if matches!(state, RecordState::Spilling | RecordState::Spilled) {
-                    self.issue_restore(&mut g, idx, false)?;
+                    let slot = g
+                        .conductor
+                        .acquire_slot(Direction::H2d, Owner::Activations, Priority::Required)
+                        .ok();
+                    self.issue_restore(&mut g, idx, false, slot)?;
                 }
                 let t = self.serve_restored(&mut g, idx)?;
                 self.reap_restores(&mut g, false)?;

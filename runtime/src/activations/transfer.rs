@@ -5,6 +5,11 @@
 //! the copy completed. Finalizing a spill (drop the device tensor, checksum the bytes) happens
 //! when the cap is reached, inline in pack: completed copies first, else the oldest is waited
 //! for, so the cap bounds the copies in flight but never stops spilling under pressure.
+//!
+//! The cap is the `max_inflight_d2h` knob, shared with the Conductor's adapter and read at
+//! every decision; 0 pauses spilling (pack keeps tensors, reason `spills_paused`). Each spill
+//! takes a REQUIRED D2H slot from the Conductor and gives it back as soon as its copy is seen
+//! complete, which may be long before the spill is finalized.
 
 use super::record::RecordState;
 use super::runtime::{Inner, Shared};
@@ -12,51 +17,7 @@ use crate::device::CopyStream;
 use crate::error::{Error, Result};
 use crate::events::{Direction, EventKind, Owner, TransferId};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-
-/// The in-flight caps, as atomics so an arbiter (the Conductor's `Knobs`) can change them
-/// between or during steps; the runtime reads them at every decision.
-#[derive(Debug)]
-pub struct TransferLimits {
-    max_inflight_d2h: AtomicU32,
-    max_inflight_h2d: AtomicU32,
-    suppress_speculative: AtomicBool,
-}
-
-impl TransferLimits {
-    /// Caps from the configuration.
-    pub fn new(max_inflight_d2h: u32, max_inflight_h2d: u32) -> TransferLimits {
-        TransferLimits {
-            max_inflight_d2h: AtomicU32::new(max_inflight_d2h.max(1)),
-            max_inflight_h2d: AtomicU32::new(max_inflight_h2d.max(1)),
-            suppress_speculative: AtomicBool::new(false),
-        }
-    }
-    /// Spill copies in flight before pack finalizes inline (at least 1).
-    pub fn max_inflight_d2h(&self) -> usize {
-        self.max_inflight_d2h.load(Ordering::Relaxed).max(1) as usize
-    }
-    /// Predictive restores in flight (at least 1).
-    pub fn max_inflight_h2d(&self) -> usize {
-        self.max_inflight_h2d.load(Ordering::Relaxed).max(1) as usize
-    }
-    /// Whether restores ahead of need are suppressed (on-demand restores still run).
-    pub fn suppress_speculative(&self) -> bool {
-        self.suppress_speculative.load(Ordering::Relaxed)
-    }
-    /// Sets the spill cap.
-    pub fn set_max_inflight_d2h(&self, n: u32) {
-        self.max_inflight_d2h.store(n.max(1), Ordering::Relaxed);
-    }
-    /// Sets the restore cap.
-    pub fn set_max_inflight_h2d(&self, n: u32) {
-        self.max_inflight_h2d.store(n.max(1), Ordering::Relaxed);
-    }
-    /// Suppresses or allows restores ahead of need.
-    pub fn set_suppress_speculative(&self, on: bool) {
-        self.suppress_speculative.store(on, Ordering::Relaxed);
-    }
-}
+use std::time::Duration;
 
 /// The two copy streams and what is in flight on them (record indices, oldest first).
 #[derive(Debug)]
@@ -72,10 +33,32 @@ pub(super) fn transfer_id(tensor: u64, dir: Direction) -> TransferId {
     TransferId(tensor * 2 + u64::from(dir == Direction::H2d))
 }
 
+/// Gives back the slot of a copy once it is seen complete (or was never tracked).
+pub(super) fn release_slot_if_done(rec: &mut super::record::Record) {
+    let done = rec.copy.as_ref().is_none_or(|p| p.is_complete());
+    if done {
+        if let Some(slot) = rec.slot.take() {
+            let ms = rec.copy.as_ref().map_or(0.0, |p| p.elapsed_ms()).max(0.0);
+            slot.complete(rec.bytes, Duration::from_secs_f64(ms / 1e3));
+        }
+    }
+}
+
 impl Shared {
-    /// At the cap, finalizes completed spills, or waits for the oldest when none completed.
+    /// Whether pack may start spills (the `max_inflight_d2h` knob is not 0).
+    pub(super) fn spills_paused(&self) -> bool {
+        self.knobs.max_inflight_d2h() == 0
+    }
+
+    /// Gives back the slots of spills whose copies completed, then, at the cap, finalizes
+    /// completed spills, or waits for the oldest when none completed.
     pub(super) fn make_room_d2h(&self, g: &mut Inner) -> Result<()> {
-        let cap = self.limits.max_inflight_d2h();
+        for &i in &g.transfers.inflight_d2h {
+            if let Some(rec) = g.records.get_mut(i) {
+                release_slot_if_done(rec);
+            }
+        }
+        let cap = self.knobs.max_inflight_d2h().max(1) as usize;
         if g.transfers.inflight_d2h.len() < cap {
             return Ok(());
         }
@@ -121,6 +104,9 @@ impl Shared {
             }
             None => (0.0, rec.bytes, rec.id),
         };
+        if let Some(slot) = rec.slot.take() {
+            slot.complete(bytes, Duration::from_secs_f64(elapsed.max(0.0) / 1e3));
+        }
         // Only now may the device memory go back to the allocator: the copy has read it.
         rec.tensor = None;
         self.set_device_bytes(rec, 0);

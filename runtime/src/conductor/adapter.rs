@@ -193,6 +193,9 @@ pub struct WeightAdapter {
 }
 
 impl WeightAdapter {
+    /// The adapter's name, its key in `runtime_snapshots`.
+    pub const NAME: &'static str = "stagehand";
+
     /// An adapter over the weight runtime's knobs.
     pub fn new(knobs: Arc<Knobs>) -> WeightAdapter {
         WeightAdapter {
@@ -203,7 +206,7 @@ impl WeightAdapter {
 
 impl RuntimeAdapter for WeightAdapter {
     fn name(&self) -> &'static str {
-        "stagehand"
+        Self::NAME
     }
 
     fn owner(&self) -> Owner {
@@ -258,6 +261,9 @@ pub struct ActivationAdapter {
 }
 
 impl ActivationAdapter {
+    /// The adapter's name, its key in `runtime_snapshots`.
+    pub const NAME: &'static str = "activation_stagehand";
+
     /// An adapter over the activation runtime's knobs.
     pub fn new(knobs: Arc<Knobs>) -> ActivationAdapter {
         ActivationAdapter {
@@ -268,7 +274,7 @@ impl ActivationAdapter {
 
 impl RuntimeAdapter for ActivationAdapter {
     fn name(&self) -> &'static str {
-        "activation_stagehand"
+        Self::NAME
     }
 
     fn owner(&self) -> Owner {

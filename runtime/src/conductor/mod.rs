@@ -34,6 +34,11 @@
 //! # }
 //! ```
 //!
+//! The runtimes attach themselves: `WeightRuntime::attach_conductor` and
+//! `ActivationRuntime::attach_conductor` register their adapter over the runtime's own knobs
+//! and make every copy take a slot, so the trainer only announces phases;
+//! `WeightRuntime::attach_conductor` shows the whole loop.
+//!
 //! With a disabled Conductor ([`Conductor::disabled`], or `enabled: false`) every method
 //! returns at once with "proceed" and nothing is allocated; the trainer then tags phases on
 //! the bus itself with [`Bus::enter_phase`].
@@ -92,6 +97,9 @@
 //! `hints_changed` with the rule that caused it.
 //!
 //! # Knobs ([`adapter`])
+//!
+//! Each runtime owns its [`Knobs`] (`WeightRuntime::knobs`, `ActivationRuntime::knobs`) and
+//! reads them at every decision; the adapter writes them, so a hint takes effect at once.
 //!
 //! | hint | weight runtime ([`WeightAdapter`]) | activation runtime ([`ActivationAdapter`]) |
 //! |---|---|---|

@@ -303,6 +303,8 @@ pub enum KeepReason {
     Parameter,
     /// Larger than every size class and the pageable fallback is off.
     TooLarge,
+    /// Spilling is paused (`max_inflight_d2h` is 0, as the Conductor sets it in OPTIMIZER).
+    SpillsPaused,
 }
 
 /// Conductor reservation modes (seed section 16.4).

@@ -32,4 +32,3 @@ pub use policy::Itinerary;
 pub use pool::{PinnedPool, PoolStats, Slab};
 pub use registry::{BlockSpec, ParamSpec};
 pub use runtime::{BlockGuard, WeightRuntime};
-pub use scheduler::TuningKnobs;

@@ -4,22 +4,22 @@ use super::file::FileSource;
 use super::handles::WeightStore;
 use super::policy::Itinerary;
 use super::registry::{group_by_pattern, BlockSpec};
-use super::scheduler::{PtrIndex, Scheduler, TuningKnobs};
+use super::scheduler::{PtrIndex, Scheduler};
 use super::WeightConfig;
+use crate::conductor::{Conductor, Knobs, WeightAdapter};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, Bus, EvictionReason, WeightStepMetrics};
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::{SavedTensorHooks, TensorIdentity};
 use regex::Regex;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
 pub(crate) struct Inner {
     sched: Mutex<Scheduler>,
     index: PtrIndex,
-    knobs: Arc<TuningKnobs>,
+    knobs: Arc<Knobs>,
     device: Device,
     bus: Bus,
 }
@@ -280,14 +280,61 @@ impl WeightRuntime {
         self.lock().step
     }
 
-    /// Prefetch depth (a Conductor knob; read on every use).
-    pub fn set_prefetch_window(&self, k: u32) {
-        self.inner.knobs.prefetch_window.store(k, Ordering::Relaxed);
+    /// The tunables read on every use: `prefetch_window` (blocks loaded ahead) and
+    /// `max_inflight_h2d` (copies in flight before prefetch holds back), starting at the
+    /// configured values. Write them to retune a running runtime; an attached Conductor
+    /// writes them at each phase boundary.
+    pub fn knobs(&self) -> Arc<Knobs> {
+        self.inner.knobs.clone()
     }
 
-    /// H2D copies in flight at once (a Conductor knob; read on every use).
-    pub fn set_max_inflight_h2d(&self, n: u32) {
-        self.inner.knobs.max_inflight_h2d.store(n.max(1), Ordering::Relaxed);
+    /// Puts the runtime under `conductor`: its knobs follow the Conductor's hints (and return
+    /// to their values now when it detaches), and every copy takes a transfer slot first.
+    /// Fails if a weight runtime is already attached to that Conductor.
+    ///
+    /// ```no_run
+    /// use stagehand::activations::{ActivationConfig, ActivationRuntime};
+    /// use stagehand::conductor::{Conductor, ConductorConfig};
+    /// use stagehand::{device::Device, events::Bus};
+    /// use stagehand::weights::{WeightConfig, WeightRuntime};
+    ///
+    /// # fn main() -> stagehand::Result<()> {
+    /// let (device, bus) = (Device::auto(8 << 30), Bus::new());
+    /// let weights = WeightRuntime::new(device.clone(), WeightConfig::default(), bus.clone())?;
+    /// let acts = ActivationRuntime::new(
+    ///     device.clone(), ActivationConfig::default(), bus.clone(), Some(weights.resolver()))?;
+    /// let dev = device.clone();
+    /// let config = ConductorConfig::builder().vram_soft_cap_mb(7_000).vram_hard_cap_mb(7_800).build()?;
+    /// let conductor = Conductor::new(config, bus.clone(), move || dev.memory().allocated)?;
+    /// weights.attach_conductor(&conductor)?;
+    /// acts.attach_conductor(&conductor)?;
+    /// for step in 1..=3 {
+    ///     conductor.begin_step(step)?;
+    ///     acts.step_begin(step);
+    ///     conductor.enter_forward()?;
+    ///     // ... forward under `acts.managed_forward()`, blocks through `weights.block(id)`
+    ///     conductor.enter_backward()?;
+    ///     // ... backward
+    ///     acts.step_end()?;
+    ///     conductor.enter_optimizer()?;
+    ///     // ... optimizer step
+    ///     conductor.end_step()?;
+    /// }
+    /// conductor.shutdown();
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn attach_conductor(&self, conductor: &Conductor) -> Result<()> {
+        conductor.register(WeightAdapter::new(self.knobs()))?;
+        self.lock().conductor = conductor.clone();
+        Ok(())
+    }
+
+    /// Leaves the Conductor: knobs back to their values at attach, copies no longer take
+    /// slots. A no-op when none is attached.
+    pub fn detach_conductor(&self) {
+        let c = std::mem::replace(&mut self.lock().conductor, Conductor::disabled());
+        c.detach(WeightAdapter::NAME);
     }
 
     /// Steps begin when the first block runs again or after a backward (layer mode).

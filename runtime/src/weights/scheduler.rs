@@ -2,6 +2,11 @@
 //! finalises copies when their events complete (never blocking the host in the steady state),
 //! and evicts by next-use distance × size to stay within the budget and the watermarks.
 //!
+//! Under a [`Conductor`], each copy first takes a transfer slot and holds it until the copy is
+//! seen complete. A demand load and the early load of the next block on the itinerary (needed
+//! moments later in any case) ask with REQUIRED priority and are never refused; blocks further
+//! ahead ask with SPECULATIVE priority, and a refusal just leaves them for a later prefetch.
+//!
 //! Memory safety across streams (design.md section 4, option b): each load copies into a
 //! fresh buffer from libtorch's allocator, ordered after the compute stream's queued work (so
 //! memory the allocator recycled is no longer read), the compute stream waits on the copy's
@@ -14,26 +19,37 @@ use super::pool::{PinnedPool, Slab};
 use super::registry::BlockSpec;
 use super::residency::Residency;
 use super::WeightConfig;
+use crate::conductor::{Conductor, KnobValues, Knobs, SlotToken};
 use crate::device::{CopyStream, Device, HostBuffer, Pending};
 use crate::error::{Error, Result};
 use crate::events::{
-    BlockId, BlockState, Bus, Direction, EventKind, EvictionReason, Owner, TransferId,
+    BlockId, BlockState, Bus, Direction, EventKind, EvictionReason, Owner, Priority, TransferId,
     WeightStepMetrics,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tch::{COptimizer, Kind, Tensor};
 
-/// The knobs Conductor will turn. Read on every use (never cached), so wiring them to
-/// `conductor::Knobs` later only means sharing these atomics.
-#[derive(Debug)]
-pub struct TuningKnobs {
-    /// Blocks prefetched ahead.
-    pub prefetch_window: AtomicU32,
-    /// H2D copies in flight before speculative prefetch holds back.
-    pub max_inflight_h2d: AtomicU32,
+/// Why a block is being loaded: it decides the slot priority, whether the load may wait for
+/// a staging slab, and which blocks it may displace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// Needed now: the step stalls until it lands.
+    Demand,
+    /// The next block on the itinerary: needed for certain, loaded early.
+    Next,
+    /// Further ahead: worth loading only if nothing more urgent wants the slot.
+    Ahead,
+}
+
+impl Load {
+    fn priority(self) -> Priority {
+        match self {
+            Load::Demand | Load::Next => Priority::Required,
+            Load::Ahead => Priority::Speculative,
+        }
+    }
 }
 
 /// Where to find the bytes of a resident block's parameters by storage pointer.
@@ -68,6 +84,7 @@ struct Retired {
     id: TransferId,
     bytes: u64,
     issued: Instant,
+    slot: SlotToken,
     _slab: Option<Slab>,
 }
 
@@ -76,6 +93,8 @@ struct Inflight {
     id: TransferId,
     bytes: u64,
     issued: Instant,
+    /// The Conductor's transfer slot, given back when the copy is seen complete.
+    slot: SlotToken,
     /// The staging slab the copy reads (file-backed blocks), returned when it completes.
     _slab: Option<Slab>,
 }
@@ -98,7 +117,10 @@ pub(crate) struct Scheduler {
     stream: CopyStream,
     pub bus: Bus,
     pub cfg: WeightConfig,
-    pub knobs: Arc<TuningKnobs>,
+    /// Shared with the Conductor's adapter; read on every use, never cached.
+    pub knobs: Arc<Knobs>,
+    /// Grants the transfer slots (disabled: every copy proceeds at no cost).
+    pub conductor: Conductor,
     pub blocks: Vec<BlockData>,
     pub residency: Residency,
     pub itinerary: Option<Itinerary>,
@@ -129,9 +151,12 @@ impl Scheduler {
     pub fn new(device: Device, cfg: WeightConfig, bus: Bus, index: PtrIndex) -> Result<Scheduler> {
         cfg.validate()?;
         let stream = device.copy_stream()?;
-        let knobs = Arc::new(TuningKnobs {
-            prefetch_window: AtomicU32::new(cfg.prefetch_window),
-            max_inflight_h2d: AtomicU32::new(cfg.max_inflight_h2d),
+        let knobs = Knobs::new(KnobValues {
+            max_inflight_h2d: cfg.max_inflight_h2d,
+            // Gradients go to the host one synchronous copy at a time.
+            max_inflight_d2h: 1,
+            prefetch_window: cfg.prefetch_window,
+            suppress_speculative: false,
         });
         Ok(Scheduler {
             device,
@@ -139,6 +164,7 @@ impl Scheduler {
             bus,
             cfg,
             knobs,
+            conductor: Conductor::disabled(),
             blocks: Vec::new(),
             residency: Residency::new(),
             itinerary: None,
@@ -434,7 +460,7 @@ impl Scheduler {
             }
             BlockState::Unloaded => {
                 let t0 = Instant::now();
-                self.load(id, true)?;
+                self.load(id, Load::Demand)?;
                 self.finalize(id)?;
                 let ms = t0.elapsed().as_secs_f64() * 1e3;
                 self.metrics.prefetch_misses += 1;
@@ -461,12 +487,21 @@ impl Scheduler {
         self.blocks.iter().filter(|b| b.inflight.is_some()).count() as u32
     }
 
-    /// Issues the H2D copy of an unloaded block. `false` when a speculative load was held back.
-    fn load(&mut self, id: BlockId, demand: bool) -> Result<bool> {
-        let max = self.knobs.max_inflight_h2d.load(Ordering::Relaxed).max(1);
+    /// Issues the H2D copy of an unloaded block. `false` when a prefetch was held back (the
+    /// copy engine is busy, the Conductor refused a slot, or nothing may make room).
+    fn load(&mut self, id: BlockId, why: Load) -> Result<bool> {
+        let demand = why == Load::Demand;
+        let max = self.knobs.max_inflight_h2d().max(1);
         if !demand && self.inflight_count() >= max {
             return Ok(false);
         }
+        // Refusals are published by the Conductor; a required request is never refused.
+        let Ok(slot) = self
+            .conductor
+            .acquire_slot(Direction::H2d, Owner::Weights, why.priority())
+        else {
+            return Ok(false);
+        };
         let bytes = self.blocks[id.0 as usize].spec.bytes;
         if !self.make_room(id, bytes, demand)? {
             return Ok(false);
@@ -523,23 +558,22 @@ impl Scheduler {
             id: tid,
             bytes: bytes as u64,
             issued: Instant::now(),
+            slot,
             _slab: slab,
         });
         Ok(true)
     }
 
-    fn complete_event(&self, f: &Inflight) {
-        let ms = match f.pending.elapsed_ms() {
-            ms if ms > 0.0 => ms,
-            _ => f.issued.elapsed().as_secs_f64() * 1e3,
-        };
+    /// Publishes a completed copy and gives its slot back.
+    fn complete(&self, id: TransferId, bytes: u64, ms: f64, slot: SlotToken) {
         self.bus.publish(EventKind::TransferCompleted {
-            id: f.id,
+            id,
             dir: Direction::H2d,
             owner: Owner::Weights,
-            bytes: f.bytes,
+            bytes,
             duration_ms: ms,
         });
+        slot.complete(bytes, Duration::from_secs_f64(ms.max(0.0) / 1e3));
     }
 
     /// Makes a prefetching block usable: the compute stream waits on its copy (no host wait),
@@ -547,7 +581,11 @@ impl Scheduler {
     fn finalize(&mut self, id: BlockId) -> Result<()> {
         if let Some(f) = self.blocks[id.0 as usize].inflight.take() {
             if f.pending.is_complete() {
-                self.complete_event(&f);
+                let ms = match f.pending.elapsed_ms() {
+                    ms if ms > 0.0 => ms,
+                    _ => f.issued.elapsed().as_secs_f64() * 1e3,
+                };
+                self.complete(f.id, f.bytes, ms, f.slot);
             } else {
                 self.device.compute_wait(&f.pending.done)?;
                 let done = f.pending.release_after_compute_wait();
@@ -556,6 +594,7 @@ impl Scheduler {
                     id: f.id,
                     bytes: f.bytes,
                     issued: f.issued,
+                    slot: f.slot,
                     _slab: f._slab,
                 });
             }
@@ -585,13 +624,8 @@ impl Scheduler {
         while i < self.retired.len() {
             if self.retired[i].done.is_complete() {
                 let f = self.retired.swap_remove(i);
-                self.bus.publish(EventKind::TransferCompleted {
-                    id: f.id,
-                    dir: Direction::H2d,
-                    owner: Owner::Weights,
-                    bytes: f.bytes,
-                    duration_ms: f.issued.elapsed().as_secs_f64() * 1e3,
-                });
+                let ms = f.issued.elapsed().as_secs_f64() * 1e3;
+                self.complete(f.id, f.bytes, ms, f.slot);
             } else {
                 i += 1;
             }
@@ -613,7 +647,7 @@ impl Scheduler {
         let (Some(it), Some(pos)) = (&self.itinerary, self.pos) else {
             return Vec::new();
         };
-        let k = self.knobs.prefetch_window.load(Ordering::Relaxed) as usize;
+        let k = self.knobs.prefetch_window() as usize;
         let mut w = it.window(pos, k);
         w.push(it.at(pos));
         w
@@ -704,7 +738,7 @@ impl Scheduler {
         let (Some(it), Some(pos)) = (&self.itinerary, self.pos) else {
             return Ok(());
         };
-        let k = self.knobs.prefetch_window.load(Ordering::Relaxed) as usize;
+        let k = self.knobs.prefetch_window() as usize;
         if k == 0 {
             return Ok(());
         }
@@ -715,11 +749,12 @@ impl Scheduler {
             backward,
             window: window.clone(),
         });
-        for b in window {
+        for (i, b) in window.into_iter().enumerate() {
             if self.device.memory().allocated >= self.cfg.vram_high_watermark_bytes {
                 break;
             }
-            if self.residency.state(b)? == BlockState::Unloaded && !self.load(b, false)? {
+            let why = if i == 0 { Load::Next } else { Load::Ahead };
+            if self.residency.state(b)? == BlockState::Unloaded && !self.load(b, why)? {
                 break;
             }
         }
@@ -771,10 +806,19 @@ impl Scheduler {
         let Source::Host(h) = &b.source else { return Ok(()) };
         let Some(release) = &b.grad_release else { return Ok(()) };
         let mut moved = 0u64;
+        let mut slot = None;
+        let t0 = Instant::now();
         for (var, view) in b.vars.iter().zip(&h.views) {
             let g = var.grad();
             if !g.defined() {
                 continue;
+            }
+            if slot.is_none() {
+                // A synchronous copy the step waits for: required, so never refused.
+                slot = self
+                    .conductor
+                    .acquire_slot(Direction::D2h, Owner::Weights, Priority::Required)
+                    .ok();
             }
             let host = tch::no_grad(|| g.f_to_device(tch::Device::Cpu))?;
             let mut acc = view.grad();
@@ -784,6 +828,9 @@ impl Scheduler {
         if moved > 0 {
             torch(release.zero_grad())?;
             self.metrics.d2h_bytes += moved;
+        }
+        if let Some(s) = slot {
+            s.complete(moved, t0.elapsed());
         }
         Ok(())
     }
