@@ -500,14 +500,10 @@ impl Inner {
         let f = &self.families;
         f.events.with_label_values(&[e.kind.name()]).inc();
         match &e.kind {
-            EventKind::PhaseChanged {
-                from, duration_s, ..
-            } => {
-                if *from != Phase::Idle && duration_s.is_finite() && *duration_s >= 0.0 {
-                    f.phase_duration
-                        .with_label_values(&[from.as_str()])
-                        .observe(*duration_s);
-                }
+            EventKind::PhaseChanged { from, duration_s, .. }
+                if *from != Phase::Idle && duration_s.is_finite() && *duration_s >= 0.0 =>
+            {
+                f.phase_duration.with_label_values(&[from.as_str()]).observe(*duration_s);
             }
             EventKind::PrefetchHit { .. } => f.prefetch_hits.inc(),
             EventKind::PrefetchMiss { stall_ms, .. } => {
@@ -603,11 +599,9 @@ impl Inner {
                     f.step_duration.observe(m.step_time_s);
                 }
             }
-            EventKind::EventsDropped { total } => {
-                if *total > self.dropped_seen {
-                    f.events_dropped.inc_by(*total - self.dropped_seen);
-                    self.dropped_seen = *total;
-                }
+            EventKind::EventsDropped { total } if *total > self.dropped_seen => {
+                f.events_dropped.inc_by(*total - self.dropped_seen);
+                self.dropped_seen = *total;
             }
             _ => {}
         }

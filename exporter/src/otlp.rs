@@ -438,16 +438,12 @@ impl OtelSink {
                 1,
                 &self.attrs(&[("what", "slot".to_owned()), ("reason", r_str(reason))]),
             ),
-            EventKind::TrainStep(m) => {
-                if m.step_time_s.is_finite() && m.step_time_s >= 0.0 {
-                    i.step_duration.record(m.step_time_s, &self.device);
-                }
+            EventKind::TrainStep(m) if m.step_time_s.is_finite() && m.step_time_s >= 0.0 => {
+                i.step_duration.record(m.step_time_s, &self.device);
             }
-            EventKind::EventsDropped { total } => {
-                if *total > self.dropped_seen {
-                    i.events_dropped.add(*total - self.dropped_seen, &self.device);
-                    self.dropped_seen = *total;
-                }
+            EventKind::EventsDropped { total } if *total > self.dropped_seen => {
+                i.events_dropped.add(*total - self.dropped_seen, &self.device);
+                self.dropped_seen = *total;
             }
             EventKind::RunEnded { .. } => {
                 let end = self.wall(e.t_ns);

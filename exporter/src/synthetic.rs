@@ -172,7 +172,7 @@ impl SyntheticRun {
             return;
         }
         let bytes = self.cfg.block_bytes;
-        let trainable = b % 4 == 0;
+        let trainable = b.is_multiple_of(4);
         self.ev(2_000, EventKind::Eviction {
             block: BlockId(b), reason: EvictionReason::Budget, score: (b as f64 + 1.0) * bytes as f64, bytes,
         });
@@ -236,7 +236,7 @@ impl SyntheticRun {
         let requested = 32 << 20;
         let denied = self.rand() < 0.25;
         let (granted, outcome, reason) = if denied {
-            (0, ReservationOutcome::Denied, Some(if step % 2 == 0 {
+            (0, ReservationOutcome::Denied, Some(if step.is_multiple_of(2) {
                 DenyReason::InsufficientHeadroom } else { DenyReason::PriorityReserve }))
         } else {
             (requested, ReservationOutcome::Granted, None)
@@ -414,7 +414,7 @@ mod tests {
     #[test]
     fn synthetic_run_follows_the_protocol() {
         let events = SyntheticRun::new(SyntheticConfig::default()).events(3);
-        let mut state = vec![BlockState::Unloaded; 12];
+        let mut state = [BlockState::Unloaded; 12];
         for e in &events {
             if let EventKind::Residency { block, from, to, .. } = &e.kind {
                 assert_eq!(state[block.0 as usize], *from, "seq {}", e.seq);

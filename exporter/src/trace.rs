@@ -300,9 +300,10 @@ pub fn validate(trace: &Value) -> std::result::Result<(), Vec<String>> {
     let Some(events) = trace.get("traceEvents").and_then(Value::as_array) else {
         return Err(vec!["missing `traceEvents` array".into()]);
     };
-    // Per track: (start, end) of X slices and the B/E stack.
-    let mut tracks: HashMap<(u64, u64), Vec<(f64, f64, usize)>> = HashMap::new();
-    let mut stacks: HashMap<(u64, u64), Vec<(String, f64)>> = HashMap::new();
+    // Per track (pid, tid): the (start, end, event index) of its slices, and its open B events.
+    type Track = (u64, u64);
+    let mut tracks: HashMap<Track, Vec<(f64, f64, usize)>> = HashMap::new();
+    let mut stacks: HashMap<Track, Vec<(String, f64)>> = HashMap::new();
     for (i, e) in events.iter().enumerate() {
         let Some(o) = e.as_object() else {
             problems.push(format!("event {i}: not an object"));

@@ -21,6 +21,8 @@ use std::time::Instant;
 use tch::nn;
 use tch::{Kind, Tensor};
 
+mod common;
+
 const MB: f64 = (1u64 << 20) as f64;
 
 struct Args {
@@ -170,21 +172,6 @@ fn run(dev: &Device, model: &Model, x: &Tensor, steps: usize, mode: Mode<'_>) ->
     (times.iter().sum::<f64>() / times.len().max(1) as f64, peak)
 }
 
-/// D2H bandwidth of the copy stream into pinned memory, in bytes per second.
-fn d2h_bandwidth(dev: &Device) -> f64 {
-    let bytes = if dev.is_cuda() { 256usize << 20 } else { 64 << 20 };
-    let src = Tensor::ones([(bytes / 4) as i64], (Kind::Float, dev.tch_device()));
-    let mut buf = dev.alloc_host(bytes).expect("pinned buffer");
-    let stream = dev.copy_stream().expect("stream");
-    stream.d2h(&mut buf, 0, &src, None).expect("d2h").wait().expect("wait");
-    let reps = 5;
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        stream.d2h(&mut buf, 0, &src, None).expect("d2h").wait().expect("wait");
-    }
-    (bytes * reps) as f64 / t0.elapsed().as_secs_f64()
-}
-
 fn main() {
     let dev = Device::auto(64 << 30);
     // Before the first backward of the process (see the hook engine's docs).
@@ -203,7 +190,8 @@ fn main() {
     let model = Model::new(&vs, &a);
     let x = Tensor::randn([a.tokens, a.dim], (Kind::Float, dev.tch_device()));
 
-    let bw = d2h_bandwidth(&dev);
+    let bw_bytes = if dev.is_cuda() { 256usize << 20 } else { 64 << 20 };
+    let (_, bw) = common::pinned_bandwidth(&dev, bw_bytes).expect("pinned bandwidth");
     let (resident_s, resident_peak) = run(&dev, &model, &x, a.steps, Mode::Resident);
 
     // One counting step with spilling off: the bytes of activations autograd saves.

@@ -26,14 +26,12 @@ use stagehand::weights::{WeightConfig, WeightRuntime};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-const NAMES: [&str; 6] = ["wq", "wk", "wv", "wo", "up", "down"];
+mod common;
+use common::{env, weights_of};
+
 const MIB: f64 = (1u64 << 20) as f64;
-
-fn env(name: &str, default: i64) -> i64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// One block: four d×d projections in a chain with GELUs between them and a residual, then a
 /// 4d MLP with a residual. With frozen weights autograd saves only what the input gradient
@@ -51,17 +49,6 @@ fn block_fwd(w: &[Tensor], x: &Tensor) -> Tensor {
     let x = x + a;
     let m = x.linear(&w[4], none).gelu("tanh");
     &x + m.linear(&w[5], none)
-}
-
-fn shapes(d: i64) -> [[i64; 2]; 6] {
-    [[d, d], [d, d], [d, d], [d, d], [4 * d, d], [d, 4 * d]]
-}
-
-fn weights_of(vs: &nn::VarStore, blocks: i64) -> Vec<Vec<Tensor>> {
-    let vars = vs.variables();
-    (0..blocks)
-        .map(|b| NAMES.iter().map(|n| vars[&format!("blocks.{b}.{n}")].shallow_clone()).collect())
-        .collect()
 }
 
 /// Counts the Conductor's hint changes by rule.
@@ -101,27 +88,6 @@ impl Totals {
     }
 }
 
-/// Pinned copy bandwidth in bytes per second, (H2D, D2H).
-fn bandwidth(dev: &Device, bytes: usize) -> anyhow::Result<(f64, f64)> {
-    let mut host = dev.alloc_host(bytes)?;
-    let t = Tensor::empty([bytes as i64], (Kind::Uint8, dev.tch_device()));
-    let stream = dev.copy_stream()?;
-    stream.h2d(&t, &host, 0, None)?.wait()?;
-    let reps = 5;
-    let t0 = Instant::now();
-    let pending = (0..reps).map(|_| stream.h2d(&t, &host, 0, None)).collect::<Result<Vec<_>, _>>()?;
-    for p in pending {
-        p.wait()?;
-    }
-    let h2d = (bytes * reps) as f64 / t0.elapsed().as_secs_f64();
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        stream.d2h(&mut host, 0, &t, None)?.wait()?;
-    }
-    let d2h = (bytes * reps) as f64 / t0.elapsed().as_secs_f64();
-    Ok((h2d, d2h))
-}
-
 fn main() -> anyhow::Result<()> {
     let probe = Device::auto(1 << 40);
     // Before the first backward of the process (see the hook engine's docs).
@@ -133,16 +99,10 @@ fn main() -> anyhow::Result<()> {
     let steps = env("SH_STEPS", if cuda { 6 } else { 3 }).max(2) as u32;
     let budget_blocks = env("SH_BUDGET_BLOCKS", if cuda { 4 } else { 2 }) as u64;
     let kept_fraction = std::env::var("SH_SPILL_FRACTION").ok().and_then(|v| v.parse().ok()).unwrap_or(0.5f64);
-    let kind = match std::env::var("SH_KIND").as_deref() {
-        Ok("f32") => Kind::Float,
-        Ok("f16") => Kind::Half,
-        Ok("bf16") => Kind::BFloat16,
-        _ if cuda => Kind::BFloat16,
-        _ => Kind::Float,
-    };
+    let kind = common::kind(cuda);
     let dev = probe.tch_device();
     let elt = kind.elt_size_in_bytes() as u64;
-    let block_bytes = 12 * (d * d) as u64 * elt;
+    let block_bytes = common::block_bytes(d, kind);
     let t_bytes = (tokens * d) as u64 * elt;
     let act_estimate = blocks as u64 * 7 * t_bytes;
     println!("device: {} ({})", probe.info().name, if cuda { "cuda" } else { "host-simulated" });
@@ -154,15 +114,7 @@ fn main() -> anyhow::Result<()> {
     let sync = || probe.synchronize();
 
     // ---- resident reference ---------------------------------------------------------------
-    tch::manual_seed(0);
-    let mut vr = nn::VarStore::new(dev);
-    for b in 0..blocks {
-        for (n, s) in NAMES.iter().zip(shapes(d)) {
-            let t = (Tensor::randn(s, (Kind::Float, dev)) * (1.0 / (s[1] as f64).sqrt())).to_kind(kind);
-            let _ = (vr.root() / "blocks" / b).add(n, t, false);
-        }
-    }
-    vr.freeze();
+    let vr = common::resident_stack(dev, blocks, d, kind);
     let x0 = (Tensor::randn([tokens, d], (Kind::Float, dev)) * 0.1).to_kind(kind);
     let resident_w = weights_of(&vr, blocks);
     let mut resident = f64::MAX;
@@ -181,16 +133,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     // ---- the same weights in host memory, streamed; activations spilled -------------------
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
-    let ref_vars = vr.variables();
-    for b in 0..blocks {
-        for n in NAMES {
-            let t = ref_vars[&format!("blocks.{b}.{n}")].to_device(tch::Device::Cpu);
-            let _ = (vs.root() / "blocks" / b).add(n, t, false);
-        }
-    }
-    drop(ref_vars);
-    vs.freeze();
+    let vs = common::host_copy(&vr, blocks);
     drop(resident_w);
     drop(vr);
     sync()?;
@@ -263,7 +206,9 @@ fn main() -> anyhow::Result<()> {
         y.to_kind(Kind::Float).mean(Kind::Float).backward();
         drop(y);
         let am = acts.step_end()?;
-        if std::env::var("SH_VERBOSE").is_ok() { println!("  step {n}: {am:?}"); }
+        if std::env::var("SH_VERBOSE").is_ok() {
+            println!("  step {n}: {am:?}");
+        }
         rt.end_step()?;
         c.end_step()?;
         sync()?;
@@ -306,7 +251,7 @@ fn main() -> anyhow::Result<()> {
     conductor.shutdown();
     bus.flush();
 
-    let (bw_h2d, bw_d2h) = bandwidth(&probe, (block_bytes as usize).clamp(64 << 20, 1 << 30))?;
+    let (bw_h2d, bw_d2h) = common::pinned_bandwidth(&probe, (block_bytes as usize).clamp(64 << 20, 1 << 30))?;
     println!("pinned bandwidth: H2D {:.2} GB/s, D2H {:.2} GB/s", bw_h2d / 1e9, bw_d2h / 1e9);
     println!(
         "budget: weights {} blocks = {:.0} MiB; activations spill above {:.0} MiB down to {:.0} MiB; Conductor soft cap {soft_mb} MiB",

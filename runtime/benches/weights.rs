@@ -17,13 +17,10 @@ use stagehand::torch::SavedTensorHooks;
 use stagehand::weights::WeightStore;
 use std::sync::Arc;
 use std::time::Instant;
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-const NAMES: [&str; 6] = ["wq", "wk", "wv", "wo", "up", "down"];
-
-fn env(name: &str, default: i64) -> i64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
+mod common;
+use common::{env, weights_of};
 
 /// One block: four d×d projections in a chain with a residual, then a 4d MLP with a residual
 /// (12 d² weights, the parameter count of a transformer block).
@@ -33,17 +30,6 @@ fn block_fwd(w: &[Tensor], x: &Tensor) -> Tensor {
     let x = x + a;
     let m = x.linear(&w[4], none).gelu("tanh");
     &x + m.linear(&w[5], none)
-}
-
-fn shapes(d: i64) -> [[i64; 2]; 6] {
-    [[d, d], [d, d], [d, d], [d, d], [4 * d, d], [d, 4 * d]]
-}
-
-fn weights_of(vs: &nn::VarStore, blocks: i64) -> Vec<Vec<Tensor>> {
-    let vars = vs.variables();
-    (0..blocks)
-        .map(|b| NAMES.iter().map(|n| vars[&format!("blocks.{b}.{n}")].shallow_clone()).collect())
-        .collect()
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,13 +42,7 @@ fn main() -> anyhow::Result<()> {
     let budget_blocks = env("SH_BUDGET_BLOCKS", if cuda { 4 } else { 2 }) as u64;
     let prefetch = env("SH_PREFETCH", 2) as u32;
     let inflight = env("SH_INFLIGHT", 2) as u32;
-    let kind = match std::env::var("SH_KIND").as_deref() {
-        Ok("f32") => Kind::Float,
-        Ok("f16") => Kind::Half,
-        Ok("bf16") => Kind::BFloat16,
-        _ if cuda => Kind::BFloat16,
-        _ => Kind::Float,
-    };
+    let kind = common::kind(cuda);
     let dev = probe.tch_device();
     let block_bytes = 12 * d * d * kind.elt_size_in_bytes() as i64;
     println!("device: {} ({})", probe.info().name, if cuda { "cuda" } else { "host-simulated" });
@@ -73,15 +53,7 @@ fn main() -> anyhow::Result<()> {
     let sync = || probe.synchronize();
 
     // ---- resident reference: all weights on the device -----------------------------------
-    tch::manual_seed(0);
-    let mut vr = nn::VarStore::new(dev);
-    for b in 0..blocks {
-        for (n, s) in NAMES.iter().zip(shapes(d)) {
-            let t = (Tensor::randn(s, (Kind::Float, dev)) * (1.0 / (s[1] as f64).sqrt())).to_kind(kind);
-            let _ = (vr.root() / "blocks" / b).add(n, t, false);
-        }
-    }
-    vr.freeze();
+    let vr = common::resident_stack(dev, blocks, d, kind);
     let x0 = (Tensor::randn([tokens, d], (Kind::Float, dev)) * 0.1).to_kind(kind);
     let resident_w = weights_of(&vr, blocks);
     let step_resident = |w: &[Vec<Tensor>]| -> anyhow::Result<f64> {
@@ -100,16 +72,7 @@ fn main() -> anyhow::Result<()> {
     println!("resident step: {resident:.4} s (fwd+bwd, best of {steps})");
 
     // ---- streamed: weights in pinned host memory, a few blocks on the device -------------
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
-    let ref_vars = vr.variables();
-    for b in 0..blocks {
-        for n in NAMES {
-            let t = ref_vars[&format!("blocks.{b}.{n}")].to_device(tch::Device::Cpu);
-            let _ = (vs.root() / "blocks" / b).add(n, t, false);
-        }
-    }
-    drop(ref_vars);
-    vs.freeze();
+    let vs = common::host_copy(&vr, blocks);
     drop(resident_w);
     drop(vr);
     sync()?;
@@ -178,21 +141,7 @@ fn main() -> anyhow::Result<()> {
     let peak = probe.memory().peak;
 
     // ---- pinned H2D bandwidth, same run -----------------------------------------------------
-    let bw_bytes = (block_bytes as usize).clamp(64 << 20, 1 << 30);
-    let host = probe.alloc_host(bw_bytes)?;
-    let dst = Tensor::empty([bw_bytes as i64], (Kind::Uint8, dev));
-    let stream = probe.copy_stream()?;
-    stream.h2d(&dst, &host, 0, None)?.wait()?;
-    let reps = 5;
-    let t0 = Instant::now();
-    let mut pend = Vec::new();
-    for _ in 0..reps {
-        pend.push(stream.h2d(&dst, &host, 0, None)?);
-    }
-    for p in pend {
-        p.wait()?;
-    }
-    let bw = (bw_bytes * reps) as f64 / t0.elapsed().as_secs_f64();
+    let (bw, _) = common::pinned_bandwidth(&probe, (block_bytes as usize).clamp(64 << 20, 1 << 30))?;
 
     let floor = resident.max(bytes as f64 / bw);
     println!(

@@ -3,7 +3,6 @@
 //! Runs on the host device, and on CUDA where present.
 
 use stagehand::activations::{ActivationConfig, ActivationRuntime};
-use stagehand::device::Device;
 use stagehand::events::{ActivationStepMetrics, BlockId, Bus};
 use stagehand::saved::{WeightResolver, WeightSave};
 use stagehand::torch::TensorIdentity;
@@ -13,19 +12,8 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
-/// libtorch's RNG is process-global: runs that are compared take this lock.
-static RNG: Mutex<()> = Mutex::new(());
-
-fn rng() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn device() -> Device {
-    // The hook engine must be libtorch's engine before the first backward of the process (a
-    // resident run included): the device threads start once per process, for the first engine.
-    stagehand::torch::hooks::install().expect("hook engine");
-    Device::auto(1 << 30)
-}
+mod common;
+use common::{assert_bit_identical, device, grads, rng};
 
 /// Spill everything eligible: watermarks at the bottom, tiny minimum size, a roomy pool.
 fn spill_all() -> ActivationConfig {
@@ -38,24 +26,6 @@ fn spill_all() -> ActivationConfig {
         .debug_checksums(true)
         .build()
         .expect("config")
-}
-
-fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut g: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(n, v)| (n, v.grad().to_device(tch::Device::Cpu)))
-        .collect();
-    g.sort_by(|a, b| a.0.cmp(&b.0));
-    g
-}
-
-fn assert_bit_identical(a: &[(String, Tensor)], b: &[(String, Tensor)]) {
-    assert_eq!(a.len(), b.len());
-    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
-        assert_eq!(na, nb);
-        assert!(ta.equal(tb), "gradient of {na} differs");
-    }
 }
 
 fn mlp(vs: &nn::Path<'_>) -> impl Module {

@@ -17,18 +17,9 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
-/// libtorch's RNG is process-global: runs that are compared take this lock.
-static RNG: Mutex<()> = Mutex::new(());
-
-fn rng() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn device() -> Device {
-    // The hook engine must be libtorch's engine before the first backward of the process.
-    stagehand::torch::hooks::install().expect("hook engine");
-    Device::auto(1 << 30)
-}
+mod common;
+use common::blocks::{block_bytes, block_fwd, build, Block, D};
+use common::{device, grads, rng};
 
 /// A sink keeping every event, and a bus feeding it.
 #[derive(Clone, Default)]
@@ -94,33 +85,6 @@ fn assert_required_never_refused(events: &[EventKind]) {
 }
 
 // ---- weights ---------------------------------------------------------------------------------
-
-const D: i64 = 16;
-const H: i64 = 32;
-
-type Block = (nn::Linear, nn::Linear);
-
-fn build(vs: &nn::VarStore, n: usize) -> Vec<Block> {
-    (0..n)
-        .map(|i| {
-            let p = vs.root() / "blocks" / i;
-            (
-                nn::linear(&p / "fc1", D, H, Default::default()),
-                nn::linear(&p / "fc2", H, D, Default::default()),
-            )
-        })
-        .collect()
-}
-
-fn block_fwd(b: &Block, x: &Tensor) -> Tensor {
-    x + b.1.forward(&b.0.forward(x).relu())
-}
-
-/// Bytes of one block in the runtime's layout (fc1 w,b + fc2 w,b, each 256-aligned).
-fn block_bytes() -> u64 {
-    let a = |b: i64| (b as u64 * 4).div_ceil(256) * 256;
-    a(D * H) + a(H) + a(H * D) + a(D)
-}
 
 /// A frozen reference model on the device and an identical one in host memory, streamed by a
 /// weight runtime that holds 4 blocks and prefetches 3 ahead with 3 copies in flight.
@@ -355,13 +319,7 @@ fn train_mlp(device: &Device, rt: Option<&ActivationRuntime>, c: &Conductor) -> 
         opt.step();
         c.end_step().expect("end");
     }
-    let mut g: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(n, v)| (n, v.grad().to_device(tch::Device::Cpu)))
-        .collect();
-    g.sort_by(|a, b| a.0.cmp(&b.0));
-    g
+    grads(&vs)
 }
 
 #[test]

@@ -7,13 +7,8 @@ use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-/// libtorch's RNG is process-global: tests that draw from it (or compare runs that do) take
-/// this lock so parallel tests do not interleave their draws.
-static RNG: Mutex<()> = Mutex::new(());
-
-fn rng() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|p| p.into_inner())
-}
+mod common;
+use common::rng;
 
 /// What a store does with the tensors it hands back.
 #[derive(Clone, Copy, PartialEq)]

@@ -6,42 +6,12 @@ use stagehand::device::Device;
 use stagehand::events::{BlockId, BlockState, Bus, EventKind, Update};
 use stagehand::weights::{OffloadedAdamW, WeightConfig, WeightRuntime};
 use stagehand::Error;
-use std::sync::Mutex;
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 
-static RNG: Mutex<()> = Mutex::new(());
-
-fn rng() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-const D: i64 = 16;
-const H: i64 = 32;
-
-type Block = (nn::Linear, nn::Linear);
-
-fn build(vs: &nn::VarStore, n: usize) -> Vec<Block> {
-    (0..n)
-        .map(|i| {
-            let p = vs.root() / "blocks" / i;
-            (
-                nn::linear(&p / "fc1", D, H, Default::default()),
-                nn::linear(&p / "fc2", H, D, Default::default()),
-            )
-        })
-        .collect()
-}
-
-fn block_fwd(b: &Block, x: &Tensor) -> Tensor {
-    x + b.1.forward(&b.0.forward(x).relu())
-}
-
-/// Bytes of one block in the runtime's layout (fc1 w,b + fc2 w,b, each 256-aligned).
-fn block_bytes() -> u64 {
-    let a = |b: i64| (b as u64 * 4).div_ceil(256) * 256;
-    a(D * H) + a(H) + a(H * D) + a(D)
-}
+mod common;
+use common::blocks::{block_bytes, block_fwd, build, Block, D, H};
+use common::rng;
 
 /// A reference model on the device and an identical managed one (its VarStore on the CPU).
 fn pair(n: usize, trainable: bool) -> (nn::VarStore, Vec<Block>, nn::VarStore, Vec<Block>) {

@@ -4,15 +4,11 @@
 use stagehand::device::Device;
 use stagehand::nn::{self as snn, LayerOptions, ManagedVarStore};
 use stagehand::weights::OffloadedAdamW;
-use std::sync::Mutex;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
-static RNG: Mutex<()> = Mutex::new(());
-
-fn rng() -> std::sync::MutexGuard<'static, ()> {
-    RNG.lock().unwrap_or_else(|p| p.into_inner())
-}
+mod common;
+use common::rng;
 
 const V: i64 = 20;
 const D: i64 = 16;

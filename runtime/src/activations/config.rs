@@ -120,7 +120,7 @@ impl ActivationConfig {
                 &format!("greater than low_watermark_bytes ({})", self.low_watermark_bytes),
             ));
         }
-        if self.class_sizes_bytes.iter().any(|&c| c == 0)
+        if self.class_sizes_bytes.contains(&0)
             || self.class_sizes_bytes.windows(2).any(|w| w[0] >= w[1])
         {
             return Err(invalid(

@@ -159,7 +159,7 @@ mod tests {
 
     #[test]
     fn reasons_come_in_order() {
-        let mut p = SpillPolicy::new(0 + 1, 0, 100, 1.0);
+        let mut p = SpillPolicy::new(1, 0, 100, 1.0);
         let mut f = facts(1000, 10);
         f.parameter = true;
         f.on_device = false;

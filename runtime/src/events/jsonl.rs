@@ -418,7 +418,7 @@ mod tests {
         let mut f = Follower::open(&path).expect("opens");
         assert_eq!(f.poll().expect("poll").len(), 1);
         let mut file = OpenOptions::new().append(true).open(&path).expect("open");
-        write!(file, "{}\n", &line[10..]).expect("append");
+        writeln!(file, "{}", &line[10..]).expect("append");
         let more = f.poll().expect("poll");
         assert_eq!(more, vec![event(1)]);
         assert_eq!(f.report().skipped_total, 0);

@@ -1,0 +1,78 @@
+//! What the runtime's integration tests share: the RNG lock, the device with the hook engine
+//! installed, gradient comparison, and the small two-linear block model the weight tests stream.
+//! Each test crate uses part of it.
+#![allow(dead_code)]
+
+use stagehand::device::Device;
+use std::sync::Mutex;
+use tch::nn;
+use tch::Tensor;
+
+/// libtorch's RNG is process-global: tests that draw from it (or compare runs that do) take
+/// this lock so parallel tests do not interleave their draws.
+static RNG: Mutex<()> = Mutex::new(());
+
+pub fn rng() -> std::sync::MutexGuard<'static, ()> {
+    RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The host device, or CUDA where present, with the hook engine installed. The hook engine must
+/// be libtorch's engine before the first backward of the process (a resident run included):
+/// the device threads start once per process, for the first engine.
+pub fn device() -> Device {
+    stagehand::torch::hooks::install().expect("hook engine");
+    Device::auto(1 << 30)
+}
+
+/// Every variable's gradient on the host, sorted by name.
+pub fn grads(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut g: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, v)| (n, v.grad().to_device(tch::Device::Cpu)))
+        .collect();
+    g.sort_by(|a, b| a.0.cmp(&b.0));
+    g
+}
+
+pub fn assert_bit_identical(a: &[(String, Tensor)], b: &[(String, Tensor)]) {
+    assert_eq!(a.len(), b.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "gradient of {na} differs");
+    }
+}
+
+/// The weight tests' model: blocks of `x + fc2(relu(fc1(x)))`, D -> H -> D.
+pub mod blocks {
+    use tch::nn::{self, Module};
+    use tch::Tensor;
+
+    pub const D: i64 = 16;
+    pub const H: i64 = 32;
+
+    pub type Block = (nn::Linear, nn::Linear);
+
+    /// `n` blocks named `blocks.{i}.fc1` / `blocks.{i}.fc2`.
+    pub fn build(vs: &nn::VarStore, n: usize) -> Vec<Block> {
+        (0..n)
+            .map(|i| {
+                let p = vs.root() / "blocks" / i;
+                (
+                    nn::linear(&p / "fc1", D, H, Default::default()),
+                    nn::linear(&p / "fc2", H, D, Default::default()),
+                )
+            })
+            .collect()
+    }
+
+    pub fn block_fwd(b: &Block, x: &Tensor) -> Tensor {
+        x + b.1.forward(&b.0.forward(x).relu())
+    }
+
+    /// Bytes of one block in the runtime's layout (fc1 w,b + fc2 w,b, each 256-aligned).
+    pub fn block_bytes() -> u64 {
+        let a = |b: i64| (b as u64 * 4).div_ceil(256) * 256;
+        a(D * H) + a(H) + a(H * D) + a(D)
+    }
+}
