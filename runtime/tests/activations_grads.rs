@@ -15,17 +15,8 @@ use tch::{Kind, Tensor};
 mod common;
 use common::{assert_bit_identical, device, grads, rng};
 
-/// Spill everything eligible: watermarks at the bottom, tiny minimum size, a roomy pool.
 fn spill_all() -> ActivationConfig {
-    ActivationConfig::builder()
-        .watermarks_bytes(1, 0)
-        .min_spill_bytes(1)
-        .classes_bytes(&[4096, 64 << 10, 1 << 20])
-        .slabs_per_class(&[64, 64, 16])
-        .keep_tail_groups(0)
-        .debug_checksums(true)
-        .build()
-        .expect("config")
+    common::spill_all_builder().build().expect("config")
 }
 
 fn mlp(vs: &nn::Path<'_>) -> impl Module {

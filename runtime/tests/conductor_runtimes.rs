@@ -265,17 +265,7 @@ fn the_runtimes_read_the_knobs_the_conductor_writes_and_get_them_back_on_detach(
 
 /// Spill everything eligible, restore up to 4 ahead, 2 copies in flight each way.
 fn spill_all() -> ActivationConfig {
-    ActivationConfig::builder()
-        .watermarks_bytes(1, 0)
-        .min_spill_bytes(1)
-        .classes_bytes(&[4096, 64 << 10, 1 << 20])
-        .slabs_per_class(&[64, 64, 16])
-        .keep_tail_groups(0)
-        .restore_ahead(4, 64 << 20)
-        .max_inflight(2, 2)
-        .debug_checksums(true)
-        .build()
-        .expect("config")
+    common::spill_all_builder().restore_ahead(4, 64 << 20).max_inflight(2, 2).build().expect("config")
 }
 
 fn mlp(vs: &nn::Path<'_>) -> impl Module {

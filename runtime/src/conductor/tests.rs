@@ -68,6 +68,14 @@ impl Rig {
         self.events().into_iter().map(|e| e.kind).collect()
     }
 
+    /// Registers a weight and an activation adapter; returns their knobs.
+    fn attach_both(&self) -> (Arc<Knobs>, Arc<Knobs>) {
+        let (wk, ak) = (weight_knobs(), activation_knobs());
+        self.conductor.register(WeightAdapter::new(wk.clone())).expect("weights");
+        self.conductor.register(ActivationAdapter::new(ak.clone())).expect("activations");
+        (wk, ak)
+    }
+
     fn hint_rules(&self) -> Vec<PolicyRule> {
         self.kinds()
             .into_iter()
@@ -200,14 +208,7 @@ fn an_invalid_order_is_a_typed_error_and_a_warning() {
 #[test]
 fn rules_fire_through_the_step_and_reset_at_step_begin() {
     let rig = Rig::new();
-    let wk = weight_knobs();
-    let ak = activation_knobs();
-    rig.conductor
-        .register(WeightAdapter::new(wk.clone()))
-        .expect("weights");
-    rig.conductor
-        .register(ActivationAdapter::new(ak.clone()))
-        .expect("activations");
+    let (wk, ak) = rig.attach_both();
 
     rig.conductor.begin_step(1).expect("begin");
     rig.conductor.enter_forward().expect("forward");
@@ -522,14 +523,7 @@ fn sustained_full_slots_shrink_the_prefetch_window() {
 #[test]
 fn shutdown_restores_knobs_and_releases_everything() {
     let rig = Rig::new();
-    let wk = weight_knobs();
-    let ak = activation_knobs();
-    rig.conductor
-        .register(WeightAdapter::new(wk.clone()))
-        .expect("weights");
-    rig.conductor
-        .register(ActivationAdapter::new(ak.clone()))
-        .expect("activations");
+    let (wk, ak) = rig.attach_both();
     rig.conductor.begin_step(1).expect("begin");
     rig.conductor.enter_forward().expect("forward");
     rig.conductor.enter_backward().expect("backward");

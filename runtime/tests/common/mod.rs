@@ -3,6 +3,8 @@
 //! Each test crate uses part of it.
 #![allow(dead_code)]
 
+use stagehand::activations::ActivationConfigBuilder;
+use stagehand::activations::ActivationConfig;
 use stagehand::device::Device;
 use std::sync::Mutex;
 use tch::nn;
@@ -22,6 +24,18 @@ pub fn rng() -> std::sync::MutexGuard<'static, ()> {
 pub fn device() -> Device {
     stagehand::torch::hooks::install().expect("hook engine");
     Device::auto(1 << 30)
+}
+
+/// Spill everything eligible: watermarks at the bottom, tiny minimum size, a roomy pool, no
+/// learned tail, checksums on. Tests add their own restore and in-flight limits.
+pub fn spill_all_builder() -> ActivationConfigBuilder {
+    ActivationConfig::builder()
+        .watermarks_bytes(1, 0)
+        .min_spill_bytes(1)
+        .classes_bytes(&[4096, 64 << 10, 1 << 20])
+        .slabs_per_class(&[64, 64, 16])
+        .keep_tail_groups(0)
+        .debug_checksums(true)
 }
 
 /// Every variable's gradient on the host, sorted by name.
