@@ -10,7 +10,7 @@ use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 use stagehand::events::Event;
 use stagehand_dashboard::app::{State, Update, View, ViewState};
-use stagehand_dashboard::synthetic::{self, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 use stagehand_dashboard::views;
 use std::time::{Duration, Instant};

@@ -589,7 +589,7 @@ pub fn rule_name(r: PolicyRule) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::synthetic::{events, SyntheticRun};
+    use stagehand::events::synthetic::{events, SyntheticRun};
 
     fn fed() -> (State, Vec<Event>) {
         let ev = events(SyntheticRun::default());

@@ -3,6 +3,5 @@
 pub mod app;
 pub mod keys;
 pub mod source;
-pub mod synthetic;
 pub mod theme;
 pub mod views;

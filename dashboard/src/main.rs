@@ -8,7 +8,7 @@ use ratatui::DefaultTerminal;
 use stagehand_dashboard::app::{State, Update, ViewState};
 use stagehand_dashboard::keys::{map_key, KeyContext};
 use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, ReplaySource, Source};
-use stagehand_dashboard::synthetic::{self, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 use stagehand_dashboard::views;
 use std::path::PathBuf;

@@ -473,7 +473,7 @@ pub fn replay_snapshot(src: &ReplaySource) -> &Snapshot {
 mod tests {
     use super::*;
     use crate::app::State;
-    use crate::synthetic::{events, SyntheticRun};
+    use stagehand::events::synthetic::{events, SyntheticRun};
 
     #[test]
     fn sse_lines_make_messages() {

@@ -6,7 +6,7 @@ use common::*;
 use stagehand::events::{Snapshot, StreamMessage};
 use stagehand_dashboard::app::{SourceStatus, State};
 use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, Source};
-use stagehand_dashboard::synthetic::{self, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use std::time::{Duration, Instant};
 
 const QUICK: Backoff = Backoff {

@@ -7,7 +7,7 @@ use common::*;
 use ratatui::style::Color;
 use stagehand::events::{BlockId, BlockState};
 use stagehand_dashboard::app::{Control, Detail, Filter, View, ViewState};
-use stagehand_dashboard::synthetic::{self, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 
 fn view(v: View) -> ViewState {

@@ -3,7 +3,6 @@
 pub mod metrics;
 #[cfg(feature = "otlp")]
 pub mod otlp;
-pub mod synthetic;
 pub mod trace;
 
 pub use metrics::{DeviceLabels, Metrics, METRIC_NAMES, TEXT_CONTENT_TYPE};

@@ -4,7 +4,7 @@
 use prometheus_parse::{Scrape, Value};
 use stagehand::events::model::{BlockState, Direction};
 use stagehand::events::{EventSink, Snapshot};
-use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::{DeviceLabels, Metrics, METRIC_NAMES};
 use std::collections::BTreeMap;
 
@@ -28,7 +28,7 @@ fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
 
 #[test]
 fn metrics_parse_back_with_prometheus_names_types_and_values() {
-    let events = SyntheticRun::new(SyntheticConfig::default()).events(4);
+    let events = synthetic::events(SyntheticRun::finished(4));
     let snap = Snapshot::from_events(&events);
     let mut sink = Metrics::new();
     for e in &events {
@@ -128,7 +128,7 @@ fn metrics_parse_back_with_prometheus_names_types_and_values() {
 #[test]
 fn labels_fixed_at_construction_win_over_the_run() {
     let m = Metrics::with_labels(DeviceLabels::new(3, "NVIDIA H200")).expect("builds");
-    for e in SyntheticRun::new(SyntheticConfig::default()).events(1) {
+    for e in synthetic::events(SyntheticRun::finished(1)) {
         m.record(&e).expect("records");
     }
     let s = scrape(&m.render().expect("renders"));

@@ -5,7 +5,7 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use stagehand::events::{EventSink, Snapshot};
-use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::OtelSink;
 use std::io::{Read, Write};
 
@@ -18,7 +18,7 @@ fn metrics_and_step_spans_reach_the_in_memory_exporters() {
         .build();
     let tp = SdkTracerProvider::builder().with_simple_exporter(spans.clone()).build();
     let mut sink = OtelSink::with_providers(mp, tp);
-    let events = SyntheticRun::new(SyntheticConfig::default()).events(3);
+    let events = synthetic::events(SyntheticRun::finished(3));
     let snap = Snapshot::from_events(&events);
     for e in &events {
         sink.on_event(e);
@@ -122,7 +122,7 @@ fn from_env_exports_over_otlp_http_to_the_configured_endpoint() {
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     std::env::set_var("OTEL_SERVICE_NAME", "stagehand-test");
     let mut sink = OtelSink::from_env().expect("builds from env");
-    for e in SyntheticRun::new(SyntheticConfig::default()).events(2) {
+    for e in synthetic::events(SyntheticRun::finished(2)) {
         sink.on_event(&e);
     }
     sink.flush();

@@ -4,14 +4,14 @@
 use serde_json::Value;
 use stagehand::events::jsonl::{JsonlSink, OpenMode};
 use stagehand::events::EventSink;
-use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::trace::{validate, COMPUTE_TID, D2H_TID, H2D_TID};
 
 #[test]
 fn cli_converts_a_telemetry_file_into_a_valid_trace() {
     let dir = tempfile::tempdir().expect("tempdir");
     let input = dir.path().join("run.jsonl");
-    let events = SyntheticRun::new(SyntheticConfig::default()).events(3);
+    let events = synthetic::events(SyntheticRun::finished(3));
     {
         let mut sink = JsonlSink::open(&input, OpenMode::CreateNew).expect("opens");
         for e in &events {

@@ -7,7 +7,7 @@ mod http;
 use base64::Engine as _;
 use serde_json::{json, Value};
 use stagehand::events::{Bus, Hub, Snapshot};
-use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_web::Server;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -136,7 +136,7 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
     let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
     let publisher = {
         let bus = bus.clone();
-        std::thread::spawn(move || SyntheticRun::new(SyntheticConfig::default()).publish(&bus, 6, Duration::from_millis(150)))
+        std::thread::spawn(move || synthetic::publish(SyntheticRun::finished(6), &bus, Duration::from_millis(150)))
     };
     publisher.join().expect("publisher");
     bus.flush();

@@ -4,7 +4,7 @@
 mod http;
 
 use stagehand::events::{Bus, Snapshot, StreamMessage};
-use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_web::Server;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +21,7 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
     let publisher = {
         let bus = bus.clone();
         std::thread::spawn(move || {
-            SyntheticRun::new(SyntheticConfig::default()).publish(&bus, 5, Duration::from_millis(20))
+            synthetic::publish(SyntheticRun::finished(5), &bus, Duration::from_millis(20))
         })
     };
 
@@ -52,7 +52,7 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
             }
         }
     }
-    assert_eq!(publisher.join().expect("publisher"), 5);
+    assert_eq!(publisher.join().expect("publisher"), synthetic::events(SyntheticRun::finished(5)).len() as u64);
     bus.flush();
     let local = local.expect("snapshot received");
     assert!(local.ended, "the stream reached run_ended");

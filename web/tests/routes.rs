@@ -5,7 +5,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use stagehand::events::{Hub, Snapshot};
-use stagehand_exporter::synthetic::{SyntheticConfig, SyntheticRun};
+use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::Metrics;
 use stagehand_web::{router, AppState, ReplayDriver};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ fn live_state(steps: u64) -> AppState {
     let hub = Arc::new(Hub::new());
     let metrics = Metrics::new();
     hub.add_sink(Box::new(metrics.clone()));
-    for e in SyntheticRun::new(SyntheticConfig::default()).events(steps) {
+    for e in synthetic::events(SyntheticRun::finished(steps)) {
         hub.ingest(e);
     }
     AppState::live(hub, metrics)
@@ -67,9 +67,9 @@ async fn snapshot_run_and_steps() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(run["mode"], "live");
     assert_eq!(run["run"]["device"]["name"], "host (simulated)");
-    assert_eq!(run["run"]["model"], "synthetic gpt L=12");
+    assert_eq!(run["run"]["model"], "gpt d=512 L=12");
     assert!(run["run"]["versions"]["stagehand"].is_string());
-    assert_eq!(run["run"]["config"]["blocks"], 12);
+    assert_eq!(run["run"]["config"]["prefetch_window"], 2);
     assert_eq!(run["ended"], true);
 
     let (status, steps) = call_json(&state, "GET", "/api/steps?from=2&limit=3", None).await;
@@ -154,7 +154,7 @@ async fn sse_starts_with_a_snapshot() {
 
 #[tokio::test]
 async fn replay_controls_drive_the_hub() {
-    let events = SyntheticRun::new(SyntheticConfig::default()).events(4);
+    let events = synthetic::events(SyntheticRun::finished(4));
     let total = events.len();
     let state = AppState::replay(Arc::new(ReplayDriver::new(events)));
     let (s, st) = call_json(&state, "GET", "/api/replay/status", None).await;

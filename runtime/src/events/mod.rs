@@ -7,6 +7,7 @@ pub mod jsonl;
 pub mod model;
 pub mod replay;
 pub mod snapshot;
+pub mod synthetic;
 pub mod wire;
 
 pub use bus::{Bus, EventSink, Hub, Subscription, Update};

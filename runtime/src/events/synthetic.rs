@@ -1,13 +1,21 @@
 //! A deterministic synthetic run: every kind of event a real run emits, with realistic shapes
 //! (blocks streaming through their residency states, copies, pool slabs, spills and restores,
 //! Conductor reservations, denials and hints, VRAM samples, per-step metrics, a warning and a
-//! bus drop), and no wall-clock values. Used by the tests' fixtures, the benchmark and `--demo`.
+//! bus drop), and no wall-clock values, without libtorch.
+//!
+//! For every consumer's tests (snapshot, stagehand-top, metrics, traces, the HTTP server, the
+//! web page), for trying the dashboards without a model (`stagehand-top --demo`), and for
+//! benchmarks. [`events`] gives the run as recorded events (what a telemetry file holds);
+//! [`publish`] plays it onto a live [`Bus`] with pauses between steps, so a live consumer sees it
+//! unfold.
 
 // The runtime's metric structs gain fields over time; `..Default::default()` keeps this
 // generator building when they do.
 #![allow(clippy::needless_update)]
 
-use stagehand::events::*;
+use super::bus::Bus;
+use super::model::*;
+use std::time::Duration;
 
 /// Shape of a synthetic run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +27,13 @@ pub struct SyntheticRun {
     /// End with a partial step that leaves blocks in each of the six residency states (a run
     /// caught mid-step) instead of a `run_ended` event.
     pub end_mid_step: bool,
+}
+
+impl SyntheticRun {
+    /// A run of `steps` steps over 12 blocks that ends with `run_ended`.
+    pub fn finished(steps: u64) -> SyntheticRun {
+        SyntheticRun { blocks: 12, steps, end_mid_step: false }
+    }
 }
 
 impl Default for SyntheticRun {
@@ -649,10 +664,41 @@ pub fn jsonl(run: SyntheticRun) -> String {
     s
 }
 
+/// Plays the run onto `bus` as a training loop would publish it: phase changes through
+/// [`Bus::enter_phase`] (the bus times them), everything else through [`Bus::publish`], with
+/// the bus's own sequence numbers and clock, sleeping `pause` after each step. Returns the
+/// number of events published.
+pub fn publish(run: SyntheticRun, bus: &Bus, pause: Duration) -> u64 {
+    let mut n = 0;
+    for e in events(run) {
+        match e.kind {
+            EventKind::PhaseChanged { to, .. } => {
+                bus.enter_phase(e.step, to);
+                if to == Phase::Idle && !pause.is_zero() {
+                    std::thread::sleep(pause);
+                }
+            }
+            EventKind::RunStarted { run_id, device, model, versions, config, .. } => {
+                bus.publish(EventKind::RunStarted {
+                    run_id,
+                    wall_clock_unix_ms: bus.wall_clock_unix_ms(),
+                    device,
+                    model,
+                    versions,
+                    config,
+                })
+            }
+            kind => bus.publish(kind),
+        }
+        n += 1;
+    }
+    n
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::Snapshot;
+    use crate::events::Snapshot;
 
     #[test]
     fn every_residency_transition_is_valid_and_all_six_states_show_at_the_end() {
@@ -683,5 +729,49 @@ mod tests {
             assert!(w[1].t_ns > w[0].t_ns);
         }
         assert!(matches!(ev.last().map(|e| &e.kind), Some(EventKind::RunEnded { steps: 5 })));
+    }
+
+    #[test]
+    fn a_finished_run_leaves_nothing_in_flight() {
+        let ev = events(SyntheticRun { blocks: 12, steps: 3, end_mid_step: false });
+        let snap = Snapshot::from_events(&ev);
+        assert!(snap.ended);
+        assert_eq!(snap.steps.len(), 3);
+        assert_eq!((snap.transfers.h2d.inflight, snap.transfers.d2h.inflight), (0, 0));
+        assert!(snap.activations.spilled > 0 && snap.activations.restored == snap.activations.spilled);
+        assert!(snap.weights.prefetch_hits > 0 && snap.weights.prefetch_misses > 0);
+    }
+
+    #[test]
+    fn publishing_on_a_bus_gives_the_same_run() {
+        let run = SyntheticRun { blocks: 6, steps: 2, end_mid_step: false };
+        #[derive(Clone, Default)]
+        struct Keep(std::sync::Arc<std::sync::Mutex<Vec<Event>>>);
+        impl crate::events::EventSink for Keep {
+            fn on_event(&mut self, e: &Event) {
+                self.0.lock().expect("keep").push(e.clone());
+            }
+        }
+        let keep = Keep::default();
+        let bus = Bus::new();
+        bus.hub().expect("enabled bus").add_sink(Box::new(keep.clone()));
+        let n = publish(run, &bus, Duration::ZERO);
+        bus.flush();
+        let live = keep.0.lock().expect("keep").clone();
+        let recorded = events(run);
+        assert_eq!(n as usize, recorded.len());
+        assert_eq!(live.len(), recorded.len());
+        for (l, r) in live.iter().zip(&recorded) {
+            assert_eq!((l.step, l.phase), (r.step, r.phase), "seq {}", r.seq);
+            match (&l.kind, &r.kind) {
+                (EventKind::PhaseChanged { from: lf, to: lt, .. }, EventKind::PhaseChanged { from: rf, to: rt, .. }) => {
+                    assert_eq!((lf, lt), (rf, rt));
+                }
+                (EventKind::RunStarted { model: lm, .. }, EventKind::RunStarted { model: rm, .. }) => {
+                    assert_eq!(lm, rm);
+                }
+                (a, b) => assert_eq!(a, b),
+            }
+        }
     }
 }
