@@ -1,5 +1,5 @@
-//! A real server on port 0 during a (synthetic) run: the SSE stream read as a client does, and
-//! the picture it builds checked against `/api/snapshot`.
+//! A real server on port 0 during a (synthetic) run: the SSE stream and the WebSocket stream
+//! read as clients do, and the picture each builds checked against `/api/snapshot`.
 
 mod http;
 
@@ -82,4 +82,59 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
 
     server.shutdown().expect("shuts down");
     assert!(std::net::TcpStream::connect(addr).is_err(), "the port is closed");
+}
+
+#[test]
+fn websocket_stream_follows_a_run_from_snapshot_to_its_end() {
+    let hub = Arc::new(stagehand::events::Hub::new());
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
+    let addr = server.addr();
+    let (mut socket, response) = tungstenite::connect(format!("ws://{addr}/api/ws")).expect("upgrades");
+    assert_eq!(response.status(), 101);
+
+    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+    let publisher = {
+        let bus = bus.clone();
+        std::thread::spawn(move || synthetic::publish(SyntheticRun::finished(4), &bus, Duration::from_millis(20)))
+    };
+
+    let mut local: Option<Snapshot> = None;
+    let (mut events, mut snapshots) = (0u64, 0u64);
+    loop {
+        // Pings are answered by the client library as it reads.
+        let text = match socket.read().expect("the stream stays open until the run ends") {
+            tungstenite::Message::Text(t) => t,
+            tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) => continue,
+            other => panic!("unexpected frame {other:?}"),
+        };
+        match serde_json::from_str::<StreamMessage>(&text).expect("a stream message") {
+            StreamMessage::Snapshot { snapshot } => {
+                snapshots += 1;
+                local = Some(*snapshot);
+            }
+            StreamMessage::Event { event } => {
+                events += 1;
+                let snap = local.as_mut().expect("a snapshot comes first");
+                snap.apply(&event);
+                if snap.ended {
+                    break;
+                }
+            }
+            StreamMessage::Lagged { missed } => assert!(missed > 0),
+        }
+    }
+    publisher.join().expect("publisher");
+    bus.flush();
+    let local = local.expect("snapshot received");
+    assert!(snapshots >= 1 && events > 300, "{snapshots} snapshots, {events} events");
+
+    let api: Snapshot = serde_json::from_slice(&http::request(addr, "GET", "/api/snapshot", None).body).expect("a snapshot");
+    assert_eq!(api.last_seq, local.last_seq);
+    assert_eq!(api.events_applied, local.events_applied);
+    assert_eq!(api.blocks, local.blocks);
+    assert_eq!(api.transfers, local.transfers);
+    assert_eq!(api.steps.len(), 4);
+
+    socket.close(None).expect("closes");
+    server.shutdown().expect("shuts down");
 }
