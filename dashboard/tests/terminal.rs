@@ -126,3 +126,32 @@ fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
     t.wait_for("Phase timeline");
     t.quit();
 }
+
+#[test]
+fn follow_plays_a_growing_file_as_it_is_written() {
+    let all = std::fs::read_to_string(RUN).expect("fixture");
+    let lines: Vec<&str> = all.lines().collect();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("growing.jsonl");
+    // The writer is mid-line: 300 whole events and half of the next one.
+    let (half, rest) = lines[300].split_at(lines[300].len() / 2);
+    let head: String = lines[..300].iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(&path, format!("{head}{half}")).expect("writes the first part");
+
+    let mut t = Tui::start(&["--replay", path.to_str().expect("utf-8 path"), "--follow"]);
+    t.wait_for("300/300");
+    let s = t.wait_for("read 300 events from 300 lines");
+    assert!(!s.contains("skipped"), "a line being written is not damage:\n{s}");
+
+    let mut f = std::fs::OpenOptions::new().append(true).open(&path).expect("opens for append");
+    let tail: String = lines[301..].iter().map(|l| format!("{l}\n")).collect();
+    write!(f, "{rest}\n{tail}").expect("appends the rest");
+    f.flush().expect("flushes");
+    t.wait_for("751/751");
+    let s = t.wait_for("read 751 events from 751 lines");
+    assert!(s.contains("dropped 17"), "the appended events were applied:\n{s}");
+    assert!(!s.contains("skipped"), "the line finished later was read whole:\n{s}");
+    t.keys("6");
+    t.wait_for("Phase timeline");
+    t.quit();
+}
