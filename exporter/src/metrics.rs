@@ -757,4 +757,18 @@ impl EventSink for Metrics {
         // Registration cannot fail after construction; a failed rebuild keeps the old families.
         let _ = self.record(event);
     }
+
+    /// A replay seek: fresh series (a counter reset, as after a restarted process) holding what
+    /// `history` adds up to, so `/metrics` agrees with the replay's position either way.
+    fn rewind(&mut self, history: &[Event]) {
+        let mut inner = self.lock();
+        // Families::new only fails on a name clash inside this module.
+        let Ok(families) = Families::new(&inner.labels.clone().unwrap_or_default()) else { return };
+        inner.families = families;
+        inner.snapshot = Snapshot::new();
+        inner.dropped_seen = 0;
+        for e in history {
+            let _ = inner.on_event(e);
+        }
+    }
 }

@@ -78,7 +78,7 @@ impl ReplayDriver {
                 }
                 hub.flush();
             }
-            Change::Reset => hub.reset(replay.snapshot().clone()),
+            Change::Reset => hub.reset(replay.snapshot().clone(), &replay.events()[..replay.position()]),
         }
     }
 

@@ -152,6 +152,17 @@ async fn sse_starts_with_a_snapshot() {
     assert!(text.starts_with("event: snapshot\ndata: {\"type\":\"snapshot\""), "{}", &text[..80.min(text.len())]);
 }
 
+/// The sum of a metric's samples on `/metrics`.
+async fn scraped(state: &AppState, name: &str) -> f64 {
+    let (_, _, body) = call(state, "GET", "/metrics", None).await;
+    String::from_utf8(body)
+        .expect("utf-8")
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
 #[tokio::test]
 async fn replay_controls_drive_the_hub() {
     let events = synthetic::events(SyntheticRun::finished(4));
@@ -173,9 +184,21 @@ async fn replay_controls_drive_the_hub() {
     assert_eq!(st["position"].as_u64(), Some(total as u64));
     assert!(state.hub().snapshot().ended);
 
+    let end_hits = state.hub().snapshot().weights.prefetch_hits;
+    assert_eq!(scraped(&state, "stagehand_prefetch_hits_total").await, end_hits as f64);
+
+    // Back to the middle: /metrics counts what the replay has reached, not what it once did.
+    let (s, _) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "position": total / 2 }))).await;
+    assert_eq!(s, StatusCode::OK);
+    let mid = state.hub().snapshot();
+    assert!(mid.weights.prefetch_hits < end_hits);
+    assert_eq!(scraped(&state, "stagehand_prefetch_hits_total").await, mid.weights.prefetch_hits as f64);
+    assert_eq!(scraped(&state, "stagehand_step").await, mid.step as f64);
+
     let (s, _) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "position": 0 }))).await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!(state.hub().snapshot().events_applied, 0, "a seek back resets the hub");
+    assert_eq!(scraped(&state, "stagehand_prefetch_hits_total").await, 0.0);
 
     let (s, st) = call_json(&state, "POST", "/api/replay/speed", Some(json!({ "speed": 4.0 }))).await;
     assert_eq!(s, StatusCode::OK);

@@ -37,6 +37,12 @@ pub trait EventSink: Send {
     fn on_event(&mut self, event: &Event);
     /// Called after each batch and at shutdown.
     fn flush(&mut self) {}
+    /// The hub started over at an earlier or later point of the run (a replay seek):
+    /// `history` is every event up to the new position. Sinks that derive state from the events
+    /// (metrics) rebuild it from `history`; sinks that only append (files) ignore it.
+    fn rewind(&mut self, history: &[Event]) {
+        let _ = history;
+    }
 }
 
 /// What a subscriber receives after its initial snapshot.
@@ -123,10 +129,14 @@ impl Hub {
         }
     }
 
-    /// Replaces the snapshot (replay seek) and tells every subscriber to resync.
-    pub fn reset(&self, snapshot: Snapshot) {
+    /// Replaces the snapshot (replay seek), rewinds every sink to `history` (the events up to
+    /// the snapshot's position) and tells every subscriber to resync.
+    pub fn reset(&self, snapshot: Snapshot, history: &[Event]) {
         let mut st = self.lock();
         st.snapshot = snapshot;
+        for s in st.sinks.iter_mut() {
+            s.rewind(history);
+        }
         let _ = self
             .tx
             .send(Update::Resync(Arc::new(st.snapshot.clone())));
