@@ -9,6 +9,46 @@ use stagehand_web::Server;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// What a stream client builds: the snapshot it was sent, with every later event applied.
+#[derive(Default)]
+struct Picture {
+    local: Option<Snapshot>,
+    events: u64,
+    snapshots: u64,
+    lagged: u64,
+}
+
+impl Picture {
+    /// Takes one message; true once the run has ended.
+    fn take(&mut self, msg: StreamMessage) -> bool {
+        match msg {
+            StreamMessage::Snapshot { snapshot } => {
+                self.snapshots += 1;
+                self.local = Some(*snapshot);
+            }
+            StreamMessage::Event { event } => {
+                self.events += 1;
+                let snap = self.local.as_mut().expect("a snapshot comes first");
+                snap.apply(&event);
+                return snap.ended;
+            }
+            StreamMessage::Lagged { missed } => {
+                assert!(missed > 0);
+                self.lagged += 1;
+            }
+        }
+        false
+    }
+}
+
+/// A synthetic run of `steps` steps published on the hub from another thread.
+fn publish(hub: &Arc<stagehand::events::Hub>, steps: u64) -> (Bus, std::thread::JoinHandle<u64>) {
+    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+    let b = bus.clone();
+    let publisher = std::thread::spawn(move || synthetic::publish(SyntheticRun::finished(steps), &b, Duration::from_millis(20)));
+    (bus, publisher)
+}
+
 #[test]
 fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
     let hub = Arc::new(stagehand::events::Hub::new());
@@ -17,43 +57,22 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
     assert!(addr.ip().is_loopback());
     let mut sse = http::Sse::open(addr);
 
-    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
-    let publisher = {
-        let bus = bus.clone();
-        std::thread::spawn(move || {
-            synthetic::publish(SyntheticRun::finished(5), &bus, Duration::from_millis(20))
-        })
-    };
+    let (bus, publisher) = publish(&hub, 5);
 
-    let mut local: Option<Snapshot> = None;
-    let (mut events, mut snapshots, mut lagged) = (0u64, 0u64, 0u64);
+    let mut picture = Picture::default();
     while let Some((name, data)) = sse.next() {
         if name == "comment" {
             continue;
         }
         let msg: StreamMessage = serde_json::from_str(&data).expect("a stream message");
         assert_eq!(msg.name(), name, "the SSE event name is the message type");
-        match msg {
-            StreamMessage::Snapshot { snapshot } => {
-                snapshots += 1;
-                local = Some(*snapshot);
-            }
-            StreamMessage::Event { event } => {
-                events += 1;
-                let snap = local.as_mut().expect("a snapshot comes first");
-                snap.apply(&event);
-                if snap.ended {
-                    break;
-                }
-            }
-            StreamMessage::Lagged { missed } => {
-                assert!(missed > 0);
-                lagged += 1;
-            }
+        if picture.take(msg) {
+            break;
         }
     }
     assert_eq!(publisher.join().expect("publisher"), synthetic::events(SyntheticRun::finished(5)).len() as u64);
     bus.flush();
+    let Picture { local, events, snapshots, lagged } = picture;
     let local = local.expect("snapshot received");
     assert!(local.ended, "the stream reached run_ended");
     assert!(snapshots >= 1 && events > 500, "{snapshots} snapshots, {events} events, {lagged} lagged");
@@ -92,14 +111,9 @@ fn websocket_stream_follows_a_run_from_snapshot_to_its_end() {
     let (mut socket, response) = tungstenite::connect(format!("ws://{addr}/api/ws")).expect("upgrades");
     assert_eq!(response.status(), 101);
 
-    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
-    let publisher = {
-        let bus = bus.clone();
-        std::thread::spawn(move || synthetic::publish(SyntheticRun::finished(4), &bus, Duration::from_millis(20)))
-    };
+    let (bus, publisher) = publish(&hub, 4);
 
-    let mut local: Option<Snapshot> = None;
-    let (mut events, mut snapshots) = (0u64, 0u64);
+    let mut picture = Picture::default();
     loop {
         // Pings are answered by the client library as it reads.
         let text = match socket.read().expect("the stream stays open until the run ends") {
@@ -107,24 +121,13 @@ fn websocket_stream_follows_a_run_from_snapshot_to_its_end() {
             tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) => continue,
             other => panic!("unexpected frame {other:?}"),
         };
-        match serde_json::from_str::<StreamMessage>(&text).expect("a stream message") {
-            StreamMessage::Snapshot { snapshot } => {
-                snapshots += 1;
-                local = Some(*snapshot);
-            }
-            StreamMessage::Event { event } => {
-                events += 1;
-                let snap = local.as_mut().expect("a snapshot comes first");
-                snap.apply(&event);
-                if snap.ended {
-                    break;
-                }
-            }
-            StreamMessage::Lagged { missed } => assert!(missed > 0),
+        if picture.take(serde_json::from_str(&text).expect("a stream message")) {
+            break;
         }
     }
     publisher.join().expect("publisher");
     bus.flush();
+    let Picture { local, events, snapshots, .. } = picture;
     let local = local.expect("snapshot received");
     assert!(snapshots >= 1 && events > 300, "{snapshots} snapshots, {events} events");
 
