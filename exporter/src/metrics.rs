@@ -484,16 +484,22 @@ struct Inner {
 }
 
 impl Inner {
+    /// Fresh series under `labels` and an empty run: what Prometheus reads as a counter reset.
+    fn restart(&mut self, labels: &DeviceLabels) -> Result<()> {
+        self.families = Families::new(labels)?;
+        self.snapshot = Snapshot::new();
+        self.dropped_seen = 0;
+        Ok(())
+    }
+
     fn on_event(&mut self, e: &Event) -> Result<()> {
         if let EventKind::RunStarted { device, .. } = &e.kind {
             if !self.fixed_labels {
                 // A new run: new labels and fresh series (counter resets are what Prometheus
                 // expects of a restarted process).
                 let labels = DeviceLabels::new(device.index, device.name.clone());
-                self.families = Families::new(&labels)?;
+                self.restart(&labels)?;
                 self.labels = Some(labels);
-                self.snapshot = Snapshot::new();
-                self.dropped_seen = 0;
             }
         }
         self.snapshot.apply(e);
@@ -762,11 +768,11 @@ impl EventSink for Metrics {
     /// `history` adds up to, so `/metrics` agrees with the replay's position either way.
     fn rewind(&mut self, history: &[Event]) {
         let mut inner = self.lock();
+        let labels = inner.labels.clone().unwrap_or_default();
         // Families::new only fails on a name clash inside this module.
-        let Ok(families) = Families::new(&inner.labels.clone().unwrap_or_default()) else { return };
-        inner.families = families;
-        inner.snapshot = Snapshot::new();
-        inner.dropped_seen = 0;
+        if inner.restart(&labels).is_err() {
+            return;
+        }
         for e in history {
             let _ = inner.on_event(e);
         }

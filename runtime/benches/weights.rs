@@ -44,7 +44,7 @@ fn main() -> anyhow::Result<()> {
     let inflight = env("SH_INFLIGHT", 2) as u32;
     let kind = common::kind(cuda);
     let dev = probe.tch_device();
-    let block_bytes = 12 * d * d * kind.elt_size_in_bytes() as i64;
+    let block_bytes = common::block_bytes(d, kind) as i64;
     println!("device: {} ({})", probe.info().name, if cuda { "cuda" } else { "host-simulated" });
     println!(
         "model: {blocks} blocks, d={d}, {kind:?}, {:.2} GB of weights, {tokens} tokens",

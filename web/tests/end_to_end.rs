@@ -90,12 +90,7 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
 
     let metrics = http::request(addr, "GET", "/metrics", None);
     assert_eq!(metrics.status, 200);
-    let hits = metrics
-        .text()
-        .lines()
-        .find(|l| l.starts_with("stagehand_prefetch_hits_total{"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok());
+    let hits = http::metric(&metrics.text(), "stagehand_prefetch_hits_total");
     assert_eq!(hits, Some(local.weights.prefetch_hits as f64));
     assert!(metrics.text().contains("device_name=\"host (simulated)\""));
 

@@ -1,5 +1,7 @@
 //! Every route, in memory (`Router::oneshot`), live and replaying.
 
+mod http;
+
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
@@ -152,15 +154,10 @@ async fn sse_starts_with_a_snapshot() {
     assert!(text.starts_with("event: snapshot\ndata: {\"type\":\"snapshot\""), "{}", &text[..80.min(text.len())]);
 }
 
-/// The sum of a metric's samples on `/metrics`.
+/// A metric's value on `/metrics` (the sum of its samples); fails when it has no sample.
 async fn scraped(state: &AppState, name: &str) -> f64 {
     let (_, _, body) = call(state, "GET", "/metrics", None).await;
-    String::from_utf8(body)
-        .expect("utf-8")
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+    http::metric(&String::from_utf8(body).expect("utf-8"), name).unwrap_or_else(|| panic!("no sample of {name}"))
 }
 
 #[tokio::test]

@@ -574,29 +574,15 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
         let ready: Vec<u32> = (0..blocks)
             .filter(|b| g.state[*b as usize] == BlockState::GpuReady)
             .collect();
-        // Evict all but two, one frozen left mid-free and one trainable mid-save.
-        for (i, b) in ready.iter().enumerate() {
-            match i {
-                0 => {
-                    g.push(EventKind::Eviction {
-                        block: BlockId(*b),
-                        reason: EvictionReason::Watermark,
-                        score: 1.0e8,
-                        bytes: BLOCK_BYTES,
-                    });
-                    g.residency(*b, BlockState::Evicting, 0);
-                }
-                1 => {
-                    g.push(EventKind::Eviction {
-                        block: BlockId(*b),
-                        reason: EvictionReason::Watermark,
-                        score: 0.9e8,
-                        bytes: BLOCK_BYTES,
-                    });
-                    g.residency(*b, BlockState::GpuFreeing, 0);
-                }
-                _ => {}
-            }
+        // Leave the first two ready blocks mid-eviction: one mid-save, one mid-free.
+        for (&b, (score, to)) in ready.iter().zip([(1.0e8, BlockState::Evicting), (0.9e8, BlockState::GpuFreeing)]) {
+            g.push(EventKind::Eviction {
+                block: BlockId(b),
+                reason: EvictionReason::Watermark,
+                score,
+                bytes: BLOCK_BYTES,
+            });
+            g.residency(b, to, 0);
         }
         let unloaded: Vec<u32> = (0..blocks)
             .filter(|b| g.state[*b as usize] == BlockState::Unloaded)
@@ -678,17 +664,13 @@ pub fn publish(run: SyntheticRun, bus: &Bus, pause: Duration) -> u64 {
                     std::thread::sleep(pause);
                 }
             }
-            EventKind::RunStarted { run_id, device, model, versions, config, .. } => {
-                bus.publish(EventKind::RunStarted {
-                    run_id,
-                    wall_clock_unix_ms: bus.wall_clock_unix_ms(),
-                    device,
-                    model,
-                    versions,
-                    config,
-                })
+            mut kind => {
+                // The run starts now, on the bus's wall clock.
+                if let EventKind::RunStarted { wall_clock_unix_ms, .. } = &mut kind {
+                    *wall_clock_unix_ms = bus.wall_clock_unix_ms();
+                }
+                bus.publish(kind);
             }
-            kind => bus.publish(kind),
         }
         n += 1;
     }

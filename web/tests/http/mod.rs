@@ -157,3 +157,13 @@ impl Sse {
         }
     }
 }
+
+/// The sum of a metric's samples in Prometheus text, `None` when it has none.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
