@@ -50,13 +50,19 @@ impl Tui {
 
     /// Waits until the screen shows `text` (failing after a generous limit, never timing).
     fn wait_for(&self, text: &str) -> String {
+        self.wait_for_all(&[text])
+    }
+
+    /// Waits until one screen shows every one of `texts` at once: a frame read mid-redraw can
+    /// show part of the new view over the old one.
+    fn wait_for_all(&self, texts: &[&str]) -> String {
         let limit = Instant::now() + Duration::from_secs(30);
         loop {
             let c = self.contents();
-            if c.contains(text) {
+            if texts.iter().all(|t| c.contains(t)) {
                 return c;
             }
-            assert!(Instant::now() < limit, "screen never showed {text:?}:\n{c}");
+            assert!(Instant::now() < limit, "screen never showed all of {texts:?}:\n{c}");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -96,8 +102,7 @@ fn replay_in_a_terminal_follows_keys() {
     t.wait_for("751/751");
     t.wait_for("dropped 17");
     t.keys("2");
-    let s = t.wait_for("gpu_freeing 1");
-    assert!(s.contains("blocks.7"), "{s}");
+    t.wait_for_all(&["gpu_freeing 1", "blocks.7"]);
     t.keys("jj\r"); // the third block's details
     t.wait_for("Block blocks.2");
     t.keys("7/kind:events_dropped\r");
@@ -119,9 +124,7 @@ fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
     let mut t = Tui::start(&["--connect", &url]);
     // The first connection is closed by the server; the second snapshot makes the second resync.
     t.wait_for("751 events, 2 resyncs");
-    let s = t.wait_for(&format!("live http://{addr}/api/stream"));
-    assert!(s.contains("step 4 forward"), "{s}");
-    assert!(s.contains("dropped 17"), "{s}");
+    t.wait_for_all(&[&format!("live http://{addr}/api/stream"), "step 4 forward", "dropped 17"]);
     t.keys("6");
     t.wait_for("Phase timeline");
     t.quit();
@@ -139,17 +142,15 @@ fn follow_plays_a_growing_file_as_it_is_written() {
     std::fs::write(&path, format!("{head}{half}")).expect("writes the first part");
 
     let mut t = Tui::start(&["--replay", path.to_str().expect("utf-8 path"), "--follow"]);
-    t.wait_for("300/300");
-    let s = t.wait_for("read 300 events from 300 lines");
+    let s = t.wait_for_all(&["300/300", "read 300 events from 300 lines"]);
     assert!(!s.contains("skipped"), "a line being written is not damage:\n{s}");
 
     let mut f = std::fs::OpenOptions::new().append(true).open(&path).expect("opens for append");
     let tail: String = lines[301..].iter().map(|l| format!("{l}\n")).collect();
     write!(f, "{rest}\n{tail}").expect("appends the rest");
     f.flush().expect("flushes");
-    t.wait_for("751/751");
-    let s = t.wait_for("read 751 events from 751 lines");
-    assert!(s.contains("dropped 17"), "the appended events were applied:\n{s}");
+    // "dropped 17" comes from an appended event: the appended part was applied.
+    let s = t.wait_for_all(&["751/751", "read 751 events from 751 lines", "dropped 17"]);
     assert!(!s.contains("skipped"), "the line finished later was read whole:\n{s}");
     t.keys("6");
     t.wait_for("Phase timeline");
