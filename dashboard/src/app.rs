@@ -553,10 +553,10 @@ pub fn describe(k: &EventKind) -> String {
             format!("{} {} inflight {inflight}", dir.as_str(), owner.as_str())
         }
         HintsChanged { hints, rule } => format!("{}: {}", stagehand::events::wire_name(rule), fmt_hints(hints)),
-        VramSample { allocated_bytes, budget_bytes, .. } => format!(
-            "{} of {}",
+        VramSample { allocated_bytes, reserved_bytes, .. } => format!(
+            "{} allocated, {} reserved",
             fmt_bytes(*allocated_bytes),
-            fmt_bytes(*budget_bytes)
+            fmt_bytes(*reserved_bytes)
         ),
         WeightStep(m) => format!(
             "hits {} misses {} stall {:.1} ms",
@@ -573,6 +573,45 @@ pub fn describe(k: &EventKind) -> String {
         TrainStep(m) => format!("loss {:.4} in {:.1} ms", m.loss, m.step_time_s * 1e3),
         Warning { source, message } => format!("{}: {message}", source.as_str()),
         EventsDropped { total } => format!("{total} dropped so far"),
+        LimitsSet { owner, budget_bytes, high_watermark_bytes, low_watermark_bytes } => {
+            let mut s = format!("{} budget {}", owner.as_str(), fmt_bytes(*budget_bytes));
+            if let Some(h) = high_watermark_bytes {
+                s.push_str(&format!(", high {}", fmt_bytes(*h)));
+            }
+            if let Some(l) = low_watermark_bytes {
+                s.push_str(&format!(", low {}", fmt_bytes(*l)));
+            }
+            s
+        }
+        VramOwners(o) => format!(
+            "weights {} kept {} restored {} in flight {} other {}",
+            fmt_bytes(o.weights_bytes),
+            fmt_bytes(o.activations_kept_bytes),
+            fmt_bytes(o.activations_restored_bytes),
+            fmt_bytes(o.copies_in_flight_bytes),
+            fmt_bytes(o.other_bytes)
+        ),
+        OutOfMemory { requested_bytes, doing, .. } => {
+            format!("out of memory asking {} while {doing}", fmt_bytes(*requested_bytes))
+        }
+        ItineraryChanged { order, first_difference, .. } => {
+            format!("retraced: {} blocks, differs from position {first_difference}", order.len())
+        }
+        StepTime(t) => format!(
+            "{:.1} ms: compute {:.1}, h2d wait {:.1}, d2h wait {:.1}, stalls {:.1}, optimizer {:.1}",
+            t.step_ms,
+            t.compute_ms,
+            t.h2d_wait_ms,
+            t.d2h_wait_ms,
+            t.weight_stall_ms + t.restore_stall_ms,
+            t.optimizer_ms
+        ),
+        TelemetryLost { sink, lost, reason, .. } => format!("{sink} lost {lost} events: {reason}"),
+        NonFinite { block, tensor } => match block {
+            Some(b) => format!("non-finite {tensor} in block {b}"),
+            None => format!("non-finite {tensor}"),
+        },
+        FlightRecorded { reason, path, events } => format!("{events} events to {path} ({reason})"),
     }
 }
 

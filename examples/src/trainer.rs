@@ -136,6 +136,12 @@ pub fn announce(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str) {
             "memory": format!("{:?}", cfg.memory),
         }),
     });
+    bus.publish(EventKind::LimitsSet {
+        owner: stagehand::events::Owner::Device,
+        budget_bytes: cfg.budget_bytes,
+        high_watermark_bytes: None,
+        low_watermark_bytes: None,
+    });
 }
 
 /// Trains the GPT for `cfg.steps` steps on `device`, publishing every phase and per-step
@@ -155,22 +161,10 @@ pub fn train(
 /// Publishes the end-of-step samples every run reports.
 fn report_step(bus: &Bus, device: &Device, cfg: &TrainConfig, loss: f64, dt: f64) -> u64 {
     let mem = device.memory();
-    let budget = cfg.budget_bytes;
-    let (high, low) = match cfg.memory {
-        Memory::Streamed {
-            spill_high_bytes,
-            spill_low_bytes,
-            ..
-        } => (spill_high_bytes, spill_low_bytes),
-        Memory::Resident => (budget * 8 / 10, budget * 6 / 10),
-    };
     bus.publish(EventKind::VramSample {
         allocated_bytes: mem.allocated,
         reserved_bytes: mem.reserved,
         peak_allocated_bytes: mem.peak,
-        high_watermark_bytes: high,
-        low_watermark_bytes: low,
-        budget_bytes: budget,
     });
     bus.publish(EventKind::TrainStep(TrainStepMetrics {
         loss,

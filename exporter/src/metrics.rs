@@ -653,9 +653,9 @@ impl Inner {
                 ("allocated", v.allocated_bytes),
                 ("reserved", v.reserved_bytes),
                 ("peak_allocated", v.peak_allocated_bytes),
-                ("high_watermark", v.high_watermark_bytes),
-                ("low_watermark", v.low_watermark_bytes),
-                ("budget", v.budget_bytes),
+                ("high_watermark", s.spill_watermarks().map_or(0, |w| w.0)),
+                ("low_watermark", s.spill_watermarks().map_or(0, |w| w.1)),
+                ("budget", s.vram_budget_bytes().unwrap_or(0)),
             ] {
                 f.vram.with_label_values(&[k]).set(b as f64);
             }

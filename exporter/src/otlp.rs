@@ -309,9 +309,9 @@ impl OtelSink {
                 ("allocated", v.allocated_bytes),
                 ("reserved", v.reserved_bytes),
                 ("peak_allocated", v.peak_allocated_bytes),
-                ("high_watermark", v.high_watermark_bytes),
-                ("low_watermark", v.low_watermark_bytes),
-                ("budget", v.budget_bytes),
+                ("high_watermark", s.spill_watermarks().map_or(0, |w| w.0)),
+                ("low_watermark", s.spill_watermarks().map_or(0, |w| w.1)),
+                ("budget", s.vram_budget_bytes().unwrap_or(0)),
             ] {
                 self.inst.vram.record(b, &self.attrs(&[("kind", k.to_owned())]));
             }

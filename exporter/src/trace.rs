@@ -155,15 +155,11 @@ pub fn to_chrome_trace(events: &[Event]) -> Value {
             EventKind::VramSample {
                 allocated_bytes,
                 reserved_bytes,
-                high_watermark_bytes,
-                low_watermark_bytes,
                 ..
             } => counters.push(json!({
                 "ph": "C", "name": "VRAM", "cat": "memory", "pid": PID, "tid": 0,
                 "ts": us(e.t_ns),
-                "args": { "allocated": allocated_bytes, "reserved": reserved_bytes,
-                          "high_watermark": high_watermark_bytes,
-                          "low_watermark": low_watermark_bytes },
+                "args": { "allocated": allocated_bytes, "reserved": reserved_bytes },
             })),
             EventKind::PoolConfigured { pool, .. }
             | EventKind::SlabAcquired { pool, .. }

@@ -98,7 +98,7 @@ fn metrics_parse_back_with_prometheus_names_types_and_values() {
     }
     let vram = snap.vram.expect("vram sampled");
     assert_eq!(value(&s, "stagehand_vram_bytes", &[("kind", "allocated")]), vram.allocated_bytes as f64);
-    assert_eq!(value(&s, "stagehand_vram_bytes", &[("kind", "high_watermark")]), vram.high_watermark_bytes as f64);
+    assert_eq!(value(&s, "stagehand_vram_bytes", &[("kind", "high_watermark")]), snap.spill_watermarks().map_or(0, |w| w.0) as f64);
     assert_eq!(value(&s, "stagehand_activations_packed_total", &[("decision", "spilled")]), snap.activations.spilled as f64);
     assert_eq!(value(&s, "stagehand_activation_restores_total", &[]), snap.activations.restored as f64);
     let denials: u64 = snap.conductor.denials_by_reason.values().sum();

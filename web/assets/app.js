@@ -117,10 +117,13 @@
         break;
       case "hints_changed": c.hints = e.hints; c.hints_rule = e.rule; c.hint_changes += 1; break;
       case "vram_sample": {
-        const r = { t_ns: e.t_ns, allocated_bytes: e.allocated_bytes, reserved_bytes: e.reserved_bytes, peak_allocated_bytes: e.peak_allocated_bytes,
-          high_watermark_bytes: e.high_watermark_bytes, low_watermark_bytes: e.low_watermark_bytes, budget_bytes: e.budget_bytes };
+        const r = { t_ns: e.t_ns, allocated_bytes: e.allocated_bytes, reserved_bytes: e.reserved_bytes, peak_allocated_bytes: e.peak_allocated_bytes };
         s.vram = r; push(s.vram_history, r, VRAM_HISTORY); break;
       }
+      case "limits_set":
+        s.limits = s.limits || {};
+        s.limits[e.owner] = { budget_bytes: e.budget_bytes, high_watermark_bytes: e.high_watermark_bytes ?? null, low_watermark_bytes: e.low_watermark_bytes ?? null };
+        break;
       case "events_dropped": s.dropped_events = Math.max(s.dropped_events, e.total); break;
       default: break;
     }
@@ -194,18 +197,22 @@
     dr.textContent = s.dropped_events ? `${s.dropped_events} events were dropped: the bus queue was full, so these figures miss some events.` : "";
 
     const v = s.vram;
+    const lim = s.limits || {};
+    const budget = (lim.device || lim.conductor || {}).budget_bytes ?? (s.run ? s.run.device.total_bytes : 0);
+    const high = (lim.activations || {}).high_watermark_bytes ?? 0;
+    const low = (lim.activations || {}).low_watermark_bytes ?? 0;
     if (v) {
       set("vram-allocated", v.allocated_bytes, mib(v.allocated_bytes));
       set("vram-reserved", v.reserved_bytes, mib(v.reserved_bytes));
       set("vram-peak", v.peak_allocated_bytes, mib(v.peak_allocated_bytes));
-      set("vram-high", v.high_watermark_bytes, mib(v.high_watermark_bytes));
-      set("vram-low", v.low_watermark_bytes, mib(v.low_watermark_bytes));
-      set("vram-budget", v.budget_bytes, mib(v.budget_bytes));
+      set("vram-high", high, mib(high));
+      set("vram-low", low, mib(low));
+      set("vram-budget", budget, mib(budget));
     }
     if (vramPlot) {
       const h = s.vram_history;
       vramPlot.setData([h.map((r) => r.t_ns / 1e9), h.map((r) => r.allocated_bytes), h.map((r) => r.reserved_bytes),
-        h.map((r) => r.high_watermark_bytes), h.map((r) => r.low_watermark_bytes), h.map((r) => r.budget_bytes)]);
+        h.map(() => high), h.map(() => low), h.map(() => budget)]);
     }
 
     // Residency grid and legend.

@@ -153,8 +153,8 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
     let v = api.vram.expect("vram");
     for (id, want) in [
         ("vram-allocated", v.allocated_bytes), ("vram-reserved", v.reserved_bytes),
-        ("vram-peak", v.peak_allocated_bytes), ("vram-high", v.high_watermark_bytes),
-        ("vram-low", v.low_watermark_bytes), ("vram-budget", v.budget_bytes),
+        ("vram-peak", v.peak_allocated_bytes), ("vram-high", api.spill_watermarks().map_or(0, |w| w.0)),
+        ("vram-low", api.spill_watermarks().map_or(0, |w| w.1)), ("vram-budget", api.vram_budget_bytes().unwrap_or(0)),
         ("prefetch-hits", api.weights.prefetch_hits), ("prefetch-misses", api.weights.prefetch_misses),
         ("evictions", api.weights.evictions),
         ("h2d-inflight", api.transfers.h2d.inflight as u64), ("h2d-count", api.transfers.h2d.count),

@@ -31,7 +31,9 @@ fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let lines = match &s.vram {
         None => vec![Line::styled("no VRAM sample yet", theme.dim())],
         Some(v) => {
-            let budget = v.budget_bytes.max(1) as f64;
+            let budget_bytes = s.vram_budget_bytes().unwrap_or(0);
+            let (high, low) = s.spill_watermarks().unwrap_or((0, 0));
+            let budget = budget_bytes.max(1) as f64;
             let frac = v.allocated_bytes as f64 / budget;
             let label = format!(" {}", pct(v.allocated_bytes as f64, budget));
             let bar_w = inner_w.saturating_sub(label.len() + 1);
@@ -39,8 +41,8 @@ fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
                 bar_w,
                 frac,
                 &[
-                    (v.low_watermark_bytes as f64 / budget, "L"),
-                    (v.high_watermark_bytes as f64 / budget, "H"),
+                    (low as f64 / budget, "L"),
+                    (high as f64 / budget, "H"),
                 ],
                 theme,
             );
@@ -56,11 +58,11 @@ fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
                 kv(
                     &[
                         ("allocated", fmt_bytes(v.allocated_bytes)),
-                        ("of budget", fmt_bytes(v.budget_bytes)),
+                        ("of budget", fmt_bytes(budget_bytes)),
                         ("reserved", fmt_bytes(v.reserved_bytes)),
                         ("peak", fmt_bytes(v.peak_allocated_bytes)),
-                        ("low (L)", fmt_bytes(v.low_watermark_bytes)),
-                        ("high (H)", fmt_bytes(v.high_watermark_bytes)),
+                        ("low (L)", fmt_bytes(low)),
+                        ("high (H)", fmt_bytes(high)),
                     ],
                     theme,
                 ),

@@ -131,9 +131,6 @@ impl Shared {
                 allocated_bytes: m.allocated,
                 reserved_bytes: m.reserved,
                 peak_allocated_bytes: m.peak,
-                high_watermark_bytes: self.config.high_watermark_bytes,
-                low_watermark_bytes: self.config.low_watermark_bytes,
-                budget_bytes: self.device.info().total_bytes,
             }
         });
     }
@@ -164,6 +161,12 @@ impl ActivationRuntime {
     ) -> Result<ActivationRuntime> {
         config.validate()?;
         let telemetry = Telemetry::new(bus, config.telemetry_enabled);
+        telemetry.publish_with(|| EventKind::LimitsSet {
+            owner: Owner::Activations,
+            budget_bytes: device.info().total_bytes,
+            high_watermark_bytes: Some(config.high_watermark_bytes),
+            low_watermark_bytes: Some(config.low_watermark_bytes),
+        });
         let pool = SpillPool::new(
             &device,
             &config.class_sizes_bytes,

@@ -18,7 +18,11 @@ use std::fmt;
 
 /// Version of the event schema. Bumped when a field changes meaning or is removed; adding an
 /// optional field or a new event kind does not bump it (readers skip kinds they do not know).
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// The oldest schema version readers accept. Version 1 files carried the limits inside every
+/// `vram_sample`; version 2 publishes them once per owner as `limits_set`.
+pub const MIN_SCHEMA_VERSION: u32 = 1;
 
 macro_rules! id_newtype {
     ($(#[$m:meta])* $name:ident($inner:ty)) => {
@@ -194,13 +198,15 @@ impl Direction {
 }
 
 /// Which runtime an event, a copy or a reservation belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Owner {
     Weights,
     Activations,
     Conductor,
     Trainer,
+    /// The device as a whole (the one budget a run is given).
+    Device,
 }
 
 impl Owner {
@@ -211,6 +217,7 @@ impl Owner {
             Owner::Activations => "activations",
             Owner::Conductor => "conductor",
             Owner::Trainer => "trainer",
+            Owner::Device => "device",
         }
     }
 }
@@ -508,6 +515,60 @@ pub struct TrainStepMetrics {
     pub vram_peak_bytes: u64,
 }
 
+/// Where one step's wall time went. The parts `compute_ms` .. `other_ms` add up to `step_ms`.
+///
+/// The compute stream's waits are measured on the GPU: before the compute stream is made to wait
+/// on a copy, a timed event is recorded on it, and the time from that event to the copy's own
+/// completion event is how long the compute stream sat idle for the copy (0 when the copy had
+/// landed first). On the host device copies are synchronous and those waits are host stalls.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct StepTimeBreakdown {
+    /// Wall time of the whole step.
+    pub step_ms: f64,
+    /// Forward and backward time not spent in any of the waits below.
+    pub compute_ms: f64,
+    /// The compute stream waiting on host-to-device copies (weights, restores) still landing.
+    pub h2d_wait_ms: f64,
+    /// The compute stream (or the host) waiting on device-to-host copies (spills, gradients).
+    pub d2h_wait_ms: f64,
+    /// The host blocked loading weight blocks that were not prefetched (misses).
+    pub weight_stall_ms: f64,
+    /// The host blocked restoring spilled activations on demand.
+    pub restore_stall_ms: f64,
+    /// The optimizer phase (host and device optimizer steps).
+    pub optimizer_ms: f64,
+    /// Everything else (step set-up, loss read-back, telemetry).
+    pub other_ms: f64,
+}
+
+/// Device memory by owner at one moment. `other_bytes` is what the allocator holds beyond the
+/// runtimes' own figures (the model's unmanaged tensors, workspaces, gradients, fragmentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct VramByOwner {
+    pub allocated_bytes: u64,
+    /// Resident weight blocks (ready or being evicted).
+    pub weights_bytes: u64,
+    /// Saved activations kept on the device.
+    pub activations_kept_bytes: u64,
+    /// Spilled activations brought back and waiting for backward.
+    pub activations_restored_bytes: u64,
+    /// Destinations of copies still in flight (weights landing, restores landing, spills leaving).
+    pub copies_in_flight_bytes: u64,
+    pub other_bytes: u64,
+}
+
+impl VramByOwner {
+    /// Fills `other_bytes` from `allocated_bytes` and the owned parts.
+    pub fn with_other(mut self) -> VramByOwner {
+        let owned = self.weights_bytes
+            + self.activations_kept_bytes
+            + self.activations_restored_bytes
+            + self.copies_in_flight_bytes;
+        self.other_bytes = self.allocated_bytes.saturating_sub(owned);
+        self
+    }
+}
+
 /// Every event the runtimes, the Conductor and the trainer emit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -543,6 +604,15 @@ pub enum EventKind {
     },
     /// The itinerary (execution order) was learned or changed.
     ItineraryLearned { order: Vec<BlockId> },
+    /// A step ran its blocks in another order than the itinerary: it was traced again.
+    ItineraryChanged {
+        order: Vec<BlockId>,
+        /// Position of the first block that differs from the previous itinerary.
+        first_difference: u32,
+        /// Blocks new to the itinerary, and blocks no longer in it.
+        added: Vec<BlockId>,
+        removed: Vec<BlockId>,
+    },
     /// A residency transition.
     Residency {
         block: BlockId,
@@ -680,14 +750,34 @@ pub enum EventKind {
     HintsChanged { hints: Hints, rule: PolicyRule },
 
     // ---- memory --------------------------------------------------------------------------
-    /// A reading of device memory and the limits it is held to.
+    /// A reading of device memory (readings only: limits are [`EventKind::LimitsSet`]).
     VramSample {
         allocated_bytes: u64,
         reserved_bytes: u64,
         peak_allocated_bytes: u64,
-        high_watermark_bytes: u64,
-        low_watermark_bytes: u64,
+    },
+    /// The limits one owner holds itself to, published when set: the device's whole budget
+    /// (`device`), the weights' room (`weights`), the spill watermarks (`activations`), the
+    /// Conductor's soft cap with its hard cap as the high mark (`conductor`).
+    LimitsSet {
+        owner: Owner,
         budget_bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        high_watermark_bytes: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        low_watermark_bytes: Option<u64>,
+    },
+    /// Device memory by owner (at phase boundaries and at the step's peak).
+    VramOwners(VramByOwner),
+    /// A device allocation failed: what held the device at that moment, and what was next.
+    OutOfMemory {
+        requested_bytes: u64,
+        owners: VramByOwner,
+        /// What the runtime was doing ("loading block 'blocks.3'", "restoring tensor 812").
+        doing: String,
+        /// The flight-recorder file written for it, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dump: Option<String>,
     },
 
     // ---- per-step metrics ----------------------------------------------------------------
@@ -695,12 +785,26 @@ pub enum EventKind {
     ActivationStep(ActivationStepMetrics),
     ConductorStep(ConductorStepMetrics),
     TrainStep(TrainStepMetrics),
+    /// Where the step's time went.
+    StepTime(StepTimeBreakdown),
 
     // ---- health --------------------------------------------------------------------------
     /// Something a user should know about.
     Warning { source: Owner, message: String },
     /// The bus dropped events because consumers fell behind; `total` counts all drops so far.
     EventsDropped { total: u64 },
+    /// A telemetry sink failed to write `lost` events (a full disk, a closed pipe); `total`
+    /// counts every event that sink lost so far.
+    TelemetryLost { sink: String, lost: u64, total: u64, reason: String },
+    /// A non-finite value (NaN or infinity) in a block's output or gradient, or in the loss.
+    NonFinite {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        block: Option<BlockId>,
+        /// What held it: "output", "gradient" or "loss".
+        tensor: String,
+    },
+    /// The flight recorder wrote its ring of recent full-detail events to a file.
+    FlightRecorded { reason: String, path: String, events: u64 },
 }
 
 impl EventKind {
@@ -712,6 +816,7 @@ impl EventKind {
             EventKind::PhaseChanged { .. } => "phase_changed",
             EventKind::BlockRegistered { .. } => "block_registered",
             EventKind::ItineraryLearned { .. } => "itinerary_learned",
+            EventKind::ItineraryChanged { .. } => "itinerary_changed",
             EventKind::Residency { .. } => "residency",
             EventKind::PrefetchHit { .. } => "prefetch_hit",
             EventKind::PrefetchMiss { .. } => "prefetch_miss",
@@ -736,12 +841,19 @@ impl EventKind {
             EventKind::SlotReleased { .. } => "slot_released",
             EventKind::HintsChanged { .. } => "hints_changed",
             EventKind::VramSample { .. } => "vram_sample",
+            EventKind::LimitsSet { .. } => "limits_set",
+            EventKind::VramOwners(_) => "vram_owners",
+            EventKind::OutOfMemory { .. } => "out_of_memory",
             EventKind::WeightStep(_) => "weight_step",
             EventKind::ActivationStep(_) => "activation_step",
             EventKind::ConductorStep(_) => "conductor_step",
             EventKind::TrainStep(_) => "train_step",
+            EventKind::StepTime(_) => "step_time",
             EventKind::Warning { .. } => "warning",
             EventKind::EventsDropped { .. } => "events_dropped",
+            EventKind::TelemetryLost { .. } => "telemetry_lost",
+            EventKind::NonFinite { .. } => "non_finite",
+            EventKind::FlightRecorded { .. } => "flight_recorded",
         }
     }
 

@@ -20,6 +20,10 @@ pub const RECENT_WARNINGS: usize = 64;
 pub const PHASE_SPANS: usize = 96;
 /// Denials kept for the Conductor view.
 pub const RECENT_DENIALS: usize = 32;
+/// Readings of VRAM by owner kept for history charts.
+pub const OWNERS_HISTORY: usize = 256;
+/// Out-of-memory reports and flight-recorder files kept.
+pub const RECENT_INCIDENTS: usize = 16;
 
 /// What the `run_started` event said.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -39,9 +43,35 @@ pub struct VramReading {
     pub allocated_bytes: u64,
     pub reserved_bytes: u64,
     pub peak_allocated_bytes: u64,
-    pub high_watermark_bytes: u64,
-    pub low_watermark_bytes: u64,
+}
+
+/// The limits one owner published ([`EventKind::LimitsSet`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct OwnerLimits {
     pub budget_bytes: u64,
+    pub high_watermark_bytes: Option<u64>,
+    pub low_watermark_bytes: Option<u64>,
+}
+
+/// Device memory by owner at one moment of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct OwnersReading {
+    pub t_ns: u64,
+    pub step: u64,
+    pub phase: Phase,
+    pub owners: VramByOwner,
+}
+
+/// A device allocation that failed, as reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OomRecord {
+    pub seq: u64,
+    pub step: u64,
+    pub phase: Phase,
+    pub requested_bytes: u64,
+    pub owners: VramByOwner,
+    pub doing: String,
+    pub dump: Option<String>,
 }
 
 /// One managed weight block.
@@ -260,6 +290,11 @@ pub struct StepRecord {
     pub weights: Option<WeightStepMetrics>,
     pub activations: Option<ActivationStepMetrics>,
     pub conductor: Option<ConductorStepMetrics>,
+    #[serde(default)]
+    pub time: Option<StepTimeBreakdown>,
+    /// Device memory by owner at the step's peak (the largest allocation seen in the step).
+    #[serde(default)]
+    pub vram_at_peak: Option<VramByOwner>,
 }
 
 /// A warning, for the log.
@@ -289,6 +324,33 @@ pub struct Snapshot {
     pub phase_started_ns: u64,
     pub vram: Option<VramReading>,
     pub vram_history: VecDeque<VramReading>,
+    /// Each owner's limits, as last published.
+    #[serde(default)]
+    pub limits: BTreeMap<Owner, OwnerLimits>,
+    /// The latest reading of device memory by owner.
+    #[serde(default)]
+    pub vram_owners: Option<OwnersReading>,
+    /// Readings by owner, for the chart of where VRAM went over recent steps.
+    #[serde(default)]
+    pub vram_owners_history: VecDeque<OwnersReading>,
+    /// Times the itinerary was traced again because a step ran another order.
+    #[serde(default)]
+    pub itinerary_changes: u64,
+    /// Device allocations that failed.
+    #[serde(default)]
+    pub out_of_memory: VecDeque<OomRecord>,
+    /// Non-finite values seen (by what held them: output, gradient, loss).
+    #[serde(default)]
+    pub non_finite: BTreeMap<String, u64>,
+    /// The first block named by a non-finite report, if any.
+    #[serde(default)]
+    pub first_non_finite_block: Option<BlockId>,
+    /// Flight-recorder files written (newest last).
+    #[serde(default)]
+    pub flight_records: VecDeque<String>,
+    /// Events the telemetry sinks failed to write (a full disk, a closed pipe).
+    #[serde(default)]
+    pub telemetry_lost: u64,
     pub blocks: Vec<BlockView>,
     pub itinerary: ItineraryView,
     pub weight_pool: Option<PoolView>,
@@ -757,21 +819,83 @@ impl Snapshot {
                 allocated_bytes,
                 reserved_bytes,
                 peak_allocated_bytes,
-                high_watermark_bytes,
-                low_watermark_bytes,
-                budget_bytes,
             } => {
                 let r = VramReading {
                     t_ns: e.t_ns,
                     allocated_bytes: *allocated_bytes,
                     reserved_bytes: *reserved_bytes,
                     peak_allocated_bytes: *peak_allocated_bytes,
-                    high_watermark_bytes: *high_watermark_bytes,
-                    low_watermark_bytes: *low_watermark_bytes,
-                    budget_bytes: *budget_bytes,
                 };
                 self.vram = Some(r);
                 push_bounded(&mut self.vram_history, r, VRAM_HISTORY);
+            }
+            EventKind::LimitsSet {
+                owner,
+                budget_bytes,
+                high_watermark_bytes,
+                low_watermark_bytes,
+            } => {
+                self.limits.insert(
+                    *owner,
+                    OwnerLimits {
+                        budget_bytes: *budget_bytes,
+                        high_watermark_bytes: *high_watermark_bytes,
+                        low_watermark_bytes: *low_watermark_bytes,
+                    },
+                );
+            }
+            EventKind::VramOwners(o) => {
+                let r = OwnersReading {
+                    t_ns: e.t_ns,
+                    step: e.step,
+                    phase: e.phase,
+                    owners: *o,
+                };
+                self.vram_owners = Some(r);
+                push_bounded(&mut self.vram_owners_history, r, OWNERS_HISTORY);
+                if e.step > 0 {
+                    let rec = self.step_record_mut(e.step);
+                    if rec.vram_at_peak.is_none_or(|p| o.allocated_bytes >= p.allocated_bytes) {
+                        rec.vram_at_peak = Some(*o);
+                    }
+                }
+            }
+            EventKind::OutOfMemory {
+                requested_bytes,
+                owners,
+                doing,
+                dump,
+            } => push_bounded(
+                &mut self.out_of_memory,
+                OomRecord {
+                    seq: e.seq,
+                    step: e.step,
+                    phase: e.phase,
+                    requested_bytes: *requested_bytes,
+                    owners: *owners,
+                    doing: doing.clone(),
+                    dump: dump.clone(),
+                },
+                RECENT_INCIDENTS,
+            ),
+            EventKind::StepTime(t) => {
+                self.step_record_mut(e.step).time = Some(*t);
+            }
+            EventKind::ItineraryChanged { order, .. } => {
+                self.itinerary.order = order.clone();
+                self.itinerary_changes += 1;
+            }
+            EventKind::TelemetryLost { lost, .. } => {
+                self.telemetry_lost = self.telemetry_lost.saturating_add(*lost);
+            }
+            EventKind::NonFinite { block, tensor } => {
+                bump(&mut self.non_finite, tensor);
+                if self.first_non_finite_block.is_none() {
+                    self.first_non_finite_block = *block;
+                }
+            }
+            EventKind::FlightRecorded { path, .. } => {
+                push_bounded(&mut self.flight_records, path.clone(), RECENT_INCIDENTS);
             }
             EventKind::WeightStep(m) => {
                 self.weights.last_step = Some(m.clone());
@@ -803,6 +927,22 @@ impl Snapshot {
                 self.dropped_events = self.dropped_events.max(*total)
             }
         }
+    }
+
+    /// The device budget: the `device` owner's limit, else the Conductor's soft cap, else the
+    /// device's memory from `run_started`.
+    pub fn vram_budget_bytes(&self) -> Option<u64> {
+        self.limits
+            .get(&Owner::Device)
+            .or_else(|| self.limits.get(&Owner::Conductor))
+            .map(|l| l.budget_bytes)
+            .or_else(|| self.run.as_ref().map(|r| r.device.total_bytes).filter(|&b| b > 0))
+    }
+
+    /// The activation spill watermarks (high, low), once published.
+    pub fn spill_watermarks(&self) -> Option<(u64, u64)> {
+        let l = self.limits.get(&Owner::Activations)?;
+        Some((l.high_watermark_bytes?, l.low_watermark_bytes?))
     }
 
     /// The most recent step that has trainer metrics.
@@ -950,9 +1090,6 @@ mod tests {
                         allocated_bytes: i * 10,
                         reserved_bytes: i * 20,
                         peak_allocated_bytes: i * 10,
-                        high_watermark_bytes: 400,
-                        low_watermark_bytes: 300,
-                        budget_bytes: 500,
                     },
                 )
             })

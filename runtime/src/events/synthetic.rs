@@ -106,10 +106,37 @@ impl Gen {
             allocated_bytes: self.vram,
             reserved_bytes: self.vram + 64 * MIB,
             peak_allocated_bytes: self.peak,
-            high_watermark_bytes: HIGH,
-            low_watermark_bytes: LOW,
-            budget_bytes: BUDGET,
         });
+        // Who holds it: the resident blocks, kept and restored activations, the rest.
+        let weights = self.state.iter().filter(|s| **s == BlockState::GpuReady).count() as u64 * BLOCK_BYTES;
+        let kept = (self.vram.saturating_sub(weights)) / 2;
+        self.push(EventKind::VramOwners(
+            VramByOwner {
+                allocated_bytes: self.vram,
+                weights_bytes: weights.min(self.vram),
+                activations_kept_bytes: kept,
+                activations_restored_bytes: kept / 4,
+                copies_in_flight_bytes: 0,
+                other_bytes: 0,
+            }
+            .with_other(),
+        ));
+    }
+
+    fn limits(&mut self) {
+        for (owner, budget, high, low) in [
+            (Owner::Device, BUDGET, None, None),
+            (Owner::Weights, BLOCK_BYTES * 4, None, None),
+            (Owner::Activations, BUDGET, Some(HIGH), Some(LOW)),
+            (Owner::Conductor, BUDGET, Some(BUDGET + BUDGET / 10), None),
+        ] {
+            self.push(EventKind::LimitsSet {
+                owner,
+                budget_bytes: budget,
+                high_watermark_bytes: high,
+                low_watermark_bytes: low,
+            });
+        }
     }
 
     fn copy(&mut self, dir: Direction, owner: Owner, bytes: u64, subject: String, us: u64) {
@@ -256,6 +283,7 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
         versions: [("stagehand".to_string(), "0.1.0".to_string())].into(),
         config: serde_json::json!({ "budget_mb": 1024, "prefetch_window": 2 }),
     });
+    g.limits();
     g.push(EventKind::PoolConfigured {
         pool: PoolKind::Weights,
         classes: vec![PoolClass {
@@ -562,6 +590,17 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
             tokens: 16_384,
             vram_peak_bytes: g.peak,
             ..Default::default()
+        }));
+        let step_ms = 85.0 + step as f64;
+        g.push(EventKind::StepTime(StepTimeBreakdown {
+            step_ms,
+            compute_ms: step_ms - 25.0,
+            h2d_wait_ms: 4.0,
+            d2h_wait_ms: 1.5,
+            weight_stall_ms: if step == 1 { 3.4 } else { 0.0 },
+            restore_stall_ms: 0.25 * blocks.div_ceil(3) as f64,
+            optimizer_ms: 12.0,
+            other_ms: 25.0 - 17.5 - if step == 1 { 3.4 } else { 0.0 } - 0.25 * blocks.div_ceil(3) as f64,
         }));
         g.phase(Phase::Idle, 0.0);
     }

@@ -151,6 +151,12 @@ impl Scheduler {
     pub fn new(device: Device, cfg: WeightConfig, bus: Bus, index: PtrIndex) -> Result<Scheduler> {
         cfg.validate()?;
         let stream = device.copy_stream()?;
+        bus.publish(EventKind::LimitsSet {
+            owner: Owner::Weights,
+            budget_bytes: cfg.weight_budget(),
+            high_watermark_bytes: Some(cfg.vram_high_watermark_bytes),
+            low_watermark_bytes: Some(cfg.vram_low_watermark_bytes),
+        });
         let knobs = Knobs::new(KnobValues {
             max_inflight_h2d: cfg.max_inflight_h2d,
             // Gradients go to the host one synchronous copy at a time.
@@ -357,14 +363,6 @@ impl Scheduler {
             m.host_pool_free = s.free;
             m.host_pool_in_use = s.in_use;
         }
-        self.bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-            high_watermark_bytes: self.cfg.vram_high_watermark_bytes,
-            low_watermark_bytes: self.cfg.vram_low_watermark_bytes,
-            budget_bytes: self.cfg.weight_budget(),
-        });
         self.bus.publish(EventKind::WeightStep(self.metrics.clone()));
         self.last_metrics = std::mem::take(&mut self.metrics);
         self.step += 1;
