@@ -3,6 +3,7 @@
 //! depend on it alone.
 
 pub mod bus;
+pub mod insight;
 pub mod jsonl;
 pub mod model;
 pub mod replay;

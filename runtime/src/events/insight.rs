@@ -1,0 +1,353 @@
+//! Plain-language findings about a run: the reason the dashboards exist.
+//!
+//! [`findings`] reads a [`Snapshot`] and says, in a sentence each, what is off (weights
+//! thrashing, prefetches landing late, the activation pool too small, copies through pageable
+//! memory, telemetry lost, ...) and which knob fixes it. It is a pure function of the snapshot, so
+//! stagehand-top, the web page and the API say the same thing live and in replay.
+//!
+//! Judgements use the last finished step (steady state), never the first: step 1 traces the
+//! itinerary and warms the pools, so its misses say nothing about the configuration.
+
+use super::snapshot::{Snapshot, StepRecord};
+use serde::{Deserialize, Serialize};
+
+/// How much a finding matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// Worth knowing; nothing is wrong.
+    Info,
+    /// The run is slower or larger than it needs to be.
+    Warn,
+    /// Something failed or data was lost.
+    Error,
+}
+
+/// One finding: what is off, by how much, and the knob that fixes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Finding {
+    /// Stable identifier ("weights_thrashing", "prefetch_late", ...), for tests and filters.
+    pub id: String,
+    pub severity: Severity,
+    /// The sentence a user reads.
+    pub message: String,
+    /// The setting that changes it (empty when none does).
+    pub knob: String,
+}
+
+/// A share of the step above which a wait is worth a finding.
+const WAIT_SHARE: f64 = 0.05;
+/// Prefetch hit rate below which the weights count as thrashing.
+const HIT_RATE_FLOOR: f64 = 0.9;
+
+fn finding(id: &str, severity: Severity, message: String, knob: &str) -> Finding {
+    Finding {
+        id: id.to_owned(),
+        severity,
+        message,
+        knob: knob.to_owned(),
+    }
+}
+
+/// The newest finished step after the first (steady state), if any.
+fn steady_step(s: &Snapshot) -> Option<&StepRecord> {
+    s.steps.iter().rev().find(|r| r.step > 1)
+}
+
+/// Everything worth saying about the run so far, most severe first.
+pub fn findings(s: &Snapshot) -> Vec<Finding> {
+    let mut out = Vec::new();
+    incidents(s, &mut out);
+    if let Some(r) = steady_step(s) {
+        time(r, &mut out);
+        weights(s, r, &mut out);
+        activations(r, &mut out);
+    }
+    memory(s, &mut out);
+    out.sort_by_key(|f| std::cmp::Reverse(f.severity));
+    out
+}
+
+fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
+    if s.dropped_events > 0 {
+        out.push(finding(
+            "events_dropped",
+            Severity::Warn,
+            format!(
+                "{} events were dropped because a consumer fell behind; totals miss them",
+                s.dropped_events
+            ),
+            "telemetry level (summary keeps per-step figures and costs far less)",
+        ));
+    }
+    if s.telemetry_lost > 0 {
+        out.push(finding(
+            "telemetry_lost",
+            Severity::Error,
+            format!(
+                "{} events could not be written to the telemetry file (disk full or closed)",
+                s.telemetry_lost
+            ),
+            "free disk space, or a telemetry file on another disk",
+        ));
+    }
+    if let Some(o) = s.out_of_memory.back() {
+        out.push(finding(
+            "out_of_memory",
+            Severity::Error,
+            format!(
+                "CUDA ran out of memory at step {} ({}) asking for {} while {}; weights held {}, activations {}, other {}",
+                o.step,
+                o.phase,
+                human_bytes(o.requested_bytes),
+                o.doing,
+                human_bytes(o.owners.weights_bytes),
+                human_bytes(o.owners.activations_kept_bytes + o.owners.activations_restored_bytes),
+                human_bytes(o.owners.other_bytes)
+            ),
+            "the device budget (lower it so the plan leaves the allocator room)",
+        ));
+    }
+    let nonfinite: u64 = s.non_finite.values().sum();
+    if nonfinite > 0 {
+        let first = s
+            .first_non_finite_block
+            .and_then(|b| s.block(b))
+            .map(|b| format!(", first in block '{}'", b.name))
+            .unwrap_or_default();
+        out.push(finding(
+            "non_finite",
+            Severity::Error,
+            format!("{nonfinite} non-finite values (NaN or infinity){first}"),
+            "the learning rate, or gradient clipping",
+        ));
+    }
+}
+
+fn time(r: &StepRecord, out: &mut Vec<Finding>) {
+    let Some(t) = r.time else { return };
+    if t.step_ms <= 0.0 {
+        return;
+    }
+    let share = |ms: f64| ms / t.step_ms;
+    if share(t.h2d_wait_ms) > WAIT_SHARE {
+        out.push(finding(
+            "prefetch_late",
+            Severity::Warn,
+            format!(
+                "step {}: the GPU waited {:.1} ms ({:.0}%) for weight and restore copies still landing",
+                r.step,
+                t.h2d_wait_ms,
+                100.0 * share(t.h2d_wait_ms)
+            ),
+            "prefetch_window (load further ahead) or a larger weight room",
+        ));
+    }
+    if share(t.weight_stall_ms) > WAIT_SHARE {
+        out.push(finding(
+            "weight_stalls",
+            Severity::Warn,
+            format!(
+                "step {}: {:.1} ms ({:.0}%) spent loading weight blocks on demand",
+                r.step,
+                t.weight_stall_ms,
+                100.0 * share(t.weight_stall_ms)
+            ),
+            "prefetch_window, max_inflight_h2d",
+        ));
+    }
+    if share(t.restore_stall_ms) > WAIT_SHARE {
+        out.push(finding(
+            "restore_stalls",
+            Severity::Warn,
+            format!(
+                "step {}: {:.1} ms ({:.0}%) spent restoring spilled activations on demand",
+                r.step,
+                t.restore_stall_ms,
+                100.0 * share(t.restore_stall_ms)
+            ),
+            "restore_lookahead (restore further ahead of backward)",
+        ));
+    }
+    if share(t.d2h_wait_ms) > WAIT_SHARE {
+        out.push(finding(
+            "d2h_wait",
+            Severity::Warn,
+            format!(
+                "step {}: {:.1} ms ({:.0}%) waiting on spills and gradients leaving the device",
+                r.step,
+                t.d2h_wait_ms,
+                100.0 * share(t.d2h_wait_ms)
+            ),
+            "max_inflight_d2h, or spill less (raise the spill watermarks)",
+        ));
+    }
+}
+
+fn weights(s: &Snapshot, r: &StepRecord, out: &mut Vec<Finding>) {
+    let Some(w) = &r.weights else { return };
+    let seen = w.prefetch_hits + w.prefetch_misses;
+    if seen > 0 && w.hit_rate < HIT_RATE_FLOOR {
+        out.push(finding(
+            "weights_thrashing",
+            Severity::Warn,
+            format!(
+                "step {}: only {:.0}% of weight blocks were prefetched in time ({} misses, {} evictions)",
+                r.step,
+                100.0 * w.hit_rate,
+                w.prefetch_misses,
+                w.evictions
+            ),
+            "a larger weight room (the device budget), or a smaller prefetch_window if evictions are high",
+        ));
+    }
+    let blocks = s.blocks.len() as u64;
+    if blocks > 0 && w.evictions > 2 * blocks {
+        out.push(finding(
+            "evictions_high",
+            Severity::Warn,
+            format!(
+                "step {}: {} evictions for {} blocks: blocks are loaded more than twice per step",
+                r.step, w.evictions, blocks
+            ),
+            "a larger weight room, or a smaller prefetch_window",
+        ));
+    }
+}
+
+fn activations(r: &StepRecord, out: &mut Vec<Finding>) {
+    let Some(a) = &r.activations else { return };
+    if a.pool_misses > 0 {
+        out.push(finding(
+            "pool_too_small",
+            Severity::Warn,
+            format!(
+                "step {}: {} spills found no free pinned slab and went to pageable memory (slower copies)",
+                r.step, a.pool_misses
+            ),
+            "slabs_per_class (or the pinned-memory budget)",
+        ));
+    }
+}
+
+fn memory(s: &Snapshot, out: &mut Vec<Finding>) {
+    let (Some(budget), Some(v)) = (s.vram_budget_bytes(), s.vram) else { return };
+    if budget > 0 && v.peak_allocated_bytes > budget {
+        out.push(finding(
+            "over_budget",
+            Severity::Warn,
+            format!(
+                "device memory peaked at {} against a budget of {}",
+                human_bytes(v.peak_allocated_bytes),
+                human_bytes(budget)
+            ),
+            "the spill watermarks (spill earlier) or a smaller weight room",
+        ));
+    }
+}
+
+/// Bytes in binary units, e.g. "1.5 GiB".
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::model::*;
+
+    fn at(seq: u64, step: u64, kind: EventKind) -> Event {
+        Event::new(seq, seq * 1000, step, Phase::StepEnd, kind)
+    }
+
+    fn ids(s: &Snapshot) -> Vec<String> {
+        findings(s).into_iter().map(|f| f.id).collect()
+    }
+
+    #[test]
+    fn a_healthy_run_has_nothing_to_say() {
+        let mut s = Snapshot::new();
+        s.apply(&at(1, 2, EventKind::StepTime(StepTimeBreakdown { step_ms: 100.0, compute_ms: 97.0, h2d_wait_ms: 1.0, ..Default::default() })));
+        s.apply(&at(
+            2,
+            2,
+            EventKind::WeightStep(WeightStepMetrics { prefetch_hits: 10, hit_rate: 1.0, ..Default::default() }),
+        ));
+        assert!(findings(&s).is_empty(), "{:?}", findings(&s));
+    }
+
+    #[test]
+    fn the_first_step_is_not_judged() {
+        let mut s = Snapshot::new();
+        s.apply(&at(
+            1,
+            1,
+            EventKind::WeightStep(WeightStepMetrics { prefetch_misses: 10, hit_rate: 0.0, ..Default::default() }),
+        ));
+        assert!(ids(&s).is_empty());
+        s.apply(&at(
+            2,
+            2,
+            EventKind::WeightStep(WeightStepMetrics { prefetch_hits: 1, prefetch_misses: 9, hit_rate: 0.1, ..Default::default() }),
+        ));
+        assert_eq!(ids(&s), ["weights_thrashing"]);
+    }
+
+    #[test]
+    fn waits_over_a_twentieth_of_the_step_name_their_knob() {
+        let mut s = Snapshot::new();
+        s.apply(&at(
+            1,
+            3,
+            EventKind::StepTime(StepTimeBreakdown {
+                step_ms: 100.0,
+                h2d_wait_ms: 20.0,
+                restore_stall_ms: 6.0,
+                weight_stall_ms: 4.0,
+                ..Default::default()
+            }),
+        ));
+        let f = findings(&s);
+        let late = f.iter().find(|f| f.id == "prefetch_late").expect("late prefetch reported");
+        assert!(late.message.contains("20%"), "{}", late.message);
+        assert!(late.knob.contains("prefetch_window"));
+        assert!(f.iter().any(|f| f.id == "restore_stalls"));
+        assert!(!f.iter().any(|f| f.id == "weight_stalls"), "4% is under the threshold");
+    }
+
+    #[test]
+    fn losses_and_failures_come_first() {
+        let mut s = Snapshot::new();
+        s.apply(&at(
+            1,
+            2,
+            EventKind::ActivationStep(ActivationStepMetrics { pool_misses: 3, ..Default::default() }),
+        ));
+        s.apply(&at(
+            2,
+            2,
+            EventKind::TelemetryLost { sink: "jsonl".into(), lost: 5, total: 5, reason: "disk full".into() },
+        ));
+        let f = findings(&s);
+        assert_eq!(f[0].id, "telemetry_lost");
+        assert_eq!(f[0].severity, Severity::Error);
+        assert!(f.iter().any(|f| f.id == "pool_too_small" && f.knob.contains("slabs_per_class")));
+    }
+
+    #[test]
+    fn binary_units() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 29), "1.5 GiB");
+    }
+}
