@@ -16,6 +16,10 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
+#include <vector>
 
 #include <atomic>
 #include <cstdint>
@@ -161,6 +165,72 @@ void stagehand_tensor_identity(const at::Tensor* t, uint64_t* storage_ptr, int64
   *storage_ptr = reinterpret_cast<uint64_t>(t->storage().data());
   *storage_offset = t->storage_offset();
   *storage_nbytes = t->storage().nbytes();
+}
+
+// A weak reference to a tensor's storage: tells later whether that very storage is still
+// alive (a storage address alone may be reused by another tensor once the first is freed).
+void* stagehand_storage_watch(const at::Tensor* t) {
+  if (!t->defined() || !t->has_storage()) return nullptr;
+  return new c10::weak_intrusive_ptr<c10::StorageImpl>(t->storage().getWeakStorageImpl());
+}
+
+int stagehand_storage_alive(const void* w) {
+  if (w == nullptr) return 0;
+  return static_cast<const c10::weak_intrusive_ptr<c10::StorageImpl>*>(w)->expired() ? 0 : 1;
+}
+
+void stagehand_storage_watch_free(void* w) {
+  delete static_cast<c10::weak_intrusive_ptr<c10::StorageImpl>*>(w);
+}
+
+// ---- optimizer support -------------------------------------------------------------------
+//
+// The host optimizer steps streamed parameters whose gradients live in pinned host buffers it
+// owns: it points each parameter's `.grad` at its buffer (or clears it when the parameter got
+// no gradient, exactly like `zero_grad(set_to_none)` before an unused parameter) and runs
+// libtorch's own optimizers, or its fused multi-tensor kernels, over them.
+
+int stagehand_set_grad(at::Tensor* t, const at::Tensor* grad, char* err, size_t err_len) {
+  try {
+    t->mutable_grad() = grad == nullptr ? at::Tensor() : *grad;
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+static std::vector<at::Tensor> list(at::Tensor** ts, size_t n) {
+  std::vector<at::Tensor> v;
+  v.reserve(n);
+  for (size_t i = 0; i < n; ++i) v.push_back(*ts[i]);
+  return v;
+}
+
+// kind: 0 Adam, 1 AdamW. `steps` are float32 scalar tensors, advanced by one here.
+int stagehand_fused_adam(int kind, at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
+                         at::Tensor** exp_avg_sqs, at::Tensor** steps, size_t n, double lr, double beta1,
+                         double beta2, double weight_decay, double eps, int amsgrad, char* err,
+                         size_t err_len) {
+  try {
+    auto p = list(params, n), g = list(grads, n), m = list(exp_avgs, n), v = list(exp_avg_sqs, n),
+         s = list(steps, n);
+    std::vector<at::Tensor> max_sq;
+    if (amsgrad) {
+      TORCH_CHECK(false, "amsgrad is not supported by the fused host optimizer");
+    }
+    // The kernels read the step count; callers advance it (as torch.optim does).
+    for (auto& t : s) t.add_(1);
+    if (kind == 1) {
+      at::_fused_adamw_(p, g, m, v, max_sq, s, lr, beta1, beta2, weight_decay, eps, false, false);
+    } else {
+      at::_fused_adam_(p, g, m, v, max_sq, s, lr, beta1, beta2, weight_decay, eps, false, false);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
 }
 
 // ---- device allocator statistics --------------------------------------------------------

@@ -1,16 +1,23 @@
-//! The crate's error type.
+//! The crate's error type: one enum, each variant a kind of failure a caller can act on, with
+//! the offending value quoted and the underlying error kept as its source.
 
 use crate::events::BlockState;
 
-/// Everything that can go wrong in the runtime, with the offending value quoted.
+/// Everything that can go wrong in the runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A libtorch call failed.
+    #[cfg(feature = "torch")]
     #[error("libtorch: {0}")]
-    Torch(String),
+    Torch(#[from] tch::TchError),
     /// A CUDA driver call failed.
-    #[error("cuda: {0}")]
-    Cuda(String),
+    #[cfg(feature = "torch")]
+    #[error("cuda: {what}: {source}")]
+    Cuda {
+        what: &'static str,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
     /// A CUDA operation was asked for on a machine without a usable CUDA device.
     #[error("no CUDA device: {0}")]
     NoCuda(String),
@@ -28,34 +35,65 @@ pub enum Error {
         from: BlockState,
         to: BlockState,
     },
-    /// A block id that is not registered.
+    /// A block id or name that is not registered.
     #[error("unknown block '{0}'")]
     UnknownBlock(String),
-    /// A request larger than the pool can ever satisfy.
+    /// A request larger than what can ever satisfy it.
     #[error("'{what}' needs {needed} bytes but {limit}")]
     TooLarge {
         what: String,
         needed: u64,
         limit: String,
     },
+    /// A call made when the object is not in a state that allows it (a step begun twice, a
+    /// handle used after its step ended); says what was expected.
+    #[error("{what}: {expected}")]
+    Misuse { what: String, expected: String },
     /// A pool or runtime was used after shutdown.
     #[error("{0} is shut down")]
     Shutdown(&'static str),
-    /// A refcount or lifecycle rule was broken.
-    #[error("{0}")]
-    State(String),
-    /// Reading weights or telemetry failed.
-    #[error("{path}: {message}")]
-    Io { path: String, message: String },
+    /// An internal rule of the runtime was broken: a bug, reported rather than hidden.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// Bytes changed between being written and read back (a spilled activation's checksum, a
+    /// weights file changed under a running job).
+    #[error("corrupted data: {0}")]
+    Corrupt(String),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A saved-tensor hook or a weight resolver failed (the message of the failing side).
+    #[error("saved tensor: {0}")]
+    Saved(String),
     /// The Conductor refused a call (a phase out of order, an adapter registered twice).
     #[error("conductor: {0}")]
     Conductor(#[from] crate::conductor::Error),
 }
 
-#[cfg(feature = "torch")]
-impl From<tch::TchError> for Error {
-    fn from(e: tch::TchError) -> Self {
-        Error::Torch(e.to_string())
+impl Error {
+    /// A [`Error::Misuse`].
+    pub fn misuse(what: impl Into<String>, expected: impl Into<String>) -> Error {
+        Error::Misuse {
+            what: what.into(),
+            expected: expected.into(),
+        }
+    }
+
+    /// An [`Error::Internal`].
+    pub fn internal(what: impl Into<String>) -> Error {
+        Error::Internal(what.into())
+    }
+
+    /// An [`Error::Io`] for `path`.
+    pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Error {
+        Error::Io {
+            path: path.as_ref().display().to_string(),
+            source,
+        }
     }
 }
 

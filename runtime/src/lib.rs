@@ -10,9 +10,15 @@ pub mod activations;
 #[cfg(feature = "torch")]
 pub mod nn;
 #[cfg(feature = "torch")]
+pub mod optim;
+#[cfg(feature = "torch")]
+pub mod pinned;
+#[cfg(feature = "torch")]
 pub mod saved;
 #[cfg(feature = "torch")]
 pub mod torch;
+#[cfg(feature = "torch")]
+pub mod transfer;
 #[cfg(feature = "torch")]
 pub mod weights;
 

@@ -12,8 +12,10 @@
 //! # Ok::<(), stagehand::Error>(())
 //! ```
 //!
-//! Each layer is one block. Step 0 traces the execution order; from step 1 the itinerary drives
-//! prefetch; a step ends by itself when the first layer runs again (or after a backward).
+//! Layers are grouped into blocks when the model first runs, from the model's repeated structure
+//! ([`Grouping::Repeated`]: every layer under `blocks.N` joins block `blocks.N`), so a transformer
+//! block streams as one copy, prefetched along the itinerary, exactly as block mode does. Step 1
+//! traces the execution order; a step ends by itself when a forward starts after a backward.
 //! Saved-tensor hooks go on for the thread on the first forward, so weights autograd saves are
 //! handles and eviction frees them. Other layers (`layer_norm`, ...) use `tch::nn` on
 //! `&*root / "name"` and live on the device.
@@ -25,21 +27,37 @@ use crate::torch::SavedTensorHooks;
 use crate::weights::{WeightConfig, WeightRuntime};
 use std::borrow::Borrow;
 use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use tch::nn::Module;
 use tch::{Kind, Tensor};
 
-/// Layer-mode options (the seed's, with its auto-sizing rules).
+/// How layers become blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Grouping {
+    /// The model's repeated structure: a layer whose path runs through `<prefix>.<N>` where
+    /// `<prefix>` has at least two numbered children joins block `<prefix>.<N>`; every other
+    /// layer is a block of its own.
+    #[default]
+    Repeated,
+    /// Every layer is its own block.
+    Layer,
+}
+
+/// Layer-mode options.
 #[derive(Debug, Clone)]
 pub struct LayerOptions {
-    /// Device memory cap in bytes; watermarks at 80 % / 60 % of it. Default: the device's
+    /// Device memory cap in bytes; the weights' room is 80 % of it. Default: the device's
     /// memory (the block-mode defaults on the host device).
     pub vram_budget: Option<u64>,
+    /// The weights' device room in bytes, when a plan has decided it (overrides `vram_budget`).
+    pub weight_room: Option<u64>,
     /// Pinned RAM cap for the staging pool.
     pub ram_budget: Option<u64>,
     /// Lookahead depth (default 3).
     pub prefetch_k: u32,
-    /// Storage dtype for managed weights. Default `None`: keep the VarStore's dtype (the
-    /// seed casts to bf16 by default; here a cast is opt-in so an f32 model stays exact).
+    /// Storage dtype for managed weights. Default `None`: keep the VarStore's dtype (a cast is
+    /// opt-in so an f32 model stays exact).
     pub dtype: Option<Kind>,
     /// Forward only: no backward in the itinerary, no saved-tensor hooks.
     pub inference_mode: bool,
@@ -50,12 +68,18 @@ pub struct LayerOptions {
     /// Turn saved-tensor hooks on for the forward thread (turn off when another store, such as
     /// the activation runtime's, is installed and uses this runtime's resolver).
     pub install_hooks: bool,
+    /// How layers become blocks.
+    pub grouping: Grouping,
+    /// Steps begin and end by themselves (off when something else, such as the `Stagehand`
+    /// handle, runs the steps).
+    pub auto_step: bool,
 }
 
 impl Default for LayerOptions {
     fn default() -> Self {
         LayerOptions {
             vram_budget: None,
+            weight_room: None,
             ram_budget: None,
             prefetch_k: crate::weights::config::DEFAULT_PREFETCH_WINDOW,
             dtype: None,
@@ -63,7 +87,104 @@ impl Default for LayerOptions {
             telemetry: Bus::disabled(),
             device: None,
             install_hooks: true,
+            grouping: Grouping::Repeated,
+            auto_step: true,
         }
+    }
+}
+
+/// The block name of each layer path under `grouping` (pure; see [`Grouping::Repeated`]).
+pub fn group_layers(paths: &[String], grouping: &Grouping) -> Vec<String> {
+    if *grouping == Grouping::Layer {
+        return paths.to_vec();
+    }
+    // Numbered children of every prefix: `blocks` -> {0, 1, ...}.
+    let mut children: BTreeMap<String, BTreeSet<&str>> = BTreeMap::new();
+    for p in paths {
+        let parts: Vec<&str> = p.split('.').collect();
+        for k in 1..parts.len() {
+            if parts[k].parse::<u64>().is_ok() {
+                children.entry(parts[..k].join(".")).or_default().insert(parts[k]);
+            }
+        }
+    }
+    paths
+        .iter()
+        .map(|p| {
+            let parts: Vec<&str> = p.split('.').collect();
+            (1..parts.len())
+                .find(|&k| {
+                    parts[k].parse::<u64>().is_ok()
+                        && children.get(&parts[..k].join(".")).is_some_and(|c| c.len() >= 2)
+                        && k + 1 < parts.len()
+                })
+                .map_or_else(|| p.clone(), |k| parts[..=k].join("."))
+        })
+        .collect()
+}
+
+/// Layers made so far, registered as blocks when the model first runs.
+#[derive(Debug, Default)]
+struct Layers {
+    pending: Vec<(String, Vec<(String, Tensor)>)>,
+    /// Each layer's block, once sealed.
+    blocks: Option<Vec<BlockId>>,
+}
+
+#[derive(Debug)]
+struct Table {
+    rt: WeightRuntime,
+    grouping: Grouping,
+    layers: Mutex<Layers>,
+}
+
+impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Layers> {
+        self.layers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, name: String, params: Vec<(String, Tensor)>) -> Result<usize> {
+        let mut l = self.lock();
+        if l.blocks.is_some() {
+            return Err(Error::misuse(
+                format!("creating layer '{name}'"),
+                "create every layer before the model first runs",
+            ));
+        }
+        if l.pending.iter().any(|(n, _)| *n == name) {
+            return Err(Error::Config {
+                field: "layer",
+                value: format!("'{name}'"),
+                expected: "a path not used by another layer".into(),
+            });
+        }
+        l.pending.push((name, params));
+        Ok(l.pending.len() - 1)
+    }
+
+    /// Registers every layer's block (once) and returns layer `i`'s.
+    fn block_of(&self, i: usize) -> Result<BlockId> {
+        let mut l = self.lock();
+        if l.blocks.is_none() {
+            let paths: Vec<String> = l.pending.iter().map(|(n, _)| n.clone()).collect();
+            let names = group_layers(&paths, &self.grouping);
+            let mut grouped: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
+            for (name, (_, params)) in names.iter().zip(std::mem::take(&mut l.pending)) {
+                match grouped.iter_mut().find(|(n, _)| n == name) {
+                    Some((_, ps)) => ps.extend(params),
+                    None => grouped.push((name.clone(), params)),
+                }
+            }
+            let mut ids = BTreeMap::new();
+            for (name, params) in grouped {
+                ids.insert(name.clone(), self.rt.register_block(&name, params)?);
+            }
+            l.blocks = Some(names.iter().map(|n| ids[n]).collect());
+        }
+        l.blocks
+            .as_ref()
+            .and_then(|b| b.get(i).copied())
+            .ok_or_else(|| Error::internal(format!("layer {i} has no block")))
     }
 }
 
@@ -73,6 +194,7 @@ pub struct ManagedVarStore {
     vs: tch::nn::VarStore,
     rt: WeightRuntime,
     opts: LayerOptions,
+    table: Arc<Table>,
 }
 
 impl ManagedVarStore {
@@ -87,13 +209,19 @@ impl ManagedVarStore {
         let total = device.is_cuda().then(|| device.info().total_bytes);
         let mut cfg = WeightConfig::layer_auto(1, opts.prefetch_k, opts.vram_budget, opts.ram_budget, total);
         cfg.inference_mode = opts.inference_mode;
-        // Layer mode is module-backed only: blocks never stage through slabs, so the slab size
-        // does not bound them (file-backed blocks are a block-mode feature).
-        cfg.pinned_slab_bytes = u64::MAX / 4;
-        cfg.pinned_pool_bytes = cfg.pinned_slab_bytes;
+        if let Some(room) = opts.weight_room {
+            cfg.weight_budget_bytes = Some(room);
+        } else if let Some(b) = opts.vram_budget {
+            cfg.room_origin = format!("80% of the {b}-byte vram_budget, the high watermark");
+        }
         let rt = WeightRuntime::new(device, cfg, opts.telemetry.clone())?;
-        rt.set_auto_step(true);
-        Ok(ManagedVarStore { vs, rt, opts })
+        rt.set_auto_step(opts.auto_step);
+        let table = Arc::new(Table {
+            rt: rt.clone(),
+            grouping: opts.grouping.clone(),
+            layers: Mutex::new(Layers::default()),
+        });
+        Ok(ManagedVarStore { vs, rt, opts, table })
     }
 
     /// The root path, for the drop-in constructors.
@@ -104,7 +232,7 @@ impl ManagedVarStore {
         }
     }
 
-    /// The runtime (for metrics, `OffloadedAdamW`, shutdown).
+    /// The runtime (for metrics, the optimizer, shutdown).
     pub fn runtime(&self) -> &WeightRuntime {
         &self.rt
     }
@@ -112,6 +240,16 @@ impl ManagedVarStore {
     /// The wrapped VarStore.
     pub fn var_store(&self) -> &tch::nn::VarStore {
         &self.vs
+    }
+
+    /// Registers every layer made so far as blocks now (otherwise this happens when the model
+    /// first runs); returns the blocks in registration order.
+    pub fn seal(&self) -> Result<Vec<BlockId>> {
+        if self.table.lock().pending.is_empty() && self.table.lock().blocks.is_none() {
+            return Ok(Vec::new());
+        }
+        self.table.block_of(0)?;
+        Ok(self.rt.blocks().iter().map(|b| b.id).collect())
     }
 
     fn register(&self, name: String, params: Vec<(String, Tensor)>) -> Result<Layer> {
@@ -124,10 +262,10 @@ impl ManagedVarStore {
                 }
             }
         }
-        let block = self.rt.register_block(&name, params)?;
+        let index = self.table.add(name, params)?;
         Ok(Layer {
-            rt: self.rt.clone(),
-            block,
+            table: self.table.clone(),
+            index,
             hooks: self.opts.install_hooks && !self.opts.inference_mode,
         })
     }
@@ -188,102 +326,96 @@ pub fn release_hooks() {
 
 #[derive(Debug, Clone)]
 struct Layer {
-    rt: WeightRuntime,
-    block: BlockId,
+    table: Arc<Table>,
+    index: usize,
     hooks: bool,
 }
 
 impl Layer {
+    fn block(&self) -> Result<BlockId> {
+        self.table.block_of(self.index)
+    }
+
     fn try_run<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        let block = self.block()?;
+        let rt = &self.table.rt;
         if self.hooks {
-            let key = self.rt.identity();
+            let key = rt.identity();
             HOOKS.with(|h| -> Result<()> {
                 let mut v = h.borrow_mut();
                 if !v.iter().any(|(k, _)| *k == key) {
-                    v.push((key, self.rt.hooks()?));
+                    v.push((key, rt.hooks()?));
                 }
                 Ok(())
             })?;
         }
-        self.rt.before_block(self.block)?;
+        rt.before_block(block)?;
         let out = f();
-        self.rt.after_block(self.block)?;
+        rt.after_block(block)?;
         Ok(out)
     }
 
     fn run<T>(&self, f: impl FnOnce() -> T) -> T {
         // `Module::forward` cannot return an error; like tch's own layers, a failure panics.
         self.try_run(f)
-            .unwrap_or_else(|e| panic!("stagehand layer (block {}): {e}", self.block))
+            .unwrap_or_else(|e| panic!("stagehand layer {}: {e}", self.index))
     }
 }
 
-/// A managed `tch::nn::Linear`.
-#[derive(Debug)]
-pub struct Linear {
-    /// The tch layer (its tensors point into the runtime's buffers while resident).
-    pub inner: tch::nn::Linear,
-    layer: Layer,
+macro_rules! managed_layer {
+    ($(#[$m:meta])* $name:ident, $inner:ty) => {
+        $(#[$m])*
+        #[derive(Debug)]
+        pub struct $name {
+            /// The tch layer (its tensors point into the runtime's buffers while resident).
+            pub inner: $inner,
+            layer: Layer,
+        }
+
+        impl $name {
+            /// The layer's block (registering every layer's block if the model has not run yet).
+            ///
+            /// # Panics
+            /// When the blocks cannot be registered; [`try_block`](Self::try_block) returns the
+            /// error instead.
+            pub fn block(&self) -> BlockId {
+                self.try_block().unwrap_or_else(|e| panic!("stagehand layer: {e}"))
+            }
+
+            /// The layer's block, or why it could not be registered.
+            pub fn try_block(&self) -> Result<BlockId> {
+                self.layer.block()
+            }
+
+            /// `forward` with errors returned instead of panicking.
+            pub fn try_forward(&self, xs: &Tensor) -> Result<Tensor> {
+                self.layer.try_run(|| self.inner.forward(xs))
+            }
+        }
+
+        impl Module for $name {
+            fn forward(&self, xs: &Tensor) -> Tensor {
+                self.layer.run(|| self.inner.forward(xs))
+            }
+        }
+    };
 }
 
-impl Linear {
-    /// The layer's block.
-    pub fn block(&self) -> BlockId {
-        self.layer.block
-    }
-    /// `forward` with errors returned instead of panicking.
-    pub fn try_forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.layer.try_run(|| self.inner.forward(xs))
-    }
-}
-
-impl Module for Linear {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        self.layer.run(|| self.inner.forward(xs))
-    }
-}
-
-/// A managed `tch::nn::Conv2D`.
-#[derive(Debug)]
-pub struct Conv2D {
-    /// The tch layer.
-    pub inner: tch::nn::Conv2D,
-    layer: Layer,
-}
-
-impl Conv2D {
-    /// The layer's block.
-    pub fn block(&self) -> BlockId {
-        self.layer.block
-    }
-}
-
-impl Module for Conv2D {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        self.layer.run(|| self.inner.forward(xs))
-    }
-}
-
-/// A managed `tch::nn::Embedding`.
-#[derive(Debug)]
-pub struct Embedding {
-    /// The tch layer.
-    pub inner: tch::nn::Embedding,
-    layer: Layer,
-}
-
-impl Embedding {
-    /// The layer's block.
-    pub fn block(&self) -> BlockId {
-        self.layer.block
-    }
-}
-
-impl Module for Embedding {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        self.layer.run(|| self.inner.forward(xs))
-    }
-}
+managed_layer!(
+    /// A managed `tch::nn::Linear`.
+    Linear,
+    tch::nn::Linear
+);
+managed_layer!(
+    /// A managed `tch::nn::Conv2D`.
+    Conv2D,
+    tch::nn::Conv2D
+);
+managed_layer!(
+    /// A managed `tch::nn::Embedding`.
+    Embedding,
+    tch::nn::Embedding
+);
 
 fn param(name: &str, leaf: &str, t: &Tensor) -> (String, Tensor) {
     (format!("{name}.{leaf}"), t.shallow_clone())
@@ -341,4 +473,34 @@ pub fn embedding<'a, T: Borrow<Path<'a>>>(
     let params = vec![param(&name, "weight", &inner.ws)];
     let layer = p.store.register(name.clone(), params).unwrap_or_else(|e| fail("embedding", &name, e));
     Embedding { inner, layer }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn repeated_structure_makes_the_blocks() {
+        let paths = names(&[
+            "tok",
+            "pos",
+            "blocks.0.qkv",
+            "blocks.0.mlp.fc",
+            "blocks.1.qkv",
+            "blocks.1.mlp.fc",
+            "head",
+            "heads.0",
+            "single.0.fc",
+        ]);
+        let got = group_layers(&paths, &Grouping::Repeated);
+        assert_eq!(
+            got,
+            names(&["tok", "pos", "blocks.0", "blocks.0", "blocks.1", "blocks.1", "head", "heads.0", "single.0.fc"])
+        );
+        assert_eq!(group_layers(&paths, &Grouping::Layer), paths);
+    }
 }

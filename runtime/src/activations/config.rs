@@ -13,10 +13,12 @@ pub const DEFAULT_LOW_WATERMARK_BYTES: u64 = 16_000 * MB;
 pub const DEFAULT_CLASS_SIZES_MB: [u64; 5] = [1, 4, 16, 64, 256];
 /// Slabs in each class (seed: 512 x 1 MB, then 2 of each larger class; about 1.2 GB pinned).
 pub const DEFAULT_SLABS_PER_CLASS: [u32; 5] = [512, 2, 2, 2, 2];
-/// Spill copies in flight before pack finalizes inline (seed: 1, to leave PCIe to weights).
-pub const DEFAULT_MAX_INFLIGHT_D2H: u32 = 1;
-/// Predictive restores in flight (seed: 1).
-pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 1;
+/// Spill copies in flight before pack waits for the oldest. The seed's 1 made every pack wait
+/// for the previous copy, which serialises the forward on PCIe; copies queue on their own stream,
+/// so many may fly while the compute stream runs on.
+pub const DEFAULT_MAX_INFLIGHT_D2H: u32 = 64;
+/// Predictive restores in flight (the seed's 1 leaves the copy engine idle between restores).
+pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 4;
 /// Tensors smaller than this are kept: a tiny spill is pure overhead (seed section 15.4 floor).
 pub const DEFAULT_MIN_SPILL_BYTES: u64 = 64 * 1024;
 /// Fraction of the eligible bytes that may be spilled (Megatron's default: all of them).
@@ -34,6 +36,10 @@ pub const DEFAULT_DEBUG_CHECKSUMS: bool = false;
 pub const DEFAULT_TELEMETRY_ENABLED: bool = true;
 /// When every fitting class is exhausted, spill into pageable memory (seed: yes, counted as a miss).
 pub const DEFAULT_PAGEABLE_FALLBACK: bool = true;
+/// Rebuild the pool after the first step that spills, holding exactly what it held at once.
+pub const DEFAULT_SIZE_POOL_FROM_TRACE: bool = true;
+/// Most size classes a traced pool has.
+pub const DEFAULT_MAX_POOL_CLASSES: u32 = 32;
 
 /// Everything the activation runtime can be told. Build it with [`ActivationConfig::builder`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,6 +76,13 @@ pub struct ActivationConfig {
     pub telemetry_enabled: bool,
     /// Spill into pageable memory when the pool has no fitting slab.
     pub pageable_fallback: bool,
+    /// Rebuild the pool from the spills of the first step that spills (and again after a step
+    /// that fell back to pageable memory), so steady-state steps find a slab for every spill.
+    pub size_pool_from_trace: bool,
+    /// Most size classes a traced pool has (more sizes share the next larger class).
+    pub max_pool_classes: u32,
+    /// Pinned bytes a traced pool may take at most (`None`: no limit).
+    pub pinned_limit_bytes: Option<u64>,
 }
 
 impl Default for ActivationConfig {
@@ -90,6 +103,9 @@ impl Default for ActivationConfig {
             debug_checksums: DEFAULT_DEBUG_CHECKSUMS,
             telemetry_enabled: DEFAULT_TELEMETRY_ENABLED,
             pageable_fallback: DEFAULT_PAGEABLE_FALLBACK,
+            size_pool_from_trace: DEFAULT_SIZE_POOL_FROM_TRACE,
+            max_pool_classes: DEFAULT_MAX_POOL_CLASSES,
+            pinned_limit_bytes: None,
         }
     }
 }
@@ -238,6 +254,12 @@ impl ActivationConfigBuilder {
         self.cfg.pageable_fallback = on;
         self
     }
+    /// Rebuild the pool from a traced step (on by default), at most `limit` pinned bytes.
+    pub fn size_pool_from_trace(mut self, on: bool, limit: Option<u64>) -> Self {
+        self.cfg.size_pool_from_trace = on;
+        self.cfg.pinned_limit_bytes = limit;
+        self
+    }
     /// Validates and returns the configuration.
     pub fn build(mut self) -> Result<ActivationConfig> {
         if let Some(n) = self.uniform_slabs {
@@ -253,14 +275,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn defaults_are_the_seeds_and_valid() {
+    fn defaults_are_valid() {
         let c = ActivationConfig::default();
         c.validate().expect("defaults are valid");
         assert_eq!(c.high_watermark_bytes, 20_000 * MB);
         assert_eq!(c.low_watermark_bytes, 16_000 * MB);
         assert_eq!(c.class_sizes_bytes, vec![MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]);
         assert_eq!(c.slabs_per_class, vec![512, 2, 2, 2, 2]);
-        assert_eq!((c.max_inflight_d2h, c.max_inflight_h2d), (1, 1));
+        assert_eq!((c.max_inflight_d2h, c.max_inflight_h2d), (64, 4));
         assert!(!c.debug_checksums && c.telemetry_enabled);
     }
 

@@ -6,7 +6,9 @@
 //! ([`crate::saved::WeightResolver`]), small, off-device or parameter tensors are kept, and
 //! activations are kept while device memory is under the high watermark and spilled above it
 //! until it falls under the low one. A spill is an async D2H copy on a dedicated stream into a
-//! slab of the [`pool::SpillPool`]; the device tensor is dropped only once its copy completed.
+//! slab of a [`crate::pinned::SlabPool`]; the device tensor is dropped only once its copy
+//! completed. After the first step that spills, the pool is rebuilt to hold exactly what that step
+//! held at once, so steady-state steps never copy through pageable memory.
 //! In backward, unpack brings a spilled tensor back (the compute stream waits on the copy), and
 //! the predictive restorer brings the next ones back ahead of need, following the reverse of the
 //! pack order within a device allowance.
@@ -38,54 +40,17 @@
 
 pub mod config;
 pub mod policy;
-pub mod pool;
 pub mod record;
-mod restore;
+mod restorer;
 mod runtime;
+mod sizing;
+mod spills;
+mod state;
 mod store;
-mod transfer;
 
 pub use config::{ActivationConfig, ActivationConfigBuilder};
-pub use pool::{PoolLease, PoolStats, SpillPool};
-pub use runtime::{ActivationRuntime, GroupProfile, ManagedForward, RegionGuard};
+pub use runtime::{ActivationRuntime, GroupProfile, HeldBytes, ManagedForward, RegionGuard};
 pub use store::ActivationStore;
-
-use crate::events::{Bus, EventKind};
-
-/// The bus, gated by the `telemetry_enabled` option.
-#[derive(Clone)]
-pub struct Telemetry {
-    bus: Bus,
-    on: bool,
-}
-
-impl std::fmt::Debug for Telemetry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Telemetry").field("on", &self.on).finish()
-    }
-}
-
-impl Telemetry {
-    /// Publishes to `bus` when `on`.
-    pub fn new(bus: Bus, on: bool) -> Telemetry {
-        Telemetry { bus, on }
-    }
-
-    /// Publishes nothing.
-    pub fn off() -> Telemetry {
-        Telemetry {
-            bus: Bus::disabled(),
-            on: false,
-        }
-    }
-
-    /// Publishes the event built by `f` (built only when it goes somewhere).
-    pub fn publish_with(&self, f: impl FnOnce() -> EventKind) {
-        if self.on {
-            self.bus.publish_with(f);
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests;

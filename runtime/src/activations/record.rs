@@ -1,12 +1,12 @@
 //! Per-tensor records of one step: what was saved, where its bytes are, and its state.
 
-use super::pool::PoolLease;
-use crate::conductor::SlotToken;
-use crate::device::Pending;
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::events::TensorId;
+use crate::pinned::Lease;
 use crate::saved::WeightSave;
-use crate::torch::TensorIdentity;
+use crate::torch::{StorageWatch, TensorIdentity};
+use crate::transfer::Transfer;
 use std::collections::HashMap;
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -58,17 +58,21 @@ pub struct Record {
     pub bytes: u64,
     /// Autograd handles still pointing here.
     pub refs: u32,
-    /// The identity used for dedupe, while the storage is held and so cannot be reused.
+    /// The identity used for dedupe.
     pub identity: Option<TensorIdentity>,
-    /// The kept tensor, the spill source until its copy completes, or the restored tensor.
+    /// For a spilled tensor, whose storage the record no longer holds: whether that storage is
+    /// still alive, so the identity still names it (dead, its address may be reused).
+    pub watch: Option<StorageWatch>,
+    /// The kept tensor, or the restored tensor (the destination of the restore while it lands).
     pub tensor: Option<Tensor>,
     pub weight: Option<WeightSave>,
     pub meta: Option<TensorMeta>,
-    pub lease: Option<PoolLease>,
-    /// The copy in flight (D2H while spilling, H2D while restoring).
-    pub copy: Option<Pending>,
-    /// The Conductor's slot for that copy, given back once the copy is seen complete.
-    pub slot: Option<SlotToken>,
+    /// The spilled bytes on the host, while neither copy owns them.
+    pub host: Option<Lease>,
+    /// The spill's copy while it flies (it keeps the device tensor alive and owns the lease).
+    pub spill: Option<Transfer<Lease>>,
+    /// The restore's copy while it lands (it owns the lease).
+    pub restore: Option<Transfer<Lease>>,
     pub crc: Option<u32>,
     /// Bytes this record adds to the device's accounted memory (host device).
     pub device_bytes: u64,
@@ -91,12 +95,13 @@ impl Record {
             bytes,
             refs: 1,
             identity: None,
+            watch: None,
             tensor: None,
             weight: None,
             meta: None,
-            lease: None,
-            copy: None,
-            slot: None,
+            host: None,
+            spill: None,
+            restore: None,
             crc: None,
             device_bytes: 0,
             predicted: false,
@@ -109,13 +114,25 @@ impl Record {
     /// Moves to `to`, refusing edges that are not in the state machine.
     pub fn transition(&mut self, to: RecordState) -> Result<()> {
         if !self.state.can_transition_to(to) {
-            return Err(Error::State(format!(
+            return Err(Error::internal(format!(
                 "saved tensor {} cannot go from {:?} to {:?}",
                 self.id, self.state, to
             )));
         }
         self.state = to;
         Ok(())
+    }
+}
+
+impl Record {
+    /// Sets the bytes this record adds to the device's accounted memory (the host device's
+    /// simulated VRAM moves with it; on CUDA the allocator counts real bytes).
+    pub fn set_device_bytes(&mut self, bytes: u64, device: &Device) {
+        let delta = bytes as i64 - self.device_bytes as i64;
+        if delta != 0 {
+            device.account(delta);
+        }
+        self.device_bytes = bytes;
     }
 }
 
@@ -147,9 +164,14 @@ impl Records {
         self.next_handle
     }
 
-    /// The live record with this identity.
+    /// The live record with this identity, whose storage is still the one it names.
     pub fn find_identity(&self, identity: &TensorIdentity) -> Option<usize> {
-        self.by_identity.get(identity).copied()
+        let idx = self.by_identity.get(identity).copied()?;
+        let rec = self.get(idx)?;
+        match &rec.watch {
+            Some(w) if !w.alive() => None,
+            _ => Some(idx),
+        }
     }
 
     /// Stops deduping against `idx` (its storage is no longer held, so its address may be
@@ -196,6 +218,11 @@ impl Records {
     /// True when no record was made this step.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
+    }
+
+    /// The live records, in pack order.
+    pub fn iter(&self) -> impl Iterator<Item = &Record> {
+        self.slots.iter().flatten()
     }
 
     /// Live records.

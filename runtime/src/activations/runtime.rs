@@ -1,21 +1,22 @@
-//! The activation runtime: its lifecycle (step begin/end), the hook guard, region guards and
-//! the state shared with the saved-tensor store.
+//! The activation runtime's API: its lifecycle (step begin/end), the hook guard, region guards.
 
-use super::config::{ActivationConfig, MB};
+use super::config::ActivationConfig;
 use super::policy::SpillPolicy;
-use super::pool::{PoolStats, SpillPool};
-use super::record::{Record, RecordState, Records};
+use super::record::Records;
+use super::restorer::Restorer;
+use super::sizing::SizeProfile;
+use super::spills::SpillQueue;
+use super::state::{Shared, State};
 use super::store::ActivationStore;
-use super::transfer::Transfers;
-use super::Telemetry;
 use crate::conductor::{ActivationAdapter, Conductor, KnobValues, Knobs};
 use crate::device::Device;
 use crate::error::Result;
-use crate::events::{ActivationStepMetrics, Bus, EventKind, Owner};
+use crate::events::{ActivationStepMetrics, Bus, EventKind, Owner, PoolKind};
+use crate::pinned::{PoolStats, SlabPool};
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::{SavedTensorHooks, TensorIdentity};
-use std::collections::{HashSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
 /// What the first step learned about one region group of the forward.
@@ -29,111 +30,15 @@ pub struct GroupProfile {
     pub tensors: u32,
 }
 
-/// Mutable state of the runtime, behind one lock: pack runs on the forward thread, unpack and
-/// release possibly on an autograd worker thread.
-pub(super) struct Inner {
-    pub records: Records,
-    pub pool: SpillPool,
-    pub transfers: Transfers,
-    pub policy: SpillPolicy,
-    /// Open regions, outermost first.
-    pub regions: Vec<String>,
-    /// Index of the open top-level group in this step's forward.
-    pub group: Option<u32>,
-    pub groups_opened: u32,
-    /// Groups of this step's forward, being learned.
-    pub learning: Vec<GroupProfile>,
-    /// Groups learned from an earlier step.
-    pub profile: Vec<GroupProfile>,
-    /// Backward has begun (an unpack happened) in this step.
-    pub in_backward: bool,
-    pub metrics: ActivationStepMetrics,
-    pub last: Option<ActivationStepMetrics>,
-    pub next_tensor: u64,
-    /// Device bytes held by restores issued ahead of need and not yet unpacked.
-    pub predicted_bytes: u64,
-    /// Storage addresses of registered model parameters.
-    pub parameters: HashSet<u64>,
-    /// Grants the transfer slots (disabled: every copy proceeds at no cost).
-    pub conductor: Conductor,
-}
-
-/// Everything the store and the runtime share.
-pub(super) struct Shared {
-    pub device: Device,
-    pub config: ActivationConfig,
-    pub telemetry: Telemetry,
-    /// The in-flight caps, restore lookahead and speculation switch, shared with the
-    /// Conductor's adapter and read at every decision.
-    pub knobs: Arc<Knobs>,
-    pub resolver: Option<Arc<dyn WeightResolver>>,
-    pub inner: Mutex<Inner>,
-}
-
-impl Shared {
-    /// The state; a panic elsewhere while holding the lock leaves it usable (every mutation is
-    /// a single field update or a record move).
-    pub(super) fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Sets the bytes a record adds to the device's accounted memory (host device: what makes
-    /// the simulated watermark move; on CUDA the allocator counts real bytes).
-    pub(super) fn set_device_bytes(&self, rec: &mut Record, bytes: u64) {
-        let delta = bytes as i64 - rec.device_bytes as i64;
-        if delta != 0 {
-            self.device.account(delta);
-        }
-        rec.device_bytes = bytes;
-    }
-
-    /// Frees what a record holds (copies waited for, buffers back to the pool); returns its
-    /// weight save for the resolver, to be released outside the lock.
-    pub(super) fn retire(&self, g: &mut Inner, idx: usize) -> Option<WeightSave> {
-        if g.records.get(idx).is_some_and(|r| r.state == RecordState::Spilling) {
-            if let Err(e) = self.finalize_spill(g, idx, false) {
-                self.warn(format!("finalizing a spill at release: {e}"));
-            }
-        }
-        if g.records.get(idx).is_some_and(|r| r.state == RecordState::Restoring) {
-            if let Err(e) = self.complete_restore(g, idx) {
-                self.warn(format!("completing a restore at release: {e}"));
-            }
-        }
-        g.transfers.inflight_d2h.retain(|&i| i != idx);
-        g.transfers.inflight_h2d.retain(|&i| i != idx);
-        let mut rec = g.records.take(idx)?;
-        if let Some(p) = rec.copy.take() {
-            // Only reached when a copy failed above: never free memory a copy may still touch.
-            let _ = p.wait();
-        }
-        self.set_device_bytes(&mut rec, 0);
-        if rec.predicted {
-            g.predicted_bytes = g.predicted_bytes.saturating_sub(rec.bytes);
-        }
-        if let Some(lease) = rec.lease.take() {
-            g.pool.release(lease);
-        }
-        rec.weight.take()
-    }
-
-    pub(super) fn warn(&self, message: String) {
-        self.telemetry.publish_with(|| EventKind::Warning {
-            source: Owner::Activations,
-            message,
-        });
-    }
-
-    pub(super) fn vram_sample(&self) {
-        self.telemetry.publish_with(|| {
-            let m = self.device.memory();
-            EventKind::VramSample {
-                allocated_bytes: m.allocated,
-                reserved_bytes: m.reserved,
-                peak_allocated_bytes: m.peak,
-            }
-        });
-    }
+/// Device bytes the runtime holds, by kind (for the VRAM-by-owner breakdown).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldBytes {
+    /// Saved tensors kept on the device.
+    pub kept: u64,
+    /// Spilled tensors brought back (or landing) and waiting for backward.
+    pub restored: u64,
+    /// Spills whose copies are still in flight (their device memory is not yet free).
+    pub spilling: u64,
 }
 
 /// The activation runtime. Cheap to clone (shared state).
@@ -160,30 +65,26 @@ impl ActivationRuntime {
         resolver: Option<Arc<dyn WeightResolver>>,
     ) -> Result<ActivationRuntime> {
         config.validate()?;
-        let telemetry = Telemetry::new(bus, config.telemetry_enabled);
-        telemetry.publish_with(|| EventKind::LimitsSet {
+        let bus = if config.telemetry_enabled { bus } else { Bus::disabled() };
+        bus.publish(EventKind::LimitsSet {
             owner: Owner::Activations,
             budget_bytes: device.info().total_bytes,
             high_watermark_bytes: Some(config.high_watermark_bytes),
             low_watermark_bytes: Some(config.low_watermark_bytes),
         });
-        let pool = SpillPool::new(
+        let pool = SlabPool::new(
             &device,
+            PoolKind::Activations,
             &config.class_sizes_bytes,
             &config.slabs_per_class,
             config.pageable_fallback,
-            telemetry.clone(),
+            bus.clone(),
         )?;
-        let transfers = Transfers {
-            d2h: device.copy_stream()?,
-            h2d: device.copy_stream()?,
-            inflight_d2h: VecDeque::new(),
-            inflight_h2d: VecDeque::new(),
-        };
-        let inner = Inner {
+        let state = State {
             records: Records::default(),
             pool,
-            transfers,
+            spills: SpillQueue::new(&device, bus.clone(), config.debug_checksums)?,
+            restorer: Restorer::new(&device, bus.clone())?,
             policy: SpillPolicy::new(
                 config.high_watermark_bytes,
                 config.low_watermark_bytes,
@@ -199,9 +100,10 @@ impl ActivationRuntime {
             metrics: ActivationStepMetrics::default(),
             last: None,
             next_tensor: 0,
-            predicted_bytes: 0,
             parameters: HashSet::new(),
             conductor: Conductor::disabled(),
+            sizes: SizeProfile::default(),
+            pool_traced: false,
         };
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {
@@ -213,9 +115,9 @@ impl ActivationRuntime {
                 }),
                 device,
                 config,
-                telemetry,
+                bus,
                 resolver,
-                inner: Mutex::new(inner),
+                state: Mutex::new(state),
             }),
         })
     }
@@ -275,16 +177,15 @@ impl ActivationRuntime {
                     g.records.live()
                 ));
             }
-            let left: Vec<usize> = (0..g.records.len()).collect();
-            let saves: Vec<WeightSave> = left.into_iter().filter_map(|i| self.shared.retire(&mut g, i)).collect();
-            g.records.drain();
+            let saves = self.shared.retire_all(&mut g);
             g.metrics = ActivationStepMetrics::default();
             g.policy.reset_step();
             g.in_backward = false;
             g.group = None;
             g.groups_opened = 0;
             g.learning.clear();
-            g.predicted_bytes = 0;
+            g.restorer.reset();
+            g.sizes.clear_step();
             saves
         };
         self.release_weights(weights);
@@ -323,41 +224,18 @@ impl ActivationRuntime {
         }
     }
 
-    /// Ends the step: waits for copies, publishes `ActivationStep`, learns the group profile,
-    /// releases every record, and returns the step's metrics.
+    /// Ends the step: waits for copies, publishes `ActivationStep`, learns the group profile
+    /// (and after a step that spilled, the pool's size), releases every record, and returns the
+    /// step's metrics.
     pub fn step_end(&self) -> Result<ActivationStepMetrics> {
         let (metrics, weights, result) = {
             let mut g = self.shared.lock();
-            let mut result = self.shared.finalize_all_spills(&mut g);
-            if result.is_ok() {
-                result = self.shared.reap_restores(&mut g, true);
-            }
-            let left: Vec<usize> = (0..g.records.len()).collect();
-            let saves: Vec<WeightSave> = left.into_iter().filter_map(|i| self.shared.retire(&mut g, i)).collect();
-            g.records.drain();
-            g.metrics.vram_peak_mb = self.shared.device.memory().peak as f64 / MB as f64;
-            if !g.learning.is_empty() {
-                if !g.profile.is_empty() && g.profile.len() != g.learning.len() {
-                    self.shared.warn(format!(
-                        "the forward had {} region groups, the learned profile {}; relearning",
-                        g.learning.len(),
-                        g.profile.len()
-                    ));
-                }
-                if g.profile.len() != g.learning.len() {
-                    g.profile = std::mem::take(&mut g.learning);
-                }
-            }
-            g.learning.clear();
-            g.in_backward = false;
-            let m = g.metrics.clone();
-            g.last = Some(m.clone());
-            (m, saves, result)
+            self.shared.end_step(&mut g)
         };
         self.release_weights(weights);
         self.shared.vram_sample();
         let m = metrics.clone();
-        self.shared.telemetry.publish_with(|| EventKind::ActivationStep(m));
+        self.shared.bus.publish_with(|| EventKind::ActivationStep(m));
         result.map(|()| metrics)
     }
 
@@ -389,6 +267,21 @@ impl ActivationRuntime {
     /// Whether the hysteresis flag is on.
     pub fn is_spilling(&self) -> bool {
         self.shared.lock().policy.is_spilling()
+    }
+
+    /// Device bytes held now: kept, restored (or landing) and still spilling.
+    pub fn held_bytes(&self) -> HeldBytes {
+        let g = self.shared.lock();
+        let mut h = HeldBytes::default();
+        for r in g.records.iter() {
+            match r.state {
+                super::record::RecordState::Kept if r.device_bytes > 0 => h.kept += r.bytes,
+                super::record::RecordState::Restoring | super::record::RecordState::Restored => h.restored += r.bytes,
+                super::record::RecordState::Spilling => h.spilling += r.bytes,
+                _ => {}
+            }
+        }
+        h
     }
 
     fn release_weights(&self, saves: Vec<WeightSave>) {

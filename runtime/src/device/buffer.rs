@@ -30,26 +30,31 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    /// Zeroed pageable memory.
-    pub(crate) fn pageable(len: usize) -> HostBuffer {
+    /// Zeroed pageable memory; an error (not an abort) when the host has none to give.
+    pub(crate) fn pageable(len: usize) -> Result<HostBuffer> {
         if len == 0 {
-            return HostBuffer {
+            return Ok(HostBuffer {
                 ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
                 len: 0,
                 owner: Owner::Empty,
-            };
+            });
         }
-        let layout = Layout::from_size_align(len, ALIGN).expect("buffer size fits a layout");
+        let too_large = || Error::TooLarge {
+            what: "host buffer".into(),
+            needed: len as u64,
+            limit: "the host could not allocate that much memory".into(),
+        };
+        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| too_large())?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
+            return Err(too_large());
         }
-        HostBuffer {
+        Ok(HostBuffer {
             ptr,
             len,
             owner: Owner::Heap(layout),
-        }
+        })
     }
 
     /// Wraps pinned memory from `cuMemHostAlloc`.
@@ -142,13 +147,67 @@ impl HostBuffer {
     }
 }
 
+/// Host memory a copy may read while it is in flight: a [`Pending`](super::Pending) owns it
+/// until the copy completed, so it cannot be freed or moved from under the DMA engine.
+///
+/// # Safety
+/// `host_ptr` must stay valid for `host_len` bytes for as long as the value lives, including
+/// after the value is moved (heap or pinned allocations, never inline storage), and the memory
+/// must not be written by anyone else while a copy reads it.
+pub unsafe trait HostMemory: Send {
+    /// Start of the memory.
+    fn host_ptr(&self) -> *const u8;
+    /// Bytes of memory.
+    fn host_len(&self) -> usize;
+}
+
+/// Host memory a copy may write while it is in flight: owned exclusively, so nothing reads it
+/// before the copy completed and the [`Pending`](super::Pending) hands it back.
+///
+/// # Safety
+/// As [`HostMemory`], and `host_ptr_mut` must be the only way to reach the memory while the
+/// value is owned by a copy.
+pub unsafe trait HostTarget: HostMemory {
+    /// Start of the memory, writable.
+    fn host_ptr_mut(&mut self) -> *mut u8;
+}
+
+// SAFETY: the buffer owns its heap or pinned allocation, which does not move with the value.
+unsafe impl HostMemory for HostBuffer {
+    fn host_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn host_len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: owned exclusively; `&mut self` is the only access.
+unsafe impl HostTarget for HostBuffer {
+    fn host_ptr_mut(&mut self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+// SAFETY: a shared buffer is only read by copies (an `Arc` gives no `&mut`); writers of the
+// memory through other means (tensor views) must wait until no copy holds a clone, which the
+// weight runtime checks with `Arc::strong_count` before it changes host weights.
+unsafe impl HostMemory for std::sync::Arc<HostBuffer> {
+    fn host_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn host_len(&self) -> usize {
+        self.len
+    }
+}
+
 fn cpu_contiguous<'a>(t: &'a Tensor, what: &str) -> Result<&'a Tensor> {
     if t.device() != tch::Device::Cpu || !t.is_contiguous() {
-        return Err(Error::State(format!(
-            "{what} must be a contiguous CPU tensor, got {:?} (contiguous: {})",
-            t.device(),
-            t.is_contiguous()
-        )));
+        return Err(Error::Config {
+            field: "tensor",
+            value: format!("{what} on {:?} (contiguous: {})", t.device(), t.is_contiguous()),
+            expected: "a contiguous CPU tensor".into(),
+        });
     }
     Ok(t)
 }
@@ -174,7 +233,7 @@ mod tests {
 
     #[test]
     fn tensors_round_trip_through_a_buffer() {
-        let mut b = HostBuffer::pageable(1024);
+        let mut b = HostBuffer::pageable(1024).expect("memory");
         assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
         let t = Tensor::arange(10, (Kind::Int64, tch::Device::Cpu));
         assert_eq!(b.write_tensor(16, &t).expect("write"), 80);

@@ -1,12 +1,16 @@
-//! The CUDA backend: cudarc on the primary context that libtorch uses.
+//! The CUDA backend: cudarc on the primary context that libtorch uses, so device pointers are
+//! interchangeable between the two.
 
-use super::{HostBuffer, MemoryReading};
+use super::backend::{Backend, EventBackend, StreamBackend};
+use super::{Event, HostBuffer, MemoryReading};
 use crate::error::{Error, Result};
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use crate::events::{DeviceInfo, DeviceKind};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
+use std::any::Any;
 use std::sync::Arc;
 
-fn cuda_err(what: &str) -> impl Fn(result::DriverError) -> Error + '_ {
-    move |e| Error::Cuda(format!("{what}: {e}"))
+fn cuda_err(what: &'static str) -> impl Fn(DriverError) -> Error {
+    move |source| Error::Cuda { what, source }
 }
 
 #[derive(Debug)]
@@ -18,27 +22,38 @@ pub(super) struct CudaBackend {
 
 impl CudaBackend {
     pub(super) fn new(ordinal: usize) -> Result<CudaBackend> {
-        // The primary context: shared with libtorch, so device pointers are interchangeable.
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("opening the CUDA context"))?;
         let name = ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"));
         let total = ctx.total_mem().map(|v| v as u64).unwrap_or(0);
         Ok(CudaBackend { ctx, name, total })
     }
 
-    pub(super) fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
+    fn timed_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
+        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(cuda_err("creating an event"))
+    }
+}
+
+fn cuda_event(e: &Event) -> Option<&CudaEventBackend> {
+    e.0.as_any().downcast_ref::<CudaEventBackend>()
+}
+
+impl Backend for CudaBackend {
+    fn tch_device(&self) -> tch::Device {
+        tch::Device::Cuda(self.ctx.ordinal())
     }
 
-    pub(super) fn name(&self) -> String {
-        self.name.clone()
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo {
+            kind: DeviceKind::Cuda,
+            index: self.ctx.ordinal() as u32,
+            name: self.name.clone(),
+            total_bytes: self.total,
+        }
     }
 
-    pub(super) fn total_bytes(&self) -> u64 {
-        self.total
-    }
-
-    pub(super) fn memory(&self) -> MemoryReading {
-        match crate::torch::alloc::cuda_stats(self.ordinal()) {
+    fn memory(&self) -> MemoryReading {
+        match crate::torch::alloc::cuda_stats(self.ctx.ordinal()) {
             Ok(Some(s)) => MemoryReading {
                 allocated: s.allocated,
                 reserved: s.reserved,
@@ -48,14 +63,14 @@ impl CudaBackend {
         }
     }
 
-    pub(super) fn reset_peak(&self) {
-        let _ = crate::torch::alloc::cuda_reset_peak(self.ordinal());
+    fn reset_peak(&self) {
+        let _ = crate::torch::alloc::cuda_reset_peak(self.ctx.ordinal());
     }
 
-    pub(super) fn alloc_pinned(&self, bytes: usize) -> Result<HostBuffer> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(cuda_err("binding the context"))?;
+    fn account(&self, _delta: i64) {}
+
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // Flags 0: cacheable pinned memory. The cudarc default is write-combined, which is slow
         // for the CPU to read after a D2H copy.
         // SAFETY: a plain allocation; ownership passes to the HostBuffer, which frees it.
@@ -65,67 +80,99 @@ impl CudaBackend {
         Ok(unsafe { HostBuffer::pinned(ptr as *mut u8, bytes, self.ctx.clone()) })
     }
 
-    pub(super) fn new_stream(&self) -> Result<Arc<CudaStream>> {
+    fn new_stream(&self) -> Result<Box<dyn StreamBackend>> {
         // Non-blocking with respect to the legacy default stream libtorch computes on.
-        self.ctx.new_stream().map_err(cuda_err("creating a copy stream"))
+        let stream = self.ctx.new_stream().map_err(cuda_err("creating a copy stream"))?;
+        Ok(Box::new(CudaStreamBackend { stream }))
     }
 
-    pub(super) fn record_compute(&self) -> Result<CudaEvent> {
-        let ev = self
-            .ctx
-            .new_event(None)
-            .map_err(cuda_err("creating an event"))?;
+    fn record_compute(&self) -> Result<Event> {
+        let ev = Self::timed_event(&self.ctx)?;
         // SAFETY: the null stream is libtorch's (legacy default) compute stream; the event is live.
         unsafe { result::event::record(ev.cu_event(), std::ptr::null_mut()) }
             .map_err(cuda_err("recording on the compute stream"))?;
-        Ok(ev)
+        Ok(Event(Arc::new(CudaEventBackend(ev))))
     }
 
-    pub(super) fn compute_wait(&self, ev: &CudaEvent) -> Result<()> {
+    fn compute_wait(&self, event: &Event) -> Result<()> {
+        let Some(e) = cuda_event(event) else { return Ok(()) };
         // SAFETY: both the null stream and the event are valid.
         unsafe {
             result::stream::wait_event(
                 std::ptr::null_mut(),
-                ev.cu_event(),
+                e.0.cu_event(),
                 sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
         }
         .map_err(cuda_err("making the compute stream wait"))
     }
 
-    pub(super) fn synchronize(&self) -> Result<()> {
+    fn synchronize(&self) -> Result<()> {
         self.ctx.synchronize().map_err(cuda_err("synchronizing"))
     }
 }
 
-/// An event with timing on `stream`.
-pub(super) fn record_timed(stream: &CudaStream) -> Result<CudaEvent> {
-    let ev = stream
-        .context()
-        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        .map_err(cuda_err("creating an event"))?;
-    ev.record(stream).map_err(cuda_err("recording an event"))?;
-    Ok(ev)
+#[derive(Debug)]
+struct CudaStreamBackend {
+    stream: Arc<CudaStream>,
 }
 
-/// Async host-to-device copy.
-///
-/// # Safety
-/// `dst` must be a live device allocation of at least `src.len()` bytes, and `src` must stay
-/// valid until the copy completes.
-pub(super) unsafe fn h2d(stream: &CudaStream, dst: u64, src: &[u8]) -> Result<()> {
-    // SAFETY: guaranteed by the caller.
-    unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
-        .map_err(cuda_err("issuing an H2D copy"))
+impl StreamBackend for CudaStreamBackend {
+    fn wait(&self, event: &Event) -> Result<()> {
+        match cuda_event(event) {
+            Some(e) => self.stream.wait(&e.0).map_err(cuda_err("making a copy stream wait")),
+            None => Ok(()),
+        }
+    }
+
+    fn record(&self) -> Result<Event> {
+        let ev = CudaBackend::timed_event(self.stream.context())?;
+        ev.record(&self.stream).map_err(cuda_err("recording an event"))?;
+        Ok(Event(Arc::new(CudaEventBackend(ev))))
+    }
+
+    unsafe fn h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        // SAFETY: guaranteed by the caller (valid ranges until the copy completes).
+        let src = unsafe { std::slice::from_raw_parts(src, len) };
+        // SAFETY: as above.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(cuda_err("issuing an H2D copy"))
+    }
+
+    unsafe fn d2h(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        // SAFETY: guaranteed by the caller (valid ranges, `dst` unread until the copy completes).
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+        // SAFETY: as above.
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(cuda_err("issuing a D2H copy"))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda_err("synchronizing a copy stream"))
+    }
 }
 
-/// Async device-to-host copy.
-///
-/// # Safety
-/// `src` must be a live device allocation of at least `dst.len()` bytes until the copy
-/// completes, and `dst` must stay valid and unread until then.
-pub(super) unsafe fn d2h(stream: &CudaStream, dst: &mut [u8], src: u64) -> Result<()> {
-    // SAFETY: guaranteed by the caller.
-    unsafe { result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
-        .map_err(cuda_err("issuing a D2H copy"))
+#[derive(Debug)]
+struct CudaEventBackend(CudaEvent);
+
+impl EventBackend for CudaEventBackend {
+    fn is_complete(&self) -> bool {
+        self.0.is_complete()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.0.synchronize().map_err(cuda_err("waiting for an event"))
+    }
+
+    fn elapsed_ms(&self, end: &dyn EventBackend) -> Option<f64> {
+        let end = end.as_any().downcast_ref::<CudaEventBackend>()?;
+        if !self.0.is_complete() || !end.0.is_complete() {
+            return None;
+        }
+        self.0.elapsed_ms(&end.0).ok().map(f64::from)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }

@@ -440,6 +440,17 @@ pub struct WeightStepMetrics {
     pub vram_reserved_mb: f64,
     pub host_pool_free: u32,
     pub host_pool_in_use: u32,
+    /// Milliseconds the compute stream waited for weight copies still landing (GPU-measured).
+    #[serde(default)]
+    pub h2d_wait_ms: f64,
+    /// Milliseconds the training thread waited for the host optimizer to finish a block it
+    /// needed.
+    #[serde(default)]
+    pub update_wait_ms: f64,
+    /// Bytes a scheduler that knew the whole step in advance would have had to copy in (the
+    /// Belady minimum for the step's itinerary and room), to compare with `h2d_bytes`.
+    #[serde(default)]
+    pub min_h2d_bytes: u64,
 }
 
 /// Activation runtime metrics of one step (the seed's field names).
@@ -459,6 +470,16 @@ pub struct ActivationStepMetrics {
     pub pool_hits: u64,
     pub pool_misses: u64,
     pub vram_peak_mb: f64,
+    /// Milliseconds the compute stream waited for restores still landing (GPU-measured).
+    #[serde(default)]
+    pub h2d_wait_ms: f64,
+    /// Milliseconds the training thread waited for spills to land (over the in-flight cap, or
+    /// at the turn to backward).
+    #[serde(default)]
+    pub d2h_wait_ms: f64,
+    /// Bytes spilled through pageable memory because no pinned slab was free.
+    #[serde(default)]
+    pub pageable_bytes: u64,
 }
 
 /// Conductor metrics of one step (the seed's field names).

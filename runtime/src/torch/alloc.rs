@@ -29,7 +29,7 @@ fn check(rc: i32, err: &[c_char], what: &str) -> Result<bool> {
     match rc {
         0 => Ok(true),
         1 => Ok(false),
-        _ => Err(Error::Torch(format!("{what}: {}", ffi::message(err)))),
+        _ => Err(Error::Torch(tch::TchError::Torch(format!("{what}: {}", ffi::message(err))))),
     }
 }
 

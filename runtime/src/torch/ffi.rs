@@ -50,6 +50,33 @@ extern "C" {
     ) -> c_int;
     pub(crate) fn stagehand_cuda_reset_peak(device: c_int, err: *mut c_char, err_len: usize)
         -> c_int;
+    pub(crate) fn stagehand_storage_watch(t: *const C_tensor) -> *mut c_void;
+    pub(crate) fn stagehand_storage_alive(w: *const c_void) -> c_int;
+    pub(crate) fn stagehand_storage_watch_free(w: *mut c_void);
+    pub(crate) fn stagehand_set_grad(
+        t: *mut C_tensor,
+        grad: *const C_tensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn stagehand_fused_adam(
+        kind: c_int,
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        amsgrad: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     pub(crate) fn stagehand_cuda_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     pub(crate) fn stagehand_cuda_mem_info(
         device: c_int,

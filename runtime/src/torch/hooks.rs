@@ -69,6 +69,39 @@ impl TensorIdentity {
     }
 }
 
+/// A weak reference to a tensor's storage: whether that very storage is still alive, without
+/// keeping it alive. Equal identities of a live storage mean the same memory; once the storage
+/// is gone its address may be reused by an unrelated tensor.
+#[derive(Debug)]
+pub struct StorageWatch(*mut std::os::raw::c_void);
+
+// SAFETY: the weak pointer is only read through the thread-safe `expired()` and freed once.
+unsafe impl Send for StorageWatch {}
+// SAFETY: as above; `alive` only reads.
+unsafe impl Sync for StorageWatch {}
+
+impl StorageWatch {
+    /// Watches `t`'s storage (`None` for a tensor without storage).
+    pub fn of(t: &Tensor) -> Option<StorageWatch> {
+        // SAFETY: `t` is live; the shim copies a weak reference to its storage.
+        let w = unsafe { ffi::stagehand_storage_watch(t.as_ptr()) };
+        (!w.is_null()).then_some(StorageWatch(w))
+    }
+
+    /// Whether the storage is still alive.
+    pub fn alive(&self) -> bool {
+        // SAFETY: `self.0` came from `stagehand_storage_watch` and is not freed yet.
+        unsafe { ffi::stagehand_storage_alive(self.0) != 0 }
+    }
+}
+
+impl Drop for StorageWatch {
+    fn drop(&mut self) {
+        // SAFETY: freed exactly once, here.
+        unsafe { ffi::stagehand_storage_watch_free(self.0) }
+    }
+}
+
 type Ctx = Arc<dyn SavedTensorStore>;
 
 /// Runs a callback with hooks off on this thread and grad mode off, catching panics.
@@ -178,10 +211,10 @@ pub fn install() -> Result<()> {
         )
     };
     if rc != 0 {
-        return Err(Error::Torch(format!(
+        return Err(Error::Torch(tch::TchError::Torch(format!(
             "installing the saved-tensor hook engine: {}",
             ffi::message(&err)
-        )));
+        ))));
     }
     Ok(())
 }

@@ -51,6 +51,10 @@ pub struct WeightConfig {
     pub prefetch_window: u32,
     /// No backward: the itinerary is the forward order alone.
     pub inference_mode: bool,
+    /// Where the weights' room came from, for error messages ("a quarter of the 4096 MiB
+    /// budget"); empty: the field it was set by.
+    #[serde(default)]
+    pub room_origin: String,
 }
 
 impl Default for WeightConfig {
@@ -65,6 +69,7 @@ impl Default for WeightConfig {
             max_inflight_h2d: DEFAULT_MAX_INFLIGHT_H2D,
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             inference_mode: false,
+            room_origin: String::new(),
         }
     }
 }
@@ -92,6 +97,17 @@ impl WeightConfig {
     pub fn weight_budget(&self) -> u64 {
         self.weight_budget_bytes
             .unwrap_or(self.vram_high_watermark_bytes)
+    }
+
+    /// Where the weights' room comes from, in words.
+    pub fn room_source(&self) -> String {
+        if !self.room_origin.is_empty() {
+            self.room_origin.clone()
+        } else if self.weight_budget_bytes.is_some() {
+            "weight_budget_bytes".into()
+        } else {
+            format!("the high watermark vram_high_watermark_bytes = {}", self.vram_high_watermark_bytes)
+        }
     }
 
     /// Checks every field; the error names the field, the value and what was expected.

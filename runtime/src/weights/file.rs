@@ -3,7 +3,6 @@
 //! copy, so no host RAM holds the block between uses.
 
 use super::registry::{BlockSpec, ParamSpec};
-use crate::device::HostBuffer;
 use crate::error::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use tch::{Kind, Tensor};
@@ -45,12 +44,12 @@ impl FileSource {
         let shown = path.display().to_string();
         let io = |message: String| Error::Io {
             path: shown.clone(),
-            message,
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, message),
         };
-        let file = std::fs::File::open(path).map_err(|e| io(e.to_string()))?;
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only; the runtime assumes nobody truncates or
         // rewrites a weight file while it is being streamed (the usual mmap contract).
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io(e.to_string()))?;
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let st = SafeTensors::deserialize(&mmap).map_err(|e| io(format!("not a safetensors file: {e}")))?;
         let base = mmap.as_ptr() as usize;
         let mut spans = Vec::with_capacity(spec.params.len());
@@ -78,8 +77,7 @@ impl FileSource {
     }
 
     /// Copies every parameter into `buf` at its offset in the block layout.
-    pub fn stage(&self, spec: &BlockSpec, buf: &mut HostBuffer) -> Result<()> {
-        let dst = buf.as_mut_slice();
+    pub fn stage(&self, spec: &BlockSpec, dst: &mut [u8]) -> Result<()> {
         for (p, &(start, len)) in spec.params.iter().zip(&self.spans) {
             let range = p.offset..p.offset + len;
             let d = dst.get_mut(range).ok_or_else(|| Error::TooLarge {
@@ -97,7 +95,7 @@ impl FileSource {
         let &(start, len) = self
             .spans
             .get(index)
-            .ok_or_else(|| Error::State(format!("{}: no parameter {index}", self.path)))?;
+            .ok_or_else(|| Error::UnknownBlock(format!("{}: parameter {index}", self.path)))?;
         let t = Tensor::f_empty(p.shape.as_slice(), (p.kind, tch::Device::Cpu))?;
         if len > 0 {
             // SAFETY: `t` is a fresh contiguous CPU tensor of exactly `len` bytes (dtype and

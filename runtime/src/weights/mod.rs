@@ -3,32 +3,38 @@
 //!
 //! - [`registry`]: blocks and their flat, aligned byte layout.
 //! - [`residency`]: the six-state machine, refcounts, `keep_resident` protection.
-//! - [`pool`]: the uniform-slab pinned staging pool.
-//! - [`policy`]: the itinerary (traced forward order + reversed backward), the prefetch window
-//!   and the eviction score (distance to next use × size).
-//! - `scheduler`: loads, prefetch, finalisation on copy events, eviction.
+//! - [`itinerary`]: the order of a step's block uses, traced forward and backward, re-traced when
+//!   a step runs another order.
+//! - [`evictor`]: which block gives up its slot (Belady's farthest next use), and the minimum of
+//!   loads a step needs.
+//! - `slots`: the device room, one allocation cut into equal slots the runtime owns, so a load
+//!   waits only for its slot's last use.
+//! - `scheduler`: loads, prefetch, finalisation on copy events, eviction, gradients sent home
+//!   as backward leaves each block, host optimizer steps gating loads.
 //! - [`runtime`]: [`WeightRuntime`], the block-mode API.
 //! - [`handles`]: the saved-tensor store that turns saved weights into block handles.
-//! - [`optim`]: offloaded AdamW on the host copies.
 //! - [`file`]: safetensors-backed frozen blocks.
 //!
-//! Layer mode (drop-in layers) is [`crate::nn`].
+//! Layer mode (drop-in layers) is [`crate::nn`]; the optimizer for streamed weights is
+//! [`crate::optim`].
 
+mod block;
 pub mod config;
+pub mod evictor;
 pub mod file;
+mod grads;
 pub mod handles;
-pub mod optim;
-pub mod policy;
-pub mod pool;
+pub mod itinerary;
+mod loads;
 pub mod registry;
 pub mod residency;
+mod route;
 pub mod runtime;
-mod scheduler;
+pub(crate) mod scheduler;
+mod slots;
 
 pub use config::{parse_bytes, WeightConfig, WeightConfigBuilder};
 pub use handles::WeightStore;
-pub use optim::OffloadedAdamW;
-pub use policy::Itinerary;
-pub use pool::{PinnedPool, PoolStats, Slab};
+pub use itinerary::Itinerary;
 pub use registry::{BlockSpec, ParamSpec};
 pub use runtime::{BlockGuard, WeightRuntime};

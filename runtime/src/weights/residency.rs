@@ -103,9 +103,10 @@ impl Residency {
     pub fn release(&mut self, id: BlockId) -> Result<u32> {
         let e = self.get_mut(id)?;
         if e.refcount == 0 {
-            return Err(Error::State(format!(
-                "block {id} released more often than acquired (refcount is 0)"
-            )));
+            return Err(Error::misuse(
+                format!("releasing block {id}"),
+                "a block released as often as it was acquired (its refcount is 0)",
+            ));
         }
         e.refcount -= 1;
         Ok(e.refcount)
@@ -183,7 +184,7 @@ mod tests {
         assert!(!r.can_evict(id));
         r.release(id).expect("release");
         assert!(r.can_evict(id));
-        assert!(matches!(r.release(id), Err(Error::State(_))));
+        assert!(matches!(r.release(id), Err(Error::Misuse { .. })));
         r.set_protected(id, true, &bus).expect("protect");
         assert!(!r.can_evict(id));
         assert!(matches!(r.state(BlockId(9)), Err(Error::UnknownBlock(_))));

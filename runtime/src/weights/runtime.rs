@@ -2,7 +2,7 @@
 
 use super::file::FileSource;
 use super::handles::WeightStore;
-use super::policy::Itinerary;
+use super::itinerary::Itinerary;
 use super::registry::{group_by_pattern, BlockSpec};
 use super::scheduler::{PtrIndex, Scheduler};
 use super::WeightConfig;
@@ -11,7 +11,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, Bus, EvictionReason, WeightStepMetrics};
 use crate::saved::{WeightResolver, WeightSave};
-use crate::torch::{SavedTensorHooks, TensorIdentity};
+use crate::torch::SavedTensorHooks;
 use regex::Regex;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
@@ -66,7 +66,7 @@ impl WeightRuntime {
         crate::torch::hooks::install()?;
         let index: PtrIndex = Arc::default();
         let sched = Scheduler::new(device.clone(), config, bus.clone(), index.clone())?;
-        let knobs = sched.knobs.clone();
+        let knobs = sched.knobs();
         Ok(WeightRuntime {
             inner: Arc::new(Inner {
                 sched: Mutex::new(sched),
@@ -120,7 +120,7 @@ impl WeightRuntime {
         Arc::as_ptr(&self.inner) as usize
     }
 
-    fn lock(&self) -> MutexGuard<'_, Scheduler> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Scheduler> {
         self.inner.sched.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -135,30 +135,18 @@ impl WeightRuntime {
     pub fn back_with_file(&self, id: BlockId, path: &std::path::Path, key_prefix: &str) -> Result<()> {
         let mut s = self.lock();
         let spec = s.block(id)?.spec.clone();
-        if spec.trainable() {
-            return Err(Error::Config {
-                field: "file_backed",
-                value: format!("'{}'", spec.name),
-                expected: "a frozen block (trainable weights must live in host memory)".into(),
-            });
-        }
         let f = FileSource::open(path, &spec, key_prefix)?;
         s.back_with_file(id, f)
     }
 
     /// The id of the block named `name`.
     pub fn block_id(&self, name: &str) -> Result<BlockId> {
-        self.lock()
-            .blocks
-            .iter()
-            .find(|b| b.spec.name == name)
-            .map(|b| b.spec.id)
-            .ok_or_else(|| Error::UnknownBlock(name.to_string()))
+        self.lock().block_id(name)
     }
 
     /// Every block's description, in registration order.
     pub fn blocks(&self) -> Vec<BlockSpec> {
-        self.lock().blocks.iter().map(|b| b.spec.clone()).collect()
+        self.lock().specs()
     }
 
     /// The device.
@@ -183,12 +171,12 @@ impl WeightRuntime {
 
     /// Makes `id` resident (a prefetch hit or a counted stall), holds it, prefetches ahead.
     pub fn before_block(&self, id: BlockId) -> Result<()> {
-        self.lock().before_block(id)
+        self.lock().enter(id)
     }
 
     /// Releases `id` after its forward.
     pub fn after_block(&self, id: BlockId) -> Result<()> {
-        self.lock().after_block(id)
+        self.lock().leave(id)
     }
 
     /// Holds `id` resident until the guard drops.
@@ -209,11 +197,17 @@ impl WeightRuntime {
     /// Protects blocks from eviction (`on`) or lifts the protection.
     pub fn keep_resident(&self, ids: &[BlockId], on: bool) -> Result<()> {
         let mut s = self.lock();
-        let bus = s.bus.clone();
         for &id in ids {
-            s.residency.set_protected(id, on, &bus)?;
+            s.protect(id, on)?;
         }
         Ok(())
+    }
+
+    /// Keeps these blocks on the device for good, each in its own device buffer outside the
+    /// streaming room: loaded once, never evicted, and (when trainable) trained on the device.
+    /// Choose them before the first step.
+    pub fn set_resident(&self, ids: &[BlockId]) -> Result<()> {
+        self.lock().set_resident(ids)
     }
 
     /// Evicts an unused resident block now.
@@ -236,48 +230,48 @@ impl WeightRuntime {
 
     /// The residency state of `id`.
     pub fn state(&self, id: BlockId) -> Result<BlockState> {
-        self.lock().residency.state(id)
+        self.lock().residency().state(id)
     }
 
     /// The refcount of `id`.
     pub fn refcount(&self, id: BlockId) -> Result<u32> {
-        Ok(self.lock().residency.get(id)?.refcount)
+        Ok(self.lock().residency().get(id)?.refcount)
     }
 
-    /// The learned itinerary (after step 0).
+    /// The itinerary, once a step has been traced.
     pub fn itinerary(&self) -> Option<Itinerary> {
-        let s = self.lock();
-        if s.learned {
-            s.itinerary.clone()
-        } else {
-            None
-        }
+        self.lock().itinerary()
     }
 
-    /// Device bytes held by resident and in-flight blocks.
+    /// Device bytes held by blocks on the device.
     pub fn resident_bytes(&self) -> usize {
-        self.lock().resident_bytes
+        self.lock().resident_bytes()
     }
 
-    /// Copies not yet seen complete: (blocks still prefetching, copies of ready or evicted
-    /// blocks whose buffers stay alive until their copy completes).
+    /// Device bytes held by copies still in flight (loads landing, gradients leaving).
+    pub fn in_flight_bytes(&self) -> u64 {
+        self.lock().in_flight_bytes()
+    }
+
+    /// Copies not yet seen complete: (loads landing, landed loads not yet reported plus
+    /// gradient copies).
     pub fn copies_in_flight(&self) -> (usize, usize) {
         self.lock().copies_in_flight()
     }
 
     /// Metrics of the open step so far.
     pub fn current_metrics(&self) -> WeightStepMetrics {
-        self.lock().metrics.clone()
+        self.lock().metrics()
     }
 
     /// Metrics of the last finished step.
     pub fn last_step_metrics(&self) -> WeightStepMetrics {
-        self.lock().last_metrics.clone()
+        self.lock().last_metrics()
     }
 
     /// Steps finished so far.
     pub fn step(&self) -> u64 {
-        self.lock().step
+        self.lock().step()
     }
 
     /// The tunables read on every use: `prefetch_window` (blocks loaded ahead) and
@@ -326,76 +320,60 @@ impl WeightRuntime {
     /// ```
     pub fn attach_conductor(&self, conductor: &Conductor) -> Result<()> {
         conductor.register(WeightAdapter::new(self.knobs()))?;
-        self.lock().conductor = conductor.clone();
+        self.lock().set_conductor(conductor.clone());
         Ok(())
     }
 
     /// Leaves the Conductor: knobs back to their values at attach, copies no longer take
     /// slots. A no-op when none is attached.
     pub fn detach_conductor(&self) {
-        let c = std::mem::replace(&mut self.lock().conductor, Conductor::disabled());
+        let c = self.lock().set_conductor(Conductor::disabled());
         c.detach(WeightAdapter::NAME);
     }
 
     /// Steps begin when the first block runs again or after a backward (layer mode).
     pub fn set_auto_step(&self, on: bool) {
-        self.lock().auto_step = on;
+        self.lock().set_auto_step(on);
     }
 
     /// Ends an open step (layer mode's last step, which no later forward closes).
     pub fn finish(&self) -> Result<()> {
-        let mut s = self.lock();
-        if s.step_open {
-            s.end_step()?;
-        }
-        Ok(())
+        self.lock().finish()
     }
 
-    /// Moves every gradient to host memory and takes trainable blocks off the device (the
-    /// optimizer is about to change their host copy).
+    /// After a backward: every trained streamed block still holding device gradients sends them
+    /// to the host (asynchronously).
+    pub fn after_backward(&self) -> Result<()> {
+        self.lock().after_backward()
+    }
+
+    /// Waits until every gradient has reached host memory.
     pub fn collect_grads(&self) -> Result<()> {
         self.lock().collect_grads()
     }
 
-    /// Zeroes the host gradients.
+    /// Starts a new gradient accumulation window (libtorch's `zero_grad(set_to_none)` for
+    /// streamed blocks). Never evicts a block.
     pub fn zero_grads(&self) -> Result<()> {
-        self.lock().zero_host_grads()
+        self.lock().zero_grads()
     }
 
-    /// The host copy of parameter `param` of `id` (a fresh CPU tensor; for checks and saving).
+    /// The canonical value of parameter `param` of `id` (a fresh CPU tensor; for checks and
+    /// saving).
     pub fn host_param(&self, id: BlockId, param: usize) -> Result<Tensor> {
         self.lock().host_param(id, param)
     }
 
-    /// The host gradient of parameter `param` of `id` (a fresh CPU tensor, or `None` when the
-    /// parameter is frozen). Call [`collect_grads`](Self::collect_grads) first.
+    /// The host gradient of parameter `param` of `id` as of the last gradient copy (a fresh CPU
+    /// tensor), or `None` when the parameter is frozen, resident, or got no gradient in this
+    /// accumulation window. Call [`collect_grads`](Self::collect_grads) first.
     pub fn host_grad(&self, id: BlockId, param: usize) -> Result<Option<Tensor>> {
         let s = self.lock();
         let b = s.block(id)?;
-        match &b.source {
-            super::scheduler::Source::Host(h) => {
-                let v = h
-                    .views
-                    .get(param)
-                    .ok_or_else(|| Error::State(format!("block {id} has no parameter {param}")))?;
-                let g = v.grad();
-                Ok(if g.defined() { Some(g.f_detach_copy()?) } else { None })
-            }
-            super::scheduler::Source::File(_) => Ok(None),
+        match b.grads.iter().find(|g| g.param == param) {
+            Some(g) if g.received && g.buf.is_some() => Ok(Some(g.view.f_detach_copy()?)),
+            _ => Ok(None),
         }
-    }
-
-    /// The host tensors of every trainable parameter (leaves with gradients) for the offloaded
-    /// optimizer.
-    pub(crate) fn trainable_host_params(&self) -> Vec<Tensor> {
-        let s = self.lock();
-        let mut out = Vec::new();
-        for b in &s.blocks {
-            if let super::scheduler::Source::Host(h) = &b.source {
-                out.extend(h.views.iter().filter(|v| v.requires_grad()).map(|v| v.shallow_clone()));
-            }
-        }
-        out
     }
 
     /// Evicts everything and leaves each parameter as a CPU copy of its weights; later calls
@@ -407,29 +385,31 @@ impl WeightRuntime {
 
 impl WeightResolver for WeightRuntime {
     fn resolve(&self, tensor: &Tensor) -> Option<WeightSave> {
-        let id = TensorIdentity::of(tensor);
-        if id.storage_ptr == 0 {
+        let address = tensor.data_ptr() as u64;
+        if address == 0 {
             return None;
         }
         let index = self.inner.index.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = index.get(&id.storage_ptr)?;
-        let elt = id.kind.elt_size_in_bytes();
-        let byte = usize::try_from(id.storage_offset).ok()? * elt;
-        let (param, &(offset, bytes, kind)) = entry
+        let (&start, entry) = index.range(..=address).next_back()?;
+        let offset = usize::try_from(address - start).ok()?;
+        if offset >= entry.len {
+            return None;
+        }
+        let (param, &(poffset, _, kind)) = entry
             .params
             .iter()
             .enumerate()
-            .find(|(_, (o, b, _))| byte >= *o && byte < o + (*b).max(1))?;
-        if kind != id.kind {
+            .find(|(_, (o, b, _))| offset >= *o && offset < o + (*b).max(1))?;
+        if kind != tensor.kind() {
             return None;
         }
-        let _ = bytes;
+        let elt = kind.elt_size_in_bytes();
         Some(WeightSave {
             block: entry.block,
             param: param as u32,
-            storage_offset: id.storage_offset - (offset / elt) as i64,
-            sizes: id.sizes.clone(),
-            strides: id.strides.clone(),
+            storage_offset: ((offset - poffset) / elt) as i64,
+            sizes: tensor.size(),
+            strides: tensor.stride(),
             bytes: (tensor.numel() * elt) as u64,
         })
     }

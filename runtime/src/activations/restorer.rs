@@ -1,0 +1,276 @@
+//! Bringing spilled tensors back: on demand in unpack (a stall, counted and timed), and ahead of
+//! need by the predictive restorer.
+//!
+//! Backward needs saved tensors in about the reverse of the order forward saved them, so when
+//! unpack serves record `i`, the restorer issues restores for the next spilled records below `i`
+//! (up to the lookahead), within the in-flight cap and a device allowance, so they are on the
+//! device when their unpack comes. A restore's destination is a fresh allocator tensor, so the
+//! copy is ordered after the compute stream, and the compute stream waits on the copy's event
+//! (measured) before the tensor is handed to autograd.
+
+use super::record::{RecordState, Records};
+use crate::conductor::{Conductor, SlotToken};
+use crate::device::{Device, Order, WaitProbe};
+use crate::error::{Error, Result};
+use crate::events::{Bus, Direction, EventKind, Owner, Priority};
+use crate::transfer::Copier;
+use std::collections::VecDeque;
+use std::time::Instant;
+use tch::Tensor;
+
+/// How far below the served record the restorer looks for spilled ones (bounds the work per
+/// unpack when long runs of kept records sit between spills).
+const SCAN_LIMIT: usize = 512;
+
+/// Limits of one round of prediction.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ahead {
+    /// Spilled tensors to restore ahead.
+    pub lookahead: usize,
+    /// Restores in flight at most.
+    pub cap: usize,
+    /// Device bytes restores ahead of need may hold.
+    pub allowance: u64,
+}
+
+/// What restoring did in one call, for the step's metrics.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Restored {
+    pub count: u64,
+    pub bytes: u64,
+    pub stall_ms: f64,
+    pub stalls: u64,
+}
+
+impl std::ops::AddAssign for Restored {
+    fn add_assign(&mut self, o: Restored) {
+        self.count += o.count;
+        self.bytes += o.bytes;
+        self.stall_ms += o.stall_ms;
+        self.stalls += o.stalls;
+    }
+}
+
+/// The H2D stream and the records restoring on it, oldest first.
+#[derive(Debug)]
+pub(super) struct Restorer {
+    copier: Copier,
+    inflight: VecDeque<usize>,
+    /// Device bytes held by restores issued ahead of need and not yet unpacked.
+    predicted_bytes: u64,
+    /// The compute stream's waits for restores it needed before they landed.
+    probes: Vec<WaitProbe>,
+}
+
+impl Restorer {
+    pub(super) fn new(device: &Device, bus: Bus) -> Result<Restorer> {
+        Ok(Restorer {
+            copier: Copier::new(device, bus, Owner::Activations)?,
+            inflight: VecDeque::new(),
+            predicted_bytes: 0,
+            probes: Vec::new(),
+        })
+    }
+
+    /// A new step: nothing predicted.
+    pub(super) fn reset(&mut self) {
+        self.predicted_bytes = 0;
+    }
+
+    /// The compute stream's waits for restores so far, in ms, as far as they can be read now.
+    pub(super) fn take_wait_ms(&mut self) -> f64 {
+        let mut total = 0.0;
+        self.probes.retain(|p| match p.stall_ms() {
+            Some(ms) => {
+                total += ms;
+                false
+            }
+            None => true,
+        });
+        total
+    }
+
+    /// Starts the H2D copy of a spilled record into a new device tensor.
+    pub(super) fn issue(
+        &mut self,
+        records: &mut Records,
+        idx: usize,
+        predicted: bool,
+        slot: Option<SlotToken>,
+        device: &Device,
+        bus: &Bus,
+    ) -> Result<()> {
+        let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("saved tensor record {idx} is gone")))?;
+        rec.transition(RecordState::Restoring)?;
+        let meta = rec.meta.clone().ok_or_else(|| Error::internal(format!("spilled tensor {} has no metadata", rec.id)))?;
+        let lease = rec.host.take().ok_or_else(|| Error::internal(format!("spilled tensor {} has no host bytes", rec.id)))?;
+        if let Some(expected) = rec.crc {
+            let found = crc32fast::hash(&lease.as_slice()[..rec.bytes as usize]);
+            if found != expected {
+                let msg = format!(
+                    "checksum mismatch restoring saved tensor {}: spilled {expected:08x}, host memory now {found:08x}",
+                    rec.id
+                );
+                bus.publish_with(|| EventKind::Warning {
+                    source: Owner::Activations,
+                    message: msg.clone(),
+                });
+                rec.host = Some(lease);
+                return Err(Error::Corrupt(msg));
+            }
+        }
+        let started = Instant::now();
+        let dst = Tensor::f_empty(&meta.sizes, (meta.kind, device.tch_device()))?;
+        let id = rec.id;
+        let t = match self.copier.h2d(&dst, lease, 0, Order::AfterCompute, slot, || format!("tensor {id}")) {
+            Ok(t) => t,
+            Err(failed) => {
+                rec.host = Some(failed.host);
+                return Err(failed.error);
+            }
+        };
+        rec.restore = Some(t);
+        rec.tensor = Some(dst);
+        rec.predicted = predicted;
+        rec.restored_ahead = predicted;
+        rec.stall_since = (!predicted).then_some(started);
+        let bytes = rec.bytes;
+        rec.set_device_bytes(bytes, device);
+        self.inflight.push_back(idx);
+        if predicted {
+            self.predicted_bytes += bytes;
+        }
+        Ok(())
+    }
+
+    /// Completes a restore: its copy waited for, its host slab back to the pool.
+    fn complete(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<Restored> {
+        self.inflight.retain(|&i| i != idx);
+        let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };
+        let Some(t) = rec.restore.take() else { return Ok(Restored::default()) };
+        let (lease, elapsed) = self.copier.wait(t)?;
+        drop(lease);
+        rec.transition(RecordState::Restored)?;
+        // A stall lasts as long as the copy the compute stream waited for (the GPU's timing); on
+        // the host device copies are synchronous, so the wall clock measures it.
+        let stall_ms = match rec.stall_since.take() {
+            Some(_) if device.is_cuda() => elapsed.max(0.0),
+            Some(since) => since.elapsed().as_secs_f64() * 1e3,
+            None => 0.0,
+        };
+        let (id, bytes, predicted) = (rec.id, rec.bytes, rec.restored_ahead);
+        bus.publish_with(|| EventKind::Restored {
+            tensor: id,
+            bytes,
+            predicted,
+            stall_ms,
+        });
+        Ok(Restored {
+            count: 1,
+            bytes,
+            stall_ms,
+            stalls: u64::from(!predicted),
+        })
+    }
+
+    /// Completes the restores whose copies finished (all of them, waiting, with `all`).
+    pub(super) fn reap(&mut self, records: &mut Records, device: &Device, bus: &Bus, all: bool) -> Result<Restored> {
+        let done: Vec<usize> = self
+            .inflight
+            .iter()
+            .copied()
+            .filter(|&i| all || records.get(i).and_then(|r| r.restore.as_ref()).is_none_or(|t| t.is_complete()))
+            .collect();
+        let mut out = Restored::default();
+        for i in done {
+            out += self.complete(records, i, device, bus)?;
+        }
+        Ok(out)
+    }
+
+    /// The restored tensor of record `idx`, ready for the compute stream, with the saved
+    /// tensor's sizes and strides.
+    pub(super) fn serve(&mut self, records: &mut Records, idx: usize, device: &Device) -> Result<Tensor> {
+        let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("saved tensor record {idx} is gone")))?;
+        if let Some(t) = &rec.restore {
+            // The GPU waits, not the host: the CPU keeps queueing backward kernels.
+            self.probes.push(device.compute_wait_timed(t.done())?);
+        }
+        let t = rec
+            .tensor
+            .as_ref()
+            .ok_or_else(|| Error::internal(format!("restored tensor {} is missing", rec.id)))?
+            .shallow_clone();
+        let meta = rec.meta.as_ref().ok_or_else(|| Error::internal(format!("spilled tensor {} has no metadata", rec.id)))?;
+        let out = if meta.contiguous {
+            t
+        } else {
+            let mut s = Tensor::f_empty_strided(&meta.sizes, &meta.strides, (meta.kind, device.tch_device()))?;
+            s.f_copy_(&t)?;
+            s
+        };
+        rec.unpacked = true;
+        if rec.predicted {
+            rec.predicted = false;
+            self.predicted_bytes = self.predicted_bytes.saturating_sub(rec.bytes);
+        }
+        Ok(out)
+    }
+
+    /// A record is going away: its prediction no longer holds device bytes.
+    pub(super) fn forget(&mut self, predicted: bool, bytes: u64) {
+        if predicted {
+            self.predicted_bytes = self.predicted_bytes.saturating_sub(bytes);
+        }
+    }
+
+    /// Issues restores for the spilled records backward will need after record `idx`, in order
+    /// (skipping one to restore a later one would spend the allowance on a tensor needed after
+    /// the one that would then stall). Records still spilling are finalized first by `finalize`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn predict_from(
+        &mut self,
+        records: &mut Records,
+        idx: usize,
+        ahead: Ahead,
+        conductor: &Conductor,
+        device: &Device,
+        bus: &Bus,
+        mut finalize: impl FnMut(&mut Records, usize) -> Result<()>,
+    ) -> Result<u64> {
+        if ahead.lookahead == 0 {
+            return Ok(0);
+        }
+        let mut issued = 0u64;
+        let mut n = 0;
+        for j in (idx.saturating_sub(SCAN_LIMIT)..idx).rev() {
+            if n >= ahead.lookahead {
+                break;
+            }
+            let Some(rec) = records.get(j) else { continue };
+            match rec.state {
+                RecordState::Spilling | RecordState::Spilled => {
+                    let bytes = rec.bytes;
+                    if self.inflight.len() >= ahead.cap || self.predicted_bytes + bytes > ahead.allowance {
+                        break;
+                    }
+                    let state = rec.state;
+                    let priority = if n == 0 { Priority::Required } else { Priority::Speculative };
+                    // A refusal is published by the Conductor; the next unpack tries again.
+                    let Ok(slot) = conductor.acquire_slot(Direction::H2d, Owner::Activations, priority) else {
+                        break;
+                    };
+                    if state == RecordState::Spilling {
+                        finalize(records, j)?;
+                    }
+                    self.issue(records, j, true, Some(slot), device, bus)?;
+                    issued += 1;
+                    n += 1;
+                }
+                RecordState::Restoring | RecordState::Restored if !rec.unpacked => n += 1,
+                _ => {}
+            }
+        }
+        Ok(issued)
+    }
+}

@@ -1,0 +1,81 @@
+//! How much pinned memory the spills of a step hold at once, by size: the record from which the
+//! pool is rebuilt after a traced step, so that later steps find a slab for every spill.
+
+use std::collections::BTreeMap;
+
+/// Sizes are rounded up to this (a page: slabs stay page-aligned for DMA).
+const ALIGN: u64 = 4096;
+
+fn bucket(bytes: u64) -> u64 {
+    bytes.max(1).div_ceil(ALIGN) * ALIGN
+}
+
+/// Spilled tensors held at once, by rounded size.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(super) struct SizeProfile {
+    live: BTreeMap<u64, u32>,
+    /// The most held at once of each size, over every step seen (so the pool only grows).
+    peak: BTreeMap<u64, u32>,
+}
+
+impl SizeProfile {
+    /// A spill of `bytes` now holds host memory.
+    pub(super) fn spilled(&mut self, bytes: u64) {
+        let b = bucket(bytes);
+        let n = self.live.entry(b).or_insert(0);
+        *n += 1;
+        let n = *n;
+        let p = self.peak.entry(b).or_insert(0);
+        *p = (*p).max(n);
+    }
+
+    /// A spill of `bytes` gave its host memory back.
+    pub(super) fn released(&mut self, bytes: u64) {
+        if let Some(n) = self.live.get_mut(&bucket(bytes)) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    /// Nothing was ever spilled.
+    pub(super) fn is_empty(&self) -> bool {
+        self.peak.is_empty()
+    }
+
+    /// A step ended: nothing is held any more (the peaks stay).
+    pub(super) fn clear_step(&mut self) {
+        self.live.clear();
+    }
+
+    /// Pool classes and slab counts that hold every peak at once, in at most `max_classes`
+    /// classes: when there are more sizes, the smallest are served by the next larger class.
+    pub(super) fn plan(&self, max_classes: usize) -> (Vec<u64>, Vec<u32>) {
+        let mut v: Vec<(u64, u32)> = self.peak.iter().map(|(&b, &n)| (b, n)).collect();
+        while v.len() > max_classes.max(1) {
+            let (_, n) = v.remove(0);
+            v[0].1 += n;
+        }
+        v.into_iter().unzip()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plan_holds_the_most_held_at_once_of_each_size() {
+        let mut p = SizeProfile::default();
+        for _ in 0..3 {
+            p.spilled(10_000);
+        }
+        p.spilled(1 << 20);
+        p.released(10_000);
+        p.spilled(10_000);
+        p.clear_step();
+        p.spilled(1 << 20);
+        p.spilled(1 << 20);
+        assert_eq!(p.plan(8), (vec![12_288, 1 << 20], vec![3, 2]));
+        // One class only: the small spills take slabs of the larger size.
+        assert_eq!(p.plan(1), (vec![1 << 20], vec![5]));
+    }
+}

@@ -1,0 +1,543 @@
+//! The activation runtime's state and what happens to one saved tensor: pack (forward), unpack
+//! and release (backward), and the step's beginning and end.
+//!
+//! Pack runs on the forward thread; unpack and release possibly on an autograd worker thread, so
+//! all of it sits behind one lock in [`Shared`]. The spill queue and the restorer own their copies
+//! in flight; the records own the tensors and host slabs.
+
+use super::config::{ActivationConfig, MB};
+use super::policy::{region_matches, PackFacts, SpillPolicy, Verdict};
+use super::record::{Record, RecordState, Records, TensorMeta};
+use super::restorer::{Ahead, Restorer};
+use super::sizing::SizeProfile;
+use super::spills::SpillQueue;
+use super::GroupProfile;
+use crate::conductor::{Conductor, Knobs};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::events::{
+    ActivationStepMetrics, Bus, Direction, EventKind, KeepReason, Owner, PackDecision, PoolKind, Priority, TensorId,
+};
+use crate::pinned::SlabPool;
+use crate::saved::{WeightResolver, WeightSave};
+use crate::torch::TensorIdentity;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+use tch::Tensor;
+
+/// Mutable state, behind the runtime's one lock.
+pub(super) struct State {
+    pub records: Records,
+    pub pool: SlabPool,
+    pub spills: SpillQueue,
+    pub restorer: Restorer,
+    pub policy: SpillPolicy,
+    /// Open regions, outermost first.
+    pub regions: Vec<String>,
+    /// Index of the open top-level group in this step's forward.
+    pub group: Option<u32>,
+    pub groups_opened: u32,
+    /// Groups of this step's forward, being learned, and those learned from an earlier step.
+    pub learning: Vec<GroupProfile>,
+    pub profile: Vec<GroupProfile>,
+    /// Backward has begun (an unpack happened) in this step.
+    pub in_backward: bool,
+    pub metrics: ActivationStepMetrics,
+    pub last: Option<ActivationStepMetrics>,
+    pub next_tensor: u64,
+    /// Storage addresses of registered model parameters.
+    pub parameters: HashSet<u64>,
+    /// Grants the transfer slots (disabled: every copy proceeds at no cost).
+    pub conductor: Conductor,
+    /// Spilled sizes and how many of each were held at once, for sizing the pool.
+    pub sizes: SizeProfile,
+    /// The pool was sized from a traced step.
+    pub pool_traced: bool,
+}
+
+/// Everything the store and the runtime share.
+pub(super) struct Shared {
+    pub device: Device,
+    pub config: ActivationConfig,
+    pub bus: Bus,
+    /// The in-flight caps, restore lookahead and speculation switch, shared with the
+    /// Conductor's adapter and read at every decision.
+    pub knobs: Arc<Knobs>,
+    pub resolver: Option<Arc<dyn WeightResolver>>,
+    pub state: Mutex<State>,
+}
+
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+fn current_region(g: &State) -> Option<String> {
+    (!g.regions.is_empty()).then(|| g.regions.join("."))
+}
+
+impl Shared {
+    /// The state; a panic elsewhere while holding the lock leaves it usable (every mutation is
+    /// a single field update or a record move).
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn warn(&self, message: String) {
+        self.bus.publish_with(|| EventKind::Warning {
+            source: Owner::Activations,
+            message,
+        });
+    }
+
+    pub(super) fn vram_sample(&self) {
+        self.bus.publish_with(|| {
+            let m = self.device.memory();
+            EventKind::VramSample {
+                allocated_bytes: m.allocated,
+                reserved_bytes: m.reserved,
+                peak_allocated_bytes: m.peak,
+            }
+        });
+    }
+
+    fn spills_paused(&self) -> bool {
+        self.knobs.max_inflight_d2h() == 0
+    }
+
+    /// Finalizes landed spills and keeps the in-flight count under the knob.
+    fn poll_spills(&self, g: &mut State) -> Result<()> {
+        let cap = self.knobs.max_inflight_d2h().max(1) as usize;
+        let State { records, spills, metrics, .. } = g;
+        let f = spills.poll(records, &self.device, &self.bus, cap)?;
+        metrics.d2h_wait_ms += f.waited_ms;
+        Ok(())
+    }
+
+    // ---- pack -----------------------------------------------------------------------------
+
+    pub(super) fn pack(&self, tensor: Tensor) -> Result<u64> {
+        // Ask the weight runtime first, outside our lock (it takes its own).
+        if let Some(resolver) = &self.resolver {
+            if let Some(save) = resolver.resolve(&tensor) {
+                return Ok(self.pack_weight(save));
+            }
+        }
+        self.pack_tensor(tensor)
+    }
+
+    fn pack_weight(&self, save: WeightSave) -> u64 {
+        let mut g = self.lock();
+        g.next_tensor += 1;
+        let id = TensorId(g.next_tensor);
+        let bytes = save.bytes;
+        let mut rec = Record::new(id, RecordState::WeightHandle, bytes);
+        rec.weight = Some(save);
+        let (_, handle) = g.records.insert(rec);
+        g.metrics.activations_saved += 1;
+        g.metrics.weight_handles += 1;
+        let region = current_region(&g);
+        self.bus.publish_with(|| EventKind::Pack {
+            tensor: id,
+            decision: PackDecision::WeightHandle,
+            reason: None,
+            bytes,
+            class: None,
+            pool_hit: None,
+            region,
+        });
+        handle
+    }
+
+    fn pack_tensor(&self, t: Tensor) -> Result<u64> {
+        let identity = TensorIdentity::of(&t);
+        let bytes = tensor_bytes(&t);
+        let mut g = self.lock();
+        self.poll_spills(&mut g)?;
+        if let Some(idx) = g.records.find_identity(&identity) {
+            if let Some(rec) = g.records.get_mut(idx) {
+                rec.refs += 1;
+                let id = rec.id;
+                let handle = g.records.new_handle(idx);
+                let region = current_region(&g);
+                self.bus.publish_with(|| EventKind::Pack {
+                    tensor: id,
+                    decision: PackDecision::Duplicate,
+                    reason: None,
+                    bytes,
+                    class: None,
+                    pool_hit: None,
+                    region,
+                });
+                return Ok(handle);
+            }
+        }
+        g.next_tensor += 1;
+        let id = TensorId(g.next_tensor);
+        // On the host device every tensor is "on the device" (there is no other one).
+        let on_device = !self.device.is_cuda() || t.device() == self.device.tch_device();
+        let parameter = g.parameters.contains(&identity.storage_ptr) || (t.is_leaf() && t.requires_grad());
+        let region = current_region(&g);
+        let region_allowed = self.config.regions.is_empty()
+            || region
+                .as_deref()
+                .is_some_and(|path| self.config.regions.iter().any(|p| region_matches(p, path)));
+        let keep_tail = self.config.keep_tail_groups as usize;
+        let tail = keep_tail > 0
+            && !g.in_backward
+            && !g.profile.is_empty()
+            && g.group.is_some_and(|gi| gi as usize + keep_tail >= g.profile.len());
+        let spillable = on_device && !parameter && bytes >= self.config.min_spill_bytes && region_allowed;
+        if spillable && !g.in_backward {
+            if let Some(gi) = g.group {
+                if let Some(p) = g.learning.get_mut(gi as usize) {
+                    p.bytes += bytes;
+                    p.tensors += 1;
+                }
+            }
+        }
+        let facts = PackFacts {
+            bytes,
+            on_device,
+            parameter,
+            region_allowed,
+            tail,
+            allocated: self.device.memory().allocated,
+        };
+        let (verdict, toggled) = g.policy.decide(&facts);
+        if let Some(on) = toggled {
+            self.bus.publish_with(|| EventKind::SpillingToggled {
+                on,
+                vram_allocated_bytes: facts.allocated,
+            });
+            self.vram_sample();
+        }
+        g.metrics.activations_saved += 1;
+        let reason = match verdict {
+            Verdict::Spill if self.spills_paused() => {
+                g.policy.spill_refused(bytes);
+                KeepReason::SpillsPaused
+            }
+            Verdict::Spill => match self.spill(&mut g, &t, identity.clone(), bytes, id, region.clone()) {
+                Ok(Some(handle)) => return Ok(handle),
+                Ok(None) => {
+                    g.policy.spill_refused(bytes);
+                    KeepReason::TooLarge
+                }
+                Err(e) => return Err(e),
+            },
+            Verdict::Keep(reason) => reason,
+        };
+        let mut rec = Record::new(id, RecordState::Kept, bytes);
+        // Detached: a kept output must not reference its own grad_fn (a cycle).
+        rec.tensor = Some(t.detach());
+        rec.identity = Some(identity);
+        if on_device && !parameter {
+            rec.set_device_bytes(bytes, &self.device);
+        }
+        let (_, handle) = g.records.insert(rec);
+        g.metrics.activations_kept += 1;
+        self.bus.publish_with(|| EventKind::Pack {
+            tensor: id,
+            decision: PackDecision::Kept,
+            reason: Some(reason),
+            bytes,
+            class: None,
+            pool_hit: None,
+            region,
+        });
+        Ok(handle)
+    }
+
+    /// Starts the D2H copy of `t` into a pool slab and records it as spilling; `None` when no
+    /// host memory could take it (the pool is exhausted and the pageable fallback is off).
+    fn spill(
+        &self,
+        g: &mut State,
+        t: &Tensor,
+        identity: TensorIdentity,
+        bytes: u64,
+        id: TensorId,
+        region: Option<String>,
+    ) -> Result<Option<u64>> {
+        let (lease, hit) = match g.pool.acquire(bytes as usize) {
+            Ok(l) => l,
+            Err(Error::TooLarge { .. }) => {
+                self.warn(format!(
+                    "saved tensor {id} ({bytes} bytes) stays on the device: no pinned slab is free and the pageable fallback is off"
+                ));
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        // Required: a spill the policy asked for relieves memory now, so it is never refused.
+        let slot = g.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
+        let src = t.detach();
+        let contiguous = src.is_contiguous();
+        let src = if contiguous { src } else { src.f_contiguous()? };
+        let class = lease.class();
+        let mut rec = Record::new(id, RecordState::Spilling, bytes);
+        rec.meta = Some(TensorMeta {
+            kind: t.kind(),
+            sizes: t.size(),
+            strides: t.stride(),
+            contiguous,
+        });
+        // A contiguous copy made here is not the saved storage: dedupe only against that one,
+        // and only while it lives (the spill drops the record's reference to it).
+        if contiguous {
+            rec.identity = Some(identity);
+            rec.watch = crate::torch::StorageWatch::of(t);
+        }
+        rec.set_device_bytes(bytes, &self.device);
+        let (idx, handle) = g.records.insert(rec);
+        let State { records, spills, .. } = g;
+        spills.start(records, idx, lease, &src, slot)?;
+        g.sizes.spilled(bytes);
+        let m = &mut g.metrics;
+        m.activations_spilled += 1;
+        m.spill_bytes += bytes;
+        if hit {
+            m.pool_hits += 1;
+        } else {
+            m.pool_misses += 1;
+            m.pageable_bytes += bytes;
+        }
+        self.bus.publish_with(|| EventKind::Pack {
+            tensor: id,
+            decision: PackDecision::Spilled,
+            reason: None,
+            bytes,
+            class,
+            pool_hit: Some(hit),
+            region,
+        });
+        Ok(Some(handle))
+    }
+
+    // ---- unpack and release ---------------------------------------------------------------
+
+    pub(super) fn unpack(&self, handle: u64) -> Result<Tensor> {
+        let mut g = self.lock();
+        let idx = g.records.index_of(handle).ok_or_else(|| {
+            Error::misuse(
+                format!("unpacking saved tensor handle {handle}"),
+                "a handle of the current step (this one was released, or its step already ended)",
+            )
+        })?;
+        if !g.in_backward {
+            // Backward has begun: no spill is worth leaving in flight any longer.
+            g.in_backward = true;
+            let State { records, spills, metrics, .. } = &mut *g;
+            let f = spills.drain(records, &self.device, &self.bus)?;
+            metrics.d2h_wait_ms += f.waited_ms;
+        }
+        let state = g
+            .records
+            .get(idx)
+            .map(|r| r.state)
+            .ok_or_else(|| Error::internal(format!("saved tensor handle {handle} has no record")))?;
+        let out = match state {
+            RecordState::WeightHandle => None,
+            RecordState::Kept => g.records.get(idx).and_then(|r| r.tensor.as_ref()).map(|t| t.shallow_clone()),
+            RecordState::Spilling | RecordState::Spilled | RecordState::Restoring | RecordState::Restored => {
+                if state == RecordState::Spilling {
+                    let State { records, spills, .. } = &mut *g;
+                    spills.finalize(records, idx, &self.device, &self.bus)?;
+                }
+                if matches!(state, RecordState::Spilling | RecordState::Spilled) {
+                    let slot = g.conductor.acquire_slot(Direction::H2d, Owner::Activations, Priority::Required).ok();
+                    let State { records, restorer, .. } = &mut *g;
+                    restorer.issue(records, idx, false, slot, &self.device, &self.bus)?;
+                }
+                let State { records, restorer, .. } = &mut *g;
+                let t = restorer.serve(records, idx, &self.device)?;
+                self.reap_restores(&mut g, false)?;
+                Some(t)
+            }
+        };
+        self.predict_from(&mut g, idx)?;
+        match out {
+            Some(t) => Ok(t),
+            None if state == RecordState::WeightHandle => {
+                let save = g
+                    .records
+                    .get(idx)
+                    .and_then(|r| r.weight.clone())
+                    .ok_or_else(|| Error::internal(format!("weight handle {handle} has no save")))?;
+                drop(g);
+                let resolver = self
+                    .resolver
+                    .as_ref()
+                    .ok_or_else(|| Error::internal("a weight handle without a weight resolver"))?;
+                resolver.materialize(&save).map_err(Error::Saved)
+            }
+            None => Err(Error::internal(format!("kept tensor of handle {handle} is missing"))),
+        }
+    }
+
+    fn reap_restores(&self, g: &mut State, all: bool) -> Result<()> {
+        let State { records, restorer, metrics, .. } = g;
+        let r = restorer.reap(records, &self.device, &self.bus, all)?;
+        metrics.activations_restored += r.count;
+        metrics.restore_bytes += r.bytes;
+        metrics.stall_time_ms += r.stall_ms;
+        metrics.stall_count += r.stalls;
+        Ok(())
+    }
+
+    fn predict_from(&self, g: &mut State, idx: usize) -> Result<()> {
+        let mut lookahead = self.knobs.prefetch_window() as usize;
+        if self.knobs.suppress_speculative() {
+            lookahead = lookahead.min(1);
+        }
+        if lookahead == 0 {
+            return Ok(());
+        }
+        self.reap_restores(g, false)?;
+        let ahead = Ahead {
+            lookahead,
+            cap: self.knobs.max_inflight_h2d().max(1) as usize,
+            allowance: self.config.restore_allowance_bytes,
+        };
+        let State {
+            records,
+            restorer,
+            spills,
+            conductor,
+            metrics,
+            ..
+        } = g;
+        let device = &self.device;
+        let bus = &self.bus;
+        let issued = restorer.predict_from(records, idx, ahead, conductor, device, bus, |records, j| {
+            spills.finalize(records, j, device, bus)
+        })?;
+        metrics.activations_predicted += issued;
+        Ok(())
+    }
+
+    pub(super) fn release(&self, handle: u64) {
+        let save = {
+            let mut g = self.lock();
+            // An unknown handle belongs to a step that already ended: nothing left to free.
+            let Some(idx) = g.records.remove_handle(handle) else { return };
+            let last = match g.records.get_mut(idx) {
+                Some(rec) => {
+                    rec.refs = rec.refs.saturating_sub(1);
+                    rec.refs == 0
+                }
+                None => false,
+            };
+            if !last {
+                return;
+            }
+            self.retire(&mut g, idx)
+        };
+        if let (Some(save), Some(r)) = (save, &self.resolver) {
+            r.release(&save);
+        }
+    }
+
+    /// Frees what a record holds (copies waited for, slabs back to the pool); returns its weight
+    /// save for the resolver, to be released outside the lock.
+    pub(super) fn retire(&self, g: &mut State, idx: usize) -> Option<WeightSave> {
+        let state = g.records.get(idx).map(|r| r.state);
+        if state == Some(RecordState::Spilling) {
+            let State { records, spills, .. } = &mut *g;
+            if let Err(e) = spills.finalize(records, idx, &self.device, &self.bus) {
+                self.warn(format!("finalizing a spill at release: {e}"));
+            }
+        }
+        if state == Some(RecordState::Restoring) || g.records.get(idx).is_some_and(|r| r.restore.is_some()) {
+            if let Err(e) = self.reap_restores(g, true) {
+                self.warn(format!("completing a restore at release: {e}"));
+            }
+        }
+        let mut rec = g.records.take(idx)?;
+        if rec.host.is_some() || rec.spill.is_some() {
+            g.sizes.released(rec.bytes);
+        }
+        rec.set_device_bytes(0, &self.device);
+        g.restorer.forget(rec.predicted, rec.bytes);
+        rec.weight.take()
+    }
+
+    // ---- step boundaries ------------------------------------------------------------------
+
+    /// Releases every record (a step that never ended, or the end of a step); returns the weight
+    /// saves to release outside the lock.
+    pub(super) fn retire_all(&self, g: &mut State) -> Vec<WeightSave> {
+        let left: Vec<usize> = (0..g.records.len()).collect();
+        let saves = left.into_iter().filter_map(|i| self.retire(g, i)).collect();
+        g.records.drain();
+        saves
+    }
+
+    /// Ends the step's copies and learning; returns the step's metrics, the weight saves to
+    /// release, and the first error met.
+    pub(super) fn end_step(&self, g: &mut State) -> (ActivationStepMetrics, Vec<WeightSave>, Result<()>) {
+        let mut result = {
+            let State { records, spills, metrics, .. } = &mut *g;
+            spills.drain(records, &self.device, &self.bus).map(|f| metrics.d2h_wait_ms += f.waited_ms)
+        };
+        if result.is_ok() {
+            result = self.reap_restores(g, true);
+        }
+        let saves = self.retire_all(g);
+        g.metrics.h2d_wait_ms += g.restorer.take_wait_ms();
+        g.metrics.vram_peak_mb = self.device.memory().peak as f64 / MB as f64;
+        if !g.learning.is_empty() {
+            if !g.profile.is_empty() && g.profile.len() != g.learning.len() {
+                self.warn(format!(
+                    "the forward had {} region groups, the learned profile {}; relearning",
+                    g.learning.len(),
+                    g.profile.len()
+                ));
+            }
+            if g.profile.len() != g.learning.len() {
+                g.profile = std::mem::take(&mut g.learning);
+            }
+        }
+        g.learning.clear();
+        g.in_backward = false;
+        if result.is_ok() {
+            result = self.resize_pool_from_trace(g);
+        }
+        let m = g.metrics.clone();
+        g.last = Some(m.clone());
+        (m, saves, result)
+    }
+
+    /// After a step that spilled (the first, or one that had to use pageable memory), makes the
+    /// pool hold exactly what that step held at once, so later steps never fall back.
+    fn resize_pool_from_trace(&self, g: &mut State) -> Result<()> {
+        if !self.config.size_pool_from_trace || g.sizes.is_empty() {
+            g.sizes.clear_step();
+            return Ok(());
+        }
+        let needed = g.pool_traced.then_some(g.metrics.pool_misses > 0).unwrap_or(true);
+        if needed {
+            let current = g.pool.stats();
+            let (classes, slabs) = g.sizes.plan(self.config.max_pool_classes as usize);
+            let total: u64 = classes.iter().zip(&slabs).map(|(c, n)| c * *n as u64).sum();
+            if let Some(limit) = self.config.pinned_limit_bytes.filter(|&l| total > l) {
+                self.warn(format!(
+                    "the traced step held {total} bytes of spills at once, more than the pinned limit {limit}; keeping the pool ({} slabs)",
+                    current.total.iter().sum::<u32>()
+                ));
+            } else {
+                g.pool = SlabPool::new(
+                    &self.device,
+                    PoolKind::Activations,
+                    &classes,
+                    &slabs,
+                    self.config.pageable_fallback,
+                    self.bus.clone(),
+                )?;
+                g.pool_traced = true;
+            }
+        }
+        g.sizes.clear_step();
+        Ok(())
+    }
+}

@@ -1,0 +1,214 @@
+//! The host optimizer's worker: one thread that steps streamed blocks on the host while the
+//! training thread goes on (the rest of backward, the next forward). Jobs run in order of when
+//! their block is next needed, so the next forward waits as little as possible; the weight
+//! runtime asks [`Stepper::is_pending`] before it loads a block, and never copies host weights
+//! that are being changed.
+//!
+//! Each job uses libtorch's CPU kernels, which spread one parameter's update over every core.
+
+use crate::error::{Error, Result};
+use crate::events::BlockId;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// One block's optimizer step.
+pub(crate) trait Job: Send {
+    fn run(&mut self) -> Result<()>;
+}
+
+#[derive(Default)]
+struct State {
+    /// Queued jobs by (priority, block): the lowest priority value runs first.
+    queue: BTreeMap<(u64, u32), Box<dyn Job>>,
+    /// Blocks queued or running.
+    pending: HashSet<BlockId>,
+    failed: Option<String>,
+    shutdown: bool,
+    busy: Duration,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled when a job is queued, a job finishes, or the worker stops.
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The worker thread and its queue.
+pub(crate) struct Stepper {
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Stepper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.shared.lock();
+        f.debug_struct("Stepper")
+            .field("queued", &st.queue.len())
+            .field("pending", &st.pending.len())
+            .finish()
+    }
+}
+
+impl Stepper {
+    /// Starts the worker thread.
+    pub(crate) fn new() -> Result<Stepper> {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+        });
+        let s = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name("stagehand-optim".into())
+            .spawn(move || work(&s))
+            .map_err(|e| Error::internal(format!("starting the optimizer thread: {e}")))?;
+        Ok(Stepper {
+            shared,
+            worker: Some(worker),
+        })
+    }
+
+    /// Queues `block`'s step; `priority` orders the queue (lower runs first).
+    pub(crate) fn submit(&self, block: BlockId, priority: u64, job: Box<dyn Job>) {
+        let mut st = self.shared.lock();
+        st.pending.insert(block);
+        st.queue.insert((priority, block.0), job);
+        drop(st);
+        self.shared.cv.notify_all();
+    }
+
+    /// Whether `block` has a step queued or running.
+    pub(crate) fn is_pending(&self, block: BlockId) -> bool {
+        self.shared.lock().pending.contains(&block)
+    }
+
+    /// Blocks until `block`'s step (if any) has run; returns how long it waited. A failed step
+    /// is reported here (and by every later call) as an error.
+    pub(crate) fn wait(&self, block: BlockId) -> Result<Duration> {
+        let t0 = Instant::now();
+        let mut st = self.shared.lock();
+        loop {
+            if let Some(e) = &st.failed {
+                return Err(Error::internal(format!("the host optimizer failed: {e}")));
+            }
+            if !st.pending.contains(&block) {
+                return Ok(t0.elapsed());
+            }
+            st = self.shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Blocks until every queued step has run.
+    pub(crate) fn wait_all(&self) -> Result<Duration> {
+        let t0 = Instant::now();
+        let mut st = self.shared.lock();
+        loop {
+            if let Some(e) = &st.failed {
+                return Err(Error::internal(format!("the host optimizer failed: {e}")));
+            }
+            if st.pending.is_empty() {
+                return Ok(t0.elapsed());
+            }
+            st = self.shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Time the worker spent running jobs since the last call.
+    pub(crate) fn take_busy(&self) -> Duration {
+        std::mem::take(&mut self.shared.lock().busy)
+    }
+}
+
+fn work(shared: &Shared) {
+    let mut st = shared.lock();
+    loop {
+        if st.shutdown {
+            return;
+        }
+        let Some(((_, block), mut job)) = st.queue.pop_first() else {
+            st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        drop(st);
+        let t0 = Instant::now();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run()));
+        let took = t0.elapsed();
+        st = shared.lock();
+        st.busy += took;
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => st.failed = Some(format!("block {block}: {e}")),
+            Err(_) => st.failed = Some(format!("block {block}: the step panicked")),
+        }
+        st.pending.remove(&BlockId(block));
+        shared.cv.notify_all();
+    }
+}
+
+impl Drop for Stepper {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.cv.notify_all();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    struct Record(Arc<Mutex<Vec<u32>>>, u32, Arc<AtomicU32>);
+    impl Job for Record {
+        fn run(&mut self) -> Result<()> {
+            // Hold the first job until every job is queued, so the order is the queue's.
+            while self.2.load(Ordering::SeqCst) == 0 {
+                std::thread::yield_now();
+            }
+            self.0.lock().expect("log").push(self.1);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn jobs_run_in_priority_order_and_waits_return_when_done() {
+        let s = Stepper::new().expect("thread");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let go = Arc::new(AtomicU32::new(0));
+        // The first job starts at once (and holds); the rest queue up and run by priority.
+        s.submit(BlockId(9), 0, Box::new(Record(log.clone(), 9, go.clone())));
+        for (b, prio) in [(3, 30), (1, 10), (2, 20)] {
+            s.submit(BlockId(b), prio, Box::new(Record(log.clone(), b, go.clone())));
+        }
+        assert!(s.is_pending(BlockId(2)));
+        go.store(1, Ordering::SeqCst);
+        s.wait(BlockId(2)).expect("waits");
+        s.wait_all().expect("all");
+        assert_eq!(*log.lock().expect("log"), [9, 1, 2, 3]);
+        assert!(!s.is_pending(BlockId(3)));
+    }
+
+    #[test]
+    fn a_failed_step_is_reported_to_every_waiter() {
+        struct Fail;
+        impl Job for Fail {
+            fn run(&mut self) -> Result<()> {
+                Err(Error::internal("boom"))
+            }
+        }
+        let s = Stepper::new().expect("thread");
+        s.submit(BlockId(4), 0, Box::new(Fail));
+        let e = s.wait_all().expect_err("failure reported");
+        assert!(e.to_string().contains("block 4: internal error: boom"), "{e}");
+        assert!(s.wait(BlockId(1)).is_err());
+    }
+}

@@ -1,0 +1,501 @@
+//! The pinned host pool both runtimes copy through: size classes of equal slabs, each class one
+//! allocation made at start (pinning is far too slow for a hot path), handed out as RAII
+//! [`Lease`]s that return to their class when dropped.
+//!
+//! A request takes a slab of the smallest class that fits, then of each larger class. When every
+//! class is empty, [`SlabPool::acquire`] falls back to a pageable buffer (a counted miss and one
+//! warning) if the pool allows it, or refuses; [`SlabPool::acquire_wait`] waits for a slab
+//! instead, in slices so shutdown is noticed. The weight runtime stages file-backed blocks
+//! through a one-class pool; the activation runtime spills into a pool whose classes were sized
+//! from a traced step.
+
+use crate::device::{Device, HostBuffer, HostMemory, HostTarget};
+use crate::error::{Error, Result};
+use crate::events::{Bus, EventKind, Owner, PoolClass, PoolKind, SlabId};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long one wait slice lasts; a waiter re-checks shutdown and its deadline after each.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// Occupancy of a pool, for tests and dashboards.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PoolStats {
+    /// Slabs per class.
+    pub total: Vec<u32>,
+    /// Free slabs per class.
+    pub free: Vec<u32>,
+    /// Most slabs of each class in use at once.
+    pub peak_in_use: Vec<u32>,
+    /// Pageable buffers handed out because no slab was free, and bytes of them.
+    pub fallbacks: u64,
+    pub fallback_bytes: u64,
+    /// Pageable buffers not yet dropped.
+    pub fallbacks_live: u64,
+    /// Acquisitions that had to wait, and for how long in all.
+    pub wait_count: u64,
+    pub total_wait_ms: f64,
+}
+
+impl PoolStats {
+    /// Slabs in use now, over all classes.
+    pub fn in_use(&self) -> u32 {
+        self.total.iter().zip(&self.free).map(|(t, f)| t - f).sum()
+    }
+}
+
+#[derive(Debug)]
+struct Class {
+    slab_bytes: usize,
+    buffer: HostBuffer,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Free slab indices per class, most recently freed last (warm in cache and TLB).
+    free: Vec<Vec<u32>>,
+    shutdown: bool,
+    stats: PoolStats,
+}
+
+#[derive(Debug)]
+struct Shared {
+    kind: PoolKind,
+    classes: Vec<Class>,
+    pageable_fallback: bool,
+    state: Mutex<State>,
+    cv: Condvar,
+    bus: Bus,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every mutation is a push, a pop or a counter: a panic elsewhere leaves it consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The size-class pool. Cheap to clone; clones share it.
+#[derive(Debug, Clone)]
+pub struct SlabPool {
+    shared: Arc<Shared>,
+}
+
+/// What a lease points at.
+#[derive(Debug)]
+enum Memory {
+    Slab { class: u32, slab: SlabId, offset: usize },
+    Pageable(HostBuffer),
+}
+
+/// Host memory on loan from a [`SlabPool`]: a slab (or a pageable fallback buffer) of at least
+/// the requested size, returned when the lease drops.
+#[derive(Debug)]
+pub struct Lease {
+    memory: Memory,
+    len: usize,
+    pool: Arc<Shared>,
+}
+
+impl SlabPool {
+    /// Allocates every class at once: `slabs[i]` slabs of `class_bytes[i]` bytes (ascending),
+    /// pinned on CUDA.
+    pub fn new(
+        device: &Device,
+        kind: PoolKind,
+        class_bytes: &[u64],
+        slabs: &[u32],
+        pageable_fallback: bool,
+        bus: Bus,
+    ) -> Result<SlabPool> {
+        if class_bytes.len() != slabs.len() || class_bytes.is_empty() {
+            return Err(Error::Config {
+                field: "slabs_per_class",
+                value: format!("{slabs:?} for classes {class_bytes:?}"),
+                expected: "one slab count per class, at least one class".into(),
+            });
+        }
+        if class_bytes.windows(2).any(|w| w[0] >= w[1]) || class_bytes.first() == Some(&0) {
+            return Err(Error::Config {
+                field: "class_sizes",
+                value: format!("{class_bytes:?}"),
+                expected: "sizes above zero in ascending order".into(),
+            });
+        }
+        let too_large = |needed: u64| Error::TooLarge {
+            what: "pinned pool class".into(),
+            needed,
+            limit: "the address space is smaller".into(),
+        };
+        let mut classes = Vec::with_capacity(class_bytes.len());
+        for (&size, &count) in class_bytes.iter().zip(slabs) {
+            let slab_bytes = usize::try_from(size).map_err(|_| too_large(size))?;
+            let total = slab_bytes
+                .checked_mul(count as usize)
+                .ok_or_else(|| too_large(size.saturating_mul(count as u64)))?;
+            classes.push(Class {
+                slab_bytes,
+                buffer: device.alloc_host(total)?,
+            });
+        }
+        let pinned = classes.iter().any(|c| c.buffer.is_pinned());
+        bus.publish(EventKind::PoolConfigured {
+            pool: kind,
+            classes: class_bytes
+                .iter()
+                .zip(slabs)
+                .map(|(&slab_bytes, &slabs)| PoolClass { slab_bytes, slabs })
+                .collect(),
+            pinned,
+        });
+        Ok(SlabPool {
+            shared: Arc::new(Shared {
+                kind,
+                classes,
+                pageable_fallback,
+                state: Mutex::new(State {
+                    free: slabs.iter().map(|&n| (0..n).rev().collect()).collect(),
+                    shutdown: false,
+                    stats: PoolStats {
+                        total: slabs.to_vec(),
+                        free: slabs.to_vec(),
+                        peak_in_use: vec![0; slabs.len()],
+                        ..PoolStats::default()
+                    },
+                }),
+                cv: Condvar::new(),
+                bus,
+            }),
+        })
+    }
+
+    /// Bytes of the largest slab.
+    pub fn largest_slab(&self) -> usize {
+        self.shared.classes.last().map_or(0, |c| c.slab_bytes)
+    }
+
+    /// Bytes the pool holds in all.
+    pub fn capacity_bytes(&self) -> u64 {
+        let st = self.shared.lock();
+        self.shared
+            .classes
+            .iter()
+            .zip(&st.stats.total)
+            .map(|(c, &n)| c.slab_bytes as u64 * n as u64)
+            .sum()
+    }
+
+    /// A slab of at least `bytes` now, from the smallest class that has one; when none is free,
+    /// a pageable buffer (if the pool allows it) or an error. The flag says whether it is a
+    /// slab (a pool hit).
+    pub fn acquire(&self, bytes: usize) -> Result<(Lease, bool)> {
+        if let Some(lease) = self.take(bytes, Duration::ZERO)? {
+            return Ok((lease, true));
+        }
+        let sh = &self.shared;
+        if !sh.pageable_fallback {
+            return Err(Error::TooLarge {
+                what: format!("{} pool slab", wire(sh.kind)),
+                needed: bytes as u64,
+                limit: "no slab is free or large enough and the pageable fallback is off".into(),
+            });
+        }
+        let buf = HostBuffer::pageable(bytes)?;
+        let first = {
+            let mut st = sh.lock();
+            st.stats.fallbacks += 1;
+            st.stats.fallbacks_live += 1;
+            st.stats.fallback_bytes += bytes as u64;
+            st.stats.fallbacks == 1
+        };
+        sh.bus.publish(EventKind::PageableFallback {
+            pool: sh.kind,
+            bytes: bytes as u64,
+        });
+        if first {
+            // One warning per pool: the counters carry the rest.
+            sh.bus.publish(EventKind::Warning {
+                source: owner(sh.kind),
+                message: format!(
+                    "the {} pool had no free slab for {bytes} bytes; copying through pageable memory (slower); give it more slabs",
+                    wire(sh.kind)
+                ),
+            });
+        }
+        Ok((
+            Lease {
+                memory: Memory::Pageable(buf),
+                len: bytes,
+                pool: sh.clone(),
+            },
+            false,
+        ))
+    }
+
+    /// A slab of at least `bytes`, waiting up to `timeout` (forever with `None`) for one to be
+    /// freed. `Ok(None)` when the deadline passed.
+    pub fn acquire_wait(&self, bytes: usize, timeout: Option<Duration>) -> Result<Option<Lease>> {
+        self.take(bytes, timeout.unwrap_or(Duration::MAX))
+    }
+
+    fn take(&self, bytes: usize, timeout: Duration) -> Result<Option<Lease>> {
+        let sh = &self.shared;
+        let Some(first) = sh.classes.iter().position(|c| c.slab_bytes >= bytes) else {
+            if sh.pageable_fallback && timeout.is_zero() {
+                return Ok(None);
+            }
+            return Err(Error::TooLarge {
+                what: format!("{} pool slab", wire(sh.kind)),
+                needed: bytes as u64,
+                limit: format!("the largest slab has {} bytes", self.largest_slab()),
+            });
+        };
+        let start = Instant::now();
+        let mut st = sh.lock();
+        let mut exhausted = false;
+        loop {
+            if st.shutdown {
+                return Err(Error::Shutdown("pinned pool"));
+            }
+            let found = (first..sh.classes.len()).find_map(|i| st.free[i].pop().map(|s| (i, s)));
+            if let Some((class, slab)) = found {
+                let waited_ms = if exhausted { start.elapsed().as_secs_f64() * 1e3 } else { 0.0 };
+                st.stats.free[class] -= 1;
+                let in_use = st.stats.total[class] - st.stats.free[class];
+                st.stats.peak_in_use[class] = st.stats.peak_in_use[class].max(in_use);
+                if exhausted {
+                    st.stats.wait_count += 1;
+                    st.stats.total_wait_ms += waited_ms;
+                }
+                drop(st);
+                let slab = SlabId(slab);
+                sh.bus.publish(EventKind::SlabAcquired {
+                    pool: sh.kind,
+                    class: class as u32,
+                    slab,
+                    bytes: bytes as u64,
+                    waited_ms,
+                });
+                return Ok(Some(Lease {
+                    memory: Memory::Slab {
+                        class: class as u32,
+                        slab,
+                        offset: slab.0 as usize * sh.classes[class].slab_bytes,
+                    },
+                    len: sh.classes[class].slab_bytes,
+                    pool: sh.clone(),
+                }));
+            }
+            if !exhausted {
+                exhausted = true;
+                sh.bus.publish(EventKind::PoolExhausted {
+                    pool: sh.kind,
+                    class: first as u32,
+                    requested_bytes: bytes as u64,
+                });
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            st = sh
+                .cv
+                .wait_timeout(st, left.min(WAIT_SLICE))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> PoolStats {
+        self.shared.lock().stats.clone()
+    }
+
+    /// Refuses new acquisitions and wakes every waiter; leases out now stay valid until they
+    /// drop (the memory is freed with the last clone of the pool). Idempotent.
+    pub fn shutdown(&self) {
+        self.shared.lock().shutdown = true;
+        self.shared.cv.notify_all();
+    }
+}
+
+fn wire(kind: PoolKind) -> &'static str {
+    match kind {
+        PoolKind::Weights => "weight",
+        PoolKind::Activations => "activation",
+    }
+}
+
+fn owner(kind: PoolKind) -> Owner {
+    match kind {
+        PoolKind::Weights => Owner::Weights,
+        PoolKind::Activations => Owner::Activations,
+    }
+}
+
+impl Lease {
+    /// The size class, for slabs (`None` for a pageable fallback).
+    pub fn class(&self) -> Option<u32> {
+        match self.memory {
+            Memory::Slab { class, .. } => Some(class),
+            Memory::Pageable(_) => None,
+        }
+    }
+
+    /// Whether the memory is a pool slab (pinned on CUDA) rather than a pageable fallback.
+    pub fn is_slab(&self) -> bool {
+        matches!(self.memory, Memory::Slab { .. })
+    }
+
+    /// Bytes available.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-sized lease.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        match &self.memory {
+            Memory::Slab { class, offset, .. } => {
+                let base = self.pool.classes[*class as usize].buffer.host_ptr() as *mut u8;
+                // SAFETY: the slab lies inside its class buffer (offset + len <= class size).
+                unsafe { base.add(*offset) }
+            }
+            Memory::Pageable(b) => b.host_ptr() as *mut u8,
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the lease is the only user of its slab, which is valid for `len` bytes while
+        // the pool (held by the lease) lives.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+    }
+}
+
+// SAFETY: the slab's memory is owned by the pool's class buffer, which the lease keeps alive and
+// which never moves; a slab is leased to one lease at a time.
+unsafe impl HostMemory for Lease {
+    fn host_ptr(&self) -> *const u8 {
+        self.ptr()
+    }
+    fn host_len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as above; the lease is the only handle to its slab.
+unsafe impl HostTarget for Lease {
+    fn host_ptr_mut(&mut self) -> *mut u8 {
+        self.ptr()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let sh = &self.pool;
+        match &self.memory {
+            Memory::Slab { class, slab, .. } => {
+                {
+                    let mut st = sh.lock();
+                    let c = *class as usize;
+                    debug_assert!(!st.free[c].contains(&slab.0), "slab {slab} of class {class} released twice");
+                    st.free[c].push(slab.0);
+                    st.stats.free[c] += 1;
+                }
+                sh.bus.publish(EventKind::SlabReleased {
+                    pool: sh.kind,
+                    class: *class,
+                    slab: *slab,
+                });
+                sh.cv.notify_one();
+            }
+            Memory::Pageable(_) => {
+                let mut st = sh.lock();
+                st.stats.fallbacks_live = st.stats.fallbacks_live.saturating_sub(1);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(fallback: bool) -> SlabPool {
+        SlabPool::new(&Device::host(0), PoolKind::Activations, &[1024, 4096], &[2, 1], fallback, Bus::disabled())
+            .expect("pool")
+    }
+
+    #[test]
+    fn smallest_fitting_class_then_larger_then_fallback() {
+        let p = pool(true);
+        let (a, hit_a) = p.acquire(100).expect("a");
+        let (b, hit_b) = p.acquire(1024).expect("b");
+        assert_eq!((a.class(), hit_a, b.class(), hit_b), (Some(0), true, Some(0), true));
+        // Class 0 is empty: the next small request goes to class 1.
+        let (c, hit_c) = p.acquire(10).expect("c");
+        assert_eq!((c.class(), hit_c), (Some(1), true));
+        // Everything is taken: pageable fallback, a miss.
+        let (d, hit_d) = p.acquire(10).expect("d");
+        assert_eq!((d.class(), hit_d), (None, false));
+        // Larger than every class: straight to the fallback.
+        let (e, hit_e) = p.acquire(1 << 20).expect("e");
+        assert_eq!((e.class(), hit_e, e.len()), (None, false, 1 << 20));
+        let s = p.stats();
+        assert_eq!((s.fallbacks, s.free.clone(), s.in_use()), (2, vec![0, 0], 3));
+        drop((a, b, c, d, e));
+        let s = p.stats();
+        assert_eq!((s.free, s.fallbacks_live, s.peak_in_use), (vec![2, 1], 0, vec![2, 1]));
+    }
+
+    #[test]
+    fn slabs_do_not_overlap_and_return_to_their_class_on_drop() {
+        let p = pool(false);
+        let (mut a, _) = p.acquire(1000).expect("a");
+        let (mut b, _) = p.acquire(1000).expect("b");
+        a.as_mut_slice().fill(1);
+        b.as_mut_slice().fill(2);
+        assert!(a.as_slice().iter().all(|&x| x == 1), "b's writes did not reach a");
+        drop(b);
+        let (c, _) = p.acquire(10).expect("c");
+        assert_eq!(c.class(), Some(0), "a released slab goes back to its own class");
+    }
+
+    #[test]
+    fn without_fallback_an_exhausted_pool_refuses() {
+        let p = pool(false);
+        let _big = p.acquire(4096).expect("class 1");
+        let err = p.acquire(2000).expect_err("nothing fits");
+        assert!(err.to_string().contains("pageable fallback is off"), "{err}");
+        let err = p.acquire(1 << 20).expect_err("larger than every slab");
+        assert!(err.to_string().contains("largest slab has 4096"), "{err}");
+    }
+
+    #[test]
+    fn a_waiter_gets_a_released_slab_and_shutdown_wakes_waiters() {
+        let p = SlabPool::new(&Device::host(0), PoolKind::Weights, &[64], &[1], false, Bus::disabled()).expect("pool");
+        let held = p.acquire_wait(64, None).expect("acquire").expect("free");
+        assert!(p.acquire_wait(8, Some(Duration::from_millis(5))).expect("no error").is_none(), "times out");
+        let q = p.clone();
+        let t = std::thread::spawn(move || q.acquire_wait(8, None).map(|l| l.map(|l| l.class())));
+        // The waiter either already waits or will find the slab free: both end with the slab.
+        drop(held);
+        assert_eq!(t.join().expect("thread").expect("slab"), Some(Some(0)));
+        let q = p.clone();
+        let held = p.acquire_wait(64, None).expect("acquire").expect("free");
+        let t = std::thread::spawn(move || q.acquire_wait(8, None).map(|_| ()));
+        p.shutdown();
+        assert!(matches!(t.join().expect("thread"), Err(Error::Shutdown(_))));
+        drop(held);
+    }
+}

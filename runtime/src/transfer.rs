@@ -1,0 +1,189 @@
+//! One record for every copy between host and device, whichever runtime issues it: an id from
+//! the device's single source (unique across runtimes), the Conductor's transfer slot held while
+//! the copy flies, and the duration measured between events on the copy's own stream (in both
+//! directions), published as `transfer_issued` and `transfer_completed`.
+
+use crate::conductor::SlotToken;
+use crate::device::{CopyStream, Device, Event, Failed, HostMemory, HostTarget, Order, Pending};
+use crate::error::Result;
+use crate::events::{Bus, Direction, EventKind, Owner, TransferId};
+use std::time::Duration;
+use tch::Tensor;
+
+/// A copy in flight, as every runtime tracks it.
+#[derive(Debug)]
+#[must_use = "a transfer must be finished so its completion is reported and its slot returned"]
+pub struct Transfer<H: HostMemory> {
+    id: TransferId,
+    dir: Direction,
+    bytes: u64,
+    pending: Pending<H>,
+    slot: Option<SlotToken>,
+}
+
+impl<H: HostMemory> Transfer<H> {
+    /// The run-unique id.
+    pub fn id(&self) -> TransferId {
+        self.id
+    }
+
+    /// Bytes copied.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The direction.
+    pub fn dir(&self) -> Direction {
+        self.dir
+    }
+
+    /// Whether the copy finished (never blocks).
+    pub fn is_complete(&self) -> bool {
+        self.pending.is_complete()
+    }
+
+    /// The copy's completion event (for the compute stream to wait on).
+    pub fn done(&self) -> &Event {
+        self.pending.done()
+    }
+
+    /// The host memory of the copy, read-only, while it flies (a checksum of a source).
+    pub fn pending(&self) -> &Pending<H> {
+        &self.pending
+    }
+
+    /// Stops keeping the device tensor alive: see [`Pending::release_device`].
+    pub fn release_device(&mut self) {
+        self.pending.release_device();
+    }
+}
+
+/// Issues copies on one stream for one owner and reports them.
+#[derive(Debug)]
+pub struct Copier {
+    stream: CopyStream,
+    bus: Bus,
+    owner: Owner,
+}
+
+impl Copier {
+    /// A copier with its own copy stream on `device`.
+    pub fn new(device: &Device, bus: Bus, owner: Owner) -> Result<Copier> {
+        Ok(Copier {
+            stream: device.copy_stream()?,
+            bus,
+            owner,
+        })
+    }
+
+    /// The stream copies run on.
+    pub fn stream(&self) -> &CopyStream {
+        &self.stream
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        self.stream.device()
+    }
+
+    fn issued(&self, dir: Direction, bytes: u64, subject: impl FnOnce() -> String) -> TransferId {
+        let id = self.stream.device().next_transfer_id();
+        let owner = self.owner;
+        self.bus.publish_with(|| EventKind::TransferIssued {
+            id,
+            dir,
+            owner,
+            bytes,
+            subject: subject(),
+        });
+        id
+    }
+
+    /// Host-to-device: `src[offset ..]` into the contiguous device tensor `dst`.
+    pub fn h2d<H: HostMemory>(
+        &self,
+        dst: &Tensor,
+        src: H,
+        offset: usize,
+        order: Order<'_>,
+        slot: Option<SlotToken>,
+        subject: impl FnOnce() -> String,
+    ) -> std::result::Result<Transfer<H>, Failed<H>> {
+        let pending = self.stream.h2d(dst, src, offset, order)?;
+        let bytes = pending.bytes() as u64;
+        Ok(Transfer {
+            id: self.issued(Direction::H2d, bytes, subject),
+            dir: Direction::H2d,
+            bytes,
+            pending,
+            slot,
+        })
+    }
+
+    /// Device-to-host: the contiguous device tensor `src` into `dst[offset ..]`.
+    pub fn d2h<H: HostTarget>(
+        &self,
+        dst: H,
+        offset: usize,
+        src: &Tensor,
+        order: Order<'_>,
+        slot: Option<SlotToken>,
+        subject: impl FnOnce() -> String,
+    ) -> std::result::Result<Transfer<H>, Failed<H>> {
+        let pending = self.stream.d2h(dst, offset, src, order)?;
+        let bytes = pending.bytes() as u64;
+        Ok(Transfer {
+            id: self.issued(Direction::D2h, bytes, subject),
+            dir: Direction::D2h,
+            bytes,
+            pending,
+            slot,
+        })
+    }
+
+    fn completed(&self, id: TransferId, dir: Direction, bytes: u64, ms: f64, slot: Option<SlotToken>) {
+        let owner = self.owner;
+        self.bus.publish_with(|| EventKind::TransferCompleted {
+            id,
+            dir,
+            owner,
+            bytes,
+            duration_ms: ms,
+        });
+        if let Some(s) = slot {
+            s.complete(bytes, Duration::from_secs_f64(ms.max(0.0) / 1e3));
+        }
+    }
+
+    /// Reports a finished copy and returns its host memory and duration (ms); the transfer
+    /// itself while it is still in flight.
+    pub fn finish<H: HostMemory>(&self, t: Transfer<H>) -> std::result::Result<(H, f64), Transfer<H>> {
+        let Transfer {
+            id,
+            dir,
+            bytes,
+            pending,
+            slot,
+        } = t;
+        match pending.try_finish() {
+            Ok((host, ms)) => {
+                self.completed(id, dir, bytes, ms, slot);
+                Ok((host, ms))
+            }
+            Err(pending) => Err(Transfer {
+                id,
+                dir,
+                bytes,
+                pending,
+                slot,
+            }),
+        }
+    }
+
+    /// Waits for a copy, reports it, and returns its host memory and duration (ms).
+    pub fn wait<H: HostMemory>(&self, t: Transfer<H>) -> Result<(H, f64)> {
+        let (host, ms) = t.pending.wait()?;
+        self.completed(t.id, t.dir, t.bytes, ms, t.slot);
+        Ok((host, ms))
+    }
+}

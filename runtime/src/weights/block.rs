@@ -1,0 +1,204 @@
+//! One managed block: the model's variables, the canonical copy of their values (host memory or
+//! a safetensors file), where the block is on the device, and for trainable streamed blocks the
+//! host buffers their gradients land in.
+//!
+//! Between uses a streamed block's variables point at a placeholder (their shape, every stride 0,
+//! one element), so reading them outside a forward never sees stale device memory; the weight
+//! runtime materialises real values on request.
+
+use super::file::FileSource;
+use super::registry::{BlockSpec, ParamSpec};
+use crate::device::{Device, HostBuffer};
+use crate::error::{Error, Result};
+use std::sync::Arc;
+use tch::{COptimizer, Kind, Tensor};
+
+/// The canonical host copy of a block: one buffer (pinned on CUDA) in the block's layout and a
+/// CPU tensor viewing each parameter in it. Copies to the device read the buffer through an
+/// `Arc` clone, so `Arc::strong_count(&buf) == 1` proves no copy reads it: only then may the
+/// host optimizer write it. Field order matters: the views drop before the buffer.
+pub(crate) struct HostCopy {
+    pub views: Vec<Tensor>,
+    pub buf: Arc<HostBuffer>,
+}
+
+/// Where a block's canonical values live.
+pub(crate) enum Source {
+    Host(HostCopy),
+    File(FileSource),
+}
+
+/// Where a block is on the device while it is there.
+#[derive(Debug)]
+pub(crate) enum Placement {
+    /// In slot `i` of the streaming room.
+    Slot(usize),
+    /// In its own device buffer, for good (a block the plan keeps resident).
+    Own(Tensor),
+}
+
+/// The host gradient of one trainable parameter: a buffer (pinned on CUDA) the device gradient
+/// is copied into, and a CPU view of it for the optimizer. While a copy into it flies, the
+/// buffer is owned by the copy (`buf` is `None`).
+pub(crate) struct ParamGrad {
+    pub param: usize,
+    pub view: Tensor,
+    pub buf: Option<HostBuffer>,
+    /// A gradient arrived in the current accumulation window (cleared by `zero_grad`).
+    pub received: bool,
+}
+
+/// One managed block.
+pub(crate) struct Block {
+    pub spec: BlockSpec,
+    /// The model's variables (shared TensorImpls: `set_data` re-points every handle).
+    pub vars: Vec<Tensor>,
+    pub source: Source,
+    /// Where it is on the device (`None` while unloaded or landing).
+    pub placement: Option<Placement>,
+    /// Kept on the device for good: never evicted, trained on the device.
+    pub resident: bool,
+    /// Host gradients of trainable parameters (streamed trainable blocks).
+    pub grads: Vec<ParamGrad>,
+    /// Sets the device gradients of the trainable parameters to none (libtorch's
+    /// `zero_grad(set_to_none)`), so flushed gradients free their memory at once.
+    pub grad_release: Option<COptimizer>,
+}
+
+impl Block {
+    /// A module-backed block: copies `params` into a new host buffer and leaves the variables
+    /// pointing at placeholders on `device` until the block is first needed.
+    pub(crate) fn from_module(spec: BlockSpec, params: Vec<(String, Tensor)>, device: &Device) -> Result<Block> {
+        let buf = device.alloc_host(spec.bytes)?;
+        let mut views = Vec::with_capacity(params.len());
+        for (p, (_, var)) in spec.params.iter().zip(&params) {
+            let mut view = host_view(&buf, p)?;
+            tch::no_grad(|| view.f_copy_(var))?;
+            views.push(view);
+        }
+        let mut grads = Vec::new();
+        let mut grad_release = None;
+        for (i, (p, (_, var))) in spec.params.iter().zip(&params).enumerate() {
+            if !p.trainable {
+                continue;
+            }
+            let gbuf = device.alloc_host(p.bytes.max(1))?;
+            let view = param_tensor(&gbuf, 0, &p.shape, p.kind)?;
+            grads.push(ParamGrad {
+                param: i,
+                view,
+                buf: Some(gbuf),
+                received: false,
+            });
+            let opt = match &mut grad_release {
+                Some(o) => o,
+                None => grad_release.insert(COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)?),
+            };
+            opt.add_parameters(var, 0)?;
+        }
+        let dev = device.tch_device();
+        let mut vars = Vec::with_capacity(params.len());
+        for (p, (_, mut var)) in spec.params.iter().zip(params) {
+            var.set_data(&placeholder(p.kind, &p.shape, dev)?);
+            vars.push(var);
+        }
+        Ok(Block {
+            spec,
+            vars,
+            source: Source::Host(HostCopy {
+                views,
+                buf: Arc::new(buf),
+            }),
+            placement: None,
+            resident: false,
+            grads,
+            grad_release,
+        })
+    }
+
+    /// Whether any parameter is trainable.
+    pub(crate) fn trainable(&self) -> bool {
+        self.spec.trainable()
+    }
+
+    /// Points every variable at its slice of `buf` (the block's device bytes).
+    pub(crate) fn point_at(&mut self, buf: &Tensor) -> Result<()> {
+        for (i, p) in self.spec.params.iter().enumerate() {
+            let v = device_view(buf, p)?;
+            self.vars[i].set_data(&v);
+        }
+        Ok(())
+    }
+
+    /// Points every variable back at a placeholder.
+    pub(crate) fn point_away(&mut self, dev: tch::Device) -> Result<()> {
+        for (p, var) in self.spec.params.iter().zip(self.vars.iter_mut()) {
+            var.set_data(&placeholder(p.kind, &p.shape, dev)?);
+        }
+        Ok(())
+    }
+
+    /// The canonical value of parameter `i` as a fresh CPU tensor.
+    pub(crate) fn host_param(&self, i: usize) -> Result<Tensor> {
+        let p = self
+            .spec
+            .params
+            .get(i)
+            .ok_or_else(|| Error::UnknownBlock(format!("{} parameter {i}", self.spec.name)))?;
+        match &self.source {
+            Source::Host(h) => Ok(tch::no_grad(|| h.views[i].f_detach_copy())?),
+            Source::File(f) => f.read_param(i, p),
+        }
+    }
+}
+
+/// A CPU tensor over `bytes` of `buf` at `offset`, with `shape` and `kind`.
+pub(crate) fn param_tensor(buf: &HostBuffer, offset: usize, shape: &[i64], kind: Kind) -> Result<Tensor> {
+    let numel: i64 = shape.iter().product();
+    let bytes = numel as usize * kind.elt_size_in_bytes();
+    buf.range(offset, bytes)?;
+    let strides = contiguous_strides(shape);
+    // SAFETY: the view covers `bytes` bytes at `offset` inside `buf` (checked above); the owner
+    // keeps `buf` alive longer than the view (field order in `HostCopy` and `ParamGrad`), and
+    // the view never leaves the runtime.
+    let t = unsafe {
+        Tensor::f_from_blob(
+            buf.as_slice().as_ptr().add(offset),
+            shape,
+            &strides,
+            kind,
+            tch::Device::Cpu,
+        )
+    }?;
+    Ok(t)
+}
+
+fn host_view(buf: &HostBuffer, p: &ParamSpec) -> Result<Tensor> {
+    param_tensor(buf, p.offset, &p.shape, p.kind)
+}
+
+/// Parameter `p`'s view of a block's flat device bytes.
+pub(crate) fn device_view(buf: &Tensor, p: &ParamSpec) -> Result<Tensor> {
+    let t = buf.f_narrow(0, p.offset as i64, p.bytes as i64)?;
+    let t = t.f_view_dtype(p.kind)?;
+    Ok(t.f_view(p.shape.as_slice())?)
+}
+
+/// What an evicted parameter points at: its full shape with every stride 0 over one element.
+/// Keeping the shape matters: autograd's gradient accumulation may still run for a parameter
+/// whose block is evicted (an embedding's weight is never read in backward), and it lays the new
+/// gradient out after the parameter; an expanded tensor is not dense, so libtorch keeps a
+/// contiguous gradient, which the next flush moves to the host.
+pub(crate) fn placeholder(kind: Kind, shape: &[i64], dev: tch::Device) -> Result<Tensor> {
+    let one = Tensor::f_zeros([1], (kind, dev))?;
+    let t = one.f_view(vec![1i64; shape.len()].as_slice())?;
+    Ok(t.f_expand(shape, false)?)
+}
+
+fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
+    let mut s = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1].max(1);
+    }
+    s
+}

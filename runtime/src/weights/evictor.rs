@@ -1,0 +1,131 @@
+//! Which resident block gives up its device slot: a pure function of the itinerary, the
+//! position in it and the blocks that may be evicted. Every streamed block takes one slot, so
+//! the choice is Belady's: the block whose next use is farthest away. A speculative load (a
+//! prefetch) only displaces a block needed later than the block it loads; a demand load takes
+//! the farthest one whatever it is.
+
+use super::itinerary::Itinerary;
+use crate::events::BlockId;
+
+/// A victim and its next-use distance (positions along the itinerary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Victim {
+    pub block: BlockId,
+    pub distance: usize,
+}
+
+/// The block to evict among `candidates` (in the order they were loaded, oldest first), or
+/// `None` when no candidate may go: for a prefetch of a block `incoming` positions ahead, only a
+/// block used later than that may be displaced. Without an itinerary (the first, traced step),
+/// the oldest candidate goes.
+pub fn choose(
+    itinerary: Option<&Itinerary>,
+    pos: Option<usize>,
+    candidates: &[BlockId],
+    incoming: Option<usize>,
+) -> Option<Victim> {
+    let (Some(it), Some(pos)) = (itinerary.filter(|i| !i.is_empty()), pos) else {
+        return candidates.first().map(|&block| Victim { block, distance: usize::MAX });
+    };
+    let far = it.len();
+    let best = candidates
+        .iter()
+        .map(|&block| Victim {
+            block,
+            distance: it.distance(pos, block).unwrap_or(far),
+        })
+        .max_by(|a, b| a.distance.cmp(&b.distance).then(b.block.cmp(&a.block)))?;
+    match incoming {
+        Some(d) if best.distance <= d => None,
+        _ => Some(best),
+    }
+}
+
+/// The fewest loads one steady-state step needs (Belady's MIN over the itinerary repeated): with
+/// `slots` blocks on the device at once, and the blocks in `updated` invalid at each step's start
+/// (their host copy changed, so a device copy from the last step is stale). Returns the blocks
+/// loaded, in order, for the second of two simulated steps.
+pub fn min_loads(itinerary: &Itinerary, slots: usize, updated: &[BlockId]) -> Vec<BlockId> {
+    let n = itinerary.len();
+    if n == 0 || slots == 0 {
+        return Vec::new();
+    }
+    let mut held: Vec<BlockId> = Vec::with_capacity(slots);
+    let mut loads = Vec::new();
+    for pos in 0..2 * n {
+        if pos % n == 0 {
+            held.retain(|b| !updated.contains(b));
+        }
+        let b = itinerary.at(pos);
+        if held.contains(&b) {
+            continue;
+        }
+        if pos >= n {
+            loads.push(b);
+        }
+        if held.len() == slots {
+            // Evict the block used farthest in the future (never again counts as farthest).
+            let far = |x: &BlockId| itinerary.distance(pos + 1, *x).unwrap_or(usize::MAX);
+            if let Some(i) = (0..held.len()).max_by_key(|&i| far(&held[i])) {
+                held.swap_remove(i);
+            }
+        }
+        held.push(b);
+    }
+    loads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mirrored(n: u32) -> Itinerary {
+        let f: Vec<BlockId> = (0..n).map(BlockId).collect();
+        let mut b = f.clone();
+        b.reverse();
+        Itinerary::new(f, b)
+    }
+
+    fn ids(v: &[u32]) -> Vec<BlockId> {
+        v.iter().copied().map(BlockId).collect()
+    }
+
+    #[test]
+    fn the_farthest_next_use_goes_first() {
+        let i = mirrored(4);
+        // In forward at block 2 (pos 2): next uses: 3 at +1, 1 at +3 (backward), 0 at +5.
+        let v = choose(Some(&i), Some(2), &ids(&[3, 1, 0]), None).expect("a victim");
+        assert_eq!((v.block, v.distance), (BlockId(0), 5));
+        // In backward at block 1 (pos 6): block 0 is next (+1), 3 is in the next step (+3).
+        let v = choose(Some(&i), Some(6), &ids(&[0, 3, 2]), None).expect("a victim");
+        assert_eq!(v.block, BlockId(3));
+    }
+
+    #[test]
+    fn a_prefetch_never_displaces_a_block_needed_sooner() {
+        let i = mirrored(4);
+        // At pos 0, prefetching block 2 (+2): block 1 (+1) must stay, block 3 (+3) may go.
+        assert_eq!(choose(Some(&i), Some(0), &ids(&[1]), Some(2)), None);
+        assert_eq!(choose(Some(&i), Some(0), &ids(&[1, 3]), Some(2)).map(|v| v.block), Some(BlockId(3)));
+        // A demand load takes what it must.
+        assert_eq!(choose(Some(&i), Some(0), &ids(&[1]), None).map(|v| v.block), Some(BlockId(1)));
+    }
+
+    #[test]
+    fn the_minimum_moves_twice_what_does_not_fit() {
+        // 6 blocks through 2 slots, forward and backward: each turn keeps 2, so 4 + 4 loads.
+        let i = mirrored(6);
+        assert_eq!(min_loads(&i, 2, &[]).len(), 2 * (6 - 2));
+        // Everything fits: nothing moves in steady state, unless the host copy changed.
+        assert!(min_loads(&i, 6, &[]).is_empty());
+        assert_eq!(min_loads(&i, 6, &ids(&[0, 1])).len(), 2);
+        // Trained blocks updated on the host come back once more each step.
+        assert_eq!(min_loads(&i, 2, &ids(&[0, 1, 2, 3, 4, 5])).len(), 6 + 4);
+    }
+
+    #[test]
+    fn without_an_itinerary_the_oldest_goes() {
+        assert_eq!(choose(None, None, &ids(&[5, 2]), None).map(|v| v.block), Some(BlockId(5)));
+        assert_eq!(choose(None, None, &[], None), None);
+    }
+}

@@ -1,0 +1,125 @@
+//! Weight copies in flight: a load per block still landing, and the copies of blocks already in
+//! use whose completion has not been seen yet (their host memory stays owned until then).
+
+use crate::device::{HostBuffer, HostMemory, WaitProbe};
+use crate::error::Result;
+use crate::events::BlockId;
+use crate::pinned::Lease;
+use crate::transfer::{Copier, Transfer};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// What a load reads: the block's canonical host copy, or a pinned slab a file-backed block was
+/// staged into.
+#[derive(Debug)]
+pub(crate) enum LoadSource {
+    Host(Arc<HostBuffer>),
+    Staged(Lease),
+}
+
+// SAFETY: both variants own (a reference to) memory that does not move and that nobody writes
+// while the load reads it: the host copy is written only when no clone of its `Arc` is held by
+// a load, and a lease is exclusive.
+unsafe impl HostMemory for LoadSource {
+    fn host_ptr(&self) -> *const u8 {
+        match self {
+            LoadSource::Host(b) => b.host_ptr(),
+            LoadSource::Staged(l) => l.host_ptr(),
+        }
+    }
+    fn host_len(&self) -> usize {
+        match self {
+            LoadSource::Host(b) => b.host_len(),
+            LoadSource::Staged(l) => l.host_len(),
+        }
+    }
+}
+
+/// Loads in flight.
+#[derive(Debug, Default)]
+pub(crate) struct Loads {
+    landing: HashMap<BlockId, Transfer<LoadSource>>,
+    /// Copies of blocks the compute stream already waits on, reported once complete.
+    retired: Vec<Transfer<LoadSource>>,
+    /// How long the compute stream waited for each load it needed before it landed.
+    probes: Vec<WaitProbe>,
+}
+
+impl Loads {
+    /// Blocks whose load is still landing.
+    pub(crate) fn landing_count(&self) -> usize {
+        self.landing.len()
+    }
+
+    /// Whether `block`'s load is still landing.
+    pub(crate) fn is_landing(&self, block: BlockId) -> bool {
+        self.landing.contains_key(&block)
+    }
+
+    pub(crate) fn start(&mut self, block: BlockId, t: Transfer<LoadSource>) {
+        self.landing.insert(block, t);
+    }
+
+    /// Takes `block`'s load: reported now if it completed, otherwise the compute stream is made
+    /// to wait for it (measured by a probe) and it is kept until it completes.
+    pub(crate) fn finish(&mut self, copier: &Copier, block: BlockId, wait_on_compute: bool) -> Result<()> {
+        let Some(t) = self.landing.remove(&block) else { return Ok(()) };
+        match copier.finish(t) {
+            Ok(_) => Ok(()),
+            Err(mut t) => {
+                if wait_on_compute {
+                    self.probes.push(copier.device().compute_wait_timed(t.done())?);
+                }
+                // The destination is a slot the runtime owns: nothing to keep alive on the device.
+                t.release_device();
+                self.retired.push(t);
+                Ok(())
+            }
+        }
+    }
+
+    /// Reports the retired copies that completed.
+    pub(crate) fn reap(&mut self, copier: &Copier) {
+        let retired = std::mem::take(&mut self.retired);
+        for t in retired {
+            if let Err(t) = copier.finish(t) {
+                self.retired.push(t);
+            }
+        }
+    }
+
+    /// Waits for every copy (shutdown).
+    pub(crate) fn drain(&mut self, copier: &Copier) -> Result<()> {
+        for (_, t) in self.landing.drain() {
+            copier.wait(t)?;
+        }
+        for t in self.retired.drain(..) {
+            copier.wait(t)?;
+        }
+        Ok(())
+    }
+
+    /// Copies not yet seen complete: (landing, retired).
+    pub(crate) fn in_flight(&self) -> (usize, usize) {
+        (self.landing.len(), self.retired.len())
+    }
+
+    /// Bytes of loads in flight (their slots hold no usable block yet).
+    pub(crate) fn landing_bytes(&self) -> u64 {
+        self.landing.values().map(|t| t.bytes()).sum()
+    }
+
+    /// The compute stream's waits for loads this step, in ms, as far as they can be read now;
+    /// those not yet readable stay for the next call.
+    pub(crate) fn take_wait_ms(&mut self, all: bool) -> f64 {
+        let mut total = 0.0;
+        self.probes.retain(|p| match p.stall_ms() {
+            Some(ms) => {
+                total += ms;
+                false
+            }
+            None => !all,
+        });
+        total
+    }
+}

@@ -1,0 +1,511 @@
+//! The scheduler: the state of every block and the decisions made for it, behind the weight
+//! runtime's lock. Split by concern:
+//!
+//! - this file: registration, the step lifecycle and block use (forward entries, backward uses);
+//! - [`room`]: the device room: loads into slots, prefetch along the itinerary, finalisation,
+//!   eviction;
+//! - [`train`]: trainable streamed blocks: gradients sent to the host as backward leaves each
+//!   block, host optimizer steps gating loads of the blocks they change.
+//!
+//! Cross-stream memory safety: a load copies into a slot the runtime owns, after the event
+//! recorded on the compute stream when the slot's previous block was evicted; the compute stream
+//! waits on the load's event before the block is used; the host memory a copy reads is owned by
+//! its transfer until the copy completed.
+
+mod room;
+mod train;
+
+use super::block::{Block, Source};
+use super::file::FileSource;
+use super::grads::GradSink;
+use super::itinerary::Itinerary;
+use super::loads::Loads;
+use super::registry::BlockSpec;
+use super::residency::Residency;
+use super::route::{Learned, Route};
+use super::slots::Slots;
+use super::WeightConfig;
+use crate::conductor::{Conductor, KnobValues, Knobs};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::events::{
+    BlockId, BlockState, Bus, EventKind, Owner, Phase, WeightStepMetrics,
+};
+use crate::optim::stepper::Stepper;
+use crate::pinned::SlabPool;
+use crate::transfer::Copier;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use tch::{Kind, Tensor};
+
+/// Where the bytes of a block on the device are, by device address (for the saved-tensor
+/// resolver, which must not wait for the scheduler's lock).
+#[derive(Debug, Clone)]
+pub(crate) struct IndexEntry {
+    pub block: BlockId,
+    pub len: usize,
+    /// (byte offset, bytes, dtype) of each parameter.
+    pub params: Vec<(usize, usize, Kind)>,
+}
+
+/// Device start address of each block on the device -> its layout.
+pub(crate) type PtrIndex = Arc<Mutex<BTreeMap<u64, IndexEntry>>>;
+
+/// Where the scheduler is in the step lifecycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepState {
+    /// Between steps.
+    Closed,
+    /// A step is open; `backward` once a backward use happened in it.
+    Open { backward: bool },
+    /// Shut down: every call fails.
+    ShutDown,
+}
+
+/// Why a block is being loaded: it decides the slot priority, whether the load may wait, and
+/// which blocks it may displace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Load {
+    /// Needed now: the step stalls until it lands.
+    Demand,
+    /// The next block on the itinerary: needed for certain, loaded early.
+    Next,
+    /// Further ahead: worth loading only if nothing more urgent wants the slot.
+    Ahead,
+}
+
+pub(crate) struct Scheduler {
+    device: Device,
+    bus: Bus,
+    cfg: WeightConfig,
+    /// Shared with the Conductor's adapter; read on every use, never cached.
+    knobs: Arc<Knobs>,
+    /// Grants the transfer slots (disabled: every copy proceeds at no cost).
+    conductor: Conductor,
+    blocks: Vec<Block>,
+    names: HashMap<String, BlockId>,
+    residency: Residency,
+    route: Route,
+    slots: Option<Slots>,
+    /// Streamed blocks on the device, in the order they were loaded.
+    loaded: Vec<BlockId>,
+    loads: Loads,
+    loader: Copier,
+    grads: GradSink,
+    /// Stages file-backed blocks (made with the first one).
+    staging: Option<SlabPool>,
+    /// The host optimizer, once one is attached: loads wait for the blocks it changes.
+    stepper: Option<Arc<Stepper>>,
+    /// An optimizer step is expected at the end of this step, so trained blocks are not loaded
+    /// across the step's end (their host copy is about to change).
+    update_expected: bool,
+    index: PtrIndex,
+    state: StepState,
+    auto_step: bool,
+    /// The first block entered in the open step (auto steps of inference loops end on it).
+    first_entered: Option<BlockId>,
+    step: u64,
+    metrics: WeightStepMetrics,
+    last_metrics: WeightStepMetrics,
+}
+
+impl Scheduler {
+    pub(crate) fn new(device: Device, cfg: WeightConfig, bus: Bus, index: PtrIndex) -> Result<Scheduler> {
+        cfg.validate()?;
+        bus.publish(EventKind::LimitsSet {
+            owner: Owner::Weights,
+            budget_bytes: cfg.weight_budget(),
+            high_watermark_bytes: None,
+            low_watermark_bytes: None,
+        });
+        let knobs = Knobs::new(KnobValues {
+            max_inflight_h2d: cfg.max_inflight_h2d,
+            max_inflight_d2h: cfg.max_inflight_h2d,
+            prefetch_window: cfg.prefetch_window,
+            suppress_speculative: false,
+        });
+        Ok(Scheduler {
+            loader: Copier::new(&device, bus.clone(), Owner::Weights)?,
+            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?),
+            device,
+            bus,
+            cfg,
+            knobs,
+            conductor: Conductor::disabled(),
+            blocks: Vec::new(),
+            names: HashMap::new(),
+            residency: Residency::new(),
+            route: Route::default(),
+            slots: None,
+            loaded: Vec::new(),
+            loads: Loads::default(),
+            staging: None,
+            stepper: None,
+            update_expected: false,
+            index,
+            state: StepState::Closed,
+            auto_step: false,
+            first_entered: None,
+            step: 0,
+            metrics: WeightStepMetrics::default(),
+            last_metrics: WeightStepMetrics::default(),
+        })
+    }
+
+    fn check_live(&self) -> Result<()> {
+        if self.state == StepState::ShutDown {
+            return Err(Error::Shutdown("weight runtime"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn block(&self, id: BlockId) -> Result<&Block> {
+        self.blocks.get(id.0 as usize).ok_or_else(|| Error::UnknownBlock(id.to_string()))
+    }
+
+    pub(crate) fn knobs(&self) -> Arc<Knobs> {
+        self.knobs.clone()
+    }
+
+    pub(crate) fn set_conductor(&mut self, c: Conductor) -> Conductor {
+        std::mem::replace(&mut self.conductor, c)
+    }
+
+    pub(crate) fn set_auto_step(&mut self, on: bool) {
+        self.auto_step = on;
+    }
+
+    pub(crate) fn block_id(&self, name: &str) -> Result<BlockId> {
+        self.names.get(name).copied().ok_or_else(|| Error::UnknownBlock(name.to_string()))
+    }
+
+    pub(crate) fn specs(&self) -> Vec<BlockSpec> {
+        self.blocks.iter().map(|b| b.spec.clone()).collect()
+    }
+
+    pub(crate) fn residency(&self) -> &Residency {
+        &self.residency
+    }
+
+    /// Protects `id` from eviction (`on`) or lifts the protection (never for resident blocks).
+    pub(crate) fn protect(&mut self, id: BlockId, on: bool) -> Result<()> {
+        if !on && self.block(id)?.resident {
+            return Ok(());
+        }
+        self.residency.set_protected(id, on, &self.bus)
+    }
+
+    pub(crate) fn itinerary(&self) -> Option<Itinerary> {
+        self.route.itinerary().cloned()
+    }
+
+    pub(crate) fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub(crate) fn metrics(&self) -> WeightStepMetrics {
+        self.metrics.clone()
+    }
+
+    pub(crate) fn last_metrics(&self) -> WeightStepMetrics {
+        self.last_metrics.clone()
+    }
+
+    /// Adds a module-backed block: copies its parameters into host memory and leaves them
+    /// pointing at placeholders until the block is first needed.
+    pub(crate) fn register(&mut self, name: &str, params: Vec<(String, Tensor)>) -> Result<BlockId> {
+        self.check_live()?;
+        if self.names.contains_key(name) {
+            return Err(Error::Config {
+                field: "block",
+                value: format!("'{name}'"),
+                expected: "a name not registered yet".into(),
+            });
+        }
+        if self.slots.is_some() {
+            return Err(Error::misuse(
+                format!("registering block '{name}'"),
+                "register every block before the first step (the device room is sized from them)",
+            ));
+        }
+        let id = BlockId(self.blocks.len() as u32);
+        let spec = BlockSpec::layout(id, name, &params)?;
+        let room = self.cfg.weight_budget();
+        if spec.bytes as u64 > room {
+            return Err(Error::TooLarge {
+                what: format!("block '{name}'"),
+                needed: spec.bytes as u64,
+                limit: format!("the weights' device room is {room} bytes ({})", self.cfg.room_source()),
+            });
+        }
+        let trainable = spec.trainable();
+        let bytes = spec.bytes as u64;
+        let block = Block::from_module(spec, params, &self.device)?;
+        self.residency.add(name);
+        self.names.insert(name.to_string(), id);
+        self.bus.publish(EventKind::BlockRegistered {
+            block: id,
+            name: name.to_string(),
+            bytes,
+            exec_order: id.0,
+            file_backed: false,
+            trainable,
+        });
+        self.blocks.push(block);
+        Ok(id)
+    }
+
+    /// Switches a frozen, unloaded block to stream from a safetensors file (its host copy goes).
+    pub(crate) fn back_with_file(&mut self, id: BlockId, file: FileSource) -> Result<()> {
+        self.check_live()?;
+        let b = self.block(id)?;
+        if b.trainable() {
+            return Err(Error::Config {
+                field: "file_backed",
+                value: format!("'{}'", b.spec.name),
+                expected: "a frozen block (trainable weights must live in host memory)".into(),
+            });
+        }
+        if self.residency.state(id)? != BlockState::Unloaded {
+            return Err(Error::misuse(
+                format!("backing block '{}' with a file", b.spec.name),
+                "the block must be unloaded",
+            ));
+        }
+        if self.staging.is_none() {
+            self.staging = Some(SlabPool::new(
+                &self.device,
+                crate::events::PoolKind::Weights,
+                &[self.cfg.slab_bytes()],
+                &[self.cfg.num_slabs() as u32],
+                false,
+                self.bus.clone(),
+            )?);
+        }
+        let b = &mut self.blocks[id.0 as usize];
+        b.source = Source::File(file);
+        self.bus.publish(EventKind::BlockRegistered {
+            block: id,
+            name: b.spec.name.clone(),
+            bytes: b.spec.bytes as u64,
+            exec_order: id.0,
+            file_backed: true,
+            trainable: false,
+        });
+        Ok(())
+    }
+
+    // ---- step lifecycle -------------------------------------------------------------------
+
+    pub(crate) fn begin_step(&mut self) -> Result<()> {
+        self.check_live()?;
+        if self.state != StepState::Closed {
+            return Err(Error::misuse(
+                format!("begin_step (step {})", self.step + 1),
+                "end the open step first",
+            ));
+        }
+        self.state = StepState::Open { backward: false };
+        self.metrics = WeightStepMetrics::default();
+        self.route.begin();
+        self.first_entered = None;
+        self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
+        if self.auto_step {
+            self.bus.enter_phase(self.step + 1, Phase::Forward);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn end_step(&mut self) -> Result<()> {
+        self.check_live()?;
+        if self.state == StepState::Closed {
+            return Err(Error::misuse("end_step", "begin a step first"));
+        }
+        self.reap();
+        match self.route.end() {
+            Learned::Same => {}
+            Learned::First(order) => self.bus.publish(EventKind::ItineraryLearned { order }),
+            Learned::Changed(order, d) => self.bus.publish(EventKind::ItineraryChanged {
+                order,
+                first_difference: d.first_difference as u32,
+                added: d.added,
+                removed: d.removed,
+            }),
+        }
+        let mem = self.device.memory();
+        let min = self.min_h2d_bytes();
+        let wait = self.loads.take_wait_ms(false);
+        let m = &mut self.metrics;
+        let seen = m.prefetch_hits + m.prefetch_misses;
+        m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
+        m.vram_used_mb = mem.allocated as f64 / (1u64 << 20) as f64;
+        m.vram_reserved_mb = mem.reserved as f64 / (1u64 << 20) as f64;
+        m.h2d_wait_ms += wait;
+        m.min_h2d_bytes = min;
+        if let Some(p) = &self.staging {
+            let s = p.stats();
+            m.host_pool_free = s.free.iter().sum();
+            m.host_pool_in_use = s.in_use();
+        }
+        self.bus.publish(EventKind::WeightStep(self.metrics.clone()));
+        self.last_metrics = self.metrics.clone();
+        self.step += 1;
+        self.state = StepState::Closed;
+        Ok(())
+    }
+
+    /// The Belady minimum of bytes the step just traced needs to copy in.
+    fn min_h2d_bytes(&self) -> u64 {
+        let (Some(it), Some(slots)) = (self.route.itinerary(), &self.slots) else { return 0 };
+        let updated: Vec<BlockId> = if self.stepper.is_some() {
+            self.blocks.iter().filter(|b| !b.grads.is_empty() && !b.resident).map(|b| b.spec.id).collect()
+        } else {
+            Vec::new()
+        };
+        let streamed: Vec<BlockId> = it.order().iter().copied().filter(|b| !self.blocks[b.0 as usize].resident).collect();
+        let it = Itinerary::new(streamed, Vec::new());
+        super::evictor::min_loads(&it, slots.count(), &updated)
+            .iter()
+            .map(|b| self.blocks[b.0 as usize].spec.bytes as u64)
+            .sum()
+    }
+
+    /// Ends an open step (layer mode's last step, which no later forward closes).
+    pub(crate) fn finish(&mut self) -> Result<()> {
+        if matches!(self.state, StepState::Open { .. }) {
+            self.end_step()?;
+        }
+        Ok(())
+    }
+
+    // ---- block use ------------------------------------------------------------------------
+
+    /// A forward use of `id`: resident (a hit or a counted miss), held until `leave`, with the
+    /// blocks ahead prefetched.
+    pub(crate) fn enter(&mut self, id: BlockId) -> Result<()> {
+        self.check_live()?;
+        self.block(id)?;
+        if self.auto_step {
+            match self.state {
+                StepState::Closed => self.begin_step()?,
+                StepState::Open { backward } => {
+                    let again = self.first_entered == Some(id) && self.route.current() != Some(id);
+                    if backward || (again && self.cfg.inference_mode) {
+                        self.end_step()?;
+                        self.begin_step()?;
+                    }
+                }
+                StepState::ShutDown => {}
+            }
+        }
+        if self.state == StepState::Closed {
+            return Err(Error::misuse(
+                format!("block '{}' used outside a step", self.blocks[id.0 as usize].spec.name),
+                "call begin_step first",
+            ));
+        }
+        self.first_entered.get_or_insert(id);
+        self.route.enter(id, false);
+        self.ensure_ready(id)?;
+        self.residency.acquire(id, self.step)?;
+        self.prefetch()
+    }
+
+    /// The end of a forward use of `id`.
+    pub(crate) fn leave(&mut self, id: BlockId) -> Result<()> {
+        self.block(id)?;
+        self.residency.release(id)?;
+        Ok(())
+    }
+
+    /// A backward use (a saved weight of `id` being unpacked): resident, the blocks backward
+    /// needs next prefetched, and the block backward just left sends its gradients home.
+    pub(crate) fn backward_use(&mut self, id: BlockId) -> Result<()> {
+        self.check_live()?;
+        self.block(id)?;
+        if let StepState::Open { backward } = &mut self.state {
+            if !*backward && self.auto_step {
+                self.bus.enter_phase(self.step + 1, Phase::Backward);
+            }
+            *backward = true;
+        }
+        if let Some(left) = self.route.enter(id, true) {
+            self.flush_grads(left)?;
+        }
+        self.ensure_ready(id)?;
+        self.prefetch()
+    }
+
+    /// A view of a resident parameter with the geometry of a saved tensor (backward).
+    pub(crate) fn param_view(&self, id: BlockId, param: u32, rel_offset: i64, sizes: &[i64], strides: &[i64]) -> Result<Tensor> {
+        let b = self.block(id)?;
+        let var = b
+            .vars
+            .get(param as usize)
+            .ok_or_else(|| Error::UnknownBlock(format!("{} parameter {param}", b.spec.name)))?;
+        let base = crate::torch::TensorIdentity::of(var).storage_offset;
+        Ok(var.f_as_strided(sizes, strides, Some(base + rel_offset))?)
+    }
+
+    /// Copies not yet seen complete: (loads landing, landed loads not yet reported plus
+    /// gradient copies).
+    pub(crate) fn copies_in_flight(&self) -> (usize, usize) {
+        let (landing, retired) = self.loads.in_flight();
+        (landing, retired + self.grads.in_flight())
+    }
+
+    /// Device bytes held by streamed blocks (the room, once made) and resident blocks.
+    pub(crate) fn resident_bytes(&self) -> usize {
+        let own: usize = self
+            .blocks
+            .iter()
+            .filter(|b| b.resident && b.placement.is_some())
+            .map(|b| b.spec.bytes)
+            .sum();
+        own + self.loaded.iter().map(|b| self.blocks[b.0 as usize].spec.bytes).sum::<usize>()
+    }
+
+    /// Bytes of copies in flight that hold device memory: loads landing and gradient copies.
+    pub(crate) fn in_flight_bytes(&self) -> u64 {
+        self.loads.landing_bytes() + self.grads.in_flight_bytes()
+    }
+
+    /// The canonical value of a parameter (a fresh CPU tensor).
+    pub(crate) fn host_param(&self, id: BlockId, i: usize) -> Result<Tensor> {
+        self.block(id)?.host_param(i)
+    }
+
+    /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
+    pub(crate) fn shutdown(&mut self) -> Result<()> {
+        if self.state == StepState::ShutDown {
+            return Ok(());
+        }
+        if let Some(s) = &self.stepper {
+            s.wait_all()?;
+        }
+        for i in 0..self.blocks.len() {
+            let id = BlockId(i as u32);
+            if self.residency.state(id)? == BlockState::Prefetching {
+                self.finalize(id, false)?;
+            }
+            self.residency.set_protected(id, false, &self.bus)?;
+            self.blocks[i].resident = false;
+            if self.residency.state(id)? == BlockState::GpuReady {
+                self.evict(id, crate::events::EvictionReason::Shutdown, 0.0)?;
+            }
+        }
+        self.grads.wait_all(&mut self.blocks)?;
+        self.loads.drain(&self.loader)?;
+        for i in 0..self.blocks.len() {
+            for j in 0..self.blocks[i].vars.len() {
+                let t = self.blocks[i].host_param(j)?;
+                self.blocks[i].vars[j].set_data(&t);
+            }
+        }
+        if let Some(p) = &self.staging {
+            p.shutdown();
+        }
+        self.state = StepState::ShutDown;
+        Ok(())
+    }
+}

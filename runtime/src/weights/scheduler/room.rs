@@ -1,0 +1,349 @@
+//! The device room: loads into slots, prefetch along the itinerary, finalisation on the copy's
+//! event, and eviction (Belady's choice, [`super::super::evictor`]).
+
+use super::super::block::{Placement, Source};
+use super::super::evictor;
+use super::super::loads::LoadSource;
+use super::super::slots::Slots;
+use super::{IndexEntry, Load, Scheduler};
+use crate::device::Order;
+use crate::error::{Error, Result};
+use crate::events::{BlockId, BlockState, Direction, EventKind, EvictionReason, Owner, Priority};
+use std::time::Instant;
+
+impl Load {
+    fn priority(self) -> Priority {
+        match self {
+            Load::Demand | Load::Next => Priority::Required,
+            Load::Ahead => Priority::Speculative,
+        }
+    }
+}
+
+/// At most this many evictions to make room for one load: more means a bug, not a full room.
+const MAX_EVICTIONS_PER_LOAD: usize = 4096;
+
+impl Scheduler {
+    /// The room for streamed blocks, made on first use from the registered blocks: slots of the
+    /// largest streamed block, as many as the weights' budget holds after resident blocks.
+    fn room(&mut self) -> Result<&mut Slots> {
+        if self.slots.is_none() {
+            let streamed = || self.blocks.iter().filter(|b| !b.resident);
+            let largest = streamed().map(|b| b.spec.bytes).max().unwrap_or(0).max(1);
+            let resident: u64 = self.blocks.iter().filter(|b| b.resident).map(|b| b.spec.bytes as u64).sum();
+            let budget = self.cfg.weight_budget();
+            let room = budget.saturating_sub(resident);
+            let count = usize::try_from(room / largest as u64).unwrap_or(usize::MAX).min(self.blocks.len().max(1));
+            if count == 0 {
+                return Err(Error::TooLarge {
+                    what: "the largest streamed block".into(),
+                    needed: largest as u64,
+                    limit: format!(
+                        "the weights' device room is {room} bytes ({budget} from {}, less {resident} for resident blocks)",
+                        self.cfg.room_source()
+                    ),
+                });
+            }
+            self.slots = Some(Slots::new(&self.device, largest, count)?);
+        }
+        self.slots.as_mut().ok_or_else(|| Error::internal("the device room was not made"))
+    }
+
+    /// Reports landed copies and gives gradient buffers back.
+    pub(super) fn reap(&mut self) {
+        self.loads.reap(&self.loader);
+        self.grads.reap(&mut self.blocks);
+    }
+
+    /// Makes `id` usable now: a hit when it is on the device or landing, a counted miss (a demand
+    /// load) when it is not.
+    pub(super) fn ensure_ready(&mut self, id: BlockId) -> Result<()> {
+        self.reap();
+        match self.residency.state(id)? {
+            BlockState::GpuReady => self.hit(id),
+            BlockState::Prefetching => {
+                // A hit even if the copy is still landing: the compute stream waits on its event
+                // (measured), the host does not.
+                self.finalize(id, true)?;
+                self.hit(id);
+            }
+            BlockState::Unloaded => {
+                let t0 = Instant::now();
+                self.load(id, Load::Demand, None)?;
+                self.finalize(id, true)?;
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                let m = &mut self.metrics;
+                m.prefetch_misses += 1;
+                m.stall_count += 1;
+                m.stall_time_ms += ms;
+                self.bus.publish(EventKind::PrefetchMiss { block: id, stall_ms: ms });
+            }
+            s => {
+                return Err(Error::internal(format!(
+                    "block {id} is in transient state '{s}' when needed"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    fn hit(&mut self, id: BlockId) {
+        self.metrics.prefetch_hits += 1;
+        self.bus.publish(EventKind::PrefetchHit { block: id });
+    }
+
+    /// Issues loads for the blocks ahead on the itinerary that are not on the device.
+    pub(super) fn prefetch(&mut self) -> Result<()> {
+        let k = self.knobs.prefetch_window() as usize;
+        if k == 0 || self.route.itinerary().is_none() {
+            return Ok(());
+        }
+        let window = self.route.window(k);
+        let (cursor, backward) = (self.route.pos().unwrap_or(0) as u32, self.route.backward());
+        self.bus.publish_with(|| EventKind::PrefetchWindow {
+            cursor,
+            backward,
+            window: window.iter().map(|w| w.0).collect(),
+        });
+        let step_end = self.route.to_step_end();
+        for (i, &(b, distance)) in window.iter().enumerate() {
+            if self.residency.state(b)? != BlockState::Unloaded || self.blocks[b.0 as usize].resident {
+                continue;
+            }
+            // A trained block loaded across the step's end would be stale: the optimizer step
+            // about to run changes its host copy.
+            if distance > step_end && self.update_expected && !self.blocks[b.0 as usize].grads.is_empty() {
+                continue;
+            }
+            if self.stepper.as_ref().is_some_and(|s| s.is_pending(b)) {
+                continue;
+            }
+            let why = if i == 0 { Load::Next } else { Load::Ahead };
+            if !self.load(b, why, Some(distance))? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues the H2D copy of an unloaded block into a slot. `false` when a prefetch was held
+    /// back (the copy engine is busy, the Conductor refused a slot, no slot may be freed for it,
+    /// no staging slab is free, or its host copy is being updated).
+    pub(super) fn load(&mut self, id: BlockId, why: Load, distance: Option<usize>) -> Result<bool> {
+        let demand = why == Load::Demand;
+        if let Some(s) = self.stepper.clone() {
+            if s.is_pending(id) {
+                if !demand {
+                    return Ok(false);
+                }
+                let waited = s.wait(id)?;
+                self.metrics.update_wait_ms += waited.as_secs_f64() * 1e3;
+            }
+        }
+        if self.blocks[id.0 as usize].resident {
+            return self.load_resident(id);
+        }
+        if !demand && self.loads.landing_count() >= self.knobs.max_inflight_h2d().max(1) as usize {
+            return Ok(false);
+        }
+        // Refusals are published by the Conductor; a required request is never refused.
+        let Ok(slot_token) = self.conductor.acquire_slot(Direction::H2d, Owner::Weights, why.priority()) else {
+            return Ok(false);
+        };
+        // File-backed blocks stage through a pinned slab first (before anything changes, so a
+        // prefetch that finds no slab leaves the block as it was).
+        let src = match &self.blocks[id.0 as usize].source {
+            Source::Host(h) => LoadSource::Host(h.buf.clone()),
+            Source::File(f) => {
+                let pool = self.staging.as_ref().ok_or_else(|| Error::internal("a file-backed block without a staging pool"))?;
+                let bytes = self.blocks[id.0 as usize].spec.bytes;
+                let lease = if demand {
+                    pool.acquire_wait(bytes, None)?
+                } else {
+                    pool.acquire_wait(bytes, Some(std::time::Duration::ZERO))?
+                };
+                let Some(mut lease) = lease else { return Ok(false) };
+                f.stage(&self.blocks[id.0 as usize].spec, lease.as_mut_slice())?;
+                LoadSource::Staged(lease)
+            }
+        };
+        let Some(slot) = self.free_slot(id, demand, distance)? else {
+            return Ok(false);
+        };
+        self.residency.transition(id, BlockState::HostStaged, &self.bus)?;
+        let bytes = self.blocks[id.0 as usize].spec.bytes;
+        let room = self.room()?;
+        let wait_for = room.assign(slot, id)?;
+        let dst = room.view(slot, bytes)?;
+        let order = match &wait_for {
+            Some(e) => Order::After(e),
+            None => Order::Now,
+        };
+        let name = self.blocks[id.0 as usize].spec.name.clone();
+        let t = self
+            .loader
+            .h2d(&dst, src, 0, order, Some(slot_token), || format!("block {name}"))
+            .map_err(Error::from)?;
+        self.residency.transition(id, BlockState::Prefetching, &self.bus)?;
+        self.blocks[id.0 as usize].placement = Some(Placement::Slot(slot));
+        self.loads.start(id, t);
+        self.metrics.h2d_bytes += bytes as u64;
+        Ok(true)
+    }
+
+    /// A block the plan keeps resident: loaded once into its own device buffer.
+    fn load_resident(&mut self, id: BlockId) -> Result<bool> {
+        let b = &self.blocks[id.0 as usize];
+        let buf = self.device.alloc_slab(b.spec.bytes)?;
+        let src = match &b.source {
+            Source::Host(h) => LoadSource::Host(h.buf.clone()),
+            Source::File(_) => {
+                return Err(Error::Config {
+                    field: "resident",
+                    value: format!("'{}'", b.spec.name),
+                    expected: "a block with a host copy (file-backed blocks stream)".into(),
+                })
+            }
+        };
+        let name = b.spec.name.clone();
+        let slot = self.conductor.acquire_slot(Direction::H2d, Owner::Weights, Priority::Required).ok();
+        self.residency.transition(id, BlockState::HostStaged, &self.bus)?;
+        let t = self
+            .loader
+            .h2d(&buf, src, 0, Order::AfterCompute, slot, || format!("block {name} (resident)"))
+            .map_err(Error::from)?;
+        self.residency.transition(id, BlockState::Prefetching, &self.bus)?;
+        self.metrics.h2d_bytes += self.blocks[id.0 as usize].spec.bytes as u64;
+        self.blocks[id.0 as usize].placement = Some(Placement::Own(buf));
+        self.loads.start(id, t);
+        Ok(true)
+    }
+
+    /// A free slot for `id`, evicting the block used farthest ahead if needed. A prefetch only
+    /// displaces a block needed later than itself; a demand load lets landed prefetches finish
+    /// and takes what it must.
+    fn free_slot(&mut self, id: BlockId, demand: bool, distance: Option<usize>) -> Result<Option<usize>> {
+        for _ in 0..MAX_EVICTIONS_PER_LOAD {
+            if let Some(i) = self.room()?.free() {
+                return Ok(Some(i));
+            }
+            let candidates: Vec<BlockId> = self
+                .loaded
+                .iter()
+                .copied()
+                .filter(|&b| b != id && self.residency.can_evict(b))
+                .collect();
+            let incoming = if demand { None } else { distance.or(Some(self.route.distance(id))) };
+            match evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming) {
+                Some(v) => self.evict(v.block, EvictionReason::Budget, v.distance as f64)?,
+                None if !demand => return Ok(None),
+                None => {
+                    // Every slot holds a block in use or still landing: loads that are landing
+                    // can be made ready (and so evictable) without the compute stream.
+                    let landing: Vec<BlockId> = (0..self.blocks.len() as u32)
+                        .map(BlockId)
+                        .filter(|&b| b != id && self.loads.is_landing(b) && !self.blocks[b.0 as usize].resident)
+                        .collect();
+                    if landing.is_empty() {
+                        let name = self.blocks[id.0 as usize].spec.name.clone();
+                        let room = self.room()?;
+                        let (needed, count) = (room.slot_bytes() as u64, room.count());
+                        return Err(Error::TooLarge {
+                            what: format!("block '{name}'"),
+                            needed,
+                            limit: format!(
+                                "all {count} slots of the weights' device room hold blocks in use; raise the weights' room ({})",
+                                self.cfg.room_source()
+                            ),
+                        });
+                    }
+                    for b in landing {
+                        self.finalize(b, false)?;
+                    }
+                }
+            }
+        }
+        Err(Error::internal(format!("no slot freed for block {id} after {MAX_EVICTIONS_PER_LOAD} evictions")))
+    }
+
+    /// Makes a landing block usable: the compute stream waits on its copy when `on_compute`
+    /// (no host wait), the variables point at its device bytes.
+    pub(super) fn finalize(&mut self, id: BlockId, on_compute: bool) -> Result<()> {
+        self.loads.finish(&self.loader, id, on_compute)?;
+        self.residency.transition(id, BlockState::GpuReady, &self.bus)?;
+        let bytes = self.blocks[id.0 as usize].spec.bytes;
+        let slot = match &self.blocks[id.0 as usize].placement {
+            Some(Placement::Slot(i)) => Some(*i),
+            Some(Placement::Own(_)) => None,
+            None => return Err(Error::internal(format!("block {id} is landing without a place"))),
+        };
+        let view = match (slot, &self.blocks[id.0 as usize].placement) {
+            (Some(i), _) => self.room()?.view(i, bytes)?,
+            (None, Some(Placement::Own(t))) => t.shallow_clone(),
+            _ => return Err(Error::internal(format!("block {id} is landing without a place"))),
+        };
+        let b = &mut self.blocks[id.0 as usize];
+        b.point_at(&view)?;
+        let entry = IndexEntry {
+            block: id,
+            len: bytes,
+            params: b.spec.params.iter().map(|p| (p.offset, p.bytes, p.kind)).collect(),
+        };
+        if !b.resident {
+            self.loaded.push(id);
+        }
+        self.index
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(view.data_ptr() as u64, entry);
+        Ok(())
+    }
+
+    /// Evicts one block: trainable blocks send their gradients home first (Evicting), frozen
+    /// ones just go (GpuFreeing). Its slot is free once the kernels queued so far are done.
+    pub(crate) fn evict(&mut self, id: BlockId, reason: EvictionReason, score: f64) -> Result<()> {
+        if !self.residency.can_evict(id) {
+            let e = self.residency.get(id)?;
+            return Err(Error::misuse(
+                format!("evicting block {id} (state '{}', refcount {}, protected {})", e.state, e.refcount, e.protected),
+                "an unused, unprotected block on the device",
+            ));
+        }
+        if !self.blocks[id.0 as usize].grads.is_empty() {
+            self.residency.transition(id, BlockState::Evicting, &self.bus)?;
+            self.flush_grads(id)?;
+        } else {
+            self.residency.transition(id, BlockState::GpuFreeing, &self.bus)?;
+        }
+        let last_use = self.device.record_compute()?;
+        let dev = self.device.tch_device();
+        let b = &mut self.blocks[id.0 as usize];
+        b.point_away(dev)?;
+        let bytes = b.spec.bytes;
+        let placement = b.placement.take();
+        let address = match &placement {
+            Some(Placement::Slot(i)) => {
+                let room = self.slots.as_mut().ok_or_else(|| Error::internal("a slot without a room"))?;
+                let a = room.view(*i, bytes)?.data_ptr() as u64;
+                room.release(*i, last_use)?;
+                a
+            }
+            Some(Placement::Own(t)) => {
+                self.device.account(-(bytes as i64));
+                t.data_ptr() as u64
+            }
+            None => 0,
+        };
+        self.index.lock().unwrap_or_else(|p| p.into_inner()).remove(&address);
+        self.loaded.retain(|&b| b != id);
+        self.residency.transition(id, BlockState::Unloaded, &self.bus)?;
+        self.metrics.evictions += 1;
+        self.bus.publish(EventKind::Eviction {
+            block: id,
+            reason,
+            score,
+            bytes: bytes as u64,
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,217 @@
+//! Trainable streamed blocks: gradients go to the host as backward leaves each block, the host
+//! optimizer's steps gate loads of the blocks they change, and resident blocks stay on the device
+//! to be trained there.
+
+use super::super::block::{ParamGrad, Source};
+use super::Scheduler;
+use crate::error::{Error, Result};
+use crate::events::{BlockId, BlockState, Direction, Owner, Priority};
+use crate::optim::stepper::{Job, Stepper};
+use std::sync::Arc;
+use tch::Tensor;
+
+/// What the host optimizer gets for one block: each trainable parameter's host value and, when
+/// a gradient arrived in this accumulation window, its host gradient.
+#[derive(Debug)]
+pub(crate) struct HostParams {
+    pub params: Vec<(usize, Tensor, Option<Tensor>)>,
+}
+
+impl Scheduler {
+    /// Sends `id`'s device gradients to the host (a no-op for frozen or resident blocks, or when
+    /// it has none).
+    pub(crate) fn flush_grads(&mut self, id: BlockId) -> Result<()> {
+        let b = &self.blocks[id.0 as usize];
+        if b.grads.is_empty() || b.resident {
+            return Ok(());
+        }
+        // The host optimizer may still read the buffers the copies would overwrite.
+        if let Some(s) = &self.stepper {
+            if s.is_pending(id) {
+                s.wait(id)?;
+            }
+        }
+        let conductor = self.conductor.clone();
+        let slot = || conductor.acquire_slot(Direction::D2h, Owner::Weights, Priority::Required).ok();
+        let moved = self.grads.flush(id, &mut self.blocks[id.0 as usize], slot)?;
+        self.metrics.d2h_bytes += moved;
+        Ok(())
+    }
+
+    /// After backward: every trained block still holding device gradients sends them home (the
+    /// last block backward used, and blocks backward never loads, such as an embedding).
+    pub(crate) fn after_backward(&mut self) -> Result<()> {
+        self.check_live()?;
+        for i in 0..self.blocks.len() {
+            self.flush_grads(BlockId(i as u32))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every gradient copy has landed: the host gradients are complete.
+    pub(crate) fn collect_grads(&mut self) -> Result<()> {
+        self.check_live()?;
+        self.after_backward()?;
+        self.grads.wait_all(&mut self.blocks)?;
+        self.reap();
+        Ok(())
+    }
+
+    /// Starts a new accumulation window: device gradients of streamed blocks are dropped and the
+    /// next gradient of each parameter replaces its host gradient (never evicts a block).
+    pub(crate) fn zero_grads(&mut self) -> Result<()> {
+        self.check_live()?;
+        if let Some(s) = &self.stepper {
+            s.wait_all()?;
+        }
+        self.grads.wait_all(&mut self.blocks)?;
+        for b in &mut self.blocks {
+            if b.resident {
+                continue;
+            }
+            if let Some(r) = &mut b.grad_release {
+                r.zero_grad()?;
+            }
+            for g in &mut b.grads {
+                g.received = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches the host optimizer's worker: loads of a block wait for its pending step.
+    pub(crate) fn attach_stepper(&mut self, s: Arc<Stepper>) -> Result<()> {
+        if self.stepper.is_some() {
+            return Err(Error::misuse("attaching a host optimizer", "one optimizer per weight runtime"));
+        }
+        self.stepper = Some(s);
+        Ok(())
+    }
+
+    /// The host values and gradients of a trained streamed block (for building its optimizer).
+    pub(crate) fn host_params(&self, id: BlockId) -> Result<HostParams> {
+        let b = self.block(id)?;
+        let Source::Host(h) = &b.source else {
+            return Err(Error::internal(format!("trained block {id} has no host copy")));
+        };
+        let params = b
+            .grads
+            .iter()
+            .map(|g: &ParamGrad| (g.param, h.views[g.param].shallow_clone(), Some(g.view.shallow_clone())))
+            .collect();
+        Ok(HostParams { params })
+    }
+
+    /// The host gradients that arrived in this accumulation window (all landed: call after
+    /// `collect_grads`).
+    pub(crate) fn received_host_grads(&self) -> Vec<Tensor> {
+        self.blocks
+            .iter()
+            .filter(|b| !b.resident)
+            .flat_map(|b| b.grads.iter())
+            .filter(|g| g.received && g.buf.is_some())
+            .map(|g| g.view.shallow_clone())
+            .collect()
+    }
+
+    /// Trained blocks stepped on the host (streamed) and trained parameters kept on the device
+    /// (resident blocks), as (streamed ids, device variables).
+    pub(crate) fn trained(&self) -> (Vec<BlockId>, Vec<Tensor>) {
+        let mut host = Vec::new();
+        let mut device = Vec::new();
+        for b in &self.blocks {
+            if !b.trainable() {
+                continue;
+            }
+            if b.resident {
+                for (p, v) in b.spec.params.iter().zip(&b.vars) {
+                    if p.trainable {
+                        device.push(v.shallow_clone());
+                    }
+                }
+            } else {
+                host.push(b.spec.id);
+            }
+        }
+        (host, device)
+    }
+
+    /// Queues the host optimizer's step of every trained streamed block, in the order the next
+    /// forward needs them, after their gradients landed. `job(block, received)` makes the step,
+    /// given which parameters received a gradient in this window. A block still on the device
+    /// from this step is evicted first: its device copy would be stale.
+    pub(crate) fn submit_updates(
+        &mut self,
+        mut job: impl FnMut(BlockId, &[bool]) -> Result<Box<dyn Job>>,
+    ) -> Result<()> {
+        self.check_live()?;
+        let stepper = self
+            .stepper
+            .clone()
+            .ok_or_else(|| Error::internal("host updates without an attached optimizer"))?;
+        self.after_backward()?;
+        let order: Vec<BlockId> = match self.route.itinerary() {
+            Some(it) => {
+                let mut seen = Vec::new();
+                for &b in it.order() {
+                    if !seen.contains(&b) {
+                        seen.push(b);
+                    }
+                }
+                seen
+            }
+            None => Vec::new(),
+        };
+        let mut ids: Vec<BlockId> = self
+            .blocks
+            .iter()
+            .filter(|b| !b.grads.is_empty() && !b.resident)
+            .map(|b| b.spec.id)
+            .collect();
+        ids.sort_by_key(|b| order.iter().position(|o| o == b).unwrap_or(usize::MAX));
+        for (priority, id) in ids.into_iter().enumerate() {
+            self.grads.wait_block(id, &mut self.blocks[id.0 as usize])?;
+            match self.residency.state(id)? {
+                BlockState::Prefetching => {
+                    self.finalize(id, false)?;
+                    self.evict(id, crate::events::EvictionReason::Explicit, 0.0)?;
+                }
+                BlockState::GpuReady if self.residency.can_evict(id) => {
+                    self.evict(id, crate::events::EvictionReason::Explicit, 0.0)?;
+                }
+                BlockState::Unloaded => {}
+                s => {
+                    return Err(Error::misuse(
+                        format!("stepping block '{}' (state '{s}')", self.blocks[id.0 as usize].spec.name),
+                        "no block in use while the optimizer steps",
+                    ))
+                }
+            }
+            self.loads.reap(&self.loader);
+            if let Source::Host(h) = &self.blocks[id.0 as usize].source {
+                // Proof that no copy reads the host weights the step is about to change.
+                if Arc::strong_count(&h.buf) != 1 {
+                    return Err(Error::internal(format!("block {id}: a copy still reads its host weights")));
+                }
+            }
+            let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
+            stepper.submit(id, priority as u64, job(id, &received)?);
+        }
+        self.update_expected = false;
+        Ok(())
+    }
+
+    /// Marks blocks to stay on the device for good (loaded once, trained on the device).
+    pub(crate) fn set_resident(&mut self, ids: &[BlockId]) -> Result<()> {
+        self.check_live()?;
+        if self.slots.is_some() {
+            return Err(Error::misuse("choosing resident blocks", "choose them before the first step"));
+        }
+        for &id in ids {
+            self.block(id)?;
+            self.blocks[id.0 as usize].resident = true;
+            self.residency.set_protected(id, true, &self.bus)?;
+        }
+        Ok(())
+    }
+}
