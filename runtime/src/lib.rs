@@ -16,6 +16,8 @@ pub mod pinned;
 #[cfg(feature = "torch")]
 pub mod saved;
 #[cfg(feature = "torch")]
+pub mod session;
+#[cfg(feature = "torch")]
 pub mod torch;
 #[cfg(feature = "torch")]
 pub mod transfer;
@@ -23,3 +25,5 @@ pub mod transfer;
 pub mod weights;
 
 pub use error::{Error, Result};
+#[cfg(feature = "torch")]
+pub use session::{Plan, Stagehand, StagehandBuilder, StepReport};

@@ -252,6 +252,31 @@ impl ManagedVarStore {
         Ok(self.rt.blocks().iter().map(|b| b.id).collect())
     }
 
+    /// The VarStore paths of every managed parameter (of layers made so far).
+    pub fn managed_names(&self) -> std::collections::HashSet<String> {
+        let l = self.table.lock();
+        let mut names: std::collections::HashSet<String> =
+            l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(n, _)| n.clone())).collect();
+        drop(l);
+        for b in self.rt.blocks() {
+            names.extend(b.params.into_iter().map(|p| p.name));
+        }
+        names
+    }
+
+    /// The trainable variables the runtime does not manage (layer norms, custom parameters).
+    pub fn unmanaged_trainable(&self) -> Vec<(String, Tensor)> {
+        let managed = self.managed_names();
+        let mut v: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(n, t)| !managed.contains(n) && t.requires_grad())
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
     fn register(&self, name: String, params: Vec<(String, Tensor)>) -> Result<Layer> {
         let mut params = params;
         if let Some(kind) = self.opts.dtype {

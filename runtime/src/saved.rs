@@ -37,4 +37,9 @@ pub trait WeightResolver: Send + Sync {
     fn materialize(&self, save: &WeightSave) -> Result<Tensor, String>;
     /// The saved variable holding `save` is gone.
     fn release(&self, save: &WeightSave);
+    /// The block the forward is running now, as a region name for the tensors it saves
+    /// (`blocks.3`), when the runtime knows it.
+    fn current_region(&self) -> Option<std::sync::Arc<str>> {
+        None
+    }
 }

@@ -1,7 +1,7 @@
 //! The device layer on real tensors: the host device everywhere, the CUDA backend where a GPU is
 //! present (skipped with a message otherwise).
 
-use stagehand::device::Device;
+use stagehand::device::{Device, Order};
 use tch::{Kind, Tensor};
 
 fn cuda() -> Option<Device> {
@@ -20,19 +20,22 @@ fn round_trip_through_pinned_memory_on_copy_streams() {
         let n = 1 << 20;
         let src = Tensor::arange(n, (Kind::Float, dev.tch_device())) * 0.5;
         let stream = dev.copy_stream().expect("stream");
-        let mut buf = dev.alloc_host((n * 4) as usize).expect("buffer");
+        let buf = dev.alloc_host((n * 4) as usize).expect("buffer");
         assert_eq!(buf.is_pinned(), dev.is_cuda());
-        // d2h is ordered after the kernel that produced `src` (the default).
-        stream.d2h(&mut buf, 0, &src, None).expect("d2h").wait().expect("wait");
+        // d2h is ordered after the kernel that produced `src`.
+        let (buf, ms) = stream.d2h(buf, 0, &src, Order::AfterCompute).expect("d2h").wait().expect("wait");
+        assert!(ms > 0.0, "the copy was timed: {ms} ms");
         let back = buf.to_tensor(0, Kind::Float, &[n]).expect("host view");
         assert!(back.equal(&src.to_device(tch::Device::Cpu)), "d2h bytes");
         let dst = Tensor::full([n], -1.0, (Kind::Float, dev.tch_device()));
-        let copy = stream.h2d(&dst, &buf, 0, None).expect("h2d");
+        let copy = stream.h2d(&dst, buf, 0, Order::AfterCompute).expect("h2d");
         // The compute stream waits on the copy's event, with no host synchronisation.
-        dev.compute_wait(&copy.done).expect("compute waits");
+        let probe = dev.compute_wait_timed(copy.done()).expect("compute waits");
         let sum = (&dst - &src).abs().sum(Kind::Float).double_value(&[]);
         assert_eq!(sum, 0.0, "compute saw the copied data");
-        drop(copy);
+        let (_buf, h2d_ms) = copy.wait().expect("h2d done");
+        assert!(h2d_ms > 0.0, "the copy was timed: {h2d_ms} ms");
+        assert!(probe.stall_ms().is_some_and(|ms| ms >= 0.0), "the compute stream's wait is measured");
     }
 }
 
@@ -48,8 +51,8 @@ fn copy_waits_for_pending_compute_work() {
     }
     let expect = x.to_device(tch::Device::Cpu);
     let stream = dev.copy_stream().expect("stream");
-    let mut buf = dev.alloc_host((n * 4) as usize).expect("buffer");
-    stream.d2h(&mut buf, 0, &x, None).expect("d2h").wait().expect("wait");
+    let buf = dev.alloc_host((n * 4) as usize).expect("buffer");
+    let (buf, _) = stream.d2h(buf, 0, &x, Order::AfterCompute).expect("d2h").wait().expect("wait");
     let got = buf.to_tensor(0, Kind::Float, &[n]).expect("host view");
     assert!(got.allclose(&expect, 1e-6, 1e-6, false));
 }

@@ -4,7 +4,8 @@
 
 use stagehand::device::Device;
 use stagehand::events::{BlockId, BlockState, Bus, EventKind, Update};
-use stagehand::weights::{OffloadedAdamW, WeightConfig, WeightRuntime};
+use stagehand::optim::{Kernel, Optimizer};
+use stagehand::weights::{WeightConfig, WeightRuntime};
 use stagehand::Error;
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
@@ -191,7 +192,7 @@ fn gradient_accumulation_over_four_micro_batches_equals_the_unwrapped_model() {
 }
 
 #[test]
-fn offloaded_adamw_equals_nn_adamw_over_twenty_steps() {
+fn host_adamw_equals_nn_adamw_over_twenty_steps() {
     let device = Device::auto(1 << 30);
     let dev = device.tch_device();
     let n = 3;
@@ -200,7 +201,7 @@ fn offloaded_adamw_equals_nn_adamw_over_twenty_steps() {
     let ids = ids(&rt, n);
     let lr = 1e-2;
     let mut ref_opt = nn::AdamW::default().build(&vr, lr).expect("adamw");
-    let mut opt = OffloadedAdamW::new(&rt, lr, nn::AdamW::default()).expect("offloaded adamw");
+    let mut opt = Optimizer::new(&rt, vec![], nn::AdamW::default(), lr, Kernel::Exact).expect("optimizer");
     let target = input(dev, 999);
     let mut last = (0.0, 0.0);
     for step in 0..20 {
@@ -290,17 +291,17 @@ fn resolver_recognises_resident_weights_by_storage() {
 #[test]
 fn oversized_blocks_and_misuse_are_typed_errors() {
     let (_vr, _r, vm, _m) = pair(2, false);
-    let cfg = WeightConfig::builder().pool(1024, 512).build().expect("config");
+    let cfg = WeightConfig::builder().weight_budget(1024).build().expect("config");
     let e = WeightRuntime::from_var_store(&vm, r"^blocks\.\d+$", Device::host(1 << 30), cfg, Bus::disabled())
-        .expect_err("a block is larger than a slab");
+        .expect_err("a block is larger than the weights' room");
     assert!(matches!(e, Error::TooLarge { .. }), "{e}");
     assert!(e.to_string().contains("blocks.0"), "{e}");
 
     let rt = runtime(&vm, Device::host(1 << 30), 2, 0, Bus::disabled(), false);
     let e = rt.before_block(BlockId(0)).expect_err("outside a step");
-    assert!(matches!(e, Error::State(_)), "{e}");
+    assert!(matches!(e, Error::Misuse { .. }), "{e}");
     assert!(matches!(rt.before_block(BlockId(9)), Err(Error::UnknownBlock(_))));
-    assert!(matches!(rt.after_block(BlockId(0)), Err(Error::State(_))), "refcount underflow");
+    assert!(matches!(rt.after_block(BlockId(0)), Err(Error::Misuse { .. })), "refcount underflow");
     assert!(WeightRuntime::from_var_store(&vm, r"^nothing$", Device::host(1), WeightConfig::default(), Bus::disabled()).is_err());
 }
 

@@ -3,7 +3,7 @@
 
 use stagehand::device::Device;
 use stagehand::nn::{self as snn, LayerOptions, ManagedVarStore};
-use stagehand::weights::OffloadedAdamW;
+use stagehand::optim::{Kernel, Optimizer};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
@@ -90,7 +90,7 @@ fn layers_match_the_unwrapped_model_and_train_like_adamw() {
     let rt = ms.runtime().clone();
     let lr = 1e-2;
     let mut ref_opt = nn::AdamW::default().build(&vr, lr).expect("adamw");
-    let mut opt = OffloadedAdamW::new(&rt, lr, nn::AdamW::default()).expect("offloaded");
+    let mut opt = Optimizer::new(&rt, vec![], nn::AdamW::default(), lr, Kernel::Exact).expect("optimizer");
     for step in 0..6 {
         let ids = batch(dev, 50 + step);
         let want = p.forward(&ids);

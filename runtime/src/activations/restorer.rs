@@ -9,10 +9,10 @@
 //! (measured) before the tensor is handed to autograd.
 
 use super::record::{RecordState, Records};
-use crate::conductor::{Conductor, SlotToken};
+use crate::conductor::{Conductor, ReservationRequest, SlotToken};
 use crate::device::{Device, Order, WaitProbe};
 use crate::error::{Error, Result};
-use crate::events::{Bus, Direction, EventKind, Owner, Priority};
+use crate::events::{Bus, Direction, EventKind, Owner, Priority, ReservationMode, Resource};
 use crate::transfer::Copier;
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -256,14 +256,30 @@ impl Restorer {
                     }
                     let state = rec.state;
                     let priority = if n == 0 { Priority::Required } else { Priority::Speculative };
-                    // A refusal is published by the Conductor; the next unpack tries again.
+                    // Device memory for a restore ahead of need is asked of the Conductor first
+                    // (released once the restore holds it, when the allocator counts it);
+                    // a refusal is published by the Conductor and the next unpack tries again.
+                    let ask = ReservationRequest::new(Owner::Activations, Resource::Vram, bytes)
+                        .mode(ReservationMode::Hard)
+                        .priority(priority);
+                    let decision = conductor.reserve(ask);
+                    if !decision.is_granted() {
+                        break;
+                    }
                     let Ok(slot) = conductor.acquire_slot(Direction::H2d, Owner::Activations, priority) else {
+                        if let Some(id) = decision.id {
+                            conductor.release(id);
+                        }
                         break;
                     };
                     if state == RecordState::Spilling {
                         finalize(records, j)?;
                     }
-                    self.issue(records, j, true, Some(slot), device, bus)?;
+                    let issued_ok = self.issue(records, j, true, Some(slot), device, bus);
+                    if let Some(id) = decision.id {
+                        conductor.release(id);
+                    }
+                    issued_ok?;
                     issued += 1;
                     n += 1;
                 }

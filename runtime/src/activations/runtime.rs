@@ -104,6 +104,7 @@ impl ActivationRuntime {
             conductor: Conductor::disabled(),
             sizes: SizeProfile::default(),
             pool_traced: false,
+            auto_region: None,
         };
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {
@@ -186,6 +187,7 @@ impl ActivationRuntime {
             g.learning.clear();
             g.restorer.reset();
             g.sizes.clear_step();
+            g.auto_region = None;
             saves
         };
         self.release_weights(weights);

@@ -53,6 +53,8 @@ pub(super) struct State {
     pub sizes: SizeProfile,
     /// The pool was sized from a traced step.
     pub pool_traced: bool,
+    /// The region the weight runtime said the forward was in at the last pack.
+    pub auto_region: Option<Arc<str>>,
 }
 
 /// Everything the store and the runtime share.
@@ -72,7 +74,11 @@ fn tensor_bytes(t: &Tensor) -> u64 {
 }
 
 fn current_region(g: &State) -> Option<String> {
-    (!g.regions.is_empty()).then(|| g.regions.join("."))
+    if g.regions.is_empty() {
+        g.auto_region.as_deref().map(str::to_owned)
+    } else {
+        Some(g.regions.join("."))
+    }
 }
 
 impl Shared {
@@ -151,7 +157,9 @@ impl Shared {
     fn pack_tensor(&self, t: Tensor) -> Result<u64> {
         let identity = TensorIdentity::of(&t);
         let bytes = tensor_bytes(&t);
+        let auto = self.resolver.as_ref().and_then(|r| r.current_region());
         let mut g = self.lock();
+        self.follow_auto_region(&mut g, auto);
         self.poll_spills(&mut g)?;
         if let Some(idx) = g.records.find_identity(&identity) {
             if let Some(rec) = g.records.get_mut(idx) {
@@ -312,6 +320,27 @@ impl Shared {
             region,
         });
         Ok(Some(handle))
+    }
+
+    /// Without explicit regions, the block the weight runtime runs is the region, and each new
+    /// block of the forward opens a group (for the learned-tail rule).
+    fn follow_auto_region(&self, g: &mut State, auto: Option<Arc<str>>) {
+        if !g.regions.is_empty() || g.in_backward || auto.is_none() || auto == g.auto_region {
+            if g.regions.is_empty() && !g.in_backward && auto.is_some() {
+                g.auto_region = auto;
+            }
+            return;
+        }
+        if let Some(name) = &auto {
+            g.group = Some(g.groups_opened);
+            g.groups_opened += 1;
+            g.learning.push(GroupProfile {
+                name: name.to_string(),
+                bytes: 0,
+                tensors: 0,
+            });
+        }
+        g.auto_region = auto;
     }
 
     // ---- unpack and release ---------------------------------------------------------------

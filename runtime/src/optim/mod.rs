@@ -115,14 +115,20 @@ impl Kernel {
 }
 
 /// The optimizer over a model's streamed and unstreamed trainable variables.
+///
+/// Blocks registered after it was made (layer mode registers blocks when the model first runs)
+/// get their host optimizer at the first step that sees them; the device optimizer is made at the
+/// first step, once the resident blocks are known.
 pub struct Optimizer {
     // Field order: host state (which views the runtime's host memory) drops before the runtime.
     host: HashMap<u32, Arc<Mutex<BlockOptimizer>>>,
     device: Option<COptimizer>,
     device_params: Vec<Tensor>,
+    unmanaged: Vec<Tensor>,
     stepper: Arc<Stepper>,
     lr: Arc<SharedLr>,
     algorithm: Algorithm,
+    kernel: Kernel,
     rt: WeightRuntime,
 }
 
@@ -148,40 +154,56 @@ impl Optimizer {
         kernel: Kernel,
     ) -> Result<Optimizer> {
         let algorithm = algorithm.into();
+        if kernel == Kernel::Fused && algorithm.fused().is_none() {
+            return Err(Error::Config {
+                field: "kernel",
+                value: "fused".into(),
+                expected: format!("the exact kernel for {} (only Adam and AdamW have a fused one)", algorithm.name()),
+            });
+        }
         let stepper = Arc::new(Stepper::new()?);
-        let shared_lr = SharedLr::new(lr);
-        let (streamed, resident) = rt.lock().trained();
-        let mut host = HashMap::new();
+        rt.lock().attach_stepper(stepper.clone())?;
+        Ok(Optimizer {
+            host: HashMap::new(),
+            device: None,
+            device_params: Vec::new(),
+            unmanaged: unmanaged.into_iter().filter(|t| t.requires_grad()).collect(),
+            stepper,
+            lr: SharedLr::new(lr),
+            algorithm,
+            kernel,
+            rt: rt.clone(),
+        })
+    }
+
+    /// Makes the host optimizers of trained blocks that have none yet, and the device
+    /// optimizer once.
+    fn ensure_built(&mut self) -> Result<()> {
+        let (streamed, resident) = self.rt.lock().trained();
         for id in streamed {
-            let hp = rt.lock().host_params(id)?;
+            if self.host.contains_key(&id.0) {
+                continue;
+            }
+            let hp = self.rt.lock().host_params(id)?;
             let params = hp
                 .params
                 .into_iter()
                 .map(|(_, v, g)| g.map(|g| (v, g)).ok_or_else(|| Error::internal("a trained parameter without a host gradient")))
                 .collect::<Result<Vec<_>>>()?;
-            let state = BlockOptimizer::new(params, algorithm, kernel, shared_lr.clone())?;
-            host.insert(id.0, Arc::new(Mutex::new(state)));
+            let state = BlockOptimizer::new(params, self.algorithm, self.kernel, self.lr.clone())?;
+            self.host.insert(id.0, Arc::new(Mutex::new(state)));
         }
-        let device_params: Vec<Tensor> = resident.into_iter().chain(unmanaged).filter(|t| t.requires_grad()).collect();
-        let device = if device_params.is_empty() {
-            None
-        } else {
-            let mut opt = algorithm.build(lr)?;
-            for p in &device_params {
-                opt.add_parameters(p, 0)?;
+        if self.device.is_none() {
+            self.device_params = resident.into_iter().chain(self.unmanaged.iter().map(|t| t.shallow_clone())).collect();
+            if !self.device_params.is_empty() {
+                let mut opt = self.algorithm.build(self.lr.get())?;
+                for p in &self.device_params {
+                    opt.add_parameters(p, 0)?;
+                }
+                self.device = Some(opt);
             }
-            Some(opt)
-        };
-        rt.lock().attach_stepper(stepper.clone())?;
-        Ok(Optimizer {
-            host,
-            device,
-            device_params,
-            stepper,
-            lr: shared_lr,
-            algorithm,
-            rt: rt.clone(),
-        })
+        }
+        Ok(())
     }
 
     /// The algorithm.
@@ -192,8 +214,13 @@ impl Optimizer {
     /// Clears every gradient (libtorch's `zero_grad(set_to_none)`): device gradients go, the next
     /// gradient of a streamed parameter replaces its host gradient. Never evicts a block.
     pub fn zero_grad(&mut self) -> Result<()> {
-        if let Some(d) = &self.device {
-            d.zero_grad()?;
+        match &self.device {
+            Some(d) => d.zero_grad()?,
+            None => {
+                for p in &self.unmanaged {
+                    crate::torch::optim::set_grad(p, None)?;
+                }
+            }
         }
         self.rt.zero_grads()
     }
@@ -202,6 +229,7 @@ impl Optimizer {
     /// the order the next forward needs them (it returns before they finish; a block is not
     /// loaded before its step has run).
     pub fn step(&mut self) -> Result<()> {
+        self.ensure_built()?;
         if let Some(d) = &self.device {
             d.step()?;
         }
@@ -237,6 +265,7 @@ impl Optimizer {
     /// `clip_grad_norm`); returns the norm before clipping. Waits for streamed gradients to
     /// reach the host.
     pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
+        self.ensure_built()?;
         self.rt.collect_grads()?;
         let grads = self.gradients()?;
         let mut total = 0f64;

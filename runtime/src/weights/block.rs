@@ -51,6 +51,8 @@ pub(crate) struct ParamGrad {
 /// One managed block.
 pub(crate) struct Block {
     pub spec: BlockSpec,
+    /// The block's name, shared with the activation store's regions.
+    pub name: Arc<str>,
     /// The model's variables (shared TensorImpls: `set_data` re-points every handle).
     pub vars: Vec<Tensor>,
     pub source: Source,
@@ -103,6 +105,7 @@ impl Block {
             vars.push(var);
         }
         Ok(Block {
+            name: Arc::from(spec.name.as_str()),
             spec,
             vars,
             source: Source::Host(HostCopy {

@@ -18,6 +18,9 @@ use tch::Tensor;
 
 pub(crate) struct Inner {
     sched: Mutex<Scheduler>,
+    /// The block the forward runs now (read by the activation store on every pack, so it
+    /// sits outside the scheduler's lock).
+    current: Mutex<Option<Arc<str>>>,
     index: PtrIndex,
     knobs: Arc<Knobs>,
     device: Device,
@@ -70,6 +73,7 @@ impl WeightRuntime {
         Ok(WeightRuntime {
             inner: Arc::new(Inner {
                 sched: Mutex::new(sched),
+                current: Mutex::new(None),
                 index,
                 knobs,
                 device,
@@ -171,12 +175,20 @@ impl WeightRuntime {
 
     /// Makes `id` resident (a prefetch hit or a counted stall), holds it, prefetches ahead.
     pub fn before_block(&self, id: BlockId) -> Result<()> {
-        self.lock().enter(id)
+        let name = {
+            let mut s = self.lock();
+            s.enter(id)?;
+            s.block_name(id)?
+        };
+        *self.inner.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(name);
+        Ok(())
     }
 
     /// Releases `id` after its forward.
     pub fn after_block(&self, id: BlockId) -> Result<()> {
-        self.lock().leave(id)
+        self.lock().leave(id)?;
+        *self.inner.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        Ok(())
     }
 
     /// Holds `id` resident until the guard drops.
@@ -331,6 +343,17 @@ impl WeightRuntime {
         c.detach(WeightAdapter::NAME);
     }
 
+    /// Sets the weights' device room (`origin` says where the number came from, for errors) and
+    /// the prefetch knobs. Only before the first step.
+    pub fn configure(&self, room_bytes: u64, origin: impl Into<String>, prefetch_window: u32, max_inflight_h2d: u32) -> Result<()> {
+        self.lock().configure(room_bytes, origin.into(), prefetch_window, max_inflight_h2d)
+    }
+
+    /// Device bytes the weights hold: the streaming room once made, and resident blocks.
+    pub fn device_bytes(&self) -> u64 {
+        self.lock().device_bytes()
+    }
+
     /// Steps begin when the first block runs again or after a backward (layer mode).
     pub fn set_auto_step(&self, on: bool) {
         self.lock().set_auto_step(on);
@@ -424,5 +447,9 @@ impl WeightResolver for WeightRuntime {
     fn release(&self, _save: &WeightSave) {
         // Nothing is held per save: the handle is plain data and residency is decided by the
         // itinerary, not by how many saved views exist.
+    }
+
+    fn current_region(&self) -> Option<Arc<str>> {
+        self.inner.current.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }

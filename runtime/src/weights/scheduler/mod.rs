@@ -171,12 +171,38 @@ impl Scheduler {
         std::mem::replace(&mut self.conductor, c)
     }
 
+    /// Sets the weights' room, where it came from, and the prefetch knobs, before the room is
+    /// made (a plan decides them once the model's blocks are known).
+    pub(crate) fn configure(&mut self, room: u64, origin: String, prefetch_window: u32, max_inflight_h2d: u32) -> Result<()> {
+        if self.slots.is_some() {
+            return Err(Error::misuse("configuring the weights' room", "configure it before the first step"));
+        }
+        self.cfg.weight_budget_bytes = Some(room.max(1));
+        self.cfg.room_origin = origin;
+        self.cfg.prefetch_window = prefetch_window;
+        self.cfg.max_inflight_h2d = max_inflight_h2d.max(1);
+        self.knobs.set_prefetch_window(prefetch_window);
+        self.knobs.set_max_inflight_h2d(max_inflight_h2d.max(1));
+        self.bus.publish(EventKind::LimitsSet {
+            owner: Owner::Weights,
+            budget_bytes: room,
+            high_watermark_bytes: None,
+            low_watermark_bytes: None,
+        });
+        Ok(())
+    }
+
     pub(crate) fn set_auto_step(&mut self, on: bool) {
         self.auto_step = on;
     }
 
     pub(crate) fn block_id(&self, name: &str) -> Result<BlockId> {
         self.names.get(name).copied().ok_or_else(|| Error::UnknownBlock(name.to_string()))
+    }
+
+    /// A block's name, shared.
+    pub(crate) fn block_name(&self, id: BlockId) -> Result<Arc<str>> {
+        Ok(self.block(id)?.name.clone())
     }
 
     pub(crate) fn specs(&self) -> Vec<BlockSpec> {
@@ -465,13 +491,28 @@ impl Scheduler {
         own + self.loaded.iter().map(|b| self.blocks[b.0 as usize].spec.bytes).sum::<usize>()
     }
 
+    /// Device bytes the weights hold: the room (allocated once, whole) and resident blocks.
+    pub(crate) fn device_bytes(&self) -> u64 {
+        let own: usize = self
+            .blocks
+            .iter()
+            .filter(|b| b.resident && b.placement.is_some())
+            .map(|b| b.spec.bytes)
+            .sum();
+        own as u64 + self.slots.as_ref().map_or(0, |s| (s.slot_bytes() * s.count()) as u64)
+    }
+
     /// Bytes of copies in flight that hold device memory: loads landing and gradient copies.
     pub(crate) fn in_flight_bytes(&self) -> u64 {
         self.loads.landing_bytes() + self.grads.in_flight_bytes()
     }
 
-    /// The canonical value of a parameter (a fresh CPU tensor).
+    /// The canonical value of a parameter (a fresh CPU tensor), after any pending optimizer
+    /// step of its block.
     pub(crate) fn host_param(&self, id: BlockId, i: usize) -> Result<Tensor> {
+        if let Some(s) = &self.stepper {
+            s.wait(id)?;
+        }
         self.block(id)?.host_param(i)
     }
 

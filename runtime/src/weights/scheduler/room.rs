@@ -8,7 +8,8 @@ use super::super::slots::Slots;
 use super::{IndexEntry, Load, Scheduler};
 use crate::device::Order;
 use crate::error::{Error, Result};
-use crate::events::{BlockId, BlockState, Direction, EventKind, EvictionReason, Owner, Priority};
+use crate::conductor::ReservationRequest;
+use crate::events::{BlockId, BlockState, Direction, EventKind, EvictionReason, Owner, Priority, ReservationMode, Resource};
 use std::time::Instant;
 
 impl Load {
@@ -44,7 +45,30 @@ impl Scheduler {
                     ),
                 });
             }
-            self.slots = Some(Slots::new(&self.device, largest, count)?);
+            // The room is asked of the Conductor before it is allocated (the allocator counts it
+            // afterwards, so the reservation ends once the memory is held). Nothing runs
+            // without it: critical, so no reserve is kept back from it.
+            let bytes = (largest * count) as u64;
+            let ask = ReservationRequest::new(Owner::Weights, Resource::Vram, bytes)
+                .mode(ReservationMode::Hard)
+                .priority(Priority::Critical);
+            let decision = self.conductor.reserve(ask);
+            if !decision.is_granted() {
+                return Err(Error::TooLarge {
+                    what: "the weights' device room".into(),
+                    needed: bytes,
+                    limit: format!(
+                        "the Conductor refused it ({}); {} bytes are allocated on the device",
+                        decision.reason.map_or("no reason", |r| r.as_str()),
+                        self.device.memory().allocated
+                    ),
+                });
+            }
+            let made = Slots::new(&self.device, largest, count);
+            if let Some(id) = decision.id {
+                self.conductor.release(id);
+            }
+            self.slots = Some(made?);
         }
         self.slots.as_mut().ok_or_else(|| Error::internal("the device room was not made"))
     }

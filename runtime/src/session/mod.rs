@@ -1,0 +1,422 @@
+//! The one handle a training loop needs: [`Stagehand`].
+//!
+//! Build it with one device budget, build the model on its [`root`](Stagehand::root) with
+//! Stagehand's drop-in layers (or `tch::nn` ones for what should stay on the device), make the
+//! optimizer with [`optimizer`](Stagehand::optimizer), and run each step through
+//! [`train_step`](Stagehand::train_step):
+//!
+//! ```no_run
+//! use stagehand::nn as snn;
+//! use stagehand::Stagehand;
+//! use tch::nn::Module;
+//!
+//! # fn main() -> stagehand::Result<()> {
+//! let sh = Stagehand::builder().budget_mib(4096).build()?;
+//! let root = sh.root();
+//! let model = tch::nn::seq()
+//!     .add(snn::linear(&root / "blocks" / 0 / "fc", 512, 512, Default::default()))
+//!     .add(snn::linear(&root / "blocks" / 1 / "fc", 512, 512, Default::default()));
+//! let mut opt = sh.optimizer(tch::nn::AdamW::default(), 1e-3)?;
+//! for _ in 0..10 {
+//!     let x = tch::Tensor::randn([8, 512], (tch::Kind::Float, sh.device().tch_device()));
+//!     let report = sh.train_step(&mut opt, || model.forward(&x).square().mean(tch::Kind::Float))?;
+//!     println!("loss {:.4} in {:.1} ms", report.loss, report.step_ms);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! When the model first runs, its layers are grouped into blocks (every layer under `blocks.N`
+//! is block `blocks.N`), and the memory plan is derived from the budget and the model
+//! ([`plan`]): which blocks stream through how much device room, where activations spill, what
+//! the Conductor allows. Each step's phases are tagged for the Conductor and the telemetry, the
+//! saved-tensor hooks are on during the forward, the block being run is the activation region,
+//! and at the end of the step its time breakdown and VRAM by owner are published.
+
+pub mod plan;
+mod step;
+
+pub use plan::{Machine, ModelFacts, Plan};
+pub use step::StepReport;
+
+use crate::activations::{ActivationConfig, ActivationRuntime};
+use crate::conductor::{Conductor, ConductorConfig};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::events::{Bus, EventKind, Hub, Owner};
+use crate::nn::{Grouping, LayerOptions, ManagedVarStore, Path};
+use crate::optim::{Algorithm, Kernel, Optimizer};
+use crate::weights::WeightRuntime;
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Something attached to the run's event hub for as long as the handle lives (the HTTP server,
+/// an OTLP exporter), made by a closure given to [`StagehandBuilder::attach`].
+pub type Attachment = Box<dyn Any + Send>;
+
+type Attach = Box<dyn FnOnce(&Arc<Hub>) -> Result<Attachment> + Send>;
+
+/// Builds a [`Stagehand`].
+pub struct StagehandBuilder {
+    budget: Option<u64>,
+    device: Option<Device>,
+    bus: Option<Bus>,
+    prefetch_window: u32,
+    grouping: Grouping,
+    conductor: bool,
+    spill: bool,
+    kernel: Option<Kernel>,
+    attachments: Vec<Attach>,
+}
+
+impl std::fmt::Debug for StagehandBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagehandBuilder")
+            .field("budget", &self.budget)
+            .field("prefetch_window", &self.prefetch_window)
+            .field("conductor", &self.conductor)
+            .field("spill", &self.spill)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StagehandBuilder {
+    /// The device memory the run may use, in bytes (required).
+    pub fn budget_bytes(mut self, bytes: u64) -> Self {
+        self.budget = Some(bytes);
+        self
+    }
+
+    /// The device memory the run may use, in MiB.
+    pub fn budget_mib(self, mib: u64) -> Self {
+        self.budget_bytes(mib.saturating_mul(1 << 20))
+    }
+
+    /// The device (default: CUDA device 0 when present, else the host device with the budget as
+    /// its simulated memory).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// The event bus (default: a new one, whose hub [`Stagehand::hub`] returns).
+    pub fn bus(mut self, bus: Bus) -> Self {
+        self.bus = Some(bus);
+        self
+    }
+
+    /// Blocks prefetched ahead (default 2).
+    pub fn prefetch_window(mut self, k: u32) -> Self {
+        self.prefetch_window = k;
+        self
+    }
+
+    /// How layers become blocks (default: the model's repeated structure).
+    pub fn grouping(mut self, g: Grouping) -> Self {
+        self.grouping = g;
+        self
+    }
+
+    /// Run the Conductor (default on).
+    pub fn conductor(mut self, on: bool) -> Self {
+        self.conductor = on;
+        self
+    }
+
+    /// Spill activations above the plan's watermark (default on).
+    pub fn spill_activations(mut self, on: bool) -> Self {
+        self.spill = on;
+        self
+    }
+
+    /// The host optimizer's kernel (default: fused Adam(W) on CUDA, exact otherwise).
+    pub fn kernel(mut self, k: Kernel) -> Self {
+        self.kernel = Some(k);
+        self
+    }
+
+    /// Attaches something to the run's event hub when the handle is built (the HTTP server and
+    /// dashboards, an OTLP exporter); it lives as long as the handle.
+    pub fn attach(mut self, f: impl FnOnce(&Arc<Hub>) -> Result<Attachment> + Send + 'static) -> Self {
+        self.attachments.push(Box::new(f));
+        self
+    }
+
+    /// Makes the handle: the device, the bus and its attachments, the managed VarStore.
+    pub fn build(self) -> Result<Stagehand> {
+        let budget = self.budget.ok_or_else(|| Error::Config {
+            field: "budget",
+            value: "unset".into(),
+            expected: "a device budget (budget_bytes or budget_mib)".into(),
+        })?;
+        if budget == 0 {
+            return Err(Error::Config {
+                field: "budget",
+                value: "0 bytes".into(),
+                expected: "a device budget above 0".into(),
+            });
+        }
+        let device = match self.device {
+            Some(d) => d,
+            None => Device::auto(budget),
+        };
+        let bus = self.bus.unwrap_or_default();
+        let mut attached = Vec::new();
+        if let Some(hub) = bus.hub().cloned() {
+            for a in self.attachments {
+                attached.push(a(&hub)?);
+            }
+        }
+        bus.publish(EventKind::LimitsSet {
+            owner: Owner::Device,
+            budget_bytes: budget,
+            high_watermark_bytes: None,
+            low_watermark_bytes: None,
+        });
+        let store = ManagedVarStore::new(
+            tch::nn::VarStore::new(tch::Device::Cpu),
+            LayerOptions {
+                weight_room: Some(budget),
+                prefetch_k: self.prefetch_window,
+                telemetry: bus.clone(),
+                device: Some(device.clone()),
+                install_hooks: false,
+                grouping: self.grouping,
+                auto_step: false,
+                ..LayerOptions::default()
+            },
+        )?;
+        Ok(Stagehand {
+            device,
+            bus,
+            store,
+            budget,
+            prefetch_window: self.prefetch_window,
+            conductor_on: self.conductor,
+            spill: self.spill,
+            kernel: self.kernel,
+            state: Mutex::new(step::Run::default()),
+            _attached: attached,
+        })
+    }
+}
+
+/// The handle: a device budget, a model built on its managed VarStore, and the runtimes that
+/// stream its weights and spill its activations under one memory plan.
+pub struct Stagehand {
+    device: Device,
+    bus: Bus,
+    store: ManagedVarStore,
+    budget: u64,
+    prefetch_window: u32,
+    conductor_on: bool,
+    spill: bool,
+    kernel: Option<Kernel>,
+    state: Mutex<step::Run>,
+    // Dropped last: the server keeps serving the run until the handle goes.
+    _attached: Vec<Attachment>,
+}
+
+impl std::fmt::Debug for Stagehand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stagehand")
+            .field("device", &self.device.info().name)
+            .field("budget", &self.budget)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stagehand {
+    /// A builder.
+    pub fn builder() -> StagehandBuilder {
+        StagehandBuilder {
+            budget: None,
+            device: None,
+            bus: None,
+            prefetch_window: plan::DEFAULT_PREFETCH_WINDOW,
+            grouping: Grouping::Repeated,
+            conductor: true,
+            spill: true,
+            kernel: None,
+            attachments: Vec::new(),
+        }
+    }
+
+    /// The root path to build the model on (Stagehand's layers stream; `tch::nn` layers made on
+    /// `&*root` stay on the device).
+    pub fn root(&self) -> Path<'_> {
+        self.store.root()
+    }
+
+    /// The managed VarStore.
+    pub fn store(&self) -> &ManagedVarStore {
+        &self.store
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The bus every event goes to.
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    /// The bus's hub (for consumers attached after the build), if the bus is enabled.
+    pub fn hub(&self) -> Option<&Arc<Hub>> {
+        self.bus.hub()
+    }
+
+    /// The weight runtime.
+    pub fn weights(&self) -> &WeightRuntime {
+        self.store.runtime()
+    }
+
+    fn run(&self) -> MutexGuard<'_, step::Run> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The memory plan, once the model has run (or [`prepare`](Self::prepare) was called).
+    pub fn plan(&self) -> Option<Plan> {
+        self.run().ready.as_ref().map(|r| r.plan.clone())
+    }
+
+    /// The activation runtime, once prepared.
+    pub fn activations(&self) -> Option<ActivationRuntime> {
+        self.run().ready.as_ref().and_then(|r| r.acts.clone())
+    }
+
+    /// The Conductor, once prepared.
+    pub fn conductor(&self) -> Option<Conductor> {
+        self.run().ready.as_ref().map(|r| r.conductor.clone())
+    }
+
+    /// An optimizer over every trainable variable of the model (`tch::nn::AdamW::default()` and
+    /// the other tch configs convert into an [`Algorithm`]).
+    pub fn optimizer(&self, algorithm: impl Into<Algorithm>, lr: f64) -> Result<Optimizer> {
+        let algorithm = algorithm.into();
+        let kernel = self.kernel.unwrap_or_else(|| Kernel::auto(&algorithm, self.device.is_cuda()));
+        let unmanaged = self.store.unmanaged_trainable().into_iter().map(|(_, t)| t).collect();
+        let opt = Optimizer::new(self.weights(), unmanaged, algorithm, lr, kernel)?;
+        self.run().optimizer_state_factor = match algorithm {
+            Algorithm::Adam { .. } | Algorithm::AdamW { .. } => 2,
+            Algorithm::Sgd { momentum, .. } if momentum > 0.0 => 1,
+            Algorithm::Sgd { .. } => 0,
+            Algorithm::RmsProp { momentum, centered, .. } => 1 + u64::from(momentum > 0.0) + u64::from(centered),
+        };
+        Ok(opt)
+    }
+
+    /// Registers the model's blocks, derives the memory plan and sets up the runtimes and the
+    /// Conductor (otherwise the first step does it). Returns the plan.
+    pub fn prepare(&self) -> Result<Plan> {
+        let mut run = self.run();
+        self.ensure_ready(&mut run)?;
+        run.ready
+            .as_ref()
+            .map(|r| r.plan.clone())
+            .ok_or_else(|| Error::internal("prepared without a plan"))
+    }
+
+    fn ensure_ready(&self, run: &mut step::Run) -> Result<()> {
+        if run.ready.is_some() {
+            return Ok(());
+        }
+        self.store.seal()?;
+        let weights = self.weights();
+        // Unmanaged variables live on the compute device.
+        let dev = self.device.tch_device();
+        let managed = self.store.managed_names();
+        let mut unmanaged = (0u64, 0u64);
+        for (name, mut t) in self.store.var_store().variables() {
+            if managed.contains(&name) {
+                continue;
+            }
+            let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            if t.requires_grad() {
+                unmanaged.0 += bytes;
+            } else {
+                unmanaged.1 += bytes;
+            }
+            if t.device() != dev {
+                let moved = t.f_to_device(dev)?;
+                t.set_data(&moved);
+            }
+        }
+        let specs = weights.blocks();
+        let facts = ModelFacts {
+            blocks: specs.iter().map(|b| (b.bytes as u64, b.trainable())).collect(),
+            unmanaged_trainable_bytes: unmanaged.0,
+            unmanaged_frozen_bytes: unmanaged.1,
+            optimizer_state_factor: run.optimizer_state_factor,
+        };
+        let machine = Machine {
+            device_bytes: self.device.info().total_bytes,
+            host_available_bytes: plan::host_available_bytes(),
+        };
+        let plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
+        let resident: Vec<_> = plan.resident_blocks.iter().map(|&i| specs[i].id).collect();
+        weights.set_resident(&resident)?;
+        let room = if plan.streams() { plan.weight_room_bytes } else { u64::MAX / 4 };
+        weights.configure(
+            room,
+            format!("the plan for a {} MiB budget", self.budget >> 20),
+            plan.prefetch_window,
+            plan.max_inflight_h2d,
+        )?;
+        let acts = if self.spill {
+            let cfg = ActivationConfig::builder()
+                .watermarks_bytes(plan.spill_high_bytes, plan.spill_low_bytes)
+                .max_inflight(plan.max_inflight_spills, plan.max_inflight_restores)
+                .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                .size_pool_from_trace(true, Some(plan.pool_limit_bytes))
+                .build()?;
+            Some(ActivationRuntime::new(self.device.clone(), cfg, self.bus.clone(), Some(weights.resolver()))?)
+        } else {
+            None
+        };
+        let conductor = if self.conductor_on {
+            let mib = |b: u64| (b >> 20).max(1);
+            let dev = self.device.clone();
+            let c = Conductor::new(
+                ConductorConfig::builder()
+                    .vram_soft_cap_mb(mib(plan.soft_cap_bytes))
+                    .vram_hard_cap_mb(mib(plan.hard_cap_bytes).max(mib(plan.soft_cap_bytes) + 1))
+                    .h2d_slots(plan.h2d_slots)
+                    .d2h_slots(plan.d2h_slots)
+                    .priority_reserve_mb((mib(plan.budget_bytes) / 64).max(1))
+                    .backward_pressure_fraction(0.95)
+                    .build()?,
+                self.bus.clone(),
+                move || dev.memory().allocated,
+            )?;
+            weights.attach_conductor(&c)?;
+            if let Some(a) = &acts {
+                a.attach_conductor(&c)?;
+            }
+            c
+        } else {
+            Conductor::disabled()
+        };
+        if self.conductor_on {
+            self.bus.publish(EventKind::LimitsSet {
+                owner: Owner::Conductor,
+                budget_bytes: plan.soft_cap_bytes,
+                high_watermark_bytes: Some(plan.hard_cap_bytes),
+                low_watermark_bytes: None,
+            });
+        }
+        run.ready = Some(step::Ready { plan, acts, conductor });
+        Ok(())
+    }
+
+    /// Waits for the host optimizer, ends the runtimes and gives the device memory back; each
+    /// parameter then holds its values on the CPU.
+    pub fn shutdown(&self) -> Result<()> {
+        let run = self.run();
+        if let Some(r) = &run.ready {
+            r.conductor.shutdown();
+        }
+        self.weights().shutdown()
+    }
+}

@@ -1,0 +1,321 @@
+//! The memory plan: everything a run's device budget decides, derived in one place from the
+//! budget and the model, with the reasoning kept in words.
+//!
+//! The budget is cut, in order, into:
+//! 1. a **reserve** for the allocator's rounding and kernels' workspaces (a sixteenth);
+//! 2. the model's **unmanaged** variables, with their gradients and optimizer state (they live
+//!    on the device);
+//! 3. **resident blocks**: every block when all of them fit in half of what is left (nothing then
+//!    streams), else only the small ones (under an eighth of the largest block, which would waste
+//!    a slot), with their gradients and optimizer state;
+//! 4. the **weights' room**: equal slots of the largest streamed block, enough for the prefetch
+//!    window and about a quarter of the rest, plus room for the gradients of the block backward
+//!    is leaving;
+//! 5. **activations**: spilling starts when allocated memory reaches the high watermark (what is
+//!    left) and stops under the low one (three quarters of it); restores ahead of backward may
+//!    use the space between them.
+//!
+//! The Conductor gets the budget as its soft cap (a tenth more as its hard cap) and as many
+//! transfer slots as the runtimes' copies in flight. Host memory is checked too: the host copies
+//! of the weights, their gradients (pinned), the optimizer state and the activation pool must
+//! fit in the memory the host has available.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+const MIB: u64 = 1 << 20;
+/// Share of the budget kept for the allocator and kernels' workspaces.
+pub const RESERVE_FRACTION: f64 = 1.0 / 16.0;
+/// Share of the usable budget the weights' room aims for when the model streams.
+pub const WEIGHT_SHARE: f64 = 0.25;
+/// Blocks smaller than this fraction of the largest stay resident.
+pub const SMALL_BLOCK_FRACTION: u64 = 8;
+/// Blocks prefetched ahead by default.
+pub const DEFAULT_PREFETCH_WINDOW: u32 = 2;
+
+/// What the plan needs to know about the model.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelFacts {
+    /// Bytes and trainability of each managed block.
+    pub blocks: Vec<(u64, bool)>,
+    /// Bytes of trainable and of frozen variables the runtime does not manage.
+    pub unmanaged_trainable_bytes: u64,
+    pub unmanaged_frozen_bytes: u64,
+    /// Optimizer state per trainable byte (2 for Adam and AdamW, 1 for SGD with momentum).
+    pub optimizer_state_factor: u64,
+}
+
+/// The machine the plan must fit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Machine {
+    /// Device memory in all.
+    pub device_bytes: u64,
+    /// Host memory available now.
+    pub host_available_bytes: u64,
+}
+
+/// Every memory decision of a run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub budget_bytes: u64,
+    pub reserve_bytes: u64,
+    /// Device bytes of unmanaged variables with their gradients and optimizer state.
+    pub unmanaged_bytes: u64,
+    /// Indices of the blocks kept resident (in `ModelFacts::blocks` order).
+    pub resident_blocks: Vec<usize>,
+    /// Device bytes of resident blocks with their gradients and optimizer state.
+    pub resident_bytes: u64,
+    /// The streaming room: slots of `slot_bytes` each (0 when nothing streams).
+    pub slots: u32,
+    pub slot_bytes: u64,
+    pub weight_room_bytes: u64,
+    /// Device bytes kept for gradients of streamed blocks on their way to the host.
+    pub gradient_bytes: u64,
+    pub spill_high_bytes: u64,
+    pub spill_low_bytes: u64,
+    pub restore_allowance_bytes: u64,
+    pub prefetch_window: u32,
+    pub max_inflight_h2d: u32,
+    pub max_inflight_restores: u32,
+    pub max_inflight_spills: u32,
+    pub soft_cap_bytes: u64,
+    pub hard_cap_bytes: u64,
+    pub h2d_slots: u32,
+    pub d2h_slots: u32,
+    /// Host bytes the plan pins (weights, their gradients) and the most the activation pool may.
+    pub pinned_bytes: u64,
+    pub pool_limit_bytes: u64,
+    /// Host bytes of optimizer state (pageable).
+    pub optimizer_state_bytes: u64,
+    /// The derivation, one line per decision.
+    pub reasons: Vec<String>,
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / MIB as f64)
+}
+
+impl Plan {
+    /// Derives the plan for `budget` bytes of device memory. Errors say which part does not fit
+    /// and what would.
+    pub fn derive(budget: u64, model: &ModelFacts, machine: Machine, prefetch_window: u32) -> Result<Plan> {
+        let bad = |expected: String| Error::Config {
+            field: "budget",
+            value: format!("{budget} bytes ({})", mib(budget)),
+            expected,
+        };
+        if machine.device_bytes > 0 && budget > machine.device_bytes {
+            return Err(bad(format!("at most the device's memory, {}", mib(machine.device_bytes))));
+        }
+        let state = model.optimizer_state_factor;
+        let cost = |bytes: u64, trainable: bool| if trainable { bytes.saturating_mul(2 + state) } else { bytes };
+        let largest = model.blocks.iter().map(|b| b.0).max().unwrap_or(0);
+        let mut p = Plan {
+            budget_bytes: budget,
+            prefetch_window: prefetch_window.max(1),
+            ..Plan::default()
+        };
+        p.reserve_bytes = ((budget as f64 * RESERVE_FRACTION) as u64).max(MIB.min(budget / 4));
+        p.unmanaged_bytes = cost(model.unmanaged_trainable_bytes, true).saturating_add(model.unmanaged_frozen_bytes);
+        let usable = budget
+            .checked_sub(p.reserve_bytes)
+            .and_then(|b| b.checked_sub(p.unmanaged_bytes))
+            .filter(|&u| u > 0)
+            .ok_or_else(|| {
+                bad(format!(
+                    "more than the reserve {} plus the unmanaged variables with gradients and optimizer state {}",
+                    mib(p.reserve_bytes),
+                    mib(p.unmanaged_bytes)
+                ))
+            })?;
+        p.reasons.push(format!(
+            "budget {}: reserve {} for the allocator, {} for unmanaged variables, {} usable",
+            mib(budget),
+            mib(p.reserve_bytes),
+            mib(p.unmanaged_bytes),
+            mib(usable)
+        ));
+        let all: u64 = model.blocks.iter().map(|&(b, t)| cost(b, t)).sum();
+        if all <= usable / 2 {
+            p.resident_blocks = (0..model.blocks.len()).collect();
+            p.resident_bytes = all;
+            p.reasons.push(format!(
+                "every block stays on the device: {} with gradients and optimizer state is within half of the usable budget",
+                mib(all)
+            ));
+        } else {
+            let small = largest / SMALL_BLOCK_FRACTION;
+            for (i, &(b, t)) in model.blocks.iter().enumerate() {
+                if b <= small {
+                    p.resident_blocks.push(i);
+                    p.resident_bytes += cost(b, t);
+                }
+            }
+            let streamed_trainable = model
+                .blocks
+                .iter()
+                .enumerate()
+                .any(|(i, b)| b.1 && !p.resident_blocks.contains(&i));
+            // The block backward is leaving and the one it works on hold device gradients.
+            p.gradient_bytes = if streamed_trainable { 2 * largest } else { 0 };
+            let left = usable.saturating_sub(p.resident_bytes + p.gradient_bytes);
+            let streamed = model.blocks.len() - p.resident_blocks.len();
+            let want = (left as f64 * WEIGHT_SHARE) as u64 / largest.max(1);
+            let slots = want.max(u64::from(p.prefetch_window) + 2).min(streamed as u64);
+            // At least two slots (one in use, one landing), and the room may take at most
+            // half of what is left: activations need the rest.
+            let max_slots = (left / 2) / largest.max(1);
+            if max_slots < 2.min(streamed as u64) {
+                return Err(bad(format!(
+                    "room for two of the largest block ({} each) in half of {} left after resident blocks and gradients; at least {} in all",
+                    mib(largest),
+                    mib(left),
+                    mib(budget - left + 4 * largest)
+                )));
+            }
+            p.slots = slots.min(max_slots) as u32;
+            p.slot_bytes = largest;
+            p.weight_room_bytes = u64::from(p.slots) * largest;
+            p.reasons.push(format!(
+                "{} of {} blocks stream through {} slots of {} ({}); {} small blocks stay resident ({})",
+                streamed,
+                model.blocks.len(),
+                p.slots,
+                mib(largest),
+                mib(p.weight_room_bytes),
+                p.resident_blocks.len(),
+                mib(p.resident_bytes)
+            ));
+        }
+        let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
+        let high = usable.saturating_sub(weights);
+        if high < MIB.min(usable / 8) {
+            return Err(bad(format!(
+                "room for activations after {} of weights; at least {} more",
+                mib(weights),
+                mib(MIB.min(usable / 8))
+            )));
+        }
+        // Watermarks compare with all allocated memory, which includes the reserve's users and
+        // the unmanaged variables.
+        p.spill_high_bytes = p.reserve_bytes / 2 + p.unmanaged_bytes + weights + high;
+        p.spill_low_bytes = p.spill_high_bytes - high / 4;
+        p.restore_allowance_bytes = high / 4;
+        p.reasons.push(format!(
+            "activations spill above {} until under {}; restores ahead of backward may hold {}",
+            mib(p.spill_high_bytes),
+            mib(p.spill_low_bytes),
+            mib(p.restore_allowance_bytes)
+        ));
+        p.max_inflight_h2d = p.prefetch_window.max(2);
+        p.max_inflight_restores = 4;
+        p.max_inflight_spills = 64;
+        p.soft_cap_bytes = budget;
+        p.hard_cap_bytes = budget + budget / 10;
+        p.h2d_slots = p.max_inflight_h2d + p.max_inflight_restores;
+        p.d2h_slots = p.max_inflight_spills + 8;
+        let weights_host: u64 = model.blocks.iter().map(|b| b.0).sum();
+        let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum();
+        p.pinned_bytes = weights_host + grads_host;
+        p.optimizer_state_bytes = grads_host * state;
+        let host_left = machine
+            .host_available_bytes
+            .saturating_sub(p.pinned_bytes + p.optimizer_state_bytes);
+        p.pool_limit_bytes = (host_left / 2).min(8 * high.max(MIB));
+        if machine.host_available_bytes > 0 && p.pinned_bytes + p.optimizer_state_bytes > machine.host_available_bytes {
+            return Err(Error::Config {
+                field: "model",
+                value: format!(
+                    "{} of host weights and gradients plus {} of optimizer state",
+                    mib(p.pinned_bytes),
+                    mib(p.optimizer_state_bytes)
+                ),
+                expected: format!("at most the host's available memory, {}", mib(machine.host_available_bytes)),
+            });
+        }
+        p.reasons.push(format!(
+            "host: {} pinned for weights and gradients, {} of optimizer state, activation pool at most {}",
+            mib(p.pinned_bytes),
+            mib(p.optimizer_state_bytes),
+            mib(p.pool_limit_bytes)
+        ));
+        Ok(p)
+    }
+
+    /// Whether anything streams.
+    pub fn streams(&self) -> bool {
+        self.slots > 0
+    }
+}
+
+/// Host memory available now (`MemAvailable`), or 0 when it cannot be read.
+pub fn host_available_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt(layers: usize, block: u64) -> ModelFacts {
+        let mut blocks = vec![(block / 50, true), (block / 100, true)];
+        blocks.extend((0..layers).map(|_| (block, true)));
+        blocks.push((block / 50, true));
+        ModelFacts {
+            blocks,
+            optimizer_state_factor: 2,
+            ..ModelFacts::default()
+        }
+    }
+
+    const GB: u64 = 1 << 30;
+    const HOST: Machine = Machine {
+        device_bytes: 80 * GB,
+        host_available_bytes: 100 * GB,
+    };
+
+    #[test]
+    fn a_model_that_fits_stays_resident() {
+        let p = Plan::derive(16 * GB, &gpt(4, 50 * MIB), HOST, 2).expect("plan");
+        assert!(!p.streams());
+        assert_eq!(p.resident_blocks.len(), 7);
+        assert!(p.spill_high_bytes > p.spill_low_bytes);
+    }
+
+    #[test]
+    fn a_large_model_streams_through_slots_of_its_largest_block() {
+        // 24 blocks of 201 MB (d=2048, f32) under 4 GiB: the demo's 1.2 B parameter model.
+        let block = 12 * 2048 * 2048 * 4;
+        let p = Plan::derive(4 * GB, &gpt(24, block), HOST, 2).expect("plan");
+        assert!(p.streams());
+        assert_eq!(p.slot_bytes, block);
+        assert!(p.slots >= 4, "{p:?}");
+        assert_eq!(p.resident_blocks, [0, 1, 26], "the embeddings and head are small");
+        let used = p.reserve_bytes + p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
+        assert!(used < p.spill_high_bytes && p.spill_high_bytes <= p.budget_bytes, "{p:?}");
+        assert_eq!(p.hard_cap_bytes, 4 * GB + 4 * GB / 10);
+        assert!(!p.reasons.is_empty());
+    }
+
+    #[test]
+    fn impossible_budgets_are_clear_errors() {
+        let block = 100 * MIB;
+        for budget in [0, 1, 2 * MIB, 300 * MIB] {
+            let e = Plan::derive(budget, &gpt(8, block), HOST, 2).expect_err("too small");
+            assert!(e.to_string().contains("budget"), "{e}");
+        }
+        let e = Plan::derive(u64::MAX, &gpt(8, block), HOST, 2).expect_err("more than the device");
+        assert!(e.to_string().contains("device's memory"), "{e}");
+        let small_host = Machine { device_bytes: 80 * GB, host_available_bytes: 2 * GB };
+        let e = Plan::derive(8 * GB, &gpt(24, block), small_host, 2).expect_err("host too small");
+        assert!(e.to_string().contains("host's available memory"), "{e}");
+    }
+}
