@@ -5,7 +5,8 @@
 //! Run: `cargo bench -p stagehand-runtime --bench copies` (prints GB/s per direction and both at
 //! once).
 
-use stagehand::device::Device;
+use stagehand::device::{Device, Order};
+use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -21,7 +22,7 @@ fn main() -> anyhow::Result<()> {
     println!("device: {} ({:?}), buffer {mib} MiB, {reps} reps", info.name, info.kind);
     let h2d_stream = dev.copy_stream()?;
     let d2h_stream = dev.copy_stream()?;
-    let host_a = dev.alloc_host(bytes)?;
+    let host_a = Arc::new(dev.alloc_host(bytes)?);
     let mut host_b = dev.alloc_host(bytes)?;
     println!("pinned: {}", host_a.is_pinned());
     let dst = Tensor::zeros([bytes as i64], (Kind::Uint8, dev.tch_device()));
@@ -29,27 +30,27 @@ fn main() -> anyhow::Result<()> {
     dev.synchronize()?;
 
     // Warm up both directions.
-    h2d_stream.h2d(&dst, &host_a, 0, None)?.wait()?;
-    d2h_stream.d2h(&mut host_b, 0, &src, None)?.wait()?;
+    h2d_stream.h2d(&dst, host_a.clone(), 0, Order::AfterCompute)?.wait()?;
+    host_b = d2h_stream.d2h(host_b, 0, &src, Order::AfterCompute)?.wait()?.0;
 
     let t = Instant::now();
     for _ in 0..reps {
-        h2d_stream.h2d(&dst, &host_a, 0, None)?.wait()?;
+        h2d_stream.h2d(&dst, host_a.clone(), 0, Order::AfterCompute)?.wait()?;
     }
     let h2d = (bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
 
     let t = Instant::now();
     for _ in 0..reps {
-        d2h_stream.d2h(&mut host_b, 0, &src, None)?.wait()?;
+        host_b = d2h_stream.d2h(host_b, 0, &src, Order::AfterCompute)?.wait()?.0;
     }
     let d2h = (bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
 
     let t = Instant::now();
     for _ in 0..reps {
-        let a = h2d_stream.h2d(&dst, &host_a, 0, None)?;
-        let b = d2h_stream.d2h(&mut host_b, 0, &src, None)?;
+        let a = h2d_stream.h2d(&dst, host_a.clone(), 0, Order::AfterCompute)?;
+        let b = d2h_stream.d2h(host_b, 0, &src, Order::AfterCompute)?;
         a.wait()?;
-        b.wait()?;
+        host_b = b.wait()?.0;
     }
     let both = (2 * bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
     // Keep the buffers alive past the timed loops.

@@ -63,6 +63,9 @@ struct Shared {
     kind: PoolKind,
     classes: Vec<Class>,
     pageable_fallback: bool,
+    /// Warn on the first pageable fallback (off for a provisional pool, which a traced step
+    /// replaces).
+    warn: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
     cv: Condvar,
     bus: Bus,
@@ -153,6 +156,7 @@ impl SlabPool {
                 kind,
                 classes,
                 pageable_fallback,
+                warn: std::sync::atomic::AtomicBool::new(true),
                 state: Mutex::new(State {
                     free: slabs.iter().map(|&n| (0..n).rev().collect()).collect(),
                     shutdown: false,
@@ -212,7 +216,7 @@ impl SlabPool {
             pool: sh.kind,
             bytes: bytes as u64,
         });
-        if first {
+        if first && sh.warn.load(std::sync::atomic::Ordering::Relaxed) {
             // One warning per pool: the counters carry the rest.
             sh.bus.publish(EventKind::Warning {
                 source: owner(sh.kind),
@@ -304,6 +308,12 @@ impl SlabPool {
                 .map(|(g, _)| g)
                 .unwrap_or_else(|p| p.into_inner().0);
         }
+    }
+
+    /// Whether the first pageable fallback publishes a warning (on by default; a provisional
+    /// pool that a traced step will replace is quiet).
+    pub fn set_warn_on_fallback(&self, on: bool) {
+        self.shared.warn.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Current counters.

@@ -1,14 +1,14 @@
-//! The main job: trains a small GPT under Stagehand with its telemetry, on CUDA where present and
-//! on the host device otherwise. Run it with `scripts/demo` (which sets everything up first).
+//! The main job: trains a small GPT under one Stagehand handle with its telemetry, on CUDA where
+//! present and on the host device otherwise. Run it with `scripts/demo` (which sets everything up
+//! first).
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
-use stagehand::events::jsonl::{JsonlSink, OpenMode};
 use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce, train, Memory, TrainConfig};
-use std::path::PathBuf;
+use stagehand_examples::trainer::{announce, train, train_stagehand, Memory, TrainConfig};
+use std::path::{Path, PathBuf};
 
 /// Train a GPT-style model under Stagehand and watch it live.
 #[derive(Debug, Parser)]
@@ -29,8 +29,9 @@ struct Args {
     /// Sequences per batch.
     #[arg(long, default_value_t = 16)]
     batch: i64,
-    /// Device VRAM budget in MiB (the simulated VRAM on the host device).
-    #[arg(long, default_value_t = 32)]
+    /// Device memory budget in MiB (the simulated VRAM on the host device). Everything else (the
+    /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it.
+    #[arg(long, default_value_t = 16)]
     budget_mib: u64,
     /// Telemetry file (JSONL); never overwritten. Default: runs/stagehand-<time>.jsonl
     #[arg(long)]
@@ -55,15 +56,25 @@ struct Args {
     keep_serving: bool,
 }
 
+/// How to run a sibling binary as printed: its path when it was built beside this one (as
+/// `scripts/demo` does), else its name (installed on PATH).
+fn sibling(name: &str) -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join(name)))
+        .filter(|p| p.exists())
+        .map(|p| {
+            let cwd = std::env::current_dir().unwrap_or_default();
+            p.strip_prefix(&cwd).map(Path::to_path_buf).unwrap_or(p).display().to_string()
+        })
+        .unwrap_or_else(|| name.to_owned())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     stagehand::torch::init();
-    let budget = args.budget_mib << 20;
-    let device = if args.cpu {
-        Device::host(budget)
-    } else {
-        Device::auto(budget)
-    };
+    let budget = args.budget_mib.checked_mul(1 << 20).context("--budget-mib is too large")?;
+    let device = if args.cpu { Device::host(budget) } else { Device::auto(budget) };
     let info = device.info();
 
     let out = args.out.clone().unwrap_or_else(|| {
@@ -73,76 +84,60 @@ fn main() -> Result<()> {
             .unwrap_or(0);
         PathBuf::from(format!("runs/stagehand-{secs}.jsonl"))
     });
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let bus = Bus::new();
     let hub = bus.hub().context("the bus is enabled")?.clone();
-    hub.add_sink(Box::new(
-        JsonlSink::open(&out, OpenMode::CreateNew).context("opening the telemetry file")?,
-    ));
-    // Started before `run_started` is published, so /metrics takes its device labels from it.
+    // The server binds before the telemetry file is made, so a port clash leaves no empty file
+    // behind; it starts before `run_started`, so /metrics takes its device labels from it.
     let server = if args.no_serve {
         None
     } else {
-        Some(
-            stagehand_web::Server::live(hub.clone(), &args.addr)
-                .with_context(|| format!("serving on {}", args.addr))?,
-        )
+        Some(stagehand_web::Server::live(hub.clone(), &args.addr).with_context(|| format!("serving on {}", args.addr))?)
     };
+    hub.add_sink(Box::new(
+        stagehand::events::JsonlSink::open(&out, stagehand::events::OpenMode::CreateNew)
+            .with_context(|| format!("opening the telemetry file {}", out.display()))?,
+    ));
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+        || std::env::var_os("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT").is_some()
+    {
+        hub.add_sink(Box::new(stagehand_exporter::otlp::OtelSink::from_env().context("the OTLP exporter (OTEL_* variables)")?));
+    }
 
     let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget);
     if args.resident {
         cfg.memory = Memory::Resident;
     }
     cfg.conductor = !args.no_conductor;
-    let run_id = out
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let run_id = out.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     announce(&bus, &cfg, &device, &run_id);
-    let model_desc = cfg.describe();
 
-    println!("stagehand demo: {model_desc}");
+    println!("stagehand demo: {}", cfg.describe());
     println!(
         "  device     {}{}",
         info.name,
-        if info.host_simulated() {
-            " (no CUDA: VRAM is simulated on the host)"
-        } else {
-            ""
-        }
+        if info.host_simulated() { " (no CUDA: VRAM is simulated on the host)" } else { "" }
     );
     if let Some(server) = &server {
         let url = server.url();
         println!("  dashboard  {url}/");
         println!("  metrics    {url}/metrics");
-        println!("  live TUI   stagehand-top --connect {url}");
+        println!("  live TUI   {} --connect {url}", sibling("stagehand-top"));
     }
     println!("  telemetry  {}", out.display());
-    println!("  replay it  stagehand-top --replay {}", out.display());
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!("  replay it  {} --replay {}", sibling("stagehand-top"), out.display());
+    println!("  trace it   {} {}", sibling("stagehand-trace"), out.display());
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     match cfg.memory {
-        Memory::Resident => {
-            println!("  memory     resident: plain tch, no streaming, no spilling (--resident)")
-        }
-        Memory::Streamed {
-            weight_budget_bytes,
-            spill_high_bytes,
-            spill_low_bytes,
-        } => {
-            let weights = (cfg.model.parameters() * 4) as u64;
+        Memory::Resident => println!("  memory     resident: plain tch, no streaming, no spilling (--resident)"),
+        Memory::Stagehand => {
             println!(
-                "  weights    streamed: {:.1} MiB of weights through {:.1} MiB of device room{}",
-                mib(weights),
-                mib(weight_budget_bytes),
-                if weights > weight_budget_bytes { " (so blocks really stream)" } else { "" }
+                "  memory     one Stagehand handle with a {:.0} MiB budget; the plan follows the first step",
+                mib(budget)
             );
-            println!(
-                "  activations spilled to pinned host memory above {:.1} MiB, down to {:.1} MiB",
-                mib(spill_high_bytes),
-                mib(spill_low_bytes)
-            );
-            if cfg.conductor {
-                println!("  conductor  phases, budgets and hints (soft cap {:.0} MiB)", mib(budget));
-            } else {
+            if !cfg.conductor {
                 println!("  conductor  off (--no-conductor)");
             }
         }
@@ -150,51 +145,74 @@ fn main() -> Result<()> {
 
     let bar = ProgressBar::new(args.steps);
     bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let summary = train(&cfg, &device, &bus, |_, loss, dt| {
+    let on_step = |step: u64, loss: f64, dt: f64| {
         bar.set_message(format!("loss {loss:.3}  {:.0} ms/step", dt * 1e3));
         bar.inc(1);
-    })?;
+        if step == 1 {
+            bar.println("  step 1 traced the itinerary and sized the pools");
+        }
+    };
+    let summary = match cfg.memory {
+        Memory::Resident => train(&cfg, &device, &bus, on_step)?,
+        Memory::Stagehand => train_stagehand(&cfg, &device, &bus, on_step, |b| b)?,
+    };
     bar.finish();
     bus.flush();
     let snap = hub.snapshot();
     bus.close();
 
+    if let Some(plan) = &summary.plan {
+        println!("plan");
+        for line in &plan.reasons {
+            println!("  {line}");
+        }
+    }
     println!("summary");
     let (first, last) = summary.loss_drop();
     println!("  loss       {first:.3} -> {last:.3} (mean of the first and last tenth)");
-    println!("  step time  {:.1} ms mean", summary.mean_step_s * 1e3);
-    println!("  peak VRAM  {:.1} MiB", summary.peak_bytes as f64 / (1 << 20) as f64);
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    if matches!(cfg.memory, Memory::Streamed { .. }) {
+    println!(
+        "  step time  {:.1} ms mean over steps 2 and later (step 1: {:.1} ms)",
+        summary.steady_step_s() * 1e3,
+        summary.step_times.first().copied().unwrap_or(0.0) * 1e3
+    );
+    println!("  peak VRAM  {:.1} MiB of a {:.0} MiB budget", mib(summary.peak_bytes), mib(budget));
+    if cfg.memory == Memory::Stagehand {
         println!(
-            "  moved      {:.1} MiB H2D, {:.1} MiB D2H",
+            "  moved      {:.1} MiB H2D, {:.1} MiB D2H (weights, gradients, activations)",
             mib(snap.transfers.h2d.bytes),
             mib(snap.transfers.d2h.bytes)
         );
+        let hits = snap.weights.prefetch_hits;
+        let misses = snap.weights.prefetch_misses;
         println!(
-            "  weights    {} prefetch hits, {} misses, {} evictions, {:.1} ms stalled",
-            snap.weights.prefetch_hits,
-            snap.weights.prefetch_misses,
-            snap.weights.evictions,
-            snap.weights.stall_time_ms
+            "  weights    {hits} prefetch hits, {misses} misses ({:.1}% hit rate), {} evictions",
+            100.0 * hits as f64 / (hits + misses).max(1) as f64,
+            snap.weights.evictions
         );
         println!(
-            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} stalls",
+            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} through pageable memory",
             snap.activations.saved,
             snap.activations.spilled,
             mib(snap.activations.spill_bytes),
             snap.activations.restored,
             snap.activations.predicted,
-            snap.activations.stall_count
+            snap.activations.pool_misses
         );
+        if let Some(t) = summary.breakdowns.last() {
+            println!(
+                "  last step  {:.1} ms: compute {:.1}, waiting on copies {:.1} in / {:.1} out, stalls {:.1}, optimizer {:.1}",
+                t.step_ms,
+                t.compute_ms,
+                t.h2d_wait_ms,
+                t.d2h_wait_ms,
+                t.weight_stall_ms + t.restore_stall_ms,
+                t.optimizer_ms
+            );
+        }
     }
-    println!(
-        "  events     {} recorded, {} dropped",
-        snap.events_applied, snap.dropped_events
-    );
+    println!("  events     {} recorded, {} dropped", snap.events_applied, snap.dropped_events);
     println!("  telemetry  {}", out.display());
     if let Some(server) = server {
         if args.keep_serving {

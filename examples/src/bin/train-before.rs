@@ -5,22 +5,21 @@
 
 use stagehand_examples::data::progression_batch;
 use stagehand_examples::gpt::{Gpt, GptConfig, TchLayers};
-use tch::nn::{self, OptimizerConfig};
+use tch::nn::{self, Module, OptimizerConfig};
 
 fn main() -> anyhow::Result<()> {
     let steps: u64 = std::env::args().nth(1).map_or(Ok(50), |s| s.parse())?;
     let device = tch::Device::cuda_if_available();
     let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
     tch::manual_seed(0);
-    let vs = nn::VarStore::new(device);
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
     let model = Gpt::new(&TchLayers(vs.root()), cfg);
+    vs.set_device(device);
     let mut opt = nn::AdamW::default().build(&vs, 3e-3)?;
     for step in 1..=steps {
         let batch = progression_batch(16, cfg.block_size, cfg.vocab, device);
-        let loss = Gpt::loss(&model.logits(&model.blocks.iter().fold(model.embed(&batch.inputs), |x, b| tch::nn::Module::forward(b, &x))), &batch.targets);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
+        let loss = Gpt::loss(&model.forward(&batch.inputs), &batch.targets);
+        opt.backward_step(&loss);
         if step % 10 == 0 || step == steps {
             println!("step {step:4}  loss {:.3}", loss.double_value(&[]));
         }

@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use stagehand::device::Device;
-use std::time::Instant;
 use tch::{nn, Kind, Tensor};
 
 /// The projections of one block, in the order `block_fwd` functions take them.
@@ -73,24 +72,7 @@ pub fn weights_of(vs: &nn::VarStore, blocks: i64) -> Vec<Vec<Tensor>> {
 }
 
 /// Pinned copy bandwidth through the device layer's copy stream, bytes per second: (H2D, D2H).
-/// H2D copies are queued back to back; D2H copies are waited one by one, as spills are.
 pub fn pinned_bandwidth(dev: &Device, bytes: usize) -> anyhow::Result<(f64, f64)> {
-    let mut host = dev.alloc_host(bytes)?;
-    let t = Tensor::empty([bytes as i64], (Kind::Uint8, dev.tch_device()));
-    let stream = dev.copy_stream()?;
-    stream.h2d(&t, &host, 0, None)?.wait()?;
-    let reps = 5;
-    let t0 = Instant::now();
-    let pending = (0..reps).map(|_| stream.h2d(&t, &host, 0, None)).collect::<Result<Vec<_>, _>>()?;
-    for p in pending {
-        p.wait()?;
-    }
-    let h2d = (bytes * reps) as f64 / t0.elapsed().as_secs_f64();
-    stream.d2h(&mut host, 0, &t, None)?.wait()?;
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        stream.d2h(&mut host, 0, &t, None)?.wait()?;
-    }
-    let d2h = (bytes * reps) as f64 / t0.elapsed().as_secs_f64();
-    Ok((h2d, d2h))
+    let b = stagehand::device::bandwidth::measure(dev, bytes)?;
+    Ok((b.h2d, b.d2h))
 }

@@ -66,6 +66,9 @@ pub struct ActivationConfig {
     pub regions: Vec<String>,
     /// Region groups at the end of the forward that stay on the device once learned (0: off).
     pub keep_tail_groups: u32,
+    /// Most bytes those groups may hold together: fewer groups are kept when the last ones are
+    /// larger (`None`: no limit). Bounds what the tail adds above the high watermark.
+    pub tail_max_bytes: Option<u64>,
     /// Spilled tensors restored ahead of need (0: restore on demand only).
     pub restore_lookahead: u32,
     /// Device bytes restores ahead of need may hold at once.
@@ -98,6 +101,7 @@ impl Default for ActivationConfig {
             spill_fraction: DEFAULT_SPILL_FRACTION,
             regions: Vec::new(),
             keep_tail_groups: DEFAULT_KEEP_TAIL_GROUPS,
+            tail_max_bytes: None,
             restore_lookahead: DEFAULT_RESTORE_LOOKAHEAD,
             restore_allowance_bytes: DEFAULT_RESTORE_ALLOWANCE_BYTES,
             debug_checksums: DEFAULT_DEBUG_CHECKSUMS,
@@ -231,6 +235,11 @@ impl ActivationConfigBuilder {
     /// Region groups at the end of the forward kept on the device (0: off).
     pub fn keep_tail_groups(mut self, groups: u32) -> Self {
         self.cfg.keep_tail_groups = groups;
+        self
+    }
+    /// Most bytes the kept tail groups may hold together.
+    pub fn tail_max_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.cfg.tail_max_bytes = bytes;
         self
     }
     /// Predictive restore depth and its device allowance.

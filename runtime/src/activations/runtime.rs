@@ -80,6 +80,9 @@ impl ActivationRuntime {
             config.pageable_fallback,
             bus.clone(),
         )?;
+        // The first pool is provisional when a traced step will size the real one: spills that
+        // find no slab there are expected, not worth a warning.
+        pool.set_warn_on_fallback(!config.size_pool_from_trace);
         let state = State {
             records: Records::default(),
             pool,

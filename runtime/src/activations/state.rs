@@ -189,11 +189,7 @@ impl Shared {
             || region
                 .as_deref()
                 .is_some_and(|path| self.config.regions.iter().any(|p| region_matches(p, path)));
-        let keep_tail = self.config.keep_tail_groups as usize;
-        let tail = keep_tail > 0
-            && !g.in_backward
-            && !g.profile.is_empty()
-            && g.group.is_some_and(|gi| gi as usize + keep_tail >= g.profile.len());
+        let tail = !g.in_backward && g.group.is_some_and(|gi| self.tail_from(&g).is_some_and(|from| gi as usize >= from));
         let spillable = on_device && !parameter && bytes >= self.config.min_spill_bytes && region_allowed;
         if spillable && !g.in_backward {
             if let Some(gi) = g.group {
@@ -320,6 +316,22 @@ impl Shared {
             region,
         });
         Ok(Some(handle))
+    }
+
+    /// The first group of the learned tail: the last `keep_tail_groups` groups of the profile, as
+    /// many of them as fit together in `tail_max_bytes`.
+    fn tail_from(&self, g: &State) -> Option<usize> {
+        let n = g.profile.len();
+        let mut kept = 0usize;
+        let mut bytes = 0u64;
+        for p in g.profile.iter().rev().take(self.config.keep_tail_groups as usize) {
+            bytes = bytes.saturating_add(p.bytes);
+            if self.config.tail_max_bytes.is_some_and(|max| bytes > max) {
+                break;
+            }
+            kept += 1;
+        }
+        (kept > 0).then(|| n - kept)
     }
 
     /// Without explicit regions, the block the weight runtime runs is the region, and each new
@@ -544,7 +556,7 @@ impl Shared {
             g.sizes.clear_step();
             return Ok(());
         }
-        let needed = g.pool_traced.then_some(g.metrics.pool_misses > 0).unwrap_or(true);
+        let needed = !g.pool_traced || g.metrics.pool_misses > 0;
         if needed {
             let current = g.pool.stats();
             let (classes, slabs) = g.sizes.plan(self.config.max_pool_classes as usize);

@@ -27,6 +27,18 @@ pub struct Failed<H> {
     pub host: H,
 }
 
+impl<H> std::fmt::Display for Failed<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl<H: std::fmt::Debug> std::error::Error for Failed<H> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
 impl<H> From<Failed<H>> for Error {
     fn from(f: Failed<H>) -> Error {
         f.error

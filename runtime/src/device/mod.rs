@@ -17,6 +17,7 @@
 //! writes and keeps its device tensor alive until the copy completed, so misuse does not compile.
 
 mod backend;
+pub mod bandwidth;
 mod buffer;
 mod copy;
 mod cuda;

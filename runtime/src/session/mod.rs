@@ -134,6 +134,19 @@ impl StagehandBuilder {
         self
     }
 
+    /// Writes every event to a new JSONL telemetry file at `path` (never overwritten).
+    pub fn telemetry_file(self, path: impl Into<std::path::PathBuf>) -> Self {
+        let path = path.into();
+        self.attach(move |hub| {
+            let sink = crate::events::JsonlSink::open(&path, crate::events::OpenMode::CreateNew).map_err(|e| Error::Io {
+                path: path.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            hub.add_sink(Box::new(sink));
+            Ok(Box::new(()))
+        })
+    }
+
     /// Attaches something to the run's event hub when the handle is built (the HTTP server and
     /// dashboards, an OTLP exporter); it lives as long as the handle.
     pub fn attach(mut self, f: impl FnOnce(&Arc<Hub>) -> Result<Attachment> + Send + 'static) -> Self {
@@ -369,7 +382,13 @@ impl Stagehand {
                 .watermarks_bytes(plan.spill_high_bytes, plan.spill_low_bytes)
                 .max_inflight(plan.max_inflight_spills, plan.max_inflight_restores)
                 .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                // The last block's activations stay on the device only while they fit in the
+                // room kept for restores (backward needs them first).
+                .tail_max_bytes(Some(plan.restore_allowance_bytes))
                 .size_pool_from_trace(true, Some(plan.pool_limit_bytes))
+                // A small provisional pool: the first step that spills sizes the real one.
+                .classes_bytes(&[1 << 20])
+                .slabs_per_class(&[4])
                 .build()?;
             Some(ActivationRuntime::new(self.device.clone(), cfg, self.bus.clone(), Some(weights.resolver()))?)
         } else {

@@ -11,9 +11,9 @@
 //! 4. the **weights' room**: equal slots of the largest streamed block, enough for the prefetch
 //!    window and about a quarter of the rest, plus room for the gradients of the block backward
 //!    is leaving;
-//! 5. **activations**: spilling starts when allocated memory reaches the high watermark (what is
-//!    left) and stops under the low one (three quarters of it); restores ahead of backward may
-//!    use the space between them.
+//! 5. **activations**: what is left. Spilling starts when allocated memory reaches the high
+//!    watermark (four fifths of it kept) and stops a quarter of that lower; the last fifth is for
+//!    restores ahead of backward, which begin when memory is at its highest.
 //!
 //! The Conductor gets the budget as its soft cap (a tenth more as its hard cap) and as many
 //! transfer slots as the runtimes' copies in flight. Host memory is checked too: the host copies
@@ -188,19 +188,22 @@ impl Plan {
             ));
         }
         let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
-        let high = usable.saturating_sub(weights);
-        if high < MIB.min(usable / 8) {
+        let activations = usable.saturating_sub(weights);
+        if activations < MIB.min(usable / 8) {
             return Err(bad(format!(
                 "room for activations after {} of weights; at least {} more",
                 mib(weights),
                 mib(MIB.min(usable / 8))
             )));
         }
-        // Watermarks compare with all allocated memory, which includes the reserve's users and
-        // the unmanaged variables.
-        p.spill_high_bytes = p.reserve_bytes / 2 + p.unmanaged_bytes + weights + high;
-        p.spill_low_bytes = p.spill_high_bytes - high / 4;
-        p.restore_allowance_bytes = high / 4;
+        // Activations kept through the forward fill four fifths; the last fifth is for restores
+        // ahead of backward (which start when memory is at its high point). Watermarks compare
+        // with all allocated memory, which includes the reserve's users and the unmanaged
+        // variables.
+        let kept = activations / 5 * 4;
+        p.spill_high_bytes = p.reserve_bytes / 2 + p.unmanaged_bytes + weights + kept;
+        p.spill_low_bytes = p.spill_high_bytes - kept / 4;
+        p.restore_allowance_bytes = activations - kept;
         p.reasons.push(format!(
             "activations spill above {} until under {}; restores ahead of backward may hold {}",
             mib(p.spill_high_bytes),
@@ -221,7 +224,7 @@ impl Plan {
         let host_left = machine
             .host_available_bytes
             .saturating_sub(p.pinned_bytes + p.optimizer_state_bytes);
-        p.pool_limit_bytes = (host_left / 2).min(8 * high.max(MIB));
+        p.pool_limit_bytes = (host_left / 2).min(8 * activations.max(MIB));
         if machine.host_available_bytes > 0 && p.pinned_bytes + p.optimizer_state_bytes > machine.host_available_bytes {
             return Err(Error::Config {
                 field: "model",

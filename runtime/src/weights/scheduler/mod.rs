@@ -109,6 +109,16 @@ pub(crate) struct Scheduler {
     last_metrics: WeightStepMetrics,
 }
 
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        // The host optimizer's worker writes the blocks' host memory: let a step it is running
+        // finish before that memory is freed with the blocks.
+        if let Some(s) = &self.stepper {
+            let _ = s.wait_all();
+        }
+    }
+}
+
 impl Scheduler {
     pub(crate) fn new(device: Device, cfg: WeightConfig, bus: Bus, index: PtrIndex) -> Result<Scheduler> {
         cfg.validate()?;
