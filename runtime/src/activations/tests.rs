@@ -64,7 +64,7 @@ fn landed_spills_are_finalized_without_waiting_whatever_the_cap() {
             assert!(store.unpack(*h).expect("unpack").equal(t));
             store.release(*h);
         }
-        let m = rt.step_end().expect("step end");
+        rt.step_end().expect("step end");
         let fin: Vec<bool> = events(&bus, &seen)
             .into_iter()
             .filter_map(|k| match k {
