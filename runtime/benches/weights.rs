@@ -80,99 +80,151 @@ fn main() -> anyhow::Result<()> {
         "allocated after dropping the resident model: {:.3} GB",
         probe.memory().allocated as f64 / 1e9
     );
+    let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let variants = [
+        ("fwd+bwd, telemetry on", false, true),
+        ("fwd+bwd, bus disabled", false, false),
+        ("forward only, telemetry on", true, true),
+    ];
+    let mut results = Vec::new();
+    for (i, (name, inference, telemetry)) in variants.into_iter().enumerate() {
+        let bus = if telemetry {
+            let hub = Arc::new(stagehand::events::Hub::new());
+            let file = out_dir.join(format!("weights-{}-{i}.jsonl", std::process::id()));
+            hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
+            Bus::with_hub(hub, 1 << 20)
+        } else {
+            Bus::disabled()
+        };
+        let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, prefetch, inflight, steps, &x0, bus.clone(), inference)?;
+        bus.close();
+        println!(
+            "{name}: {:.4} s/step, h2d {:.3} GB (minimum {:.3} GB), hits {} misses {}, peak {:.2} GB",
+            r.step_s,
+            r.bytes as f64 / 1e9,
+            r.min_bytes as f64 / 1e9,
+            r.metrics.prefetch_hits,
+            r.metrics.prefetch_misses,
+            r.peak as f64 / 1e9
+        );
+        results.push((name, inference, r));
+    }
+    let (bw, _) = common::pinned_bandwidth(&probe, (block_bytes as usize).clamp(64 << 20, 1 << 30))?;
+    println!("pinned H2D bandwidth: {:.2} GB/s", bw / 1e9);
+    // The forward-only resident reference, for the inference floor.
+    let vr2 = common::resident_stack(dev, blocks, d, kind);
+    let fw = weights_of(&vr2, blocks);
+    let mut resident_fwd = f64::MAX;
+    for _ in 0..steps {
+        let t0 = Instant::now();
+        let _ = tch::no_grad(|| fw.iter().fold(x0.shallow_clone(), |h, bw| block_fwd(bw, &h)));
+        sync()?;
+        resident_fwd = resident_fwd.min(t0.elapsed().as_secs_f64());
+    }
+    drop(fw);
+    drop(vr2);
+    sync()?;
+    println!("resident forward: {resident_fwd:.4} s");
+    for (name, inference, r) in &results {
+        let base = if *inference { resident_fwd } else { resident };
+        let floor = base.max(r.min_bytes as f64 / bw);
+        println!(
+            "{name}: floor max(resident {:.4}, minimum bytes / bandwidth {:.4}) = {floor:.4} s; ratio {:.3}; bytes moved / minimum {:.3}",
+            base,
+            r.min_bytes as f64 / bw,
+            r.step_s / floor,
+            if r.min_bytes > 0 { r.bytes as f64 / r.min_bytes as f64 } else { 0.0 }
+        );
+    }
+    Ok(())
+}
+
+struct Streamed {
+    step_s: f64,
+    bytes: u64,
+    min_bytes: u64,
+    peak: u64,
+    metrics: stagehand::events::WeightStepMetrics,
+}
+
+/// Streams the stack through `budget_blocks` blocks of device room for `steps` timed steps after
+/// one traced step; the best step and its metrics.
+#[allow(clippy::too_many_arguments)]
+fn run_streamed(
+    probe: &Device,
+    vs: &tch::nn::VarStore,
+    blocks: i64,
+    block_bytes: i64,
+    budget_blocks: u64,
+    prefetch: u32,
+    inflight: u32,
+    steps: i64,
+    x0: &Tensor,
+    bus: Bus,
+    inference: bool,
+) -> anyhow::Result<Streamed> {
+    let sync = || probe.synchronize();
     let cfg = WeightConfig::builder()
         .pool(block_bytes as u64 * 2, block_bytes as u64)
         .watermarks(u64::MAX / 2, u64::MAX / 4)
         .weight_budget(budget_blocks * block_bytes as u64)
         .prefetch_window(prefetch)
         .max_inflight_h2d(inflight)
+        .inference_mode(inference)
         .build()?;
-    let rt = WeightRuntime::from_var_store(&vs, r"^blocks\.\d+$", probe.clone(), cfg, Bus::disabled())?;
+    let rt = WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus)?;
     let ids: Vec<BlockId> = (0..blocks).map(|b| rt.block_id(&format!("blocks.{b}"))).collect::<Result<_, _>>()?;
-    let streamed_w = weights_of(&vs, blocks);
-    // The weight runtime's own store (what `rt.hooks()` installs), kept here to count entries.
+    let streamed_w = weights_of(vs, blocks);
     let store = Arc::new(WeightStore::new(rt.resolver()));
-    let saved_after_forward = std::cell::Cell::new(0usize);
-    let saved_after_backward = std::cell::Cell::new(0usize);
-    let step_streamed = || -> anyhow::Result<f64> {
-        let x = x0.detach().set_requires_grad(true);
+    let step = || -> anyhow::Result<f64> {
+        let x = if inference { x0.shallow_clone() } else { x0.detach().set_requires_grad(true) };
         let t0 = Instant::now();
         rt.begin_step()?;
-        let y = {
-            let _hooks = SavedTensorHooks::enable(store.clone())?;
-            let mut h = x.shallow_clone();
-            for (id, w) in ids.iter().zip(&streamed_w) {
-                let _g = rt.block(*id)?;
-                h = block_fwd(w, &h);
-            }
-            h
-        };
-        saved_after_forward.set(store.len());
-        y.to_kind(Kind::Float).mean(Kind::Float).backward();
-        drop(y);
-        saved_after_backward.set(store.len());
+        if inference {
+            tch::no_grad(|| -> anyhow::Result<()> {
+                let mut h = x.shallow_clone();
+                for (id, w) in ids.iter().zip(&streamed_w) {
+                    let _g = rt.block(*id)?;
+                    h = block_fwd(w, &h);
+                }
+                Ok(())
+            })?;
+        } else {
+            let y = {
+                let _hooks = SavedTensorHooks::enable(store.clone())?;
+                let mut h = x.shallow_clone();
+                for (id, w) in ids.iter().zip(&streamed_w) {
+                    let _g = rt.block(*id)?;
+                    h = block_fwd(w, &h);
+                }
+                h
+            };
+            y.to_kind(Kind::Float).mean(Kind::Float).backward();
+        }
         rt.end_step()?;
         sync()?;
         Ok(t0.elapsed().as_secs_f64())
     };
-    step_streamed()?; // step 0: traces the itinerary
+    step()?; // traces the itinerary
     probe.reset_peak();
-    let mut streamed = f64::MAX;
-    let mut bytes = 0u64;
-    let mut last = Default::default();
-    let mut after_step = Vec::new();
+    let mut best = Streamed {
+        step_s: f64::MAX,
+        bytes: 0,
+        min_bytes: 0,
+        peak: 0,
+        metrics: Default::default(),
+    };
     for _ in 0..steps {
-        let t = step_streamed()?;
-        after_step.push(probe.memory().allocated);
-        if std::env::var("SH_VERBOSE").is_ok() {
-            println!(
-                "  step {t:.4} s: allocated {:.3} GB, resident blocks {:.3} GB, copies in flight {:?}",
-                probe.memory().allocated as f64 / 1e9,
-                rt.resident_bytes() as f64 / 1e9,
-                rt.copies_in_flight()
-            );
-        }
-        if t < streamed {
-            streamed = t;
-            last = rt.last_step_metrics();
-            bytes = last.h2d_bytes;
+        let t = step()?;
+        if t < best.step_s {
+            best.step_s = t;
+            best.metrics = rt.last_step_metrics();
+            best.bytes = best.metrics.h2d_bytes;
+            best.min_bytes = best.metrics.min_h2d_bytes;
         }
     }
-    let peak = probe.memory().peak;
-
-    // ---- pinned H2D bandwidth, same run -----------------------------------------------------
-    let (bw, _) = common::pinned_bandwidth(&probe, (block_bytes as usize).clamp(64 << 20, 1 << 30))?;
-
-    let floor = resident.max(bytes as f64 / bw);
-    println!(
-        "streamed step: {streamed:.4} s (budget {budget_blocks} blocks = {:.2} GB, prefetch {prefetch}, in flight {inflight})",
-        (budget_blocks * block_bytes as u64) as f64 / 1e9
-    );
-    println!("bytes moved per step: {:.3} GB (h2d)", bytes as f64 / 1e9);
-    println!("pinned H2D bandwidth: {:.2} GB/s", bw / 1e9);
-    println!("floor max(resident, bytes/bandwidth): {floor:.4} s");
-    println!(
-        "prefetch hits {} misses {} stall {:.1} ms evictions {}",
-        last.prefetch_hits, last.prefetch_misses, last.stall_time_ms, last.evictions
-    );
-    println!(
-        "saved-tensor store entries: {} after forward, {} after backward",
-        saved_after_forward.get(),
-        saved_after_backward.get()
-    );
-    println!("peak allocated during streamed steps: {:.2} GB", peak as f64 / 1e9);
-    let (first, lastm) = (after_step[0], after_step[after_step.len() - 1]);
-    println!(
-        "allocated after each step: first {:.3} GB, last {:.3} GB, max {:.3} GB ({} steps; growth {} bytes)",
-        first as f64 / 1e9,
-        lastm as f64 / 1e9,
-        after_step.iter().max().copied().unwrap_or(0) as f64 / 1e9,
-        after_step.len(),
-        lastm as i64 - first as i64
-    );
-    println!("ratio streamed / floor: {:.3} (target <= 1.15 on the GPU)", streamed / floor);
+    best.peak = probe.memory().peak;
     rt.shutdown()?;
     sync()?;
-    println!("allocated after shutdown: {:.3} GB", probe.memory().allocated as f64 / 1e9);
-    Ok(())
+    Ok(best)
 }
