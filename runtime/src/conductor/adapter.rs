@@ -1,4 +1,4 @@
-//! Knobs and the adapters that write them (seed section 16.8).
+//! Knobs and the adapters that write them.
 //!
 //! A runtime owns an `Arc<Knobs>`, reads it on its hot path with relaxed loads, and hands a
 //! clone to its adapter. The adapter snapshots the values on attach (they are the runtime's

@@ -1,4 +1,4 @@
-//! VRAM and pinned host budgets (seed section 16.4).
+//! VRAM and pinned host budgets.
 //!
 //! `available = cap - (measured use + outstanding grants)`, where the cap is the soft cap for
 //! HARD, SOFT and FLOOR and the hard cap for BURST (pinned memory has one cap and no measured

@@ -1,4 +1,4 @@
-//! Conductor configuration (seed section 16.2) and its validating builder.
+//! Conductor configuration and its validating builder.
 
 use super::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -6,17 +6,17 @@ use serde::{Deserialize, Serialize};
 /// Whether a Conductor built from a config coordinates anything. A config is usually built to
 /// be used; [`super::Conductor::disabled`] is the explicit off switch.
 pub const DEFAULT_ENABLED: bool = true;
-/// VRAM soft cap in MiB: the seed's 24 GB example. HARD, SOFT and FLOOR reservations and the
+/// VRAM soft cap in MiB: the Python original's 24 GB example. HARD, SOFT and FLOOR reservations and the
 /// backward-pressure rule are measured against it.
 pub const DEFAULT_VRAM_SOFT_CAP_MB: u64 = 22_000;
-/// VRAM hard cap in MiB: the seed's 24 GB example. Only BURST reservations may reach it.
+/// VRAM hard cap in MiB: the Python original's 24 GB example. Only BURST reservations may reach it.
 pub const DEFAULT_VRAM_HARD_CAP_MB: u64 = 23_500;
-/// Pinned host memory the Conductor may grant, in MiB: the seed's 8 GB weight pool plus the
+/// Pinned host memory the Conductor may grant, in MiB: the Python original's 8 GB weight pool plus the
 /// activation slab pool and SquareQ staging, rounded up.
 pub const DEFAULT_PINNED_CAP_MB: u64 = 10_240;
-/// Concurrent host-to-device copies (the seed's example).
+/// Concurrent host-to-device copies (the Python original's example).
 pub const DEFAULT_H2D_SLOTS: u32 = 2;
-/// Concurrent device-to-host copies (the seed's example).
+/// Concurrent device-to-host copies (the Python original's example).
 pub const DEFAULT_D2H_SLOTS: u32 = 2;
 /// Publish a `conductor_step` metrics event every this many steps.
 pub const DEFAULT_TELEMETRY_INTERVAL_STEPS: u64 = 1;
@@ -30,7 +30,7 @@ pub const DEFAULT_BACKWARD_PRESSURE_FRACTION: f64 = 0.8;
 /// Rule 3 fires when a slot pool was full on more than this many consecutive checks.
 pub const DEFAULT_CONTENTION_CHECKS: u32 = 3;
 /// Prefetch window that rule 3 starts shrinking from when no attached runtime reports its
-/// own (the seed weight runtime's `prefetch_window_blocks`).
+/// own (the Python weight runtime's `prefetch_window_blocks`).
 pub const DEFAULT_PREFETCH_WINDOW: u32 = 3;
 
 const MIB: u64 = 1 << 20;
@@ -204,7 +204,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn defaults_are_the_seed_example_and_valid() {
+    fn defaults_are_the_python_originals_example_and_valid() {
         let c = ConductorConfig::default();
         assert_eq!((c.vram_soft_cap_mb, c.vram_hard_cap_mb), (22_000, 23_500));
         assert_eq!((c.h2d_slots, c.d2h_slots), (2, 2));
@@ -243,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn seed_json_config_parses_with_defaults_for_the_rest() {
+    fn python_json_config_parses_with_defaults_for_the_rest() {
         let c: ConductorConfig = serde_json::from_str(
             r#"{"enabled": true, "vram_soft_cap_mb": 22000, "vram_hard_cap_mb": 23500,
                 "h2d_slots": 2, "d2h_slots": 2}"#,

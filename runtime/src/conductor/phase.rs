@@ -1,4 +1,4 @@
-//! The phase state machine of a training step (seed section 16.3).
+//! The phase state machine of a training step.
 //!
 //! ```text
 //! Idle ──▶ StepBegin ──▶ Forward ──▶ Backward ──▶ Optimizer ──▶ StepEnd ──▶ StepBegin ...

@@ -1,4 +1,4 @@
-//! The policy bridge: the seed's `HeuristicPolicyBridgeV0` (section 16.7).
+//! The policy bridge: the rules of the Python original's heuristic policy bridge.
 //!
 //! Hints are recomputed at every phase boundary, and again when the transfer manager's run
 //! of full checks passes the contention threshold. Three rules, applied in order:

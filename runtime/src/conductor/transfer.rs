@@ -1,4 +1,4 @@
-//! H2D and D2H transfer slot pools (seed section 16.5).
+//! H2D and D2H transfer slot pools.
 //!
 //! A runtime takes a slot before each copy. The effective limit of a pool is the smaller of
 //! its configured slot count and the policy's `max_inflight_*` hint. Speculative and

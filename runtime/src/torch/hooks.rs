@@ -5,7 +5,7 @@
 //! tensor and returns a handle, `unpack` (in backward, possibly on an autograd worker thread)
 //! turns the handle back into a tensor, and `release` says the saved variable is gone.
 //!
-//! Things a store must know (design.md section 3):
+//! Things a store must know (docs/design.md, "What libtorch gives and does not give"):
 //! - autograd may save one tensor several times (a ReLU output twice): compare
 //!   [`TensorIdentity`] to dedupe;
 //! - `nn::linear` saves `W.t()`, a non-leaf view of the weight: recognise parameters by

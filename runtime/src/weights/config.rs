@@ -1,4 +1,4 @@
-//! Configuration of the weight runtime: the seed's defaults as named constants, a builder that
+//! Configuration of the weight runtime: the Python original's defaults as named constants, a builder that
 //! validates once, and the layer-mode auto-sizing rules.
 
 use crate::error::{Error, Result};
@@ -6,19 +6,19 @@ use serde::{Deserialize, Serialize};
 
 const MIB: u64 = 1 << 20;
 
-/// Total pinned staging pool (the seed's `pinned_pool_mb = 8192`).
+/// Total pinned staging pool (the Python original's `pinned_pool_mb = 8192`).
 pub const DEFAULT_PINNED_POOL_BYTES: u64 = 8192 * MIB;
-/// One slab of the pinned pool (the seed's `pinned_slab_mb = 256`).
+/// One slab of the pinned pool (the Python original's `pinned_slab_mb = 256`).
 pub const DEFAULT_PINNED_SLAB_BYTES: u64 = 256 * MIB;
-/// Slab sizes are rounded up to this many bytes (the seed's `pinned_slab_alignment`).
+/// Slab sizes are rounded up to this many bytes (the Python original's `pinned_slab_alignment`).
 pub const DEFAULT_SLAB_ALIGNMENT: u64 = 512;
-/// Evict at or above this many allocated device bytes (the seed's 22000 MiB).
+/// Evict at or above this many allocated device bytes (the Python original's 22000 MiB).
 pub const DEFAULT_VRAM_HIGH_WATERMARK_BYTES: u64 = 22000 * MIB;
-/// Evict until strictly below this many allocated device bytes (the seed's 18000 MiB).
+/// Evict until strictly below this many allocated device bytes (the Python original's 18000 MiB).
 pub const DEFAULT_VRAM_LOW_WATERMARK_BYTES: u64 = 18000 * MIB;
-/// H2D copies in flight at once before speculative prefetch holds back (the seed's 2).
+/// H2D copies in flight at once before speculative prefetch holds back (the Python original's 2).
 pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 2;
-/// Blocks prefetched ahead of the one running (the seed's `prefetch_window_blocks = 3`).
+/// Blocks prefetched ahead of the one running (the Python original's `prefetch_window_blocks = 3`).
 pub const DEFAULT_PREFETCH_WINDOW: u32 = 3;
 /// Every parameter starts on a multiple of this many bytes inside its block (GEMM-friendly).
 pub const PARAM_ALIGNMENT: usize = 256;
@@ -149,7 +149,7 @@ impl WeightConfig {
         Ok(())
     }
 
-    /// The seed's layer-mode auto-sizing: slab = next power of two MiB at or above the largest
+    /// The Python original's layer-mode auto-sizing: slab = next power of two MiB at or above the largest
     /// layer (at least 1 MiB); pool = slab × (prefetch_k + 4), or with a pinned RAM budget
     /// `max(slab, ⌊ram / slab⌋ · slab)`; watermarks 80 % / 60 % of the VRAM budget (else of the
     /// device's memory, else the block-mode defaults).
@@ -234,7 +234,7 @@ impl WeightConfigBuilder {
     }
 }
 
-/// Parses a byte size the way the seed does: `"8GB"` (×2^30, fractions allowed), `"512MB"`
+/// Parses a byte size the way the Python original does: `"8GB"` (×2^30, fractions allowed), `"512MB"`
 /// (×2^20), `"100B"`, or a bare number of bytes; case-insensitive.
 pub fn parse_bytes(s: &str) -> Result<u64> {
     let t = s.trim().to_ascii_uppercase();
@@ -262,7 +262,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn defaults_are_the_seeds_and_valid() {
+    fn defaults_are_the_python_originals_and_valid() {
         let c = WeightConfig::default();
         c.validate().expect("defaults are valid");
         assert_eq!(c.num_slabs(), 32);
@@ -280,7 +280,7 @@ mod tests {
     }
 
     #[test]
-    fn layer_auto_sizing_follows_the_seed() {
+    fn layer_auto_sizing_follows_the_python_original() {
         let c = WeightConfig::layer_auto(3 * MIB + 1, 3, Some(10_000 * MIB), None, None);
         assert_eq!(c.pinned_slab_bytes, 4 * MIB);
         assert_eq!(c.pinned_pool_bytes, 4 * MIB * 7);
@@ -293,7 +293,7 @@ mod tests {
     }
 
     #[test]
-    fn byte_sizes_parse_like_the_seed() {
+    fn byte_sizes_parse_like_the_python_original() {
         assert_eq!(parse_bytes("8GB").expect("gb"), 8 << 30);
         assert_eq!(parse_bytes("1.5gb").expect("gb"), 3 << 29);
         assert_eq!(parse_bytes("512MB").expect("mb"), 512 << 20);
