@@ -57,6 +57,11 @@ pub struct ActivationConfig {
     pub max_inflight_d2h: u32,
     /// Predictive restores in flight.
     pub max_inflight_h2d: u32,
+    /// Device bytes spills in flight may hold (their memory is freed only when their copy has
+    /// landed): over it, pack waits for the oldest. Bounds how far memory overshoots the high
+    /// watermark when the forward produces activations faster than PCIe moves them. `None`:
+    /// only the count cap.
+    pub max_inflight_spill_bytes: Option<u64>,
     /// Smaller saved tensors are kept.
     pub min_spill_bytes: u64,
     /// Fraction in [0, 1] of the eligible bytes that may be spilled.
@@ -97,6 +102,7 @@ impl Default for ActivationConfig {
             slabs_per_class: DEFAULT_SLABS_PER_CLASS.to_vec(),
             max_inflight_d2h: DEFAULT_MAX_INFLIGHT_D2H,
             max_inflight_h2d: DEFAULT_MAX_INFLIGHT_H2D,
+            max_inflight_spill_bytes: None,
             min_spill_bytes: DEFAULT_MIN_SPILL_BYTES,
             spill_fraction: DEFAULT_SPILL_FRACTION,
             regions: Vec::new(),
@@ -215,6 +221,11 @@ impl ActivationConfigBuilder {
     pub fn max_inflight(mut self, d2h: u32, h2d: u32) -> Self {
         self.cfg.max_inflight_d2h = d2h;
         self.cfg.max_inflight_h2d = h2d;
+        self
+    }
+    /// Device bytes spills in flight may hold before pack waits for the oldest.
+    pub fn max_inflight_spill_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.cfg.max_inflight_spill_bytes = bytes;
         self
     }
     /// Minimum bytes of a tensor to spill.

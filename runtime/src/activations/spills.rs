@@ -63,8 +63,15 @@ impl SpillQueue {
     }
 
     /// Finalizes the spills whose copies completed, oldest first; then, while more than `cap`
-    /// are in flight, waits for the oldest.
-    pub(super) fn poll(&mut self, records: &mut Records, device: &Device, bus: &Bus, cap: usize) -> Result<Finalized> {
+    /// are in flight or they hold more than `cap_bytes`, waits for the oldest.
+    pub(super) fn poll(
+        &mut self,
+        records: &mut Records,
+        device: &Device,
+        bus: &Bus,
+        cap: usize,
+        cap_bytes: u64,
+    ) -> Result<Finalized> {
         let mut done = Finalized::default();
         let mut keep = VecDeque::with_capacity(self.inflight.len());
         while let Some(idx) = self.inflight.pop_front() {
@@ -80,7 +87,10 @@ impl SpillQueue {
             }
         }
         self.inflight = keep;
-        while self.inflight.len() > cap {
+        let held = |records: &Records, q: &VecDeque<usize>| -> u64 {
+            q.iter().filter_map(|&i| records.get(i)).map(|r| r.bytes).sum()
+        };
+        while self.inflight.len() > cap || (self.inflight.len() > 1 && held(records, &self.inflight) > cap_bytes) {
             let Some(idx) = self.inflight.pop_front() else { break };
             let t0 = std::time::Instant::now();
             self.finalize_one(records, idx, device, bus, true)?;

@@ -113,8 +113,9 @@ impl Shared {
     /// Finalizes landed spills and keeps the in-flight count under the knob.
     fn poll_spills(&self, g: &mut State) -> Result<()> {
         let cap = self.knobs.max_inflight_d2h().max(1) as usize;
+        let cap_bytes = self.config.max_inflight_spill_bytes.unwrap_or(u64::MAX);
         let State { records, spills, metrics, .. } = g;
-        let f = spills.poll(records, &self.device, &self.bus, cap)?;
+        let f = spills.poll(records, &self.device, &self.bus, cap, cap_bytes)?;
         metrics.d2h_wait_ms += f.waited_ms;
         Ok(())
     }

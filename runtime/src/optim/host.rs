@@ -136,10 +136,16 @@ impl BlockOptimizer {
 pub(crate) struct BlockJob {
     pub(crate) state: Arc<Mutex<BlockOptimizer>>,
     pub(crate) received: Vec<bool>,
+    /// Copies that must complete before the step touches the block's host memory (its
+    /// gradients landing, a load still reading its weights).
+    pub(crate) ready: Vec<crate::device::Event>,
 }
 
 impl Job for BlockJob {
     fn run(&mut self) -> Result<()> {
+        for e in &self.ready {
+            e.synchronize()?;
+        }
         self.state.lock().unwrap_or_else(|p| p.into_inner()).step(&self.received)
     }
 }

@@ -25,6 +25,20 @@ use std::sync::{Arc, Mutex};
 use stepper::Stepper;
 use tch::{COptimizer, Tensor};
 
+/// The maker of host steps the weight runtime calls, over the blocks' optimizer states.
+fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>) -> stepper::JobMaker {
+    Box::new(move |id, received, ready| {
+        let state = host
+            .get(&id.0)
+            .ok_or_else(|| Error::internal(format!("block {id} trains but has no host optimizer")))?;
+        Ok(Box::new(BlockJob {
+            state: state.clone(),
+            received: received.to_vec(),
+            ready,
+        }) as Box<dyn stepper::Job>)
+    })
+}
+
 /// An optimizer algorithm with its hyper-parameters (tch's `nn::Sgd`, `nn::Adam`, `nn::AdamW`,
 /// `nn::RmsProp` convert into it).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -121,7 +135,7 @@ impl Kernel {
 /// first step, once the resident blocks are known.
 pub struct Optimizer {
     // Field order: host state (which views the runtime's host memory) drops before the runtime.
-    host: HashMap<u32, Arc<Mutex<BlockOptimizer>>>,
+    host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>,
     device: Option<COptimizer>,
     device_params: Vec<Tensor>,
     unmanaged: Vec<Tensor>,
@@ -164,7 +178,7 @@ impl Optimizer {
         let stepper = Arc::new(Stepper::new()?);
         rt.lock().attach_stepper(stepper.clone())?;
         Ok(Optimizer {
-            host: HashMap::new(),
+            host: Arc::new(HashMap::new()),
             device: None,
             device_params: Vec::new(),
             unmanaged: unmanaged.into_iter().filter(|t| t.requires_grad()).collect(),
@@ -191,7 +205,7 @@ impl Optimizer {
                 .map(|(_, v, g)| g.map(|g| (v, g)).ok_or_else(|| Error::internal("a trained parameter without a host gradient")))
                 .collect::<Result<Vec<_>>>()?;
             let state = BlockOptimizer::new(params, self.algorithm, self.kernel, self.lr.clone())?;
-            self.host.insert(id.0, Arc::new(Mutex::new(state)));
+            Arc::make_mut(&mut self.host).insert(id.0, Arc::new(Mutex::new(state)));
         }
         if self.device.is_none() {
             self.device_params = resident.into_iter().chain(self.unmanaged.iter().map(|t| t.shallow_clone())).collect();
@@ -233,21 +247,23 @@ impl Optimizer {
         if let Some(d) = &self.device {
             d.step()?;
         }
-        let host = &self.host;
-        self.rt.lock().submit_updates(|id, received| {
-            let state = host
-                .get(&id.0)
-                .ok_or_else(|| Error::internal(format!("block {id} trains but has no host optimizer")))?;
-            Ok(Box::new(BlockJob {
-                state: state.clone(),
-                received: received.to_vec(),
-            }))
-        })
+        let mut make = job_maker(self.host.clone());
+        self.rt.lock().submit_updates(|id, received, ready| make(id, received, ready))
     }
 
-    /// `zero_grad`, `backward` of `loss`, `step` (tch's `backward_step`).
+    /// Declares that an optimizer step follows the next backward: the host steps of streamed
+    /// blocks then start while backward is still running (each as soon as backward has left
+    /// its block), instead of when [`step`](Self::step) is called. `step` must follow.
+    pub fn overlap_next_backward(&mut self) -> Result<()> {
+        self.ensure_built()?;
+        self.rt.lock().arm_updates(job_maker(self.host.clone()))
+    }
+
+    /// `zero_grad`, `backward` of `loss`, `step` (tch's `backward_step`), with the host steps
+    /// overlapping the backward.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
         self.zero_grad()?;
+        self.overlap_next_backward()?;
         loss.f_backward()?;
         self.rt.after_backward()?;
         self.step()

@@ -18,6 +18,11 @@ pub(crate) trait Job: Send {
     fn run(&mut self) -> Result<()>;
 }
 
+/// Makes a block's step: given the block, which of its parameters received a gradient in this
+/// window, and the copies that must complete before the step may touch its host memory.
+pub(crate) type JobMaker =
+    Box<dyn FnMut(crate::events::BlockId, &[bool], Vec<crate::device::Event>) -> Result<Box<dyn Job>> + Send>;
+
 #[derive(Default)]
 struct State {
     /// Queued jobs by (priority, block): the lowest priority value runs first.

@@ -337,6 +337,8 @@ impl Stagehand {
         }
         self.store.seal()?;
         let weights = self.weights();
+        // What the device holds before the run's own memory (other models, workspaces).
+        let baseline = self.device.memory().allocated;
         // Unmanaged variables live on the compute device.
         let dev = self.device.tch_device();
         let managed = self.store.managed_names();
@@ -362,6 +364,7 @@ impl Stagehand {
             unmanaged_trainable_bytes: unmanaged.0,
             unmanaged_frozen_bytes: unmanaged.1,
             optimizer_state_factor: run.optimizer_state_factor,
+            baseline_bytes: baseline,
         };
         let machine = Machine {
             device_bytes: self.device.info().total_bytes,
@@ -381,6 +384,9 @@ impl Stagehand {
             let cfg = ActivationConfig::builder()
                 .watermarks_bytes(plan.spill_high_bytes, plan.spill_low_bytes)
                 .max_inflight(plan.max_inflight_spills, plan.max_inflight_restores)
+                // Spills still landing hold their device memory: at most the room above the
+                // high watermark.
+                .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
                 .restore_ahead(8, plan.restore_allowance_bytes.max(1))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).

@@ -43,6 +43,10 @@ pub struct ModelFacts {
     pub unmanaged_frozen_bytes: u64,
     /// Optimizer state per trainable byte (2 for Adam and AdamW, 1 for SGD with momentum).
     pub optimizer_state_factor: u64,
+    /// Device memory already allocated before the run (other tensors, library workspaces): it
+    /// counts against the budget.
+    #[serde(default)]
+    pub baseline_bytes: u64,
 }
 
 /// The machine the plan must fit.
@@ -58,6 +62,8 @@ pub struct Machine {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub budget_bytes: u64,
+    /// Device memory already allocated when the plan was made.
+    pub baseline_bytes: u64,
     pub reserve_bytes: u64,
     /// Device bytes of unmanaged variables with their gradients and optimizer state.
     pub unmanaged_bytes: u64,
@@ -115,9 +121,16 @@ impl Plan {
             prefetch_window: prefetch_window.max(1),
             ..Plan::default()
         };
-        p.reserve_bytes = ((budget as f64 * RESERVE_FRACTION) as u64).max(MIB.min(budget / 4));
+        let available = budget.checked_sub(model.baseline_bytes).filter(|&a| a > 0).ok_or_else(|| {
+            bad(format!(
+                "more than the {} the device already holds",
+                mib(model.baseline_bytes)
+            ))
+        })?;
+        p.baseline_bytes = model.baseline_bytes;
+        p.reserve_bytes = ((available as f64 * RESERVE_FRACTION) as u64).max(MIB.min(available / 4));
         p.unmanaged_bytes = cost(model.unmanaged_trainable_bytes, true).saturating_add(model.unmanaged_frozen_bytes);
-        let usable = budget
+        let usable = available
             .checked_sub(p.reserve_bytes)
             .and_then(|b| b.checked_sub(p.unmanaged_bytes))
             .filter(|&u| u > 0)
@@ -129,8 +142,9 @@ impl Plan {
                 ))
             })?;
         p.reasons.push(format!(
-            "budget {}: reserve {} for the allocator, {} for unmanaged variables, {} usable",
+            "budget {} ({} already on the device): reserve {} for the allocator, {} for unmanaged variables, {} usable",
             mib(budget),
+            mib(model.baseline_bytes),
             mib(p.reserve_bytes),
             mib(p.unmanaged_bytes),
             mib(usable)
@@ -170,7 +184,7 @@ impl Plan {
                     "room for two of the largest block ({} each) in half of {} left after resident blocks and gradients; at least {} in all",
                     mib(largest),
                     mib(left),
-                    mib(budget - left + 4 * largest)
+                    mib(budget.saturating_sub(left) + 4 * largest)
                 )));
             }
             p.slots = slots.min(max_slots) as u32;
@@ -201,7 +215,7 @@ impl Plan {
         // with all allocated memory, which includes the reserve's users and the unmanaged
         // variables.
         let kept = activations / 5 * 4;
-        p.spill_high_bytes = p.reserve_bytes / 2 + p.unmanaged_bytes + weights + kept;
+        p.spill_high_bytes = model.baseline_bytes + p.reserve_bytes / 2 + p.unmanaged_bytes + weights + kept;
         p.spill_low_bytes = p.spill_high_bytes - kept / 4;
         p.restore_allowance_bytes = activations - kept;
         p.reasons.push(format!(

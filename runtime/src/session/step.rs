@@ -120,6 +120,8 @@ impl Stagehand {
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
         self.enter(&conductor, step, Phase::Backward)?;
         opt.zero_grad()?;
+        // The host steps of streamed blocks start as backward leaves each one.
+        opt.overlap_next_backward()?;
         loss.f_backward()?;
         weights.after_backward()?;
         let e2 = self.device.record_compute()?;

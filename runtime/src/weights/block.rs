@@ -60,6 +60,9 @@ pub(crate) struct Block {
     pub placement: Option<Placement>,
     /// Kept on the device for good: never evicted, trained on the device.
     pub resident: bool,
+    /// Recorded on the compute stream right after the kernels of the block's latest use were
+    /// queued: its slot may be refilled once this completes (not everything queued since).
+    pub last_use: Option<crate::device::Event>,
     /// Host gradients of trainable parameters (streamed trainable blocks).
     pub grads: Vec<ParamGrad>,
     /// Sets the device gradients of the trainable parameters to none (libtorch's
@@ -114,6 +117,7 @@ impl Block {
             }),
             placement: None,
             resident: false,
+            last_use: None,
             grads,
             grad_release,
         })

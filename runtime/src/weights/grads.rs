@@ -120,6 +120,15 @@ impl GradSink {
         }
     }
 
+    /// The completion events of `block`'s gradient copies in flight.
+    pub(crate) fn pending_events(&self, id: BlockId) -> Vec<crate::device::Event> {
+        self.inflight
+            .iter()
+            .filter(|c| c.block == id)
+            .map(|c| c.transfer.done().clone())
+            .collect()
+    }
+
     /// Waits for every copy of `block`.
     pub(crate) fn wait_block(&mut self, id: BlockId, block: &mut Block) -> Result<()> {
         while let Some(i) = self.inflight.iter().position(|c| c.block == id) {

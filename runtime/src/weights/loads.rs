@@ -40,7 +40,7 @@ unsafe impl HostMemory for LoadSource {
 pub(crate) struct Loads {
     landing: HashMap<BlockId, Transfer<LoadSource>>,
     /// Copies of blocks the compute stream already waits on, reported once complete.
-    retired: Vec<Transfer<LoadSource>>,
+    retired: Vec<(BlockId, Transfer<LoadSource>)>,
     /// How long the compute stream waited for each load it needed before it landed.
     probes: Vec<WaitProbe>,
 }
@@ -72,7 +72,7 @@ impl Loads {
                 }
                 // The destination is a slot the runtime owns: nothing to keep alive on the device.
                 t.release_device();
-                self.retired.push(t);
+                self.retired.push((block, t));
                 Ok(())
             }
         }
@@ -81,9 +81,9 @@ impl Loads {
     /// Reports the retired copies that completed.
     pub(crate) fn reap(&mut self, copier: &Copier) {
         let retired = std::mem::take(&mut self.retired);
-        for t in retired {
+        for (b, t) in retired {
             if let Err(t) = copier.finish(t) {
-                self.retired.push(t);
+                self.retired.push((b, t));
             }
         }
     }
@@ -93,10 +93,22 @@ impl Loads {
         for (_, t) in self.landing.drain() {
             copier.wait(t)?;
         }
-        for t in self.retired.drain(..) {
+        for (_, t) in self.retired.drain(..) {
             copier.wait(t)?;
         }
         Ok(())
+    }
+
+    /// The completion events of `block`'s copies not yet seen complete (its host memory is read
+    /// until they complete).
+    pub(crate) fn pending_events(&self, block: BlockId) -> Vec<crate::device::Event> {
+        let landing = self.landing.get(&block).map(|t| t.done().clone());
+        self.retired
+            .iter()
+            .filter(|(b, _)| *b == block)
+            .map(|(_, t)| t.done().clone())
+            .chain(landing)
+            .collect()
     }
 
     /// Copies not yet seen complete: (landing, retired).

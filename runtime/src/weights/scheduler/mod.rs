@@ -99,6 +99,11 @@ pub(crate) struct Scheduler {
     /// An optimizer step is expected at the end of this step, so trained blocks are not loaded
     /// across the step's end (their host copy is about to change).
     update_expected: bool,
+    /// Armed for this step: each trained block's host step is queued as soon as backward has
+    /// left it (the optimizer step is known to follow this backward).
+    eager: Option<crate::optim::stepper::JobMaker>,
+    /// Blocks whose host step was queued in this step.
+    submitted: std::collections::HashSet<BlockId>,
     index: PtrIndex,
     state: StepState,
     auto_step: bool,
@@ -152,6 +157,8 @@ impl Scheduler {
             staging: None,
             stepper: None,
             update_expected: false,
+            eager: None,
+            submitted: std::collections::HashSet::new(),
             index,
             state: StepState::Closed,
             auto_step: false,
@@ -346,6 +353,7 @@ impl Scheduler {
         self.route.begin();
         self.first_entered = None;
         self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
+        self.submitted.clear();
         if self.auto_step {
             self.bus.enter_phase(self.step + 1, Phase::Forward);
         }
@@ -451,6 +459,14 @@ impl Scheduler {
     pub(crate) fn leave(&mut self, id: BlockId) -> Result<()> {
         self.block(id)?;
         self.residency.release(id)?;
+        self.mark_used(id)
+    }
+
+    /// Records the end of a use of `id` on the compute stream (see `Block::last_use`).
+    fn mark_used(&mut self, id: BlockId) -> Result<()> {
+        if !self.blocks[id.0 as usize].resident {
+            self.blocks[id.0 as usize].last_use = Some(self.device.record_compute()?);
+        }
         Ok(())
     }
 
@@ -466,7 +482,10 @@ impl Scheduler {
             *backward = true;
         }
         if let Some(left) = self.route.enter(id, true) {
+            // Backward has queued every kernel that reads `left`.
+            self.mark_used(left)?;
             self.flush_grads(left)?;
+            self.eager_update(left)?;
         }
         self.ensure_ready(id)?;
         self.prefetch()

@@ -136,7 +136,11 @@ impl Scheduler {
             }
             // A trained block loaded across the step's end would be stale: the optimizer step
             // about to run changes its host copy.
-            if distance > step_end && self.update_expected && !self.blocks[b.0 as usize].grads.is_empty() {
+            if distance > step_end
+                && self.update_expected
+                && !self.blocks[b.0 as usize].grads.is_empty()
+                && !self.submitted.contains(&b)
+            {
                 continue;
             }
             if self.stepper.as_ref().is_some_and(|s| s.is_pending(b)) {
@@ -295,6 +299,7 @@ impl Scheduler {
     pub(super) fn finalize(&mut self, id: BlockId, on_compute: bool) -> Result<()> {
         self.loads.finish(&self.loader, id, on_compute)?;
         self.residency.transition(id, BlockState::GpuReady, &self.bus)?;
+        self.blocks[id.0 as usize].last_use = None;
         let bytes = self.blocks[id.0 as usize].spec.bytes;
         let slot = match &self.blocks[id.0 as usize].placement {
             Some(Placement::Slot(i)) => Some(*i),
@@ -339,7 +344,12 @@ impl Scheduler {
         } else {
             self.residency.transition(id, BlockState::GpuFreeing, &self.bus)?;
         }
-        let last_use = self.device.record_compute()?;
+        // The slot is free once the kernels of the block's latest use are done: the event
+        // recorded when they were queued, or now when none was (a block loaded but not used).
+        let last_use = match self.blocks[id.0 as usize].last_use.take() {
+            Some(e) => e,
+            None => self.device.record_compute()?,
+        };
         let dev = self.device.tch_device();
         let b = &mut self.blocks[id.0 as usize];
         b.point_away(dev)?;

@@ -6,7 +6,7 @@ use super::super::block::{ParamGrad, Source};
 use super::Scheduler;
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, Direction, Owner, Priority};
-use crate::optim::stepper::{Job, Stepper};
+use crate::optim::stepper::{Job, JobMaker, Stepper};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -142,7 +142,7 @@ impl Scheduler {
     /// from this step is evicted first: its device copy would be stale.
     pub(crate) fn submit_updates(
         &mut self,
-        mut job: impl FnMut(BlockId, &[bool]) -> Result<Box<dyn Job>>,
+        mut job: impl FnMut(BlockId, &[bool], Vec<crate::device::Event>) -> Result<Box<dyn Job>>,
     ) -> Result<()> {
         self.check_live()?;
         let stepper = self
@@ -165,7 +165,7 @@ impl Scheduler {
         let mut ids: Vec<BlockId> = self
             .blocks
             .iter()
-            .filter(|b| !b.grads.is_empty() && !b.resident)
+            .filter(|b| !b.grads.is_empty() && !b.resident && !self.submitted.contains(&b.spec.id))
             .map(|b| b.spec.id)
             .collect();
         ids.sort_by_key(|b| order.iter().position(|o| o == b).unwrap_or(usize::MAX));
@@ -195,10 +195,65 @@ impl Scheduler {
                 }
             }
             let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
-            stepper.submit(id, priority as u64, job(id, &received)?);
+            stepper.submit(id, priority as u64, job(id, &received, Vec::new())?);
+            self.submitted.insert(id);
         }
         self.update_expected = false;
+        self.eager = None;
         Ok(())
+    }
+
+    /// Arms this step's backward: as it leaves each trained streamed block, that block's host
+    /// step is queued at once (made by `maker`), so the host optimizer overlaps the rest of
+    /// backward. Disarmed by the next `submit_updates`.
+    pub(crate) fn arm_updates(&mut self, maker: JobMaker) -> Result<()> {
+        self.check_live()?;
+        if self.stepper.is_none() {
+            return Err(Error::internal("arming host updates without an attached optimizer"));
+        }
+        self.eager = Some(maker);
+        Ok(())
+    }
+
+    /// When armed: queues `id`'s host step now that backward has left it. Its gradients and
+    /// any load still reading its host memory complete before the step runs (the worker waits
+    /// on their events); a copy on the device goes, since it is stale once the step ran.
+    pub(super) fn eager_update(&mut self, id: BlockId) -> Result<()> {
+        if self.eager.is_none() || self.submitted.contains(&id) {
+            return Ok(());
+        }
+        let b = &self.blocks[id.0 as usize];
+        if b.grads.is_empty() || b.resident {
+            return Ok(());
+        }
+        match self.residency.state(id)? {
+            BlockState::GpuReady if self.residency.can_evict(id) => {
+                self.evict(id, crate::events::EvictionReason::Explicit, 0.0)?;
+            }
+            BlockState::Unloaded => {}
+            // In use or landing: its step waits for the optimizer's own call.
+            _ => return Ok(()),
+        }
+        let mut ready = self.grads.pending_events(id);
+        ready.extend(self.loads.pending_events(id));
+        let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
+        let priority = self.forward_position(id);
+        let stepper = self.stepper.clone().ok_or_else(|| Error::internal("armed without a stepper"))?;
+        let job = match &mut self.eager {
+            Some(make) => make(id, &received, ready)?,
+            None => return Ok(()),
+        };
+        stepper.submit(id, priority, job);
+        self.submitted.insert(id);
+        Ok(())
+    }
+
+    /// Where `id` first comes in the forward (the order its step is needed in).
+    fn forward_position(&self, id: BlockId) -> u64 {
+        self.route
+            .itinerary()
+            .and_then(|it| it.forward().iter().position(|&b| b == id))
+            .unwrap_or(usize::MAX) as u64
     }
 
     /// Marks blocks to stay on the device for good (loaded once, trained on the device).
