@@ -213,6 +213,15 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_lists_every_instrument() {
+        let readme = include_str!("../README.md");
+        for d in CATALOG {
+            let row = format!("| `{}` | `{}` `{}` |", d.prometheus_name(), d.otel_name(), d.unit.ucum());
+            assert!(readme.contains(&row), "README lacks {row}");
+        }
+    }
+
+    #[test]
     fn names_follow_each_side_s_conventions() {
         let n = |m: Metric| (m.def().prometheus_name(), m.def().otel_name(), m.def().unit.ucum());
         assert_eq!(n(Metric::TransferBytes), ("stagehand_transfer_bytes_total".into(), "stagehand.transfer".into(), "By"));

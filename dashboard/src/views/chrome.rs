@@ -3,7 +3,7 @@
 //! what a server sent that was refused), the footer (replay position and keys), the help overlay
 //! and the details overlay.
 
-use super::widgets::{bar, Fields};
+use super::widgets::{progress, Fields};
 use super::boxed;
 use crate::app::{Detail, Link, LiveStatus, ReplayInfo, SourceStatus, State, View, ViewState};
 use crate::describe::describe;
@@ -64,7 +64,7 @@ pub(super) fn status_lines<'a>(state: &State, width: usize, theme: &Theme) -> Ve
                 format::count(l.events)
             );
             let cells = width.saturating_sub(spans[0].width() + tail.len()).min(30);
-            spans.extend(bar(cells, frac, &[], theme));
+            spans.extend(progress(cells, frac, theme));
             spans.push(Span::raw(tail));
             return vec![Line::from(spans)];
         }
@@ -227,7 +227,7 @@ pub(super) fn draw_footer(f: &mut Frame<'_>, area: Rect, state: &State, vs: &Vie
         let frac = if status.total > 0 { status.position as f64 / status.total as f64 } else { 0.0 };
         first.push(0, vec![Span::styled(format!("{play} {}x", fmt_speed(status.speed)), theme.strong())]);
         first.push(0, vec![Span::raw(format!("{}/{}", status.position, status.total))]);
-        first.push(2, bar(20, frac, &[], theme));
+        first.push(2, progress(20, frac, theme));
         first.push(1, vec![Span::raw(format!("{} / {}", format::run_time(status.t_ns), format::run_time(status.end_t_ns)))]);
         if status.following {
             first.push(1, vec![Span::styled("following", theme.accent())]);

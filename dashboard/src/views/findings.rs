@@ -49,6 +49,17 @@ pub(super) fn draw_all(f: &mut Frame<'_>, area: Rect, s: &Snapshot, theme: &Them
     f.render_widget(Paragraph::new(ls).wrap(Wrap { trim: false }).block(boxed(title, theme)), area);
 }
 
+/// The rows [`draw_all`] wants at `width`: every finding and its knob, wrapped.
+pub(super) fn all_rows(s: &Snapshot, width: usize) -> u16 {
+    let inner = width.saturating_sub(2);
+    let body: usize = insight::findings(s)
+        .iter()
+        .flat_map(|f| lines(f, true, &Theme::default()))
+        .map(|l| rows(&l, inner))
+        .sum();
+    (body.max(1) + 2) as u16
+}
+
 /// The rows [`draw_summary`] wants at `width`: the most severe finding and the count.
 pub(super) fn summary_rows(s: &Snapshot, width: usize) -> u16 {
     let found = insight::findings(s);

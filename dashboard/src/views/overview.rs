@@ -53,17 +53,21 @@ fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, tall: bool, theme: &T
             let budget = budget_bytes.max(1) as f64;
             let frac = v.allocated_bytes as f64 / budget;
             let mut head = Fields::new();
-            head.kv_styled(0, "allocated", bytes(v.allocated_bytes), theme.band(frac), theme);
-            head.kv(0, "of budget", bytes(budget_bytes), theme);
-            head.kv(1, "peak", bytes(v.peak_allocated_bytes), theme);
+            head.push(0, vec![
+                Span::styled("allocated ", theme.dim()),
+                Span::styled(bytes(v.allocated_bytes), theme.band(frac)),
+                Span::styled(" of ", theme.dim()),
+                Span::raw(bytes(budget_bytes)),
+            ]);
+            head.kv(2, "peak", bytes(v.peak_allocated_bytes), theme);
             let mut marks = Vec::new();
             if let Some((high, low)) = s.spill_watermarks() {
                 head.kv(1, "L", bytes(low), theme);
                 head.kv(1, "H", bytes(high), theme);
                 marks = vec![(low as f64 / budget, "L"), (high as f64 / budget, "H")];
             }
-            head.kv(2, "reserved", bytes(v.reserved_bytes), theme);
-            head.kv(3, "spilling", if s.activations.spilling { "on" } else { "off" }.to_owned(), theme);
+            head.kv(3, "reserved", bytes(v.reserved_bytes), theme);
+            head.kv(4, "spilling", if s.activations.spilling { "on" } else { "off" }.to_owned(), theme);
             let label = format!(" {}", percent(v.allocated_bytes as f64, budget));
             let mut gauge = bar(w.saturating_sub(label.len()), frac, &marks, theme);
             gauge.push(Span::styled(label, theme.band(frac)));

@@ -80,7 +80,10 @@ fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
     let it = &s.itinerary;
     let sort = vs.sorts.get(TableId::Blocks);
     let blocks = state.sorted_blocks(&vs.filter, &vs.sorts);
-    let kept = fit_columns(&COLS, area.width.saturating_sub(2) as usize);
+    // The name column as wide as the longest name (within reason).
+    let mut cols = COLS;
+    cols[1].0 = blocks.iter().map(|b| b.name.chars().count()).max().unwrap_or(0).clamp(8, 40) as u16;
+    let kept = fit_columns(&cols, area.width.saturating_sub(2) as usize);
     let rows: Vec<Row<'_>> = blocks
         .iter()
         .map(|b| {
@@ -130,7 +133,7 @@ fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
             sort_title(titles[*i], here.then_some(sort.descending), theme)
         })
         .collect();
-    let table = Table::new(rows, constraints(&COLS, &kept))
+    let table = Table::new(rows, constraints(&cols, &kept))
         .header(Row::new(header).style(theme.strong()))
         .row_highlight_style(theme.selected())
         .block(boxed(title, theme).title_bottom(Line::styled(

@@ -36,8 +36,8 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
             vec![Line::styled("no step has finished with a time breakdown yet (step_time events)", theme.dim())],
         ),
     };
-    let found = stagehand::events::insight::findings(&state.snapshot).len() as u16;
-    let findings_h = (2 + 2 * found.max(1)).min(area.height / 3).max(3);
+    // The findings as tall as they need, up to a third of the screen (they scroll off the end).
+    let findings_h = findings::all_rows(&state.snapshot, area.width as usize).min(area.height / 3).max(3);
     let [top, steps, found_area] = Layout::vertical([
         Constraint::Length(2 + lines.len() as u16),
         Constraint::Min(4),

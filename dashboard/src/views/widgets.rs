@@ -116,6 +116,15 @@ pub(crate) fn bar<'a>(cells: usize, fraction: f64, marks: &[(f64, &'a str)], the
     out
 }
 
+/// A progress bar `cells` wide, filled to `fraction` in the accent colour (progress is not a
+/// usage: full is not bad).
+pub(crate) fn progress<'a>(cells: usize, fraction: f64, theme: &Theme) -> Vec<Span<'a>> {
+    let (full, empty) = theme.bar_cells();
+    let fraction = if fraction.is_finite() { fraction.clamp(0.0, 1.0) } else { 0.0 };
+    let n = ((fraction * cells as f64).round() as usize).min(cells);
+    vec![Span::styled(full.repeat(n), theme.accent()), Span::styled(empty.repeat(cells - n), theme.dim())]
+}
+
 /// Draws marks (fraction of the bar, label) over bar cells.
 pub(crate) fn mark<'a>(cells: &mut [Span<'a>], marks: &[(f64, &'a str)], theme: &Theme) {
     let n = cells.len();
