@@ -99,7 +99,7 @@ fn main() {
     let text = synthetic::jsonl(SyntheticRun { blocks: 24, steps: 1000, end_mid_step: false });
     std::fs::write(&path, &text).expect("writes the file");
     let t = Instant::now();
-    let mut src = ReplaySource::open(&path, false).expect("opens");
+    let mut src = ReplaySource::open_in_background(&path, false).expect("opens");
     let mut out = Vec::new();
     while src.replay().is_empty() {
         src.poll(Instant::now(), &mut out);

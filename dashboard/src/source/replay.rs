@@ -24,9 +24,19 @@ pub struct ReplaySource {
 }
 
 impl ReplaySource {
-    /// Starts reading `path` in the background (following it when `follow`), ready to play
-    /// from the start. Fails at once when the file cannot be opened.
+    /// Reads `path` to its end (following it afterwards when `follow`), ready to play from the
+    /// start. For a large file, [`ReplaySource::open_in_background`] shows the first events
+    /// sooner.
     pub fn open(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
+        let mut src = ReplaySource::open_in_background(path, follow)?;
+        src.finish_loading();
+        Ok(src)
+    }
+
+    /// Starts reading `path` in the background (following it when `follow`), ready to play
+    /// from the start: events come in as they are read, with the progress in the status. Fails
+    /// at once when the file cannot be opened.
+    pub fn open_in_background(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
         let io = |source| Error::Jsonl(JsonlError::Io { path: path.to_path_buf(), source });
         let file = std::fs::File::open(path).map_err(io)?;
         let total = file.metadata().map_err(io)?.len();

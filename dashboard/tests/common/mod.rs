@@ -24,7 +24,6 @@ pub const H: u16 = 40;
 /// A state fed by replaying `path`, after `controls`.
 pub fn replayed(path: &str, controls: &[Control]) -> (State, ReplaySource) {
     let mut src = ReplaySource::open(std::path::Path::new(path), false).expect("fixture opens");
-    src.finish_loading();
     src.configure(1.0, true);
     let mut state = State::new();
     let mut out = Vec::new();
