@@ -306,3 +306,48 @@ fn residency_states_are_coloured() {
     let buf = plain.backend().buffer();
     assert!((0..H).all(|y| (0..W).all(|x| buf[(x, y)].fg == Color::Reset)));
 }
+
+#[test]
+fn extreme_numbers_from_a_server_draw_without_panicking() {
+    use stagehand::events::snapshot::{ClassView, OwnersReading, VramReading};
+    use stagehand::events::{StepTimeBreakdown, VramByOwner};
+    let (mut state, _) = replayed(RUN, &[Control::ToEnd]);
+    let s = &mut state.snapshot;
+    s.step = u64::MAX;
+    s.t_ns = u64::MAX;
+    s.dropped_events = u64::MAX;
+    s.telemetry_lost = u64::MAX;
+    s.vram = Some(VramReading { t_ns: 0, allocated_bytes: u64::MAX, reserved_bytes: u64::MAX, peak_allocated_bytes: u64::MAX });
+    let huge = VramByOwner {
+        allocated_bytes: u64::MAX,
+        weights_bytes: u64::MAX,
+        activations_kept_bytes: u64::MAX,
+        activations_restored_bytes: u64::MAX,
+        copies_in_flight_bytes: u64::MAX,
+        other_bytes: u64::MAX,
+    };
+    s.vram_owners = Some(OwnersReading { t_ns: 0, step: u64::MAX, phase: Default::default(), owners: huge });
+    s.vram_owners_history.push_back(OwnersReading { t_ns: 0, step: 1, phase: Default::default(), owners: huge });
+    for r in s.steps.iter_mut() {
+        r.vram_at_peak = Some(huge);
+        r.time = Some(StepTimeBreakdown { step_ms: f64::MAX, compute_ms: f64::INFINITY, h2d_wait_ms: f64::NAN, ..Default::default() });
+    }
+    for p in [&mut s.weight_pool, &mut s.activation_pool].into_iter().flatten() {
+        p.classes = vec![ClassView { slab_bytes: u64::MAX, slabs: u32::MAX, in_use: u32::MAX, peak_in_use: u32::MAX, hits: u64::MAX, exhausted: u64::MAX }];
+        p.pageable_bytes = u64::MAX;
+    }
+    s.transfers.h2d.count = u64::MAX;
+    s.transfers.h2d.bytes = u64::MAX;
+    s.activations.kept = u64::MAX;
+    s.conductor.active_bytes = u64::MAX;
+    for b in s.blocks.iter_mut() {
+        b.bytes = u64::MAX;
+        b.loads = u64::MAX;
+    }
+    state.lagged = u64::MAX;
+    for v in View::ALL {
+        for size in [SMALL, LARGE] {
+            draw_at(&state, &view(v), &Theme::default(), size);
+        }
+    }
+}

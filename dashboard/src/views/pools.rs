@@ -12,6 +12,11 @@ use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
 use stagehand::events::BlockState;
 
+/// Bytes a pool holds, saturating (the figures come from the run, or a server: never overflow).
+fn capacity(p: &stagehand::events::snapshot::PoolView) -> u64 {
+    p.classes.iter().map(|c| c.slab_bytes.saturating_mul(u64::from(c.slabs))).fold(0, u64::saturating_add)
+}
+
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let [w, a] = Layout::vertical([Constraint::Length(8), Constraint::Min(4)]).areas(area);
     draw_weight_pool(f, w, state, theme);
@@ -66,7 +71,7 @@ fn draw_weight_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme)
         {
             let mut l = Fields::new();
             l.kv(0, "slabs", format!("{} x {}", count(u64::from(slabs)), fmt_bytes(slab_bytes)), theme)
-                .kv(0, "capacity", fmt_bytes(p.capacity_bytes()), theme)
+                .kv(0, "capacity", fmt_bytes(capacity(p)), theme)
                 .kv(1, "pinned", p.pinned.to_string(), theme);
             l.line(w, Span::raw("  "))
         },
@@ -134,7 +139,7 @@ fn draw_activation_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Th
     let a = &s.activations;
     let title = format!(
         " Activation pool ({}, {}; spill hits {} misses {}) ",
-        fmt_bytes(p.capacity_bytes()),
+        fmt_bytes(capacity(p)),
         if p.pinned { "pinned" } else { "pageable" },
         count(a.pool_hits),
         count(a.pool_misses)
