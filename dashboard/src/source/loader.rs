@@ -123,10 +123,15 @@ fn take_line(raw: &[u8], cut: bool, complete: bool, report: &mut ReadReport, eve
         return;
     }
     match parse_line(&String::from_utf8_lossy(raw)) {
-        Ok(Some(e)) => {
-            report.events += 1;
-            events.push(e);
-        }
+        // A file is as untrusted as a server: ids that would make the state allocate without
+        // bound are refused the same way.
+        Ok(Some(e)) => match super::live::vet_event(&e) {
+            Ok(()) => {
+                report.events += 1;
+                events.push(e);
+            }
+            Err(why) => skip(report, SkipReason::Corrupt, format!("implausible: {why}")),
+        },
         Ok(None) => report.blank += 1,
         Err((reason, detail)) => {
             let reason = if complete { reason } else { SkipReason::Truncated };

@@ -288,6 +288,34 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_file_with_implausible_ids_is_skipped_line_by_line() {
+        use stagehand::events::{BlockId, EventKind, Phase};
+        let mut text = jsonl(SyntheticRun::default());
+        let huge = Event::new(9_999, 0, 0, Phase::Idle, EventKind::BlockRegistered {
+            block: BlockId(u32::MAX),
+            name: "huge".into(),
+            bytes: 1,
+            exec_order: 0,
+            file_backed: false,
+            trainable: false,
+        });
+        text.push_str(&serde_json::to_string(&huge).expect("json"));
+        text.push('\n');
+        let total = text.len() as u64;
+        let mut src = ReplaySource::from_reader(std::io::Cursor::new(text.into_bytes()), total, "hostile.jsonl").expect("starts");
+        src.finish_loading();
+        assert_eq!(src.report().skipped_total, 1);
+        assert!(src.report().skipped[0].detail.contains("implausible: block id"), "{:?}", src.report());
+        let mut out = Vec::new();
+        src.control(Control::ToEnd, &mut out);
+        let mut state = State::new();
+        for u in out {
+            state.ingest(u);
+        }
+        assert_eq!(state.snapshot.blocks.len(), 8);
+    }
+
     /// A reader that hands out its text in parts, each when the test says so.
     struct Gated {
         parts: Receiver<Vec<u8>>,
