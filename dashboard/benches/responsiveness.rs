@@ -10,6 +10,8 @@ use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 use stagehand::events::Event;
 use stagehand_dashboard::app::{State, Update, View, ViewState};
+use stagehand_dashboard::source::sse::{Item, Limits, LineReader, SseParser};
+use stagehand_dashboard::source::{ReplaySource, Source};
 use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 use stagehand_dashboard::views;
@@ -64,21 +66,21 @@ fn main() {
         ingest.as_secs_f64() * 1e6 / events.len() as f64
     );
 
-    // The live path's extra work: SSE lines parsed and decoded from JSON.
-    let lines: Vec<String> = events
-        .iter()
-        .map(|e| {
-            let m = stagehand::events::StreamMessage::Event { event: Box::new(e.clone()) };
-            format!("data: {}", serde_json::to_string(&m).expect("serializes"))
-        })
-        .collect();
-    let mut parser = stagehand_dashboard::source::SseParser::default();
+    // The live path's extra work: SSE lines read (bounded), parsed and decoded from JSON.
+    let mut wire = Vec::new();
+    for e in &events {
+        let m = stagehand::events::StreamMessage::Event { event: Box::new(e.clone()) };
+        wire.extend_from_slice(b"event: event\ndata: ");
+        wire.extend(serde_json::to_vec(&m).expect("serializes"));
+        wire.extend_from_slice(b"\n\n");
+    }
     let t = Instant::now();
+    let mut lines = LineReader::new(std::io::BufReader::new(wire.as_slice()), Limits::default().max_line);
+    let mut parser = SseParser::new(Limits::default());
+    let mut buf = Vec::new();
     let mut n = 0usize;
-    for l in &lines {
-        parser.line("event: event");
-        parser.line(l);
-        if let Some(m) = parser.line("") {
+    while let Some(info) = lines.next_line(&mut buf).expect("reads memory") {
+        if let Some(Item::Message(m)) = parser.line(&buf, info) {
             if stagehand_dashboard::source::decode(&m).is_ok() {
                 n += 1;
             }
@@ -86,9 +88,32 @@ fn main() {
     }
     let decode = t.elapsed();
     println!(
-        "SSE parse + JSON decode: {:.0} events/s ({:.2} us/event)",
+        "SSE read + parse + JSON decode: {:.0} events/s ({:.2} us/event)",
         n as f64 / decode.as_secs_f64(),
         decode.as_secs_f64() * 1e6 / n as f64
+    );
+
+    // A large telemetry file: how soon the first events are there to draw, and the whole load.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("big.jsonl");
+    let text = synthetic::jsonl(SyntheticRun { blocks: 24, steps: 1000, end_mid_step: false });
+    std::fs::write(&path, &text).expect("writes the file");
+    let t = Instant::now();
+    let mut src = ReplaySource::open_in_background(&path, false).expect("opens");
+    let mut out = Vec::new();
+    while src.replay().is_empty() {
+        src.poll(Instant::now(), &mut out);
+    }
+    let first = t.elapsed();
+    src.finish_loading();
+    let all = t.elapsed();
+    println!(
+        "replay of a {:.0} MB file ({} events): first events after {:.1?}, all after {:.2?} ({:.0} MB/s)",
+        text.len() as f64 / 1e6,
+        src.replay().len(),
+        first,
+        all,
+        text.len() as f64 / 1e6 / all.as_secs_f64()
     );
 
     let per_frame = RATE / FPS as usize + 1;

@@ -2,7 +2,9 @@
 //! log of recent raw events, and what the source says about itself; plus the view state
 //! (which view, selection, filter, overlays). No ratatui here: views render from these.
 
+use crate::filter::Filter;
 use crate::keys::Action;
+use crate::sort::{self, Sorts, TableId};
 use stagehand::events::*;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -31,39 +33,92 @@ pub enum SourceStatus {
     /// Nothing yet.
     #[default]
     Starting,
-    /// A live stream: connecting (attempt n, from 1).
-    Connecting { url: String, attempt: u32 },
-    /// A live stream that is delivering.
-    Connected { url: String },
-    /// A live stream that failed (attempts in a row so far); it tries again after `retry_in`.
-    Disconnected {
-        url: String,
-        error: String,
-        retry_in: Duration,
-        attempt: u32,
-    },
+    /// A run's live stream.
+    Live(LiveStatus),
     /// A replay of a file.
-    Replay {
-        path: String,
-        status: ReplayStatus,
-        /// What reading the file skipped ("read ... ; skipped ...").
-        report: String,
-        skipped: u64,
-    },
+    Replay(ReplayInfo),
 }
 
 impl SourceStatus {
     /// Whether this is a replay.
     pub fn is_replay(&self) -> bool {
-        matches!(self, SourceStatus::Replay { .. })
+        matches!(self, SourceStatus::Replay(_))
     }
 }
 
-/// The views, in tab order.
+/// A live stream: where from, the state of the connection, and what it skipped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LiveStatus {
+    pub url: String,
+    pub link: Link,
+    /// Messages the source refused (over the size bound, unreadable, implausible).
+    pub skipped: Skipped,
+}
+
+/// The state of a live connection.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Link {
+    /// Connecting (attempt n, from 1).
+    Connecting { attempt: u32 },
+    /// Delivering.
+    Connected,
+    /// Failed `attempt` times in a row; tries again in `retry_in` (counting down).
+    Disconnected {
+        /// Why, without the URL (the header shows it once).
+        error: String,
+        retry_in: Duration,
+        attempt: u32,
+    },
+}
+
+/// Messages of a live stream that were skipped rather than applied, by why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Skipped {
+    /// Over the line or message size bound.
+    pub oversize: u64,
+    /// Not UTF-8, not JSON, or not a message of the protocol.
+    pub unreadable: u64,
+    /// Well-formed but with numbers no run produces (ids that would allocate without bound).
+    pub implausible: u64,
+}
+
+impl Skipped {
+    /// All skipped messages.
+    pub fn total(&self) -> u64 {
+        self.oversize.saturating_add(self.unreadable).saturating_add(self.implausible)
+    }
+}
+
+/// A replay of a file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayInfo {
+    pub path: String,
+    pub status: ReplayStatus,
+    /// What reading the file skipped ("read ... ; skipped ...").
+    pub report: String,
+    pub skipped: u64,
+    /// While the file is still being read: how far.
+    pub loading: Option<Loading>,
+}
+
+/// How far reading a file has come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loading {
+    pub bytes_read: u64,
+    /// The file's size when reading started.
+    pub total_bytes: u64,
+    pub events: u64,
+}
+
+/// The views, in tab order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum View {
     #[default]
     Overview,
+    /// Why a step is slow: each step's time, part by part, and the findings.
+    Time,
+    /// Where VRAM went: by owner now, over the step, at the step's peak.
+    Memory,
     Residency,
     Pools,
     Transfers,
@@ -73,9 +128,11 @@ pub enum View {
 }
 
 impl View {
-    /// Every view, in tab order (number keys 1..=7).
-    pub const ALL: [View; 7] = [
+    /// Every view, in tab order (number keys 1..=9).
+    pub const ALL: [View; 9] = [
         View::Overview,
+        View::Time,
+        View::Memory,
         View::Residency,
         View::Pools,
         View::Transfers,
@@ -88,12 +145,41 @@ impl View {
     pub fn title(self) -> &'static str {
         match self {
             View::Overview => "Overview",
+            View::Time => "Step time",
+            View::Memory => "VRAM",
             View::Residency => "Residency",
             View::Pools => "Pools",
             View::Transfers => "Transfers",
             View::Activations => "Activations",
             View::Conductor => "Conductor",
             View::Events => "Events",
+        }
+    }
+
+    /// The tab title where the full ones do not fit.
+    pub fn short_title(self) -> &'static str {
+        match self {
+            View::Overview => "Over",
+            View::Time => "Time",
+            View::Memory => "VRAM",
+            View::Residency => "Resid",
+            View::Pools => "Pools",
+            View::Transfers => "Xfer",
+            View::Activations => "Act",
+            View::Conductor => "Cond",
+            View::Events => "Events",
+        }
+    }
+
+    /// The sortable table of this view, if it has one.
+    pub fn table(self) -> Option<TableId> {
+        match self {
+            View::Residency => Some(TableId::Blocks),
+            View::Time => Some(TableId::StepTimes),
+            View::Transfers => Some(TableId::Transfers),
+            View::Activations => Some(TableId::ActivationSteps),
+            View::Conductor => Some(TableId::Denials),
+            _ => None,
         }
     }
 
@@ -105,78 +191,6 @@ impl View {
     fn offset(self, by: isize) -> View {
         let n = View::ALL.len() as isize;
         View::ALL[(self.index() as isize + by).rem_euclid(n) as usize]
-    }
-}
-
-/// A filter over events (Events view) and blocks (Residency view), typed after `/`.
-///
-/// Words are ANDed: `kind:resid` (kind name contains), `block:3`, `step:2` or `step:2-4`; a bare
-/// word matches the kind name, or for blocks the block name.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Filter {
-    pub text: String,
-    kinds: Vec<String>,
-    words: Vec<String>,
-    block: Option<u32>,
-    steps: Option<(u64, u64)>,
-    /// Words that did not parse, shown so a typo is visible.
-    pub invalid: Vec<String>,
-}
-
-impl Filter {
-    /// Parses a filter; an empty text matches everything.
-    pub fn parse(text: &str) -> Filter {
-        let mut f = Filter {
-            text: text.trim().to_owned(),
-            ..Default::default()
-        };
-        for word in text.split_whitespace() {
-            let lower = word.to_ascii_lowercase();
-            if let Some(k) = lower.strip_prefix("kind:") {
-                f.kinds.push(k.to_owned());
-            } else if let Some(b) = lower.strip_prefix("block:") {
-                match b.parse() {
-                    Ok(n) => f.block = Some(n),
-                    Err(_) => f.invalid.push(word.to_owned()),
-                }
-            } else if let Some(s) = lower.strip_prefix("step:") {
-                let range = match s.split_once('-') {
-                    Some((a, b)) => a.parse().ok().zip(b.parse().ok()),
-                    None => s.parse().ok().map(|n| (n, n)),
-                };
-                match range {
-                    Some(r) => f.steps = Some(r),
-                    None => f.invalid.push(word.to_owned()),
-                }
-            } else {
-                f.words.push(lower);
-            }
-        }
-        f
-    }
-
-    /// True when the filter lets everything through.
-    pub fn is_empty(&self) -> bool {
-        self.text.is_empty()
-    }
-
-    /// Whether an event passes.
-    pub fn matches_event(&self, e: &Event) -> bool {
-        let name = e.kind.name();
-        self.kinds.iter().all(|k| name.contains(k.as_str()))
-            && self.words.iter().all(|w| name.contains(w.as_str()))
-            && self.block.is_none_or(|b| e.kind.block() == Some(BlockId(b)))
-            && self.steps.is_none_or(|(a, b)| (a..=b).contains(&e.step))
-    }
-
-    /// Whether a block passes (the Residency view).
-    pub fn matches_block(&self, b: &snapshot::BlockView) -> bool {
-        self.block.is_none_or(|id| b.id == BlockId(id))
-            && self
-                .words
-                .iter()
-                .all(|w| b.name.to_ascii_lowercase().contains(w.as_str()) || b.state.as_str().contains(w.as_str()))
-            && self.kinds.iter().all(|k| b.state.as_str().contains(k.as_str()))
     }
 }
 
@@ -198,6 +212,8 @@ pub struct ViewState {
     /// Selected row in the Events view (index into the filtered events), when not following.
     pub event_sel: Option<usize>,
     pub filter: Filter,
+    /// The order of each sortable table.
+    pub sorts: Sorts,
     /// The filter being typed after `/`, if any.
     pub filter_input: Option<String>,
     pub detail: Option<Detail>,
@@ -265,7 +281,8 @@ impl State {
                     }
                 }
             }
-            Update::Lagged(n) => self.lagged += n,
+            // A number the server sent: saturate rather than overflow.
+            Update::Lagged(n) => self.lagged = self.lagged.saturating_add(n),
         }
     }
 
@@ -274,12 +291,10 @@ impl State {
         self.recent.iter().filter(move |e| f.matches_event(e))
     }
 
-    /// The blocks the filter lets through.
-    pub fn filtered_blocks<'a>(
-        &'a self,
-        f: &'a Filter,
-    ) -> impl Iterator<Item = &'a snapshot::BlockView> + 'a {
-        self.snapshot.blocks.iter().filter(move |b| f.matches_block(b))
+    /// The blocks the filter lets through, in the table's order.
+    pub fn sorted_blocks(&self, f: &Filter, sorts: &Sorts) -> Vec<&snapshot::BlockView> {
+        let rows = self.snapshot.blocks.iter().filter(|b| f.matches_block(b)).collect();
+        sort::sorted(rows, sorts.get(TableId::Blocks), sort::block_key)
     }
 
     /// The last step with train metrics, for step time and throughput.
@@ -344,6 +359,18 @@ impl ViewState {
                 }
             }
             Action::FilterCancel => self.filter_input = None,
+            Action::SortNext => {
+                if let Some(t) = self.view.table() {
+                    self.sorts.next_column(t);
+                    self.block_sel = 0;
+                }
+            }
+            Action::SortReverse => {
+                if let Some(t) = self.view.table() {
+                    self.sorts.reverse(t);
+                    self.block_sel = 0;
+                }
+            }
             Action::Control(c) => return Some(c),
         }
         None
@@ -358,7 +385,7 @@ impl ViewState {
     fn move_sel(&mut self, state: &State, by: i64) {
         match self.view {
             View::Residency => {
-                let n = state.filtered_blocks(&self.filter).count();
+                let n = state.sorted_blocks(&self.filter, &self.sorts).len();
                 self.block_sel = clamp_move(self.block_sel, by, n);
             }
             View::Events => {
@@ -380,8 +407,8 @@ impl ViewState {
     fn selected_detail(&self, state: &State) -> Option<Detail> {
         match self.view {
             View::Residency => state
-                .filtered_blocks(&self.filter)
-                .nth(self.block_sel)
+                .sorted_blocks(&self.filter, &self.sorts)
+                .get(self.block_sel)
                 .map(|b| Detail::Block(b.id)),
             View::Events => {
                 let events: Vec<&Event> = state.filtered_events(&self.filter).collect();
@@ -400,234 +427,10 @@ fn clamp_move(cur: usize, by: i64, n: usize) -> usize {
     (cur as i64).saturating_add(by).clamp(0, n as i64 - 1) as usize
 }
 
-/// Bytes as "48.0 MiB".
-pub fn fmt_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
-/// Nanoseconds since the run started as "12.345 s".
-pub fn fmt_t(t_ns: u64) -> String {
-    format!("{:.3} s", t_ns as f64 / 1e9)
-}
-
-fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
-    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
-}
-
-/// Hints as "h2d<=1 d2h<=2 window<=1 no-spec".
-pub fn fmt_hints(h: &Hints) -> String {
-    let mut s = format!(
-        "h2d<={} d2h<={} window<={}",
-        opt(h.max_inflight_h2d),
-        opt(h.max_inflight_d2h),
-        opt(h.prefetch_window_cap)
-    );
-    if h.suppress_speculative {
-        s.push_str(" no-speculative");
-    }
-    s
-}
-
-
-/// One line saying what an event says, for the Events log.
-pub fn describe(k: &EventKind) -> String {
-    use EventKind::*;
-    match k {
-        RunStarted { run_id, model, device, .. } => format!("{run_id}: {model} on {}", device.name),
-        RunEnded { steps } => format!("after {steps} steps"),
-        PhaseChanged { from, to, duration_s } => {
-            format!("{from} -> {to} ({:.1} ms)", duration_s * 1e3)
-        }
-        BlockRegistered { block, name, bytes, trainable, .. } => format!(
-            "#{block} {name} {}{}",
-            fmt_bytes(*bytes),
-            if *trainable { " trainable" } else { "" }
-        ),
-        ItineraryLearned { order } => format!("{} blocks", order.len()),
-        Residency { block, from, to, refcount } => {
-            format!("#{block} {from} -> {to} ref={refcount}")
-        }
-        PrefetchHit { block } => format!("#{block}"),
-        PrefetchMiss { block, stall_ms } => format!("#{block} stalled {stall_ms:.2} ms"),
-        Eviction { block, reason, score, bytes } => format!(
-            "#{block} {} {} score {score:.2e}",
-            stagehand::events::wire_name(reason),
-            fmt_bytes(*bytes)
-        ),
-        PrefetchWindow { cursor, backward, window } => format!(
-            "cursor {cursor}{} window {:?}",
-            if *backward { " (backward)" } else { "" },
-            window.iter().map(|b| b.0).collect::<Vec<_>>()
-        ),
-        Protection { block, protected } => format!(
-            "#{block} {}",
-            if *protected { "protected" } else { "unprotected" }
-        ),
-        TransferIssued { id, dir, owner, bytes, subject } => format!(
-            "{} #{id} {} {} {subject}",
-            dir.as_str(),
-            owner.as_str(),
-            fmt_bytes(*bytes)
-        ),
-        TransferCompleted { id, dir, owner, bytes, duration_ms } => format!(
-            "{} #{id} {} {} in {duration_ms:.2} ms",
-            dir.as_str(),
-            owner.as_str(),
-            fmt_bytes(*bytes)
-        ),
-        PoolConfigured { pool, classes, pinned } => format!(
-            "{} {} classes{}",
-            stagehand::events::wire_name(pool),
-            classes.len(),
-            if *pinned { " pinned" } else { "" }
-        ),
-        SlabAcquired { pool, class, slab, waited_ms, .. } => {
-            format!("{} class {class} slab {slab} waited {waited_ms:.2} ms", stagehand::events::wire_name(pool))
-        }
-        SlabReleased { pool, class, slab } => format!("{} class {class} slab {slab}", stagehand::events::wire_name(pool)),
-        PoolExhausted { pool, class, requested_bytes } => format!(
-            "{} class {class} wanted {}",
-            stagehand::events::wire_name(pool),
-            fmt_bytes(*requested_bytes)
-        ),
-        PageableFallback { pool, bytes } => format!("{} {}", stagehand::events::wire_name(pool), fmt_bytes(*bytes)),
-        Pack { tensor, decision, reason, bytes, .. } => format!(
-            "t{tensor} {}{} {}",
-            stagehand::events::wire_name(decision),
-            reason.map(|r| format!(" ({})", stagehand::events::wire_name(&r))).unwrap_or_default(),
-            fmt_bytes(*bytes)
-        ),
-        SpillFinalized { tensor, bytes, inline } => format!(
-            "t{tensor} {}{}",
-            fmt_bytes(*bytes),
-            if *inline { " inline" } else { "" }
-        ),
-        Restored { tensor, bytes, predicted, stall_ms } => format!(
-            "t{tensor} {}{} stall {stall_ms:.2} ms",
-            fmt_bytes(*bytes),
-            if *predicted { " predicted" } else { "" }
-        ),
-        SpillingToggled { on, vram_allocated_bytes } => format!(
-            "{} at {}",
-            if *on { "on" } else { "off" },
-            fmt_bytes(*vram_allocated_bytes)
-        ),
-        Reservation { id, owner, mode, priority, requested_bytes, granted_bytes, outcome, reason, .. } => {
-            format!(
-                "r{id} {} {} {} {}/{} {}{}",
-                owner.as_str(),
-                stagehand::events::wire_name(mode),
-                stagehand::events::wire_name(priority),
-                fmt_bytes(*granted_bytes),
-                fmt_bytes(*requested_bytes),
-                stagehand::events::wire_name(outcome),
-                reason.map(|r| format!(" ({})", r.as_str())).unwrap_or_default()
-            )
-        }
-        ReservationReleased { id, bytes } => format!("r{id} {}", fmt_bytes(*bytes)),
-        SlotGranted { dir, owner, speculative, inflight } => format!(
-            "{} {}{} inflight {inflight}",
-            dir.as_str(),
-            owner.as_str(),
-            if *speculative { " speculative" } else { "" }
-        ),
-        SlotDenied { dir, owner, speculative, reason } => format!(
-            "{} {}{} {}",
-            dir.as_str(),
-            owner.as_str(),
-            if *speculative { " speculative" } else { "" },
-            reason.as_str()
-        ),
-        SlotReleased { dir, owner, inflight } => {
-            format!("{} {} inflight {inflight}", dir.as_str(), owner.as_str())
-        }
-        HintsChanged { hints, rule } => format!("{}: {}", stagehand::events::wire_name(rule), fmt_hints(hints)),
-        VramSample { allocated_bytes, reserved_bytes, .. } => format!(
-            "{} allocated, {} reserved",
-            fmt_bytes(*allocated_bytes),
-            fmt_bytes(*reserved_bytes)
-        ),
-        WeightStep(m) => format!(
-            "hits {} misses {} stall {:.1} ms",
-            m.prefetch_hits, m.prefetch_misses, m.stall_time_ms
-        ),
-        ActivationStep(m) => format!(
-            "saved {} spilled {} restored {}",
-            m.activations_saved, m.activations_spilled, m.activations_restored
-        ),
-        ConductorStep(m) => format!(
-            "grants {} partial {} denied {}",
-            m.grant_count, m.partial_count, m.deny_count
-        ),
-        TrainStep(m) => format!("loss {:.4} in {:.1} ms", m.loss, m.step_time_s * 1e3),
-        Warning { source, message } => format!("{}: {message}", source.as_str()),
-        EventsDropped { total } => format!("{total} dropped so far"),
-        LimitsSet { owner, budget_bytes, high_watermark_bytes, low_watermark_bytes } => {
-            let mut s = format!("{} budget {}", owner.as_str(), fmt_bytes(*budget_bytes));
-            if let Some(h) = high_watermark_bytes {
-                s.push_str(&format!(", high {}", fmt_bytes(*h)));
-            }
-            if let Some(l) = low_watermark_bytes {
-                s.push_str(&format!(", low {}", fmt_bytes(*l)));
-            }
-            s
-        }
-        VramOwners(o) => format!(
-            "weights {} kept {} restored {} in flight {} other {}",
-            fmt_bytes(o.weights_bytes),
-            fmt_bytes(o.activations_kept_bytes),
-            fmt_bytes(o.activations_restored_bytes),
-            fmt_bytes(o.copies_in_flight_bytes),
-            fmt_bytes(o.other_bytes)
-        ),
-        OutOfMemory { requested_bytes, doing, .. } => {
-            format!("out of memory asking {} while {doing}", fmt_bytes(*requested_bytes))
-        }
-        ItineraryChanged { order, first_difference, .. } => {
-            format!("retraced: {} blocks, differs from position {first_difference}", order.len())
-        }
-        StepTime(t) => format!(
-            "{:.1} ms: compute {:.1}, h2d wait {:.1}, d2h wait {:.1}, stalls {:.1}, optimizer {:.1}",
-            t.step_ms,
-            t.compute_ms,
-            t.h2d_wait_ms,
-            t.d2h_wait_ms,
-            t.weight_stall_ms + t.restore_stall_ms,
-            t.optimizer_ms
-        ),
-        TelemetryLost { sink, lost, reason, .. } => format!("{sink} lost {lost} events: {reason}"),
-        NonFinite { block, tensor } => match block {
-            Some(b) => format!("non-finite {tensor} in block {b}"),
-            None => format!("non-finite {tensor}"),
-        },
-        FlightRecorded { reason, path, events } => format!("{events} events to {path} ({reason})"),
-    }
-}
-
-/// The wire name of a policy rule.
-pub fn rule_name(r: PolicyRule) -> &'static str {
-    match r {
-        PolicyRule::Reset => "reset",
-        PolicyRule::BackwardPressure => "backward_pressure",
-        PolicyRule::OptimizerProtection => "optimizer_protection",
-        PolicyRule::Contention => "contention",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::filter::Filter;
     use stagehand::events::synthetic::{events, SyntheticRun};
 
     fn fed() -> (State, Vec<Event>) {
@@ -691,8 +494,9 @@ mod tests {
         assert_eq!(bad.invalid, vec!["block:x".to_owned(), "step:".to_owned()]);
         assert!(Filter::parse("  ").is_empty());
         let blocks = Filter::parse("blocks.1");
-        assert!(s.filtered_blocks(&blocks).all(|b| b.name.contains("blocks.1")));
-        assert!(s.filtered_blocks(&Filter::parse("gpu_ready")).all(|b| b.state == BlockState::GpuReady));
+        let sorts = Sorts::default();
+        assert!(s.sorted_blocks(&blocks, &sorts).iter().all(|b| b.name.contains("blocks.1")));
+        assert!(s.sorted_blocks(&Filter::parse("gpu_ready"), &sorts).iter().all(|b| b.state == BlockState::GpuReady));
     }
 
     #[test]
@@ -711,8 +515,33 @@ mod tests {
         v.apply(Action::Back, &s);
         assert_eq!(v.detail, None);
 
+        for _ in 0..5 {
+            v.apply(Action::SortNext, &s);
+        }
+        // By loads, most first; Enter opens the row drawn first.
+        assert_eq!(v.sorts.get(TableId::Blocks), sort::Sort { column: 5, descending: true });
+        v.apply(Action::Enter, &s);
+        let first = s.sorted_blocks(&v.filter, &v.sorts)[0].id;
+        assert_eq!(v.detail, Some(Detail::Block(first)));
+        let most_loaded = s.snapshot.blocks.iter().map(|b| b.loads).max();
+        assert_eq!(s.snapshot.block(first).map(|b| b.loads), most_loaded);
+        v.apply(Action::Back, &s);
+        v.apply(Action::SortReverse, &s);
+        assert!(!v.sorts.get(TableId::Blocks).descending);
+
         v.apply(Action::NextView, &s);
         assert_eq!(v.view, View::Pools);
+        v.apply(Action::SortNext, &s);
+        assert_eq!(v.sorts, {
+            let mut x = Sorts::default();
+            x.next_column(TableId::Blocks);
+            x.next_column(TableId::Blocks);
+            x.next_column(TableId::Blocks);
+            x.next_column(TableId::Blocks);
+            x.next_column(TableId::Blocks);
+            x.reverse(TableId::Blocks);
+            x
+        }, "a view without a table ignores the sort keys");
         v.apply(Action::GoView(View::Events), &s);
         assert_eq!(v.event_sel, None, "follows the tail");
         v.apply(Action::Up(1), &s);
@@ -762,20 +591,5 @@ mod tests {
         assert!(!v.help);
         v.apply(Action::Quit, &s);
         assert!(v.quit);
-    }
-
-    #[test]
-    fn formats_sizes_and_describes_events() {
-        assert_eq!(fmt_bytes(512), "512 B");
-        assert_eq!(fmt_bytes(48 << 20), "48.0 MiB");
-        let d = describe(&EventKind::Residency {
-            block: BlockId(3),
-            from: BlockState::Prefetching,
-            to: BlockState::GpuReady,
-            refcount: 1,
-        });
-        assert_eq!(d, "#3 prefetching -> gpu_ready ref=1");
-        let h = fmt_hints(&Hints { max_inflight_h2d: Some(1), suppress_speculative: true, ..Default::default() });
-        assert_eq!(h, "h2d<=1 d2h<=- window<=- no-speculative");
     }
 }

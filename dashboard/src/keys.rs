@@ -2,7 +2,7 @@
 //!
 //! The keys follow htop, nvitop and tokio-console: `q` quits, `?` shows help, `Tab` and the
 //! number keys switch views, arrows or `j`/`k` move, `Enter` opens details, `Esc` goes back,
-//! `/` filters, `space` pauses; in replay, arrows left/right step, `[`/`]` step by training
+//! `/` filters, `s`/`S` sort, `space` pauses; in replay, arrows left/right step, `[`/`]` step by training
 //! step, `<`/`>` seek, `+`/`-` change speed, `Home`/`End` jump to the start or the end.
 
 use crate::app::{Control, View};
@@ -27,6 +27,10 @@ pub enum Action {
     FilterBackspace,
     FilterCommit,
     FilterCancel,
+    /// Sort the view's table by its next column.
+    SortNext,
+    /// Reverse the order of the view's table.
+    SortReverse,
     /// Asks the source (pause, seek, speed).
     Control(Control),
 }
@@ -67,7 +71,7 @@ pub fn map_key(key: KeyEvent, ctx: KeyContext) -> Option<Action> {
         KeyCode::Char('?') | KeyCode::F(1) => Some(Action::Help),
         KeyCode::Tab => Some(Action::NextView),
         KeyCode::BackTab => Some(Action::PrevView),
-        KeyCode::Char(c @ '1'..='7') => {
+        KeyCode::Char(c @ '1'..='9') => {
             let i = c as usize - '1' as usize;
             View::ALL.get(i).map(|v| Action::GoView(*v))
         }
@@ -80,6 +84,8 @@ pub fn map_key(key: KeyEvent, ctx: KeyContext) -> Option<Action> {
         KeyCode::Enter => Some(Action::Enter),
         KeyCode::Esc => Some(Action::Back),
         KeyCode::Char('/') => Some(Action::StartFilter),
+        KeyCode::Char('s') => Some(Action::SortNext),
+        KeyCode::Char('S') => Some(Action::SortReverse),
         KeyCode::Char(' ') | KeyCode::Char('p') => Some(Action::Control(Control::TogglePause)),
         KeyCode::Left | KeyCode::Char('h') => replay(Control::StepEvents(-1)),
         KeyCode::Right | KeyCode::Char('l') => replay(Control::StepEvents(1)),
@@ -100,13 +106,14 @@ pub const HELP: &[(&str, &str, bool)] = &[
     ("q  Ctrl-C", "quit", false),
     ("?  F1", "show or hide this help", false),
     ("Tab  Shift-Tab", "next / previous view", false),
-    ("1..7", "Overview Residency Pools Transfers Activations Conductor Events", false),
+    ("1..9", "Overview, Step time, VRAM, Residency, Pools, Transfers, Activations, Conductor, Events", false),
     ("Up Down  k j", "move the selection", false),
     ("PgUp PgDn", "move the selection by a page", false),
     ("g  G", "first row / last row (Events: follow the tail)", false),
     ("Enter", "details of the selected block or event", false),
     ("Esc", "close details or help; clear the filter", false),
     ("/", "filter: kind:NAME block:N step:N or step:A-B, words", false),
+    ("s  S", "sort the table by the next column / reverse the order", false),
     ("space  p", "pause or resume (live: freeze the display)", false),
     ("Left Right  h l", "step one event back / forward", true),
     ("[  ]", "step one training step back / forward", true),
@@ -138,8 +145,11 @@ mod tests {
         assert_eq!(map_key(key(KeyCode::Tab), LIVE), Some(Action::NextView));
         assert_eq!(map_key(key(KeyCode::BackTab), LIVE), Some(Action::PrevView));
         assert_eq!(map_key(key(KeyCode::Char('1')), LIVE), Some(Action::GoView(View::Overview)));
-        assert_eq!(map_key(key(KeyCode::Char('7')), LIVE), Some(Action::GoView(View::Events)));
-        assert_eq!(map_key(key(KeyCode::Char('8')), LIVE), None);
+        assert_eq!(map_key(key(KeyCode::Char('2')), LIVE), Some(Action::GoView(View::Time)));
+        assert_eq!(map_key(key(KeyCode::Char('9')), LIVE), Some(Action::GoView(View::Events)));
+        assert_eq!(map_key(key(KeyCode::Char('0')), LIVE), None);
+        assert_eq!(map_key(key(KeyCode::Char('s')), LIVE), Some(Action::SortNext));
+        assert_eq!(map_key(key(KeyCode::Char('S')), LIVE), Some(Action::SortReverse));
         assert_eq!(map_key(key(KeyCode::Char('j')), LIVE), Some(Action::Down(1)));
         assert_eq!(map_key(key(KeyCode::Up), LIVE), Some(Action::Up(1)));
         assert_eq!(map_key(key(KeyCode::PageDown), LIVE), Some(Action::Down(PAGE)));

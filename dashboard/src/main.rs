@@ -64,7 +64,7 @@ fn main() -> Result<()> {
         std::env::var("NO_COLOR").ok().as_deref(),
     );
     let mut source: Box<dyn Source> = if let Some(path) = &args.replay {
-        let mut r = ReplaySource::open(path, args.follow)
+        let mut r = ReplaySource::open_in_background(path, args.follow)
             .with_context(|| format!("cannot replay '{}'", path.display()))?;
         r.configure(args.speed, args.paused);
         Box::new(r)

@@ -102,10 +102,20 @@ fn replay_in_a_terminal_follows_keys() {
     t.wait_for("805/805");
     t.wait_for("dropped 17");
     t.keys("2");
-    t.wait_for_all(&["gpu_freeing 1", "blocks.7"]);
+    t.wait_for_all(&["Step 3 took 88.0 ms: where the time went", "compute 63.0 ms 72%", "Findings (1)"]);
+    t.keys("3");
+    t.wait_for_all(&["Step 3 at its peak: 288 MiB", "weights 192 MiB 67%", "By owner over"]);
+    t.keys("4");
+    t.wait_for_all(&["gpu_freeing 1", "blocks.7", "id▲"]);
+    t.keys("s"); // sort by name
+    t.wait_for("name▲");
+    t.keys("S"); // reversed
+    t.wait_for("name▼");
+    t.keys("sssssss"); // round to id, in registration order
+    t.wait_for("id▲");
     t.keys("jj\r"); // the third block's details
     t.wait_for("Block blocks.2");
-    t.keys("7/kind:events_dropped\r");
+    t.keys("9/kind:events_dropped\r");
     t.wait_for("17 dropped so far");
     t.keys("["); // back to the start of the current training step
     t.wait_for("step 4 step_begin");
@@ -124,8 +134,11 @@ fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
     let mut t = Tui::start(&["--connect", &url]);
     // The first connection is closed by the server; the second snapshot makes the second resync.
     t.wait_for("805 events, 2 resyncs");
-    t.wait_for_all(&[&format!("live http://{addr}/api/stream"), "step 4 forward", "dropped 17"]);
-    t.keys("6");
+    let s = t.wait_for_all(&[&format!("live {addr}"), "step 4 forward", "dropped 17"]);
+    assert_eq!(s.matches(&addr).count(), 1, "the address once:\n{s}");
+    t.keys("2");
+    t.wait_for_all(&["where the time went", "Findings"]);
+    t.keys("8");
     t.wait_for("Phase timeline");
     t.quit();
 }
@@ -152,7 +165,7 @@ fn follow_plays_a_growing_file_as_it_is_written() {
     // "dropped 17" comes from an appended event: the appended part was applied.
     let s = t.wait_for_all(&["805/805", "read 805 events from 805 lines", "dropped 17"]);
     assert!(!s.contains("skipped"), "the line finished later was read whole:\n{s}");
-    t.keys("6");
+    t.keys("8");
     t.wait_for("Phase timeline");
     t.quit();
 }

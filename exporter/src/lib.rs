@@ -1,11 +1,14 @@
 #![doc = include_str!("../README.md")]
 
+pub mod catalog;
+pub mod mapping;
 pub mod metrics;
 #[cfg(feature = "otlp")]
 pub mod otlp;
 pub mod trace;
 
-pub use metrics::{DeviceLabels, Metrics, METRIC_NAMES, TEXT_CONTENT_TYPE};
+pub use catalog::{Metric, MetricDef, CATALOG};
+pub use metrics::{DeviceLabels, Metrics, TEXT_CONTENT_TYPE};
 #[cfg(feature = "otlp")]
 pub use otlp::OtelSink;
 

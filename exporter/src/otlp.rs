@@ -1,17 +1,30 @@
-//! OpenTelemetry export (feature `otlp`): the same metrics as the Prometheus side, as OTel
-//! instruments, plus a span per training step with a child span per phase.
+//! OpenTelemetry export (feature `otlp`): the [`crate::catalog`]'s instruments with OTel names
+//! and UCUM units (`stagehand.transfer` in `By`, `stagehand.phase.duration` in `s`), valued by
+//! the same [`crate::mapping`] as `/metrics`; and a span `step` per training step (attribute
+//! `step`, the step number) with a child span per phase (`forward`, `backward`, ...).
 //!
-//! [`OtelSink::from_env`] builds OTLP/HTTP (protobuf) exporters configured by the standard
-//! variables: `OTEL_EXPORTER_OTLP_ENDPOINT` (default `http://localhost:4318`), the per-signal
-//! `OTEL_EXPORTER_OTLP_{METRICS,TRACES}_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`,
-//! `OTEL_EXPORTER_OTLP_TIMEOUT`, `OTEL_METRIC_EXPORT_INTERVAL`, and `OTEL_SERVICE_NAME` /
-//! `OTEL_RESOURCE_ATTRIBUTES` for the resource. [`OtelSink::with_providers`] takes providers
-//! built by the caller (other exporters, or the SDK's in-memory ones in tests).
+//! [`from_env`] returns an exporter when the standard variables ask for one, so a program
+//! attaches OTLP in one line:
 //!
-//! Instrument names use OTel's dotted style with units in the metadata
-//! (`stagehand.transfer.bytes`, unit `By`); an OTLP-to-Prometheus bridge turns them into the
-//! Prometheus names of [`crate::metrics`]. Every data point carries `device` and `device_name`.
+//! ```no_run
+//! # fn main() -> stagehand_exporter::Result<()> {
+//! # let hub = stagehand::events::Hub::new();
+//! stagehand_exporter::otlp::attach_from_env(&hub)?; // OTLP whenever OTEL_EXPORTER_OTLP_ENDPOINT is set
+//! # Ok(()) }
+//! ```
+//!
+//! It reads `OTEL_SDK_DISABLED`; `OTEL_EXPORTER_OTLP_ENDPOINT` (or the per-signal
+//! `OTEL_EXPORTER_OTLP_{METRICS,TRACES}_ENDPOINT`): no endpoint, no exporter;
+//! `OTEL_METRICS_EXPORTER` / `OTEL_TRACES_EXPORTER` (`otlp`, or `none` to leave a signal out);
+//! `OTEL_EXPORTER_OTLP_PROTOCOL` (this build speaks `http/protobuf`; anything else is an
+//! error rather than a silent fallback). The exporters themselves take
+//! `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TIMEOUT` and `OTEL_METRIC_EXPORT_INTERVAL`,
+//! and the resource `OTEL_SERVICE_NAME` (default `stagehand`) and `OTEL_RESOURCE_ATTRIBUTES`.
+//! [`OtelSink::with_providers`] takes providers built by the caller (other exporters, or the
+//! SDK's in-memory ones in tests).
 
+use crate::catalog::{Kind, CATALOG};
+use crate::mapping::{initial, Mapper, Observation, Value};
 use crate::{Error, Result};
 use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, MeterProvider as _};
 use opentelemetry::trace::{Span as _, TraceContextExt, Tracer as _, TracerProvider as _};
@@ -19,133 +32,102 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
-use stagehand::events::model::{
-    BlockState, Event, EventKind, PackDecision, Phase, PoolKind, ReservationOutcome,
-};
-use stagehand::events::{EventSink, Snapshot};
+use stagehand::events::model::{Event, EventKind, Phase};
+use stagehand::events::{EventSink, Hub};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The instrumentation scope name.
 pub const SCOPE: &str = "stagehand";
+/// The name of the span of a training step.
+pub const STEP_SPAN: &str = "step";
 
-struct Instruments {
-    transfer_bytes: Counter<u64>,
-    transfer_duration: Histogram<f64>,
-    stall_duration: Histogram<f64>,
-    prefetch_hits: Counter<u64>,
-    prefetch_misses: Counter<u64>,
-    evictions: Counter<u64>,
-    residency: Gauge<u64>,
-    pool_used: Gauge<u64>,
-    pool_capacity: Gauge<u64>,
-    activations_packed: Counter<u64>,
-    spill_bytes: Counter<u64>,
-    restores: Counter<u64>,
-    restore_bytes: Counter<u64>,
-    vram: Gauge<u64>,
-    grants: Counter<u64>,
-    denials: Counter<u64>,
-    phase_duration: Histogram<f64>,
-    step_duration: Histogram<f64>,
-    events_dropped: Counter<u64>,
-    build_info: Gauge<u64>,
+/// One OTel instrument per catalog entry.
+enum Instrument {
+    Counter(Counter<f64>),
+    Gauge(Gauge<f64>),
+    Histogram(Histogram<f64>),
 }
 
-impl Instruments {
-    fn new(m: &Meter) -> Instruments {
-        Instruments {
-            transfer_bytes: m
-                .u64_counter("stagehand.transfer.bytes")
-                .with_unit("By")
-                .with_description("Bytes moved across PCIe by completed copies.")
-                .build(),
-            transfer_duration: m
-                .f64_histogram("stagehand.transfer.duration")
-                .with_unit("s")
-                .with_description("Duration of copies, from issue to observed completion.")
-                .build(),
-            stall_duration: m
-                .f64_histogram("stagehand.stall.duration")
-                .with_unit("s")
-                .with_description("Time the compute stream waited for a block or a restore.")
-                .build(),
-            prefetch_hits: m
-                .u64_counter("stagehand.prefetch.hits")
-                .with_description("Blocks that were on the device when needed.")
-                .build(),
-            prefetch_misses: m
-                .u64_counter("stagehand.prefetch.misses")
-                .with_description("Blocks that were not ready when needed.")
-                .build(),
-            evictions: m
-                .u64_counter("stagehand.evictions")
-                .with_description("Blocks evicted, by reason.")
-                .build(),
-            residency: m
-                .u64_gauge("stagehand.residency.blocks")
-                .with_description("Weight blocks in each residency state.")
-                .build(),
-            pool_used: m
-                .u64_gauge("stagehand.pool.used")
-                .with_unit("By")
-                .with_description("Bytes in taken slabs, by size class.")
-                .build(),
-            pool_capacity: m
-                .u64_gauge("stagehand.pool.capacity")
-                .with_unit("By")
-                .with_description("Bytes a pinned pool holds, by size class.")
-                .build(),
-            activations_packed: m
-                .u64_counter("stagehand.activations.packed")
-                .with_description("Saved tensors seen by the pack hook, by decision.")
-                .build(),
-            spill_bytes: m
-                .u64_counter("stagehand.activation.spill.bytes")
-                .with_unit("By")
-                .with_description("Bytes of activations spilled to the host.")
-                .build(),
-            restores: m
-                .u64_counter("stagehand.activation.restores")
-                .with_description("Spilled activations restored to the device.")
-                .build(),
-            restore_bytes: m
-                .u64_counter("stagehand.activation.restore.bytes")
-                .with_unit("By")
-                .with_description("Bytes of activations restored to the device.")
-                .build(),
-            vram: m
-                .u64_gauge("stagehand.vram")
-                .with_unit("By")
-                .with_description("Device memory: allocated, reserved, peak and the limits.")
-                .build(),
-            grants: m
-                .u64_counter("stagehand.conductor.grants")
-                .with_description("Conductor grants: reservations and transfer slots.")
-                .build(),
-            denials: m
-                .u64_counter("stagehand.conductor.denials")
-                .with_description("Conductor refusals, by reason.")
-                .build(),
-            phase_duration: m
-                .f64_histogram("stagehand.phase.duration")
-                .with_unit("s")
-                .with_description("Time spent in each phase of a step.")
-                .build(),
-            step_duration: m
-                .f64_histogram("stagehand.step.duration")
-                .with_unit("s")
-                .with_description("Wall time of whole training steps.")
-                .build(),
-            events_dropped: m
-                .u64_counter("stagehand.events.dropped")
-                .with_description("Events the bus dropped because consumers fell behind.")
-                .build(),
-            build_info: m
-                .u64_gauge("stagehand.build_info")
-                .with_description("Stagehand version; always 1.")
-                .build(),
-        }
+fn instruments(m: &Meter) -> Vec<Instrument> {
+    CATALOG
+        .iter()
+        .map(|d| match d.kind {
+            Kind::Counter => Instrument::Counter(
+                m.f64_counter(d.otel_name()).with_unit(d.unit.ucum()).with_description(d.help).build(),
+            ),
+            Kind::Gauge => {
+                Instrument::Gauge(m.f64_gauge(d.otel_name()).with_unit(d.unit.ucum()).with_description(d.help).build())
+            }
+            Kind::Histogram(b) => Instrument::Histogram(
+                m.f64_histogram(d.otel_name())
+                    .with_unit(d.unit.ucum())
+                    .with_description(d.help)
+                    .with_boundaries(b.to_vec())
+                    .build(),
+            ),
+        })
+        .collect()
+}
+
+/// Which signals the environment asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub metrics: bool,
+    pub traces: bool,
+}
+
+/// What the `OTEL_*` variables (read through `get`) ask for: `None` when they ask for no
+/// export, an error when they ask for something this build cannot do.
+pub fn plan(get: impl Fn(&str) -> Option<String>) -> Result<Option<Plan>> {
+    let var = |k: &str| get(k).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
+    if var("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return Ok(None);
     }
+    let general = var("OTEL_EXPORTER_OTLP_ENDPOINT").is_some();
+    let signal = |exporter: &str, endpoint: &str, protocol: &str| -> Result<bool> {
+        match var(exporter).as_deref() {
+            None | Some("otlp") => {}
+            Some("none") => return Ok(false),
+            Some(other) => {
+                return Err(Error::Otel(format!("{exporter}='{other}': this build exports 'otlp' (or 'none')")))
+            }
+        }
+        if !(general || var(endpoint).is_some()) {
+            return Ok(false);
+        }
+        for p in [protocol, "OTEL_EXPORTER_OTLP_PROTOCOL"] {
+            if let Some(v) = var(p) {
+                if v != "http/protobuf" {
+                    return Err(Error::Otel(format!("{p}='{v}': this build speaks 'http/protobuf'")));
+                }
+                break;
+            }
+        }
+        Ok(true)
+    };
+    let metrics = signal("OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")?;
+    let traces = signal("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")?;
+    Ok((metrics || traces).then_some(Plan { metrics, traces }))
+}
+
+/// An OTLP/HTTP exporter when the `OTEL_*` variables ask for one, `None` when they do not.
+pub fn from_env() -> Result<Option<OtelSink>> {
+    match plan(|k| std::env::var(k).ok())? {
+        Some(p) => OtelSink::build(p).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Attaches an OTLP exporter to `hub` when the `OTEL_*` variables ask for one; returns whether it
+/// did. The sink exports everything when the hub drops it.
+pub fn attach_from_env(hub: &Hub) -> Result<bool> {
+    Ok(match from_env()? {
+        Some(sink) => {
+            hub.add_sink(Box::new(sink));
+            true
+        }
+        None => false,
+    })
 }
 
 /// An [`EventSink`] that records the run into OpenTelemetry metrics and spans.
@@ -153,71 +135,77 @@ pub struct OtelSink {
     meter_provider: SdkMeterProvider,
     tracer_provider: SdkTracerProvider,
     tracer: SdkTracer,
-    inst: Instruments,
+    instruments: Vec<Instrument>,
     device: Vec<KeyValue>,
-    snapshot: Snapshot,
+    mapper: Mapper,
+    scratch: Vec<Observation>,
+    /// Whether the zero series were recorded (at the first event, under its device labels).
+    initialized: bool,
     wall_anchor: SystemTime,
-    dropped_seen: u64,
     /// The step span being recorded, as a context for its phase spans.
     step_cx: Option<Context>,
-    /// The open phase: (phase, start).
-    phase: Option<(Phase, SystemTime)>,
+    /// The open phase: (phase, step, start).
+    phase: Option<(Phase, u64, SystemTime)>,
     dirty_gauges: bool,
+    closed: bool,
 }
 
 impl std::fmt::Debug for OtelSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OtelSink")
-            .field("events", &self.snapshot.events_applied)
+            .field("events", &self.mapper.snapshot().events_applied)
             .finish_non_exhaustive()
     }
 }
 
+fn service_name() -> String {
+    std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "stagehand".to_owned())
+}
+
 impl OtelSink {
-    /// OTLP/HTTP exporters for metrics and spans, configured by the `OTEL_*` variables.
-    pub fn from_env() -> Result<OtelSink> {
+    /// OTLP/HTTP exporters for the signals of `plan`, configured by the `OTEL_*` variables.
+    pub fn build(plan: Plan) -> Result<OtelSink> {
         let resource = Resource::builder().with_service_name(service_name()).build();
-        let metric_exporter = opentelemetry_otlp::MetricExporter::builder()
-            .with_http()
-            .build()
-            .map_err(|e| Error::Otel(format!("metric exporter: {e}")))?;
-        let meter_provider = SdkMeterProvider::builder()
-            .with_resource(resource.clone())
-            .with_reader(PeriodicReader::builder(metric_exporter).build())
-            .build();
-        let span_exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .build()
-            .map_err(|e| Error::Otel(format!("span exporter: {e}")))?;
-        let tracer_provider = SdkTracerProvider::builder()
-            .with_resource(resource)
-            .with_batch_exporter(span_exporter)
-            .build();
-        Ok(OtelSink::with_providers(meter_provider, tracer_provider))
+        let mut mp = SdkMeterProvider::builder().with_resource(resource.clone());
+        if plan.metrics {
+            let exporter = opentelemetry_otlp::MetricExporter::builder()
+                .with_http()
+                .build()
+                .map_err(|e| Error::Otel(format!("metric exporter: {e}")))?;
+            mp = mp.with_reader(PeriodicReader::builder(exporter).build());
+        }
+        let mut tp = SdkTracerProvider::builder().with_resource(resource);
+        if plan.traces {
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .build()
+                .map_err(|e| Error::Otel(format!("span exporter: {e}")))?;
+            tp = tp.with_batch_exporter(exporter);
+        }
+        Ok(OtelSink::with_providers(mp.build(), tp.build()))
     }
 
     /// A sink recording into providers the caller built.
-    pub fn with_providers(
-        meter_provider: SdkMeterProvider,
-        tracer_provider: SdkTracerProvider,
-    ) -> OtelSink {
+    pub fn with_providers(meter_provider: SdkMeterProvider, tracer_provider: SdkTracerProvider) -> OtelSink {
         let meter = meter_provider.meter(SCOPE);
-        let inst = Instruments::new(&meter);
-        inst.build_info
-            .record(1, &[KeyValue::new("version", env!("CARGO_PKG_VERSION"))]);
         let tracer = tracer_provider.tracer(SCOPE);
         OtelSink {
+            instruments: instruments(&meter),
             meter_provider,
             tracer_provider,
             tracer,
-            inst,
             device: Vec::new(),
-            snapshot: Snapshot::new(),
+            mapper: Mapper::new(),
+            scratch: Vec::new(),
+            initialized: false,
             wall_anchor: SystemTime::now(),
-            dropped_seen: 0,
             step_cx: None,
             phase: None,
             dirty_gauges: false,
+            closed: false,
         }
     }
 
@@ -233,9 +221,18 @@ impl OtelSink {
 
     /// Ends open spans, exports everything and stops the exporters.
     pub fn shutdown(mut self) -> Result<()> {
-        let end = self.wall(self.snapshot.t_ns);
+        self.close()
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let end = self.wall(self.mapper.snapshot().t_ns);
         self.end_phase(end);
         self.end_step(end);
+        self.dirty_gauges = true;
         self.record_gauges();
         let m = self.meter_provider.shutdown();
         let t = self.tracer_provider.shutdown();
@@ -247,20 +244,32 @@ impl OtelSink {
         self.wall_anchor + Duration::from_nanos(t_ns)
     }
 
-    fn attrs(&self, extra: &[(&'static str, String)]) -> Vec<KeyValue> {
-        let mut v = self.device.clone();
-        v.extend(extra.iter().map(|(k, val)| KeyValue::new(*k, val.clone())));
-        v
+    fn apply(&self, o: &Observation) {
+        let Some(inst) = self.instruments.get(o.metric as usize) else { return };
+        let def = o.metric.def();
+        let mut attrs = self.device.clone();
+        attrs.extend(def.labels.iter().zip(&o.labels).map(|(k, v)| KeyValue::new(*k, v.clone())));
+        match (inst, o.value) {
+            (Instrument::Counter(c), Value::Add(v)) if v >= 0.0 && v.is_finite() => c.add(v, &attrs),
+            // A counter series exists from zero; a histogram cannot be created empty in OTel.
+            (Instrument::Counter(c), Value::Touch) => c.add(0.0, &attrs),
+            (Instrument::Gauge(g), Value::Set(v)) => g.record(v, &attrs),
+            (Instrument::Histogram(h), Value::Observe(v)) if v.is_finite() => h.record(v, &attrs),
+            _ => {}
+        }
     }
 
     fn end_phase(&mut self, at: SystemTime) {
-        if let Some((phase, start)) = self.phase.take() {
+        if let Some((phase, step, start)) = self.phase.take() {
             let parent = self.step_cx.clone().unwrap_or_default();
+            let mut attrs = self.device.clone();
+            attrs.push(KeyValue::new("phase", phase.as_str()));
+            attrs.push(KeyValue::new("step", step as i64));
             let mut span = self
                 .tracer
-                .span_builder(phase.as_str().to_owned())
+                .span_builder(phase.as_str())
                 .with_start_time(start)
-                .with_attributes(self.attrs(&[("phase", phase.as_str().to_owned())]))
+                .with_attributes(attrs)
                 .start_with_context(&self.tracer, &parent);
             span.end_with_timestamp(at.max(start));
         }
@@ -277,173 +286,37 @@ impl OtelSink {
             return;
         }
         self.dirty_gauges = false;
-        let s = &self.snapshot;
-        let counts = s.residency_counts();
-        for st in BlockState::ALL {
-            let n = counts.get(&st).copied().unwrap_or(0) as u64;
-            self.inst
-                .residency
-                .record(n, &self.attrs(&[("state", st.as_str().to_owned())]));
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
+        self.mapper.gauges(&mut out);
+        for o in &out {
+            self.apply(o);
         }
-        for (kind, pool) in [
-            (PoolKind::Weights, &s.weight_pool),
-            (PoolKind::Activations, &s.activation_pool),
-        ] {
-            let Some(pool) = pool else { continue };
-            let name = match kind {
-                PoolKind::Weights => "weights",
-                PoolKind::Activations => "activations",
-            };
-            for (i, c) in pool.classes.iter().enumerate() {
-                let a = self.attrs(&[
-                    ("pool", name.to_owned()),
-                    ("class", i.to_string()),
-                    ("slab_bytes", c.slab_bytes.to_string()),
-                ]);
-                self.inst.pool_used.record(c.slab_bytes * c.in_use as u64, &a);
-                self.inst.pool_capacity.record(c.slab_bytes * c.slabs as u64, &a);
-            }
-        }
-        if let Some(v) = s.vram {
-            for (k, b) in [
-                ("allocated", v.allocated_bytes),
-                ("reserved", v.reserved_bytes),
-                ("peak_allocated", v.peak_allocated_bytes),
-                ("high_watermark", s.spill_watermarks().map_or(0, |w| w.0)),
-                ("low_watermark", s.spill_watermarks().map_or(0, |w| w.1)),
-                ("budget", s.vram_budget_bytes().unwrap_or(0)),
-            ] {
-                self.inst.vram.record(b, &self.attrs(&[("kind", k.to_owned())]));
-            }
-        }
+        self.scratch = out;
     }
 
-    fn record(&mut self, e: &Event) {
-        self.snapshot.apply(e);
-        let i = &self.inst;
+    fn spans(&mut self, e: &Event) {
         match &e.kind {
-            EventKind::RunStarted {
-                device,
-                wall_clock_unix_ms,
-                ..
-            } => {
-                self.device = vec![
-                    KeyValue::new("device", device.index.to_string()),
-                    KeyValue::new("device_name", device.name.clone()),
-                ];
-                self.wall_anchor = UNIX_EPOCH + Duration::from_millis(*wall_clock_unix_ms);
-            }
-            EventKind::PhaseChanged {
-                from,
-                to,
-                duration_s,
-            } => {
+            EventKind::PhaseChanged { from, to, .. } => {
                 let now = self.wall(e.t_ns);
-                if *from != Phase::Idle && duration_s.is_finite() && *duration_s >= 0.0 {
-                    i.phase_duration.record(
-                        *duration_s,
-                        &self.attrs(&[("phase", from.as_str().to_owned())]),
-                    );
-                }
                 self.end_phase(now);
                 if *to == Phase::StepBegin || *from == Phase::StepEnd {
                     self.end_step(now);
                 }
                 if *to == Phase::StepBegin {
+                    let mut attrs = self.device.clone();
+                    attrs.push(KeyValue::new("step", e.step as i64));
                     let span = self
                         .tracer
-                        .span_builder(format!("step {}", e.step))
+                        .span_builder(STEP_SPAN)
                         .with_start_time(now)
-                        .with_attributes(self.attrs(&[("step", e.step.to_string())]))
+                        .with_attributes(attrs)
                         .start(&self.tracer);
                     self.step_cx = Some(Context::new().with_span(span));
                 }
                 if *to != Phase::Idle {
-                    self.phase = Some((*to, now));
+                    self.phase = Some((*to, e.step, now));
                 }
-            }
-            EventKind::PrefetchHit { .. } => i.prefetch_hits.add(1, &self.device),
-            EventKind::PrefetchMiss { stall_ms, .. } => {
-                i.prefetch_misses.add(1, &self.device);
-                i.stall_duration.record(
-                    stall_ms.max(0.0) / 1e3,
-                    &self.attrs(&[("source", "weights".to_owned())]),
-                );
-            }
-            EventKind::Eviction { reason, .. } => {
-                let r = stagehand::events::wire_name(reason);
-                i.evictions.add(1, &self.attrs(&[("reason", r)]));
-            }
-            EventKind::TransferCompleted {
-                dir,
-                owner,
-                bytes,
-                duration_ms,
-                ..
-            } => {
-                let d = dir.as_str().to_owned();
-                i.transfer_bytes.add(
-                    *bytes,
-                    &self.attrs(&[("direction", d.clone()), ("owner", owner.as_str().to_owned())]),
-                );
-                i.transfer_duration
-                    .record(duration_ms.max(0.0) / 1e3, &self.attrs(&[("direction", d)]));
-            }
-            EventKind::Pack {
-                decision, bytes, ..
-            } => {
-                let name = stagehand::events::wire_name(decision);
-                i.activations_packed
-                    .add(1, &self.attrs(&[("decision", name)]));
-                if *decision == PackDecision::Spilled {
-                    i.spill_bytes.add(*bytes, &self.device);
-                }
-            }
-            EventKind::Restored {
-                bytes, stall_ms, ..
-            } => {
-                i.restores.add(1, &self.device);
-                i.restore_bytes.add(*bytes, &self.device);
-                if *stall_ms > 0.0 {
-                    i.stall_duration.record(
-                        stall_ms / 1e3,
-                        &self.attrs(&[("source", "activations".to_owned())]),
-                    );
-                }
-            }
-            EventKind::Reservation {
-                outcome, reason, ..
-            } => {
-                if matches!(
-                    outcome,
-                    ReservationOutcome::Granted | ReservationOutcome::Partial
-                ) {
-                    i.grants
-                        .add(1, &self.attrs(&[("what", "reservation".to_owned())]));
-                }
-                if let Some(r) = reason {
-                    i.denials.add(
-                        1,
-                        &self.attrs(&[
-                            ("what", "reservation".to_owned()),
-                            ("reason", r.as_str().to_owned()),
-                        ]),
-                    );
-                }
-            }
-            EventKind::SlotGranted { .. } => {
-                i.grants.add(1, &self.attrs(&[("what", "slot".to_owned())]))
-            }
-            EventKind::SlotDenied { reason, .. } => i.denials.add(
-                1,
-                &self.attrs(&[("what", "slot".to_owned()), ("reason", r_str(reason))]),
-            ),
-            EventKind::TrainStep(m) if m.step_time_s.is_finite() && m.step_time_s >= 0.0 => {
-                i.step_duration.record(m.step_time_s, &self.device);
-            }
-            EventKind::EventsDropped { total } if *total > self.dropped_seen => {
-                i.events_dropped.add(*total - self.dropped_seen, &self.device);
-                self.dropped_seen = *total;
             }
             EventKind::RunEnded { .. } => {
                 let end = self.wall(e.t_ns);
@@ -452,29 +325,34 @@ impl OtelSink {
             }
             _ => {}
         }
-        if matches!(
-            e.kind,
-            EventKind::Residency { .. }
-                | EventKind::BlockRegistered { .. }
-                | EventKind::PoolConfigured { .. }
-                | EventKind::SlabAcquired { .. }
-                | EventKind::SlabReleased { .. }
-                | EventKind::VramSample { .. }
-        ) {
-            self.dirty_gauges = true;
-        }
     }
-}
 
-fn r_str(r: &stagehand::events::model::DenyReason) -> String {
-    r.as_str().to_owned()
-}
-
-fn service_name() -> String {
-    std::env::var("OTEL_SERVICE_NAME")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "stagehand".to_owned())
+    fn record(&mut self, e: &Event) {
+        if let EventKind::RunStarted { device, wall_clock_unix_ms, .. } = &e.kind {
+            self.device = vec![
+                KeyValue::new("device", device.index.to_string()),
+                KeyValue::new("device_name", device.name.clone()),
+            ];
+            self.wall_anchor = UNIX_EPOCH + Duration::from_millis(*wall_clock_unix_ms);
+            // A new run: its zero series under its own device labels.
+            self.initialized = false;
+        }
+        if !self.initialized {
+            self.initialized = true;
+            for o in initial() {
+                self.apply(&o);
+            }
+        }
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
+        self.mapper.on_event(e, &mut out);
+        for o in &out {
+            self.apply(o);
+        }
+        self.scratch = out;
+        self.spans(e);
+        self.dirty_gauges = true;
+    }
 }
 
 impl EventSink for OtelSink {
@@ -485,5 +363,61 @@ impl EventSink for OtelSink {
     fn flush(&mut self) {
         // Gauges once per batch rather than once per event; the periodic reader exports them.
         self.record_gauges();
+    }
+}
+
+impl Drop for OtelSink {
+    /// A sink dropped by its hub still ends its spans and exports what it holds.
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            eprintln!("stagehand: OpenTelemetry export at shutdown failed: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn no_endpoint_no_exporter() {
+        assert_eq!(plan(env(&[])).ok(), Some(None));
+        assert_eq!(plan(env(&[("OTEL_SERVICE_NAME", "x")])).ok(), Some(None));
+        let both = Some(Some(Plan { metrics: true, traces: true }));
+        assert_eq!(plan(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318")])).ok(), both);
+        assert_eq!(
+            plan(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4318"), ("OTEL_SDK_DISABLED", "true")])).ok(),
+            Some(None)
+        );
+    }
+
+    #[test]
+    fn signals_follow_their_own_variables() {
+        let only_traces = plan(env(&[("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/v1/traces")])).ok();
+        assert_eq!(only_traces, Some(Some(Plan { metrics: false, traces: true })));
+        let no_metrics = plan(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_METRICS_EXPORTER", "none")])).ok();
+        assert_eq!(no_metrics, Some(Some(Plan { metrics: false, traces: true })));
+    }
+
+    #[test]
+    fn what_this_build_cannot_do_is_an_error_not_a_fallback() {
+        let grpc = plan(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317"), ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")]));
+        assert!(grpc.as_ref().is_err_and(|e| e.to_string().contains("http/protobuf")), "{grpc:?}");
+        let zipkin = plan(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_TRACES_EXPORTER", "zipkin")]));
+        assert!(zipkin.is_err());
+        // The per-signal protocol wins over the general one.
+        let mixed = plan(env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/protobuf"),
+            ("OTEL_TRACES_EXPORTER", "none"),
+        ]));
+        assert_eq!(mixed.ok(), Some(Some(Plan { metrics: true, traces: false })));
     }
 }

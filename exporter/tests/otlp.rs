@@ -33,40 +33,47 @@ fn metrics_and_step_spans_reach_the_in_memory_exporters() {
         for m in scope.metrics() {
             seen.insert(m.name().to_owned(), m.unit().to_owned());
             if m.name() == "stagehand.prefetch.hits" {
-                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
-                    panic!("prefetch hits is a u64 sum")
+                let AggregatedMetrics::F64(MetricData::Sum(sum)) = m.data() else {
+                    panic!("prefetch hits is a sum")
                 };
-                let total: u64 = sum.data_points().map(|p| p.value()).sum();
-                assert_eq!(total, snap.weights.prefetch_hits);
+                let total: f64 = sum.data_points().map(|p| p.value()).sum();
+                assert_eq!(total, snap.weights.prefetch_hits as f64);
                 let p = sum.data_points().next().expect("a point");
                 let keys: Vec<String> = p.attributes().map(|kv| kv.key.to_string()).collect();
                 assert!(keys.contains(&"device".to_owned()) && keys.contains(&"device_name".to_owned()));
             }
-            if m.name() == "stagehand.transfer.bytes" {
-                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
-                    panic!("transfer bytes is a u64 sum")
+            if m.name() == "stagehand.transfer" {
+                let AggregatedMetrics::F64(MetricData::Sum(sum)) = m.data() else {
+                    panic!("transfer bytes is a sum")
                 };
-                let total: u64 = sum.data_points().map(|p| p.value()).sum();
-                assert_eq!(total, snap.transfers.h2d.bytes + snap.transfers.d2h.bytes);
+                let total: f64 = sum.data_points().map(|p| p.value()).sum();
+                assert_eq!(total, (snap.transfers.h2d.bytes + snap.transfers.d2h.bytes) as f64);
             }
         }
     }
     for (name, unit) in [
-        ("stagehand.transfer.bytes", "By"),
+        ("stagehand.transfer", "By"),
         ("stagehand.transfer.duration", "s"),
         ("stagehand.phase.duration", "s"),
         ("stagehand.vram", "By"),
-        ("stagehand.residency.blocks", ""),
-        ("stagehand.conductor.denials", ""),
-        ("stagehand.activation.restores", ""),
+        ("stagehand.residency.blocks", "{block}"),
+        ("stagehand.conductor.denials", "{request}"),
+        ("stagehand.activation.restores", "{tensor}"),
+        ("stagehand.loss", "1"),
+        ("stagehand.transfers.inflight", "{copy}"),
+        ("stagehand.step.time", "s"),
     ] {
         assert_eq!(seen.get(name).map(String::as_str), Some(unit), "{name} in {seen:?}");
     }
 
     let spans = spans.get_finished_spans().expect("spans");
-    let steps: Vec<_> = spans.iter().filter(|s| s.name.starts_with("step ")).collect();
-    assert_eq!(steps.len(), 3, "one span per step");
+    let steps: Vec<_> = spans.iter().filter(|s| s.name == "step").collect();
+    assert_eq!(steps.len(), 3, "one span per step, all named 'step'");
+    assert!(!spans.iter().any(|s| s.name.starts_with("step ")), "no span is named after its step number");
+    let mut numbers = Vec::new();
     for step in &steps {
+        let n = step.attributes.iter().find(|kv| kv.key.as_str() == "step").map(|kv| kv.value.to_string());
+        numbers.push(n.expect("the step number is an attribute"));
         let children: Vec<_> = spans
             .iter()
             .filter(|s| s.parent_span_id == step.span_context.span_id())
@@ -75,12 +82,14 @@ fn metrics_and_step_spans_reach_the_in_memory_exporters() {
         assert_eq!(children, ["step_begin", "forward", "backward", "optimizer", "step_end"]);
         assert!(step.end_time >= step.start_time);
     }
+    numbers.sort();
+    assert_eq!(numbers, ["1", "2", "3"]);
     sink.shutdown().expect("shuts down");
 }
 
 /// A minimal OTLP/HTTP receiver: answers every POST with an empty protobuf response and
 /// reports the request paths.
-fn receiver() -> (String, std::sync::mpsc::Receiver<(String, String)>) {
+fn receiver() -> (String, std::sync::mpsc::Receiver<(String, String, Vec<u8>)>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = std::sync::mpsc::channel();
@@ -109,25 +118,49 @@ fn receiver() -> (String, std::sync::mpsc::Receiver<(String, String)>) {
                 .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-type:").map(|v| v.trim().to_owned()))
                 .unwrap_or_default();
             let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
-            let _ = tx.send((path, ctype));
+            let body = buf.get(head_len..).unwrap_or_default().to_vec();
+            let _ = tx.send((path, ctype, body));
         }
     });
     (format!("http://{addr}"), rx)
 }
 
+/// Whether `needle` occurs in `hay` (protobuf carries strings as plain bytes).
+fn contains(hay: &[u8], needle: &str) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
 #[test]
 fn from_env_exports_over_otlp_http_to_the_configured_endpoint() {
+    // The only test of this binary that touches the process environment.
+    for k in ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED", "OTEL_METRICS_EXPORTER", "OTEL_TRACES_EXPORTER"] {
+        std::env::remove_var(k);
+    }
+    assert!(stagehand_exporter::otlp::from_env().expect("nothing asked").is_none(), "no endpoint, no exporter");
+
     let (endpoint, rx) = receiver();
-    // SAFETY of the process environment: this is the only test of this binary that touches it.
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     std::env::set_var("OTEL_SERVICE_NAME", "stagehand-test");
-    let mut sink = OtelSink::from_env().expect("builds from env");
+    let hub = stagehand::events::Hub::new();
+    assert!(stagehand_exporter::otlp::attach_from_env(&hub).expect("builds from env"), "an endpoint, an exporter");
+    let sink = stagehand_exporter::otlp::from_env().expect("builds").expect("asked for");
+    let mut sink = sink;
     for e in synthetic::events(SyntheticRun::finished(2)) {
         sink.on_event(&e);
     }
     sink.flush();
     sink.shutdown().expect("exports and shuts down");
-    let got: Vec<(String, String)> = rx.try_iter().collect();
-    assert!(got.iter().any(|(p, c)| p == "/v1/metrics" && c == "application/x-protobuf"), "{got:?}");
-    assert!(got.iter().any(|(p, _)| p == "/v1/traces"), "{got:?}");
+    let got: Vec<(String, String, Vec<u8>)> = rx.try_iter().collect();
+    let metrics: Vec<&Vec<u8>> = got.iter().filter(|(p, c, _)| p == "/v1/metrics" && c == "application/x-protobuf").map(|g| &g.2).collect();
+    assert!(!metrics.is_empty(), "{:?}", got.iter().map(|g| &g.0).collect::<Vec<_>>());
+    assert!(metrics.iter().any(|b| contains(b, "stagehand.transfer.duration") && contains(b, "stagehand-test")));
+    let traces: Vec<&Vec<u8>> = got.iter().filter(|(p, _, _)| p == "/v1/traces").map(|g| &g.2).collect();
+    assert!(traces.iter().any(|b| contains(b, "forward") && contains(b, "step")), "spans were sent");
+    assert!(!traces.iter().any(|b| contains(b, "step 1")), "no span named after its step number");
+
+    std::env::set_var("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc");
+    let err = stagehand_exporter::otlp::from_env().expect_err("grpc is not in this build");
+    assert!(err.to_string().contains("http/protobuf"), "{err}");
+    std::env::remove_var("OTEL_EXPORTER_OTLP_PROTOCOL");
+    drop(hub);
 }

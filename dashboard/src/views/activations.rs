@@ -1,54 +1,47 @@
 //! Activations: what the pack hook did with saved tensors (kept, spilled, restored, predicted
 //! restores), stalls and bytes, over the run and step by step.
 
-use super::{bad_if, boxed, spark};
-use crate::app::{fmt_bytes, State};
+use super::widgets::{constraints, fit_columns, rows as kv_rows, sort_title, spark};
+use super::{bad_if, boxed};
+use crate::app::{State, ViewState};
+use crate::format::{bytes, count, ms, percent};
+use crate::sort::{self, TableId};
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::Style;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
 
-pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let [top, steps] = Layout::vertical([Constraint::Length(10), Constraint::Min(3)]).areas(area);
     let [totals, reasons] =
         Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)]).areas(top);
     let a = &state.snapshot.activations;
-    let row = |k: &'static str, v: String| {
-        Line::from(vec![Span::styled(format!("{k:<22}"), theme.dim()), Span::raw(v)])
-    };
     let spill_frac = if a.saved > 0 { a.spilled as f64 / a.saved as f64 } else { 0.0 };
-    let lines = vec![
-        row(
-            "saved",
-            format!("{} ({} weight handles, {} duplicates)", a.saved, a.weight_handles, a.duplicates),
+    let n = Style::default();
+    let items = vec![
+        ("saved", "saved", format!("{} ({} weights, {} dup)", count(a.saved), count(a.weight_handles), count(a.duplicates)), n),
+        ("kept", "kept", count(a.kept), n),
+        (
+            "spilled",
+            "spilled",
+            format!("{} ({} of saved, {} inline)", count(a.spilled), percent(a.spilled as f64, a.saved as f64), count(a.finalized_inline)),
+            theme.band(spill_frac),
         ),
-        row("kept", a.kept.to_string()),
-        Line::from(vec![
-            Span::styled(format!("{:<22}", "spilled"), theme.dim()),
-            Span::styled(
-                format!("{} ({:.0}% of saved, {} inline)", a.spilled, 100.0 * spill_frac, a.finalized_inline),
-                theme.band(spill_frac),
-            ),
-        ]),
-        row("restored", format!("{} ({} predicted ahead of need)", a.restored, a.predicted)),
-        Line::from(vec![
-            Span::styled(format!("{:<22}", "stalls"), theme.dim()),
-            Span::styled(
-                format!("{} ({:.2} ms)", a.stall_count, a.stall_time_ms),
-                bad_if(a.stall_count, theme),
-            ),
-        ]),
-        row("bytes spilled / back", format!("{} / {}", fmt_bytes(a.spill_bytes), fmt_bytes(a.restore_bytes))),
-        row("pool hits / misses", format!("{} / {}", a.pool_hits, a.pool_misses)),
-        row("spilling now", if a.spilling { "on (VRAM over the high watermark)".into() } else { "off".into() }),
+        ("restored", "restored", format!("{} ({} ahead of need)", count(a.restored), count(a.predicted)), n),
+        ("stalls", "stalls", format!("{} ({})", count(a.stall_count), ms(a.stall_time_ms)), bad_if(a.stall_count, theme)),
+        ("bytes spilled / back", "spill/back", format!("{} / {}", bytes(a.spill_bytes), bytes(a.restore_bytes)), n),
+        ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.pool_hits), count(a.pool_misses)), bad_if(a.pool_misses, theme)),
+        ("spilling now", "spilling", if a.spilling { "on (over the high watermark)" } else { "off" }.to_owned(), n),
     ];
+    let lines = kv_rows(items, totals.width.saturating_sub(2) as usize, theme);
     f.render_widget(Paragraph::new(lines).block(boxed(" Activations (run) ", theme)), totals);
 
     let mut rl: Vec<Line<'_>> = a
         .kept_by_reason
         .iter()
-        .map(|(r, n)| Line::from(vec![Span::styled(format!("{r:<18}"), theme.dim()), Span::raw(n.to_string())]))
+        .map(|(r, n)| Line::from(vec![Span::styled(format!("{r:<18}"), theme.dim()), Span::raw(count(*n))]))
         .collect();
     if rl.is_empty() {
         rl.push(Line::styled("nothing kept yet", theme.dim()));
@@ -66,51 +59,47 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
     ]));
     f.render_widget(Paragraph::new(rl).block(boxed(" Kept, by reason ", theme)), reasons);
 
-    let visible = steps.height.saturating_sub(3) as usize;
-    let rows: Vec<Row<'_>> = state
-        .snapshot
-        .steps
-        .iter()
-        .rev()
+    draw_steps(f, steps, state, vs, theme);
+}
+
+/// Columns: (width, priority).
+const COLS: [(u16, u8); 10] = [(6, 0), (7, 1), (6, 1), (8, 0), (9, 0), (10, 2), (16, 1), (12, 1), (9, 2), (9, 2)];
+
+fn draw_steps(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
+    let sort = vs.sorts.get(TableId::ActivationSteps);
+    let visible = area.height.saturating_sub(3) as usize;
+    let kept = fit_columns(&COLS, area.width.saturating_sub(2) as usize);
+    let recs = state.snapshot.steps.iter().filter(|r| r.activations.is_some()).collect();
+    let rows: Vec<Row<'_>> = sort::sorted(recs, sort, sort::activation_key)
+        .into_iter()
         .filter_map(|r| r.activations.as_ref().map(|m| (r.step, m)))
         .take(visible)
         .map(|(step, m)| {
-            Row::new(vec![
+            let cells = [
                 step.to_string(),
-                m.activations_saved.to_string(),
-                m.activations_kept.to_string(),
-                m.activations_spilled.to_string(),
-                m.activations_restored.to_string(),
-                m.activations_predicted.to_string(),
-                format!("{} / {:.2} ms", m.stall_count, m.stall_time_ms),
-                fmt_bytes(m.spill_bytes),
-                format!("{} / {}", m.pool_hits, m.pool_misses),
-                format!("{:.0} MiB", m.vram_peak_mb),
-            ])
+                count(m.activations_saved),
+                count(m.activations_kept),
+                count(m.activations_spilled),
+                count(m.activations_restored),
+                count(m.activations_predicted),
+                format!("{} / {}", count(m.stall_count), ms(m.stall_time_ms)),
+                bytes(m.spill_bytes),
+                format!("{} / {}", count(m.pool_hits), count(m.pool_misses)),
+                // The seed's field is in MiB; shown in binary units like every size.
+                bytes((m.vram_peak_mb.max(0.0) * 1048576.0) as u64),
+            ];
+            Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })
         .collect();
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(6),
-            Constraint::Length(7),
-            Constraint::Length(6),
-            Constraint::Length(8),
-            Constraint::Length(9),
-            Constraint::Length(10),
-            Constraint::Length(14),
-            Constraint::Length(11),
-            Constraint::Length(10),
-            Constraint::Length(10),
-        ],
-    )
-    .header(
-        Row::new(vec![
-            "step", "saved", "kept", "spilled", "restored", "predicted", "stalls", "spill bytes",
-            "pool h/m", "VRAM peak",
-        ])
-        .style(theme.strong()),
-    )
-    .block(boxed(" Per step (newest first) ", theme));
-    f.render_widget(table, steps);
+    // Table columns of the sort's columns.
+    let sort_col = [0usize, 1, 2, 3, 4, 6, 7, 9];
+    let titles = ["step", "saved", "kept", "spilled", "restored", "predicted", "stalls", "spill bytes", "pool h/m", "VRAM peak"];
+    let header: Vec<String> = kept
+        .iter()
+        .map(|i| sort_title(titles[*i], (sort_col.get(sort.column) == Some(i)).then_some(sort.descending), theme))
+        .collect();
+    let table = Table::new(rows, constraints(&COLS, &kept))
+        .header(Row::new(header).style(theme.strong()))
+        .block(boxed(" Per step (s sort, S reverse) ", theme));
+    f.render_widget(table, area);
 }

@@ -1,8 +1,13 @@
 //! Conductor: the phase timeline of recent steps, reservations by mode and priority, denials
 //! with their reasons, and the current hints with the rule that set them.
 
-use super::{bad_if, boxed, kv};
-use crate::app::{fmt_bytes, fmt_hints, rule_name, State};
+use super::widgets::{constraints, fit_columns, rows, sort_title};
+use super::{bad_if, boxed};
+use crate::app::{State, ViewState};
+use crate::describe::{fmt_hints, rule_name};
+use crate::format::{bytes, count, ms};
+use crate::sort::{self, TableId};
+use ratatui::style::Style;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::Color;
@@ -22,10 +27,11 @@ fn phase_glyph(p: Phase) -> (&'static str, Color) {
     }
 }
 
-pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
+    let (timeline_h, middle_h) = if area.height < 30 { (6, 8) } else { (8, 10) };
     let [timeline, middle, denials] = Layout::vertical([
-        Constraint::Length(8),
-        Constraint::Length(10),
+        Constraint::Length(timeline_h),
+        Constraint::Length(middle_h),
         Constraint::Min(3),
     ])
     .areas(area);
@@ -39,7 +45,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
     draw_hints(f, hints, state, theme);
     draw_modes(f, modes, state, theme);
     draw_reasons(f, reasons, state, theme);
-    draw_denials(f, denials, state, theme);
+    draw_denials(f, denials, state, vs, theme);
 }
 
 fn draw_timeline(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
@@ -67,7 +73,7 @@ fn draw_timeline(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
             let style = if theme.color { theme.strong().fg(c) } else { theme.strong() };
             row.push(Span::styled(g.repeat(n), style));
         }
-        row.push(Span::raw(format!(" {:.1} ms", total(*step) as f64 / 1e6)));
+        row.push(Span::raw(format!(" {}", ms(total(*step) as f64 / 1e6))));
         lines.push(Line::from(row));
     }
     if lines.is_empty() {
@@ -88,49 +94,19 @@ fn draw_timeline(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
 
 fn draw_hints(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let c = &state.snapshot.conductor;
-    let lines = vec![
-        Line::from(vec![
-            Span::styled("hints ", theme.dim()),
-            Span::styled(fmt_hints(&c.hints), theme.strong()),
-        ]),
-        kv(
-            &[
-                ("set by rule", c.hints_rule.map_or("-".into(), |r| rule_name(r).to_owned())),
-                ("changes", c.hint_changes.to_string()),
-            ],
-            theme,
-        ),
-        Line::raw(""),
-        kv(
-            &[
-                ("active reservations", c.active_reservations.to_string()),
-                ("holding", fmt_bytes(c.active_bytes)),
-            ],
-            theme,
-        ),
-        kv(
-            &[
-                ("granted", c.grants.to_string()),
-                ("partial", c.partials.to_string()),
-                ("ceilings", c.ceilings.to_string()),
-            ],
-            theme,
-        ),
-        Line::from(vec![
-            Span::styled("denied ", theme.dim()),
-            Span::styled(c.denials.to_string(), bad_if(c.denials, theme)),
-            Span::styled("  slots granted ", theme.dim()),
-            Span::raw(c.slot_grants.to_string()),
-            Span::styled("  refused ", theme.dim()),
-            Span::styled(c.slot_denials.to_string(), bad_if(c.slot_denials, theme)),
-        ]),
-        kv(
-            &[
-                ("in flight", format!("h2d {} d2h {}", c.h2d_inflight, c.d2h_inflight)),
-            ],
-            theme,
-        ),
+    let n = Style::default();
+    let items = vec![
+        ("hints", "hints", fmt_hints(&c.hints), theme.strong()),
+        ("set by rule", "rule", c.hints_rule.map_or("-".into(), |r| rule_name(r).to_owned()), n),
+        ("denied (slots)", "denied", format!("{} ({})", count(c.denials), count(c.slot_denials)), bad_if(c.denials + c.slot_denials, theme)),
+        ("granted / partial", "granted", format!("{} / {}", count(c.grants), count(c.partials)), n),
+        ("reservations held", "held", format!("{} ({})", count(c.active_reservations), bytes(c.active_bytes)), n),
+        ("slots granted", "slots", count(c.slot_grants), n),
+        ("in flight", "in flight", format!("h2d {} d2h {}", c.h2d_inflight, c.d2h_inflight), n),
+        ("hint changes", "changes", count(c.hint_changes), n),
+        ("ceilings", "ceilings", count(c.ceilings), n),
     ];
+    let lines = rows(items, area.width.saturating_sub(2) as usize, theme);
     f.render_widget(Paragraph::new(lines).block(boxed(" Hints and grants ", theme)), area);
 }
 
@@ -138,11 +114,11 @@ fn draw_modes(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let c = &state.snapshot.conductor;
     let mut lines = vec![Line::styled("by mode", theme.strong())];
     for (k, v) in &c.by_mode {
-        lines.push(Line::raw(format!("  {k:<12}{v:>6}")));
+        lines.push(Line::raw(format!("{:>6} {k}", count(*v))));
     }
     lines.push(Line::styled("by priority", theme.strong()));
     for (k, v) in &c.by_priority {
-        lines.push(Line::raw(format!("  {k:<12}{v:>6}")));
+        lines.push(Line::raw(format!("{:>6} {k}", count(*v))));
     }
     f.render_widget(Paragraph::new(lines).block(boxed(" Reservations ", theme)), area);
 }
@@ -153,10 +129,8 @@ fn draw_reasons(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
         .denials_by_reason
         .iter()
         .map(|(k, v)| {
-            Line::from(vec![
-                Span::raw(format!("{k:<34}")),
-                Span::styled(v.to_string(), theme.alert()),
-            ])
+            // The count first: a long reason is cut at its end, never the number.
+            Line::from(vec![Span::styled(format!("{:>6} ", count(*v)), theme.alert()), Span::raw(k.clone())])
         })
         .collect();
     if lines.is_empty() {
@@ -165,38 +139,36 @@ fn draw_reasons(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     f.render_widget(Paragraph::new(lines).block(boxed(" Denials by reason ", theme)), area);
 }
 
-fn draw_denials(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+/// Columns: (width, priority).
+const COLS: [(u16, u8); 6] = [(7, 1), (5, 1), (10, 2), (12, 1), (24, 0), (20, 0)];
+
+fn draw_denials(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
+    let sort = vs.sorts.get(TableId::Denials);
     let visible = area.height.saturating_sub(3) as usize;
-    let rows: Vec<Row<'_>> = state
-        .snapshot
-        .conductor
-        .recent_denials
-        .iter()
-        .rev()
+    let kept = fit_columns(&COLS, area.width.saturating_sub(2) as usize);
+    let recent = state.snapshot.conductor.recent_denials.iter().collect();
+    let rows: Vec<Row<'_>> = sort::sorted(recent, sort, sort::denial_key)
+        .into_iter()
         .take(visible)
         .map(|d| {
-            Row::new(vec![
+            let cells = [
                 Line::raw(d.seq.to_string()),
                 Line::raw(d.step.to_string()),
                 Line::raw(d.phase.as_str()),
                 Line::raw(d.owner.as_str()),
                 Line::raw(d.what.clone()),
                 Line::styled(d.reason.as_str(), theme.alert()),
-            ])
+            ];
+            Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })
         .collect();
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(7),
-            Constraint::Length(5),
-            Constraint::Length(10),
-            Constraint::Length(12),
-            Constraint::Length(24),
-            Constraint::Min(20),
-        ],
-    )
-    .header(Row::new(vec!["seq", "step", "phase", "owner", "what", "reason"]).style(theme.strong()))
-    .block(boxed(" Recent denials (newest first) ", theme));
+    let titles = ["seq", "step", "phase", "owner", "what", "reason"];
+    let header: Vec<String> = kept
+        .iter()
+        .map(|i| sort_title(titles[*i], (sort.column == *i).then_some(sort.descending), theme))
+        .collect();
+    let table = Table::new(rows, constraints(&COLS, &kept))
+        .header(Row::new(header).style(theme.strong()))
+        .block(boxed(" Recent denials (s sort, S reverse) ", theme));
     f.render_widget(table, area);
 }

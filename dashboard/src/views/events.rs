@@ -2,7 +2,9 @@
 //! selected.
 
 use super::boxed;
-use crate::app::{describe, fmt_t, State, ViewState};
+use crate::app::{State, ViewState};
+use crate::describe::describe;
+use crate::format::{count, run_time};
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Rect};
 use ratatui::text::Line;
@@ -15,7 +17,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
     let n = events.len();
     let sel = vs.event_sel.map_or(n.saturating_sub(1), |s| s.min(n.saturating_sub(1)));
     // Only build the rows that can show: the window around the selection.
-    let visible = area.height.saturating_sub(3) as usize;
+    let visible = (area.height.saturating_sub(3) as usize).max(1);
     let start = (sel + 1).saturating_sub(visible);
     let end = (start + visible).min(n);
     let rows: Vec<Row<'_>> = events[start..end]
@@ -32,7 +34,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
             };
             Row::new(vec![
                 Line::raw(e.seq.to_string()),
-                Line::raw(fmt_t(e.t_ns)),
+                Line::raw(run_time(e.t_ns)),
                 Line::raw(e.step.to_string()),
                 Line::raw(e.phase.as_str()),
                 Line::styled(e.kind.name(), style),
@@ -52,7 +54,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
     let mut block = boxed(title, theme);
     if dropped > 0 {
         block = block.title(
-            Line::styled(format!(" dropped by the bus: {dropped} "), theme.alert())
+            Line::styled(format!(" dropped by the bus: {} ", count(dropped)), theme.alert())
                 .right_aligned(),
         );
     }

@@ -1,212 +1,210 @@
-//! Overview: VRAM against the watermarks and the budget, the step, and each runtime's headline
-//! counters.
+//! Overview: VRAM against the watermarks and the budget and who holds it, the last step's time
+//! part by part, the most severe finding, and each runtime's headline counters. Lines give way
+//! by priority and boxes lose their least important rows as the terminal shrinks.
 
-use super::{bad_if, bar, boxed, kv, pct, spark};
-use crate::app::{fmt_bytes, State};
+use super::parts::{owner_parts, time_parts};
+use super::widgets::{bar, rows, spark, stacked, Fields};
+use super::{bad_if, boxed, findings};
+use crate::app::State;
+use crate::format::{bytes, count, ms, percent};
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::Style;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::Paragraph;
 use ratatui::Frame;
+use stagehand::events::BlockState;
+
+/// Terminals at least this tall get the history lines.
+const TALL: u16 = 30;
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
-    let [vram, step, counters] = Layout::vertical([
-        Constraint::Length(6),
-        Constraint::Length(6),
-        Constraint::Min(4),
+    let tall = area.height >= TALL;
+    let vram_h = if tall { 7 } else { 5 };
+    let step_h = if tall { 6 } else { 5 };
+    let findings_h = findings::summary_rows(&state.snapshot, area.width as usize);
+    let [vram, step, found, counters] = Layout::vertical([
+        Constraint::Length(vram_h),
+        Constraint::Length(step_h),
+        Constraint::Length(findings_h),
+        Constraint::Min(3),
     ])
     .areas(area);
-    draw_vram(f, vram, state, theme);
-    draw_step(f, step, state, theme);
+    draw_vram(f, vram, state, tall, theme);
+    draw_step(f, step, state, tall, theme);
+    findings::draw_summary(f, found, &state.snapshot, theme);
     let [w, a, c] = Layout::horizontal([Constraint::Ratio(1, 3); 3]).areas(counters);
     draw_weights(f, w, state, theme);
     draw_activations(f, a, state, theme);
     draw_conductor(f, c, state, theme);
 }
 
-fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+fn sep<'a>(theme: &Theme) -> Span<'a> {
+    Span::styled(theme.sep(), theme.dim())
+}
+
+fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, tall: bool, theme: &Theme) {
     let s = &state.snapshot;
-    let block = boxed(" VRAM ", theme);
-    let inner_w = area.width.saturating_sub(2) as usize;
+    let w = area.width.saturating_sub(2) as usize;
     let lines = match &s.vram {
         None => vec![Line::styled("no VRAM sample yet", theme.dim())],
         Some(v) => {
             let budget_bytes = s.vram_budget_bytes().unwrap_or(0);
-            let (high, low) = s.spill_watermarks().unwrap_or((0, 0));
             let budget = budget_bytes.max(1) as f64;
             let frac = v.allocated_bytes as f64 / budget;
-            let label = format!(" {}", pct(v.allocated_bytes as f64, budget));
-            let bar_w = inner_w.saturating_sub(label.len() + 1);
-            let mut gauge = bar(
-                bar_w,
-                frac,
-                &[
-                    (low as f64 / budget, "L"),
-                    (high as f64 / budget, "H"),
-                ],
-                theme,
-            );
-            gauge.insert(0, Span::raw(" "));
+            let mut head = Fields::new();
+            head.push(0, vec![
+                Span::styled("allocated ", theme.dim()),
+                Span::styled(bytes(v.allocated_bytes), theme.band(frac)),
+                Span::styled(" of ", theme.dim()),
+                Span::raw(bytes(budget_bytes)),
+            ]);
+            head.kv(2, "peak", bytes(v.peak_allocated_bytes), theme);
+            let mut marks = Vec::new();
+            if let Some((high, low)) = s.spill_watermarks() {
+                head.kv(1, "L", bytes(low), theme);
+                head.kv(1, "H", bytes(high), theme);
+                marks = vec![(low as f64 / budget, "L"), (high as f64 / budget, "H")];
+            }
+            head.kv(3, "reserved", bytes(v.reserved_bytes), theme);
+            head.kv(4, "spilling", if s.activations.spilling { "on" } else { "off" }.to_owned(), theme);
+            let label = format!(" {}", percent(v.allocated_bytes as f64, budget));
+            let mut gauge = bar(w.saturating_sub(label.len()), frac, &marks, theme);
             gauge.push(Span::styled(label, theme.band(frac)));
-            let hist: Vec<f64> = s
-                .vram_history
-                .iter()
-                .map(|r| r.allocated_bytes as f64)
-                .collect();
-            let spark_w = inner_w.saturating_sub(9);
-            vec![
-                kv(
-                    &[
-                        ("allocated", fmt_bytes(v.allocated_bytes)),
-                        ("of budget", fmt_bytes(budget_bytes)),
-                        ("reserved", fmt_bytes(v.reserved_bytes)),
-                        ("peak", fmt_bytes(v.peak_allocated_bytes)),
-                        ("low (L)", fmt_bytes(low)),
-                        ("high (H)", fmt_bytes(high)),
-                    ],
-                    theme,
-                ),
-                Line::from(gauge),
-                Line::from(vec![
-                    Span::styled(" history ", theme.dim()),
-                    Span::styled(spark(&hist, budget, spark_w, theme), theme.band(frac)),
-                ]),
-                Line::styled(
-                    format!(
-                        " {} samples; spilling {}",
-                        s.vram_history.len(),
-                        if s.activations.spilling { "on" } else { "off" }
-                    ),
-                    theme.dim(),
-                ),
-            ]
+            let mut lines = vec![head.line(w, sep(theme)), Line::from(gauge)];
+            match &s.vram_owners {
+                Some(o) => {
+                    let parts = owner_parts(&o.owners, theme);
+                    let mut by = Fields::new();
+                    for (i, (sw, b)) in parts.iter().enumerate() {
+                        let prio = if i == 0 || i == 1 { 0 } else { 1 + i as u8 };
+                        by.push(prio, vec![
+                            Span::styled(sw.glyph, sw.style),
+                            Span::raw(format!(" {} {}", sw.name, bytes(*b as u64))),
+                        ]);
+                    }
+                    lines.push(by.line(w, Span::raw("  ")));
+                }
+                None => lines.push(Line::styled("no reading of VRAM by owner yet", theme.dim())),
+            }
+            if tall {
+                let hist: Vec<f64> = s.vram_history.iter().map(|r| r.allocated_bytes as f64).collect();
+                lines.push(Line::from(vec![
+                    Span::styled("history ", theme.dim()),
+                    Span::styled(spark(&hist, budget, w.saturating_sub(8), theme), theme.band(frac)),
+                ]));
+                lines.push(Line::styled(format!("{} samples, newest right", s.vram_history.len()), theme.dim()));
+            }
+            lines
         }
     };
-    f.render_widget(Paragraph::new(lines).block(block), area);
+    f.render_widget(Paragraph::new(lines).block(boxed(" VRAM (3 for who holds it) ", theme)), area);
 }
 
-fn draw_step(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+fn draw_step(f: &mut Frame<'_>, area: Rect, state: &State, tall: bool, theme: &Theme) {
     let s = &state.snapshot;
-    let inner_w = area.width.saturating_sub(2) as usize;
-    let mut lines = vec![kv(
-        &[
-            ("step", s.step.to_string()),
-            ("phase", s.phase.to_string()),
-            (
-                "in phase for",
-                format!("{:.1} ms", s.t_ns.saturating_sub(s.phase_started_ns) as f64 / 1e6),
-            ),
-            ("run time", crate::app::fmt_t(s.t_ns)),
-            ("events", s.events_applied.to_string()),
-        ],
-        theme,
-    )];
-    match state.last_train() {
-        Some((step, t)) => {
-            let tput = if t.step_time_s > 0.0 {
-                format!("{:.0} tokens/s", t.tokens as f64 / t.step_time_s)
-            } else {
-                "-".into()
-            };
-            lines.push(kv(
-                &[
-                    ("last step", step.to_string()),
-                    ("step time", format!("{:.1} ms", t.step_time_s * 1e3)),
-                    ("throughput", tput),
-                    ("loss", format!("{:.4}", t.loss)),
-                    ("stall", format!("{:.2} ms total", state.stall_ms())),
-                ],
-                theme,
-            ));
+    let w = area.width.saturating_sub(2) as usize;
+    let mut head = Fields::new();
+    head.push(0, vec![Span::styled(format!("step {} {}", s.step, s.phase), theme.strong())]);
+    head.kv(3, "for", ms(s.t_ns.saturating_sub(s.phase_started_ns) as f64 / 1e6), theme);
+    if let Some((step, t)) = state.last_train() {
+        head.kv(0, &format!("step {step} took"), ms(t.step_time_s * 1e3), theme);
+        if t.step_time_s > 0.0 {
+            let rate = (t.tokens as f64 / t.step_time_s).min(u64::MAX as f64) as u64;
+            head.push_alt(
+                2,
+                vec![Span::raw(format!("{} tokens/s", count(rate)))],
+                vec![Span::raw(format!("{} tok/s", count(rate)))],
+            );
         }
-        None => lines.push(Line::styled("no step finished yet", theme.dim())),
+        head.kv(1, "loss", format!("{:.4}", t.loss), theme);
     }
-    let times: Vec<f64> = s
-        .steps
-        .iter()
-        .filter_map(|r| r.train.as_ref().map(|t| t.step_time_s))
-        .collect();
-    lines.push(Line::from(vec![
-        Span::styled("step time ", theme.dim()),
-        Span::styled(spark(&times, 0.0, inner_w.saturating_sub(12), theme), theme.accent()),
-    ]));
-    let stalls: Vec<f64> = s
-        .steps
-        .iter()
-        .map(|r| {
-            r.weights.as_ref().map_or(0.0, |w| w.stall_time_ms)
-                + r.activations.as_ref().map_or(0.0, |a| a.stall_time_ms)
-        })
-        .collect();
-    lines.push(Line::from(vec![
-        Span::styled("stall ms  ", theme.dim()),
-        Span::styled(spark(&stalls, 0.0, inner_w.saturating_sub(12), theme), theme.band(0.7)),
-    ]));
-    f.render_widget(Paragraph::new(lines).block(boxed(" Step ", theme)), area);
-}
-
-fn row<'a>(k: &'a str, v: String) -> Line<'a> {
-    Line::from(vec![Span::raw(format!("{k:<18}")), Span::raw(v)])
+    head.kv(4, "run time", crate::format::run_time(s.t_ns), theme);
+    let mut lines = vec![head.line(w, sep(theme))];
+    match s.steps.iter().rev().find_map(|r| r.time.map(|t| (r.step, t))) {
+        Some((step, t)) => {
+            let parts = time_parts(&t, theme);
+            let label = format!("step {step} ");
+            let mut b = vec![Span::styled(label.clone(), theme.dim())];
+            b.extend(stacked(&parts, t.step_ms, w.saturating_sub(label.len()), theme));
+            lines.push(Line::from(b));
+            // One line of figures, the biggest parts first to stay.
+            let mut order: Vec<usize> = (0..parts.len()).filter(|i| parts[*i].1 > 0.0).collect();
+            order.sort_by(|a, b| parts[*b].1.total_cmp(&parts[*a].1));
+            let mut figures = Fields::new();
+            for i in (0..parts.len()).filter(|i| parts[*i].1 > 0.0) {
+                let (sw, v) = parts[i];
+                let rank = order.iter().position(|j| *j == i).unwrap_or(0) as u8;
+                figures.push(rank, vec![
+                    Span::styled(sw.glyph, sw.style),
+                    Span::raw(format!(" {} {} {}", sw.name, ms(v), percent(v, t.step_ms))),
+                ]);
+            }
+            lines.push(figures.line(w, Span::raw("  ")));
+        }
+        None => lines.push(Line::styled("no step time breakdown yet", theme.dim())),
+    }
+    if tall {
+        let times: Vec<f64> = s.steps.iter().filter_map(|r| r.train.as_ref().map(|t| t.step_time_s)).collect();
+        lines.push(Line::from(vec![
+            Span::styled("step time ", theme.dim()),
+            Span::styled(spark(&times, 0.0, w.saturating_sub(10), theme), theme.accent()),
+        ]));
+    }
+    f.render_widget(Paragraph::new(lines).block(boxed(" Step time (2 for every step) ", theme)), area);
 }
 
 fn draw_weights(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let w = &state.snapshot.weights;
     let counts = state.snapshot.residency_counts();
-    let on_gpu = counts.get(&stagehand::events::BlockState::GpuReady).copied().unwrap_or(0);
-    let lines = vec![
-        row("blocks on device", format!("{on_gpu} / {}", state.snapshot.blocks.len())),
-        row("prefetch hits", w.prefetch_hits.to_string()),
-        Line::from(vec![
-            Span::raw(format!("{:<18}", "prefetch misses")),
-            Span::styled(w.prefetch_misses.to_string(), bad_if(w.prefetch_misses, theme)),
-        ]),
-        row("hit rate", pct(w.hit_rate(), 1.0)),
-        row("stall time", format!("{:.2} ms", w.stall_time_ms)),
-        row("evictions", w.evictions.to_string()),
-        row("H2D / D2H", format!("{} / {}", fmt_bytes(w.h2d_bytes), fmt_bytes(w.d2h_bytes))),
+    let on_gpu = counts.get(&BlockState::GpuReady).copied().unwrap_or(0);
+    let n = Style::default();
+    let items = vec![
+        ("hit rate", "hit rate", percent(w.hit_rate(), 1.0), n),
+        ("prefetch misses", "misses", count(w.prefetch_misses), bad_if(w.prefetch_misses, theme)),
+        ("stall time", "stalls", ms(w.stall_time_ms), n),
+        ("blocks on device", "on device", format!("{} / {}", count(on_gpu as u64), count(state.snapshot.blocks.len() as u64)), n),
+        ("evictions", "evictions", count(w.evictions), n),
+        ("prefetch hits", "hits", count(w.prefetch_hits), n),
+        ("H2D / D2H", "H2D/D2H", format!("{} / {}", bytes(w.h2d_bytes), bytes(w.d2h_bytes)), n),
     ];
+    let lines = rows(items, area.width.saturating_sub(2) as usize, theme);
     f.render_widget(Paragraph::new(lines).block(boxed(" Weights ", theme)), area);
 }
 
 fn draw_activations(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let a = &state.snapshot.activations;
-    let lines = vec![
-        row("saved", a.saved.to_string()),
-        row("kept / spilled", format!("{} / {}", a.kept, a.spilled)),
-        row("restored", format!("{} ({} predicted)", a.restored, a.predicted)),
-        Line::from(vec![
-            Span::raw(format!("{:<18}", "stalls")),
-            Span::styled(
-                format!("{} ({:.2} ms)", a.stall_count, a.stall_time_ms),
-                bad_if(a.stall_count, theme),
-            ),
-        ]),
-        row("spilled bytes", fmt_bytes(a.spill_bytes)),
-        row("pool hits / miss", format!("{} / {}", a.pool_hits, a.pool_misses)),
-        row("spilling", if a.spilling { "on".into() } else { "off".into() }),
+    let n = Style::default();
+    let items = vec![
+        ("kept / spilled", "kept/spill", format!("{} / {}", count(a.kept), count(a.spilled)), n),
+        ("stalls", "stalls", format!("{} ({})", count(a.stall_count), ms(a.stall_time_ms)), bad_if(a.stall_count, theme)),
+        ("restored", "restored", format!("{} ({} ahead)", count(a.restored), count(a.predicted)), n),
+        ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.pool_hits), count(a.pool_misses)), bad_if(a.pool_misses, theme)),
+        ("spilled bytes", "spilled", bytes(a.spill_bytes), n),
+        ("saved", "saved", count(a.saved), n),
+        ("spilling", "spilling", if a.spilling { "on" } else { "off" }.to_owned(), n),
     ];
+    let lines = rows(items, area.width.saturating_sub(2) as usize, theme);
     f.render_widget(Paragraph::new(lines).block(boxed(" Activations ", theme)), area);
 }
 
 fn draw_conductor(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let c = &state.snapshot.conductor;
-    let lines = vec![
-        row("grants / partial", format!("{} / {}", c.grants, c.partials)),
-        Line::from(vec![
-            Span::raw(format!("{:<18}", "denials")),
-            Span::styled(
-                format!("{} (+{} slots)", c.denials, c.slot_denials),
-                bad_if(c.denials + c.slot_denials, theme),
-            ),
-        ]),
-        row("active", format!("{} ({})", c.active_reservations, fmt_bytes(c.active_bytes))),
-        row("slots in flight", format!("h2d {} d2h {}", c.h2d_inflight, c.d2h_inflight)),
-        row(
-            "hints set by",
-            c.hints_rule.map_or("-".into(), |r| crate::app::rule_name(r).to_owned()),
+    let n = Style::default();
+    let items = vec![
+        (
+            "denials (+slots)",
+            "denied",
+            format!("{} (+{})", count(c.denials), count(c.slot_denials)),
+            bad_if(c.denials + c.slot_denials, theme),
         ),
-        row("hint changes", c.hint_changes.to_string()),
-        row("warnings", state.snapshot.warnings.len().to_string()),
+        ("grants / partial", "granted", format!("{} / {}", count(c.grants), count(c.partials)), n),
+        ("hints set by", "hints by", c.hints_rule.map_or("-".into(), |r| crate::describe::rule_name(r).to_owned()), n),
+        ("active", "active", format!("{} ({})", count(c.active_reservations), bytes(c.active_bytes)), n),
+        ("slots in flight", "in flight", format!("h2d {} d2h {}", c.h2d_inflight, c.d2h_inflight), n),
+        ("hint changes", "hint chg", count(c.hint_changes), n),
+        ("warnings", "warnings", count(state.snapshot.warnings.len() as u64), n),
     ];
+    let lines = rows(items, area.width.saturating_sub(2) as usize, theme);
     f.render_widget(Paragraph::new(lines).block(boxed(" Conductor ", theme)), area);
 }

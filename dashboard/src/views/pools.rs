@@ -1,14 +1,21 @@
 //! Pools: the weight pool's slabs (free, staging, in use) and the activation pool's size
 //! classes (slabs used, hits, misses, pageable fallbacks).
 
-use super::{bad_if, bar, boxed, kv};
-use crate::app::{fmt_bytes, State};
+use super::widgets::{bar, Fields};
+use super::{bad_if, boxed};
+use crate::app::State;
+use crate::format::{bytes as fmt_bytes, count, ms};
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
 use stagehand::events::BlockState;
+
+/// Bytes a pool holds, saturating (the figures come from the run, or a server: never overflow).
+fn capacity(p: &stagehand::events::snapshot::PoolView) -> u64 {
+    p.classes.iter().map(|c| c.slab_bytes.saturating_mul(u64::from(c.slabs))).fold(0, u64::saturating_add)
+}
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let [w, a] = Layout::vertical([Constraint::Length(8), Constraint::Min(4)]).areas(area);
@@ -19,6 +26,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
 fn draw_weight_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let s = &state.snapshot;
     let block = boxed(" Weight pool ", theme);
+    let w = area.width.saturating_sub(2) as usize;
     let Some(p) = &s.weight_pool else {
         f.render_widget(
             Paragraph::new(Line::styled("not configured (yet)", theme.dim())).block(block),
@@ -37,12 +45,16 @@ fn draw_weight_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme)
         .filter(|b| matches!(b.state, BlockState::HostStaged | BlockState::Prefetching))
         .count()
         .min(in_use as usize) as u32;
-    let held = in_use - staging;
+    let held = in_use.saturating_sub(staging);
     let free = slabs.saturating_sub(in_use);
     let (full, empty) = theme.bar_cells();
     let stage_glyph = if theme.ascii { "s" } else { "▒" };
     let mut cells = vec![Span::styled("slabs ", theme.dim())];
-    for i in 0..slabs {
+    // Three cells a slab, as many as fit (the slab count comes from the run: never allocate
+    // by it); the rest are summed up after.
+    let room = (area.width.saturating_sub(16) / 3) as u32;
+    let drawn = slabs.min(room);
+    for i in 0..drawn {
         let (g, style) = if i < staging {
             (stage_glyph, theme.state(BlockState::Prefetching))
         } else if i < in_use {
@@ -52,35 +64,34 @@ fn draw_weight_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme)
         };
         cells.push(Span::styled(format!("{g}{g} "), style));
     }
+    if drawn < slabs {
+        cells.push(Span::styled(format!("+{}", count(u64::from(slabs - drawn))), theme.dim()));
+    }
     let lines = vec![
-        kv(
-            &[
-                ("slabs", format!("{slabs} x {}", fmt_bytes(slab_bytes))),
-                ("capacity", fmt_bytes(p.capacity_bytes())),
-                ("pinned", p.pinned.to_string()),
-            ],
-            theme,
-        ),
+        {
+            let mut l = Fields::new();
+            l.kv(0, "slabs", format!("{} x {}", count(u64::from(slabs)), fmt_bytes(slab_bytes)), theme)
+                .kv(0, "capacity", fmt_bytes(capacity(p)), theme)
+                .kv(1, "pinned", p.pinned.to_string(), theme);
+            l.line(w, Span::raw("  "))
+        },
         Line::from(cells),
-        kv(
-            &[
-                ("free", free.to_string()),
-                ("staging", staging.to_string()),
-                ("in use", held.to_string()),
-                ("peak in use", peak.to_string()),
-            ],
-            theme,
-        ),
-        Line::from(vec![
-            Span::styled("acquired ", theme.dim()),
-            Span::raw(acquires.to_string()),
-            Span::styled("  exhausted ", theme.dim()),
-            Span::styled(exhausted.to_string(), bad_if(exhausted, theme)),
-            Span::styled("  waited ", theme.dim()),
-            Span::raw(format!("{:.2} ms", p.total_wait_ms)),
-            Span::styled("  pageable fallbacks ", theme.dim()),
-            Span::styled(p.pageable_fallbacks.to_string(), bad_if(p.pageable_fallbacks, theme)),
-        ]),
+        {
+            let mut l = Fields::new();
+            l.kv(0, "free", count(u64::from(free)), theme)
+                .kv(0, "staging", count(u64::from(staging)), theme)
+                .kv(0, "in use", count(u64::from(held)), theme)
+                .kv(1, "peak in use", count(u64::from(peak)), theme);
+            l.line(w, Span::raw("  "))
+        },
+        {
+            let mut l = Fields::new();
+            l.kv(1, "acquired", count(acquires), theme)
+                .kv_styled(0, "exhausted", count(exhausted), bad_if(exhausted, theme), theme)
+                .kv(2, "waited", ms(p.total_wait_ms), theme)
+                .kv_styled(0, "pageable fallbacks", count(p.pageable_fallbacks), bad_if(p.pageable_fallbacks, theme), theme);
+            l.line(w, Span::raw("  "))
+        },
         Line::styled(
             format!("legend: {stage_glyph} staging  {full} in use  {empty} free"),
             theme.dim(),
@@ -99,7 +110,7 @@ fn draw_activation_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Th
         );
         return;
     };
-    let bar_w = 24;
+    let bar_w = (area.width.saturating_sub(50) as usize).clamp(4, 24);
     let mut rows: Vec<Row<'_>> = p
         .classes
         .iter()
@@ -110,10 +121,10 @@ fn draw_activation_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Th
                 Line::raw(i.to_string()),
                 Line::raw(fmt_bytes(c.slab_bytes)),
                 Line::from(bar(bar_w, frac, &[], theme)),
-                Line::styled(format!("{}/{}", c.in_use, c.slabs), theme.band(frac)),
-                Line::raw(c.peak_in_use.to_string()),
-                Line::raw(c.hits.to_string()),
-                Line::styled(c.exhausted.to_string(), bad_if(c.exhausted, theme)),
+                Line::styled(format!("{}/{}", count(u64::from(c.in_use)), count(u64::from(c.slabs))), theme.band(frac)),
+                Line::raw(count(u64::from(c.peak_in_use))),
+                Line::raw(count(c.hits)),
+                Line::styled(count(c.exhausted), bad_if(c.exhausted, theme)),
             ])
         })
         .collect();
@@ -121,17 +132,17 @@ fn draw_activation_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Th
         Line::raw(""),
         Line::styled("pageable", theme.dim()),
         Line::styled(
-            format!("{} fallbacks, {}", p.pageable_fallbacks, fmt_bytes(p.pageable_bytes)),
+            format!("{} fallbacks, {}", count(p.pageable_fallbacks), fmt_bytes(p.pageable_bytes)),
             bad_if(p.pageable_fallbacks, theme),
         ),
     ]));
     let a = &s.activations;
     let title = format!(
         " Activation pool ({}, {}; spill hits {} misses {}) ",
-        fmt_bytes(p.capacity_bytes()),
+        fmt_bytes(capacity(p)),
         if p.pinned { "pinned" } else { "pageable" },
-        a.pool_hits,
-        a.pool_misses
+        count(a.pool_hits),
+        count(a.pool_misses)
     );
     let table = Table::new(
         rows,
@@ -139,10 +150,10 @@ fn draw_activation_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Th
             Constraint::Length(5),
             Constraint::Length(10),
             Constraint::Length(bar_w as u16 + 1),
-            Constraint::Length(8),
+            Constraint::Length(11),
             Constraint::Length(6),
-            Constraint::Length(8),
-            Constraint::Length(8),
+            Constraint::Length(6),
+            Constraint::Length(7),
         ],
     )
     .header(

@@ -2,7 +2,10 @@
 //! the cursor, and a table of blocks (state, refcount, size, what happened last).
 
 use super::boxed;
-use crate::app::{fmt_bytes, State, ViewState};
+use super::widgets::{constraints, fit_columns, sort_title, Fields};
+use crate::app::{State, ViewState};
+use crate::format::{bytes, count};
+use crate::sort::TableId;
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
@@ -20,17 +23,16 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
 fn draw_strip(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let s = &state.snapshot;
     let counts = s.residency_counts();
-    let mut legend = Vec::new();
+    let mut legend = Fields::new();
     for st in BlockState::ALL {
-        legend.push(Span::styled(
-            format!("{} ", theme.state_glyph(st)),
-            theme.state(st),
-        ));
-        legend.push(Span::styled(
-            format!("{} {}   ", st.as_str(), counts.get(&st).copied().unwrap_or(0)),
-            theme.state(st),
-        ));
+        let n = counts.get(&st).copied().unwrap_or(0);
+        // Empty states give way first.
+        legend.push(u8::from(n == 0), vec![
+            Span::styled(format!("{} ", theme.state_glyph(st)), theme.state(st)),
+            Span::styled(format!("{} {}", st.as_str(), count(n as u64)), theme.state(st)),
+        ]);
     }
+    let legend = legend.line(area.width.saturating_sub(2) as usize, Span::raw("  "));
     let it = &s.itinerary;
     let order: Vec<BlockId> = if it.order.is_empty() {
         s.blocks.iter().map(|b| b.id).collect()
@@ -63,18 +65,27 @@ fn draw_strip(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
         ),
         theme.dim(),
     );
-    let lines = vec![Line::from(legend), info, Line::from(cells), Line::from(marks)];
+    let lines = vec![legend, info, Line::from(cells), Line::from(marks)];
     f.render_widget(
         Paragraph::new(lines).block(boxed(" Residency ", theme)),
         area,
     );
 }
 
+/// Columns: (width, priority); "last" takes the rest.
+const COLS: [(u16, u8); 9] = [(4, 0), (14, 0), (12, 0), (4, 2), (9, 1), (6, 1), (6, 1), (6, 3), (10, 2)];
+
 fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let s = &state.snapshot;
     let it = &s.itinerary;
-    let rows: Vec<Row<'_>> = state
-        .filtered_blocks(&vs.filter)
+    let sort = vs.sorts.get(TableId::Blocks);
+    let blocks = state.sorted_blocks(&vs.filter, &vs.sorts);
+    // The name column as wide as the longest name (within reason).
+    let mut cols = COLS;
+    cols[1].0 = blocks.iter().map(|b| b.name.chars().count()).max().unwrap_or(0).clamp(8, 40) as u16;
+    let kept = fit_columns(&cols, area.width.saturating_sub(2) as usize);
+    let rows: Vec<Row<'_>> = blocks
+        .iter()
         .map(|b| {
             let mut flags = String::new();
             if it.cursor == b.exec_order && !it.order.is_empty() {
@@ -92,17 +103,18 @@ fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
             if b.file_backed {
                 flags.push('F');
             }
-            Row::new(vec![
+            let cells = [
                 Line::raw(b.id.to_string()),
                 Line::raw(b.name.clone()),
                 Line::styled(b.state.as_str(), theme.state(b.state)),
-                Line::raw(b.refcount.to_string()),
-                Line::raw(fmt_bytes(b.bytes)),
-                Line::raw(b.loads.to_string()),
-                Line::raw(b.evictions.to_string()),
+                Line::raw(count(b.refcount as u64)),
+                Line::raw(bytes(b.bytes)),
+                Line::raw(count(b.loads)),
+                Line::raw(count(b.evictions)),
                 Line::raw(flags),
                 Line::raw(format!("{} (#{})", b.last, b.last_seq)),
-            ])
+            ];
+            Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })
         .collect();
     let n = rows.len();
@@ -111,29 +123,23 @@ fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
     } else {
         format!(" Blocks ({n} of {}, filter: {}) ", s.blocks.len(), vs.filter.text)
     };
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(4),
-            Constraint::Length(14),
-            Constraint::Length(12),
-            Constraint::Length(4),
-            Constraint::Length(10),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Min(10),
-        ],
-    )
-    .header(
-        Row::new(vec!["id", "name", "state", "ref", "size", "loads", "evict", "flags", "last"])
-            .style(theme.strong()),
-    )
-    .row_highlight_style(theme.selected())
-    .block(boxed(title, theme).title_bottom(Line::styled(
-        " flags: > cursor  W window  P protected  T trainable  F file-backed   Enter details ",
-        theme.dim(),
-    )));
+    // Table columns and the sort's columns: flags has no sort key.
+    let sort_col = [0usize, 1, 2, 3, 4, 5, 6, 8];
+    let titles = ["id", "name", "state", "ref", "size", "loads", "evict", "flags", "last"];
+    let header: Vec<String> = kept
+        .iter()
+        .map(|i| {
+            let here = sort_col.get(sort.column) == Some(i);
+            sort_title(titles[*i], here.then_some(sort.descending), theme)
+        })
+        .collect();
+    let table = Table::new(rows, constraints(&cols, &kept))
+        .header(Row::new(header).style(theme.strong()))
+        .row_highlight_style(theme.selected())
+        .block(boxed(title, theme).title_bottom(Line::styled(
+            " > cursor W window P protected T trainable F file  s sort  Enter details ",
+            theme.dim(),
+        )));
     let mut ts = TableState::default().with_selected((n > 0).then_some(vs.block_sel.min(n.saturating_sub(1))));
     f.render_stateful_widget(table, area, &mut ts);
 }

@@ -1,8 +1,11 @@
 //! Transfers: H2D and D2H copies in flight, throughput against the measured bandwidth, and the
 //! most recent copies.
 
-use super::{bar, boxed, kv};
-use crate::app::{fmt_bytes, fmt_t, State};
+use super::boxed;
+use super::widgets::{bar, constraints, fit_columns, sort_title, Fields};
+use crate::app::{State, ViewState};
+use crate::format::{bytes, count, gbps, ms, run_time};
+use crate::sort::{self, TableId};
 use crate::theme::Theme;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
@@ -37,13 +40,13 @@ pub(crate) fn reference_gbps(state: &State, dir: Direction) -> (f64, &'static st
     (peak, "peak seen")
 }
 
-pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let [dirs, recent] =
         Layout::vertical([Constraint::Length(7), Constraint::Min(3)]).areas(area);
     let [h, d] = Layout::horizontal([Constraint::Ratio(1, 2); 2]).areas(dirs);
     draw_dir(f, h, state, Direction::H2d, theme);
     draw_dir(f, d, state, Direction::D2h, theme);
-    draw_recent(f, recent, state, theme);
+    draw_recent(f, recent, state, vs, theme);
 }
 
 fn draw_dir(f: &mut Frame<'_>, area: Rect, state: &State, dir: Direction, theme: &Theme) {
@@ -54,30 +57,25 @@ fn draw_dir(f: &mut Frame<'_>, area: Rect, state: &State, dir: Direction, theme:
         Direction::D2h => (c.hints.max_inflight_d2h, c.d2h_inflight),
     };
     let (reference, what) = reference_gbps(state, dir);
-    let bar_w = area.width.saturating_sub(22) as usize;
+    let w = area.width.saturating_sub(2) as usize;
+    let bar_w = w.saturating_sub(17);
     let gauge = |label: &'static str, v: f64| {
         let frac = if reference > 0.0 { v / reference } else { 0.0 };
-        let mut spans = vec![Span::styled(format!("{label:<6}"), theme.dim())];
+        let mut spans = vec![Span::styled(format!("{label:<5}"), theme.dim())];
         spans.extend(bar(bar_w, frac, &[], theme));
-        spans.push(Span::raw(format!(" {v:>6.2} GB/s")));
+        spans.push(Span::raw(format!(" {:>10}", gbps(v))));
         Line::from(spans)
     };
+    let mut head = Fields::new();
+    head.kv(0, "in flight", count(u64::from(t.inflight)), theme)
+        .kv(1, "slots", format!("{} (cap {})", slots, cap.map_or("-".into(), |c| c.to_string())), theme)
+        .kv(0, "copies", count(t.count), theme)
+        .kv(0, "moved", bytes(t.bytes), theme);
     let lines = vec![
-        kv(
-            &[
-                ("in flight", t.inflight.to_string()),
-                (
-                    "slots",
-                    format!("{slots} (cap {})", cap.map_or("-".into(), |c| c.to_string())),
-                ),
-                ("copies", t.count.to_string()),
-                ("moved", fmt_bytes(t.bytes)),
-            ],
-            theme,
-        ),
+        head.line(w, Span::raw("  ")),
         gauge("mean", t.mean_gbps()),
         gauge("last", t.last_gbps),
-        Line::styled(format!("against {reference:.2} GB/s ({what})"), theme.dim()),
+        Line::styled(format!("against {} ({what})", gbps(reference)), theme.dim()),
     ];
     let title = match dir {
         Direction::H2d => " H2D (host to device) ",
@@ -86,48 +84,41 @@ fn draw_dir(f: &mut Frame<'_>, area: Rect, state: &State, dir: Direction, theme:
     f.render_widget(Paragraph::new(lines).block(boxed(title, theme)), area);
 }
 
-fn draw_recent(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
+/// Columns: (width, priority).
+const COLS: [(u16, u8); 8] = [(7, 1), (9, 2), (4, 0), (11, 1), (6, 3), (9, 0), (8, 0), (10, 1)];
+
+fn draw_recent(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let recent = &state.snapshot.transfers.recent;
+    let sort = vs.sorts.get(TableId::Transfers);
     let visible = area.height.saturating_sub(3) as usize;
-    let rows: Vec<Row<'_>> = recent
-        .iter()
-        .rev()
+    let kept = fit_columns(&COLS, area.width.saturating_sub(2) as usize);
+    let rows: Vec<Row<'_>> = sort::sorted(recent.iter().collect(), sort, sort::transfer_key)
+        .into_iter()
         .take(visible)
         .map(|t| {
-            let gbps = if t.duration_ms > 0.0 {
-                t.bytes as f64 / (t.duration_ms * 1e6)
-            } else {
-                0.0
-            };
-            Row::new(vec![
+            let rate = if t.duration_ms > 0.0 { t.bytes as f64 / (t.duration_ms * 1e6) } else { 0.0 };
+            let cells = [
                 t.seq.to_string(),
-                fmt_t(t.t_ns),
+                run_time(t.t_ns),
                 t.dir.as_str().to_owned(),
                 t.owner.as_str().to_owned(),
                 t.id.to_string(),
-                fmt_bytes(t.bytes),
-                format!("{:.3}", t.duration_ms),
-                format!("{gbps:.2}"),
-            ])
+                bytes(t.bytes),
+                ms(t.duration_ms),
+                gbps(rate),
+            ];
+            Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })
         .collect();
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(7),
-            Constraint::Length(10),
-            Constraint::Length(4),
-            Constraint::Length(12),
-            Constraint::Length(6),
-            Constraint::Length(11),
-            Constraint::Length(8),
-            Constraint::Length(8),
-        ],
-    )
-    .header(
-        Row::new(vec!["seq", "time", "dir", "owner", "id", "bytes", "ms", "GB/s"])
-            .style(theme.strong()),
-    )
-    .block(boxed(format!(" Recent transfers (newest first, {} kept) ", recent.len()), theme));
+    // Table columns of the sort's columns (seq, dir, owner, bytes, time, GB/s).
+    let sort_col = [0usize, 2, 3, 5, 6, 7];
+    let titles = ["seq", "at", "dir", "owner", "id", "bytes", "time", "rate"];
+    let header: Vec<String> = kept
+        .iter()
+        .map(|i| sort_title(titles[*i], (sort_col.get(sort.column) == Some(i)).then_some(sort.descending), theme))
+        .collect();
+    let table = Table::new(rows, constraints(&COLS, &kept))
+        .header(Row::new(header).style(theme.strong()))
+        .block(boxed(format!(" Recent transfers ({} kept; s sort, S reverse) ", recent.len()), theme));
     f.render_widget(table, area);
 }

@@ -13,9 +13,13 @@ pub const RUN: &str = "tests/fixtures/run.jsonl";
 /// The same run cut short, with corrupt, unknown and truncated lines.
 pub const DAMAGED: &str = "tests/fixtures/damaged.jsonl";
 
-/// Screen size of the snapshot tests.
+/// Screen sizes of the snapshot tests: the smallest terminal the views are laid out for, and a
+/// roomy one.
+pub const SMALL: (u16, u16) = (80, 24);
+pub const LARGE: (u16, u16) = (120, 40);
+/// The size the pseudo-terminal tests run at.
 pub const W: u16 = 120;
-pub const H: u16 = 36;
+pub const H: u16 = 40;
 
 /// A state fed by replaying `path`, after `controls`.
 pub fn replayed(path: &str, controls: &[Control]) -> (State, ReplaySource) {
@@ -34,11 +38,26 @@ pub fn replayed(path: &str, controls: &[Control]) -> (State, ReplaySource) {
     (state, src)
 }
 
-/// Draws one frame.
-pub fn draw(state: &State, vs: &ViewState, theme: &Theme) -> Terminal<TestBackend> {
-    let mut t = Terminal::new(TestBackend::new(W, H)).expect("test terminal");
+/// Draws one frame at `size`.
+pub fn draw_at(state: &State, vs: &ViewState, theme: &Theme, size: (u16, u16)) -> Terminal<TestBackend> {
+    let mut t = Terminal::new(TestBackend::new(size.0, size.1)).expect("test terminal");
     t.draw(|f| views::draw(f, state, vs, theme)).expect("draws");
     t
+}
+
+/// Draws one frame at the large size.
+pub fn draw(state: &State, vs: &ViewState, theme: &Theme) -> Terminal<TestBackend> {
+    draw_at(state, vs, theme, LARGE)
+}
+
+/// The screen as text, one line a row.
+pub fn screen(t: &Terminal<TestBackend>) -> String {
+    let buf = t.backend().buffer();
+    let area = buf.area;
+    (0..area.height)
+        .map(|y| (0..area.width).map(|x| buf[(x, y)].symbol().to_owned()).collect::<String>())
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 use stagehand::events::{Event, Snapshot, StreamMessage};

@@ -1,0 +1,410 @@
+//! The one mapping from a run's events to metric values, shared by the Prometheus and the
+//! OpenTelemetry exporters: counters and histograms from events as they come
+//! ([`Mapper::on_event`]), gauges from the run's [`Snapshot`] ([`Mapper::gauges`]), and the
+//! series that exist from the start at zero ([`initial`]). Each exporter applies the
+//! [`Observation`]s to its own instruments, built from [`crate::catalog`].
+
+use crate::catalog::Metric;
+use stagehand::events::model::{
+    BlockState, DenyReason, Direction, Event, EventKind, Owner, PackDecision, Phase, PoolKind, ReservationMode,
+    ReservationOutcome, StepTimeBreakdown, VramByOwner, SCHEMA_VERSION,
+};
+use stagehand::events::snapshot::StepRecord;
+use stagehand::events::{wire_name, Snapshot};
+
+/// What to do to a series.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    /// Add to a counter.
+    Add(f64),
+    /// Set a gauge.
+    Set(f64),
+    /// Record an observation into a histogram.
+    Observe(f64),
+    /// Make the series exist (at zero, or empty) without changing it.
+    Touch,
+}
+
+/// One change to one series: the instrument, its label values (in the catalog's label order)
+/// and the value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    pub metric: Metric,
+    pub labels: Vec<String>,
+    pub value: Value,
+}
+
+fn obs(metric: Metric, labels: &[&str], value: Value) -> Observation {
+    Observation { metric, labels: labels.iter().map(|s| (*s).to_owned()).collect(), value }
+}
+
+/// The parts of a step's time, as `part` label values, with their values in seconds.
+pub fn time_parts(t: &StepTimeBreakdown) -> [(&'static str, f64); 7] {
+    [
+        ("compute", t.compute_ms / 1e3),
+        ("h2d_wait", t.h2d_wait_ms / 1e3),
+        ("d2h_wait", t.d2h_wait_ms / 1e3),
+        ("weight_stall", t.weight_stall_ms / 1e3),
+        ("restore_stall", t.restore_stall_ms / 1e3),
+        ("optimizer", t.optimizer_ms / 1e3),
+        ("other", t.other_ms / 1e3),
+    ]
+}
+
+/// The owners of device memory, as `owner` label values, with their bytes.
+pub fn owner_parts(o: &VramByOwner) -> [(&'static str, u64); 5] {
+    [
+        ("weights", o.weights_bytes),
+        ("activations_kept", o.activations_kept_bytes),
+        ("activations_restored", o.activations_restored_bytes),
+        ("copies_in_flight", o.copies_in_flight_bytes),
+        ("other", o.other_bytes),
+    ]
+}
+
+const DIRECTIONS: [Direction; 2] = [Direction::H2d, Direction::D2h];
+const COPY_OWNERS: [Owner; 2] = [Owner::Weights, Owner::Activations];
+const EVICTION_REASONS: [&str; 4] = ["watermark", "budget", "explicit", "shutdown"];
+const POOLS: [PoolKind; 2] = [PoolKind::Weights, PoolKind::Activations];
+const DECISIONS: [PackDecision; 4] = [PackDecision::Kept, PackDecision::Spilled, PackDecision::WeightHandle, PackDecision::Duplicate];
+const OUTCOMES: [ReservationOutcome; 4] = [
+    ReservationOutcome::Granted,
+    ReservationOutcome::Partial,
+    ReservationOutcome::Denied,
+    ReservationOutcome::CapRecorded,
+];
+const MODES: [ReservationMode; 5] = [
+    ReservationMode::Hard,
+    ReservationMode::Soft,
+    ReservationMode::Burst,
+    ReservationMode::Floor,
+    ReservationMode::Ceiling,
+];
+const DENY_REASONS: [DenyReason; 7] = [
+    DenyReason::InsufficientHeadroom,
+    DenyReason::PriorityReserve,
+    DenyReason::OverCeiling,
+    DenyReason::H2dSlotsExhausted,
+    DenyReason::D2hSlotsExhausted,
+    DenyReason::PhaseRuleSuppressedSpeculative,
+    DenyReason::Shutdown,
+];
+const RULES: [&str; 4] = ["reset", "backward_pressure", "optimizer_protection", "contention"];
+const NON_FINITE: [&str; 4] = ["output", "gradient", "loss", "other"];
+const STEP_PHASES: [Phase; 5] = [Phase::StepBegin, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::StepEnd];
+
+fn pool_name(p: PoolKind) -> &'static str {
+    match p {
+        PoolKind::Weights => "weights",
+        PoolKind::Activations => "activations",
+    }
+}
+
+/// The series that exist from the first scrape, before any event: every counter and histogram
+/// series a dashboard queries, at zero, and the gauges whose zero is true before the run has
+/// said anything (nothing in flight, nothing reserved). Gauges whose value only the run knows
+/// (the loss, the limits, the pools) appear with their first value rather than as a false zero.
+pub fn initial() -> Vec<Observation> {
+    use Metric::*;
+    let mut out = vec![
+        obs(BuildInfo, &[env!("CARGO_PKG_VERSION"), &SCHEMA_VERSION.to_string()], Value::Set(1.0)),
+        obs(EventsDropped, &[], Value::Touch),
+        obs(TelemetryLost, &[], Value::Touch),
+        obs(Step, &[], Value::Set(0.0)),
+        obs(StepDuration, &[], Value::Touch),
+        obs(PrefetchHits, &[], Value::Touch),
+        obs(PrefetchMisses, &[], Value::Touch),
+        obs(ActivationSpill, &[], Value::Touch),
+        obs(ActivationRestore, &[], Value::Touch),
+        obs(ConductorReserved, &[], Value::Set(0.0)),
+        obs(ItineraryChanges, &[], Value::Touch),
+        obs(OutOfMemory, &[], Value::Touch),
+        obs(FlightRecords, &[], Value::Touch),
+    ];
+    for (part, _) in time_parts(&StepTimeBreakdown::default()) {
+        out.push(obs(StepTime, &[part], Value::Touch));
+        out.push(obs(LastStepTime, &[part], Value::Set(0.0)));
+    }
+    for d in DIRECTIONS {
+        out.push(obs(TransferDuration, &[d.as_str()], Value::Touch));
+        out.push(obs(TransfersInflight, &[d.as_str()], Value::Set(0.0)));
+        for o in COPY_OWNERS {
+            out.push(obs(TransferBytes, &[d.as_str(), o.as_str()], Value::Touch));
+            out.push(obs(Transfers, &[d.as_str(), o.as_str()], Value::Touch));
+        }
+    }
+    for src in ["weights", "activations"] {
+        out.push(obs(StallDuration, &[src], Value::Touch));
+    }
+    for r in EVICTION_REASONS {
+        out.push(obs(Evictions, &[r], Value::Touch));
+    }
+    for s in BlockState::ALL {
+        out.push(obs(ResidencyBlocks, &[s.as_str()], Value::Set(0.0)));
+    }
+    for p in POOLS {
+        out.push(obs(PoolExhausted, &[pool_name(p)], Value::Touch));
+        out.push(obs(PoolPageableFallback, &[pool_name(p)], Value::Touch));
+    }
+    for d in DECISIONS {
+        out.push(obs(ActivationsPacked, &[&wire_name(&d)], Value::Touch));
+    }
+    for p in ["true", "false"] {
+        out.push(obs(ActivationRestores, &[p], Value::Touch));
+    }
+    for k in ["allocated", "reserved", "peak"] {
+        out.push(obs(Vram, &[k], Value::Set(0.0)));
+    }
+    for (o, _) in owner_parts(&VramByOwner::default()) {
+        out.push(obs(VramOwner, &[o], Value::Set(0.0)));
+        out.push(obs(VramAtPeak, &[o], Value::Set(0.0)));
+    }
+    for oc in OUTCOMES {
+        for m in MODES {
+            out.push(obs(ConductorReservations, &[&wire_name(&oc), &wire_name(&m)], Value::Touch));
+        }
+    }
+    for w in ["reservation", "slot"] {
+        out.push(obs(ConductorGrants, &[w], Value::Touch));
+        for r in DENY_REASONS {
+            out.push(obs(ConductorDenials, &[w, r.as_str()], Value::Touch));
+        }
+    }
+    for r in RULES {
+        out.push(obs(ConductorHintChanges, &[r], Value::Touch));
+    }
+    for p in STEP_PHASES {
+        out.push(obs(PhaseDuration, &[p.as_str()], Value::Touch));
+    }
+    for t in NON_FINITE {
+        out.push(obs(NonFinite, &[t], Value::Touch));
+    }
+    out
+}
+
+/// A duration in seconds that can be observed: finite and not negative.
+fn seconds(v: f64) -> Option<f64> {
+    (v.is_finite() && v >= 0.0).then_some(v)
+}
+
+/// The last finished step (one with its per-step figures) that has a reading at its peak.
+pub fn last_finished_peak(s: &Snapshot) -> Option<(&StepRecord, VramByOwner)> {
+    s.steps
+        .iter()
+        .rev()
+        .filter(|r| r.train.is_some() || r.time.is_some())
+        .find_map(|r| r.vram_at_peak.map(|p| (r, p)))
+}
+
+/// Events to observations, keeping the run's snapshot for the gauges.
+#[derive(Debug, Default)]
+pub struct Mapper {
+    snapshot: Snapshot,
+    /// The bus's running total of dropped events seen so far.
+    dropped_seen: u64,
+}
+
+impl Mapper {
+    /// A mapper before any event.
+    pub fn new() -> Mapper {
+        Mapper::default()
+    }
+
+    /// The run as the events so far describe it.
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// Applies an event and appends what it adds to counters and histograms.
+    pub fn on_event(&mut self, e: &Event, out: &mut Vec<Observation>) {
+        use Metric::*;
+        self.snapshot.apply(e);
+        out.push(obs(Events, &[e.kind.name()], Value::Add(1.0)));
+        let one = Value::Add(1.0);
+        match &e.kind {
+            EventKind::PhaseChanged { from, duration_s, .. } if *from != Phase::Idle => {
+                if let Some(s) = seconds(*duration_s) {
+                    out.push(obs(PhaseDuration, &[from.as_str()], Value::Observe(s)));
+                }
+            }
+            EventKind::PrefetchHit { .. } => out.push(obs(PrefetchHits, &[], one)),
+            EventKind::PrefetchMiss { stall_ms, .. } => {
+                out.push(obs(PrefetchMisses, &[], one));
+                out.push(obs(StallDuration, &["weights"], Value::Observe(stall_ms.max(0.0) / 1e3)));
+            }
+            EventKind::Eviction { reason, .. } => out.push(obs(Evictions, &[&wire_name(reason)], one)),
+            EventKind::TransferCompleted { dir, owner, bytes, duration_ms, .. } => {
+                let l = [dir.as_str(), owner.as_str()];
+                out.push(obs(TransferBytes, &l, Value::Add(*bytes as f64)));
+                out.push(obs(Transfers, &l, one));
+                if let Some(s) = seconds(duration_ms / 1e3) {
+                    out.push(obs(TransferDuration, &[dir.as_str()], Value::Observe(s)));
+                }
+            }
+            EventKind::PoolExhausted { pool, .. } => out.push(obs(PoolExhausted, &[pool_name(*pool)], one)),
+            EventKind::PageableFallback { pool, bytes } => {
+                out.push(obs(PoolPageableFallback, &[pool_name(*pool)], Value::Add(*bytes as f64)))
+            }
+            EventKind::Pack { decision, bytes, .. } => {
+                out.push(obs(ActivationsPacked, &[&wire_name(decision)], one));
+                if *decision == PackDecision::Spilled {
+                    out.push(obs(ActivationSpill, &[], Value::Add(*bytes as f64)));
+                }
+            }
+            EventKind::Restored { bytes, predicted, stall_ms, .. } => {
+                out.push(obs(ActivationRestores, &[if *predicted { "true" } else { "false" }], one));
+                out.push(obs(ActivationRestore, &[], Value::Add(*bytes as f64)));
+                if *stall_ms > 0.0 {
+                    if let Some(s) = seconds(stall_ms / 1e3) {
+                        out.push(obs(StallDuration, &["activations"], Value::Observe(s)));
+                    }
+                }
+            }
+            EventKind::Reservation { mode, outcome, reason, .. } => {
+                out.push(obs(ConductorReservations, &[&wire_name(outcome), &wire_name(mode)], one));
+                if matches!(outcome, ReservationOutcome::Granted | ReservationOutcome::Partial) {
+                    out.push(obs(ConductorGrants, &["reservation"], one));
+                }
+                if let Some(r) = reason {
+                    out.push(obs(ConductorDenials, &["reservation", r.as_str()], one));
+                }
+            }
+            EventKind::SlotGranted { .. } => out.push(obs(ConductorGrants, &["slot"], one)),
+            EventKind::SlotDenied { reason, .. } => out.push(obs(ConductorDenials, &["slot", reason.as_str()], one)),
+            EventKind::HintsChanged { rule, .. } => out.push(obs(ConductorHintChanges, &[&wire_name(rule)], one)),
+            EventKind::TrainStep(m) => {
+                if let Some(s) = seconds(m.step_time_s) {
+                    out.push(obs(StepDuration, &[], Value::Observe(s)));
+                }
+            }
+            EventKind::StepTime(t) => {
+                for (part, s) in time_parts(t) {
+                    if let Some(s) = seconds(s) {
+                        out.push(obs(StepTime, &[part], Value::Add(s)));
+                    }
+                }
+            }
+            EventKind::EventsDropped { total } if *total > self.dropped_seen => {
+                out.push(obs(EventsDropped, &[], Value::Add((*total - self.dropped_seen) as f64)));
+                self.dropped_seen = *total;
+            }
+            EventKind::TelemetryLost { lost, .. } => out.push(obs(TelemetryLost, &[], Value::Add(*lost as f64))),
+            EventKind::ItineraryChanged { .. } => out.push(obs(ItineraryChanges, &[], one)),
+            EventKind::OutOfMemory { .. } => out.push(obs(OutOfMemory, &[], one)),
+            EventKind::NonFinite { tensor, .. } => {
+                // A label from the run: only known values, so a bad file cannot add series.
+                let t = NON_FINITE.iter().find(|k| **k == tensor.as_str()).copied().unwrap_or("other");
+                out.push(obs(NonFinite, &[t], one));
+            }
+            EventKind::FlightRecorded { .. } => out.push(obs(FlightRecords, &[], one)),
+            _ => {}
+        }
+    }
+
+    /// Appends the gauges as the run now stands.
+    pub fn gauges(&self, out: &mut Vec<Observation>) {
+        use Metric::*;
+        let s = &self.snapshot;
+        out.push(obs(Step, &[], Value::Set(s.step as f64)));
+        if let Some((_, t)) = s.last_train_step() {
+            out.push(obs(Loss, &[], Value::Set(t.loss)));
+        }
+        if let Some(t) = s.steps.iter().rev().find_map(|r| r.time) {
+            for (part, v) in time_parts(&t) {
+                out.push(obs(LastStepTime, &[part], Value::Set(v)));
+            }
+        }
+        for d in DIRECTIONS {
+            out.push(obs(TransfersInflight, &[d.as_str()], Value::Set(s.transfers.dir(d).inflight as f64)));
+        }
+        let counts = s.residency_counts();
+        for st in BlockState::ALL {
+            let n = counts.get(&st).copied().unwrap_or(0);
+            out.push(obs(ResidencyBlocks, &[st.as_str()], Value::Set(n as f64)));
+        }
+        for (kind, pool) in [(PoolKind::Weights, &s.weight_pool), (PoolKind::Activations, &s.activation_pool)] {
+            let Some(pool) = pool else { continue };
+            for (i, c) in pool.classes.iter().enumerate() {
+                let l = [pool_name(kind), &i.to_string(), &c.slab_bytes.to_string()];
+                out.push(obs(PoolCapacity, &l, Value::Set(c.slab_bytes as f64 * c.slabs as f64)));
+                out.push(obs(PoolUsed, &l, Value::Set(c.slab_bytes as f64 * c.in_use as f64)));
+                out.push(obs(PoolSlabsInUse, &l, Value::Set(c.in_use as f64)));
+            }
+        }
+        if let Some(v) = &s.vram {
+            for (k, b) in [("allocated", v.allocated_bytes), ("reserved", v.reserved_bytes), ("peak", v.peak_allocated_bytes)] {
+                out.push(obs(Vram, &[k], Value::Set(b as f64)));
+            }
+        }
+        for (owner, l) in &s.limits {
+            out.push(obs(MemoryLimit, &[owner.as_str(), "budget"], Value::Set(l.budget_bytes as f64)));
+            if let Some(h) = l.high_watermark_bytes {
+                out.push(obs(MemoryLimit, &[owner.as_str(), "high"], Value::Set(h as f64)));
+            }
+            if let Some(lo) = l.low_watermark_bytes {
+                out.push(obs(MemoryLimit, &[owner.as_str(), "low"], Value::Set(lo as f64)));
+            }
+        }
+        if let Some(r) = &s.vram_owners {
+            for (o, b) in owner_parts(&r.owners) {
+                out.push(obs(VramOwner, &[o], Value::Set(b as f64)));
+            }
+        }
+        if let Some((_, p)) = last_finished_peak(s) {
+            for (o, b) in owner_parts(&p) {
+                out.push(obs(VramAtPeak, &[o], Value::Set(b as f64)));
+            }
+        }
+        out.push(obs(ConductorReserved, &[], Value::Set(s.conductor.active_bytes as f64)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::CATALOG;
+    use stagehand::events::synthetic::{events, SyntheticRun};
+
+    #[test]
+    fn every_observation_matches_its_definition() {
+        let mut m = Mapper::new();
+        let mut out = initial();
+        for e in events(SyntheticRun::finished(3)) {
+            m.on_event(&e, &mut out);
+        }
+        m.gauges(&mut out);
+        for o in &out {
+            let d = o.metric.def();
+            assert_eq!(o.labels.len(), d.labels.len(), "{} {:?}", d.stem, o.labels);
+            match (d.kind, o.value) {
+                (crate::catalog::Kind::Counter, Value::Add(v)) => assert!(v >= 0.0, "{}", d.stem),
+                (crate::catalog::Kind::Gauge, Value::Set(_))
+                | (crate::catalog::Kind::Histogram(_), Value::Observe(_))
+                | (_, Value::Touch) => {}
+                (k, v) => panic!("{}: {v:?} for a {k:?}", d.stem),
+            }
+        }
+        // Every instrument gets a value from a full run.
+        for d in CATALOG {
+            assert!(out.iter().any(|o| o.metric == d.id), "{} never observed", d.stem);
+        }
+    }
+
+    #[test]
+    fn the_bus_s_running_total_of_drops_becomes_increments() {
+        let mut m = Mapper::new();
+        let mut out = Vec::new();
+        for (i, total) in [3u64, 3, 10].into_iter().enumerate() {
+            m.on_event(&Event::new(i as u64 + 1, 0, 0, Phase::Idle, EventKind::EventsDropped { total }), &mut out);
+        }
+        let added: f64 = out
+            .iter()
+            .filter(|o| o.metric == Metric::EventsDropped)
+            .map(|o| match o.value {
+                Value::Add(v) => v,
+                _ => 0.0,
+            })
+            .sum();
+        assert_eq!(added, 10.0);
+    }
+}

@@ -1,0 +1,505 @@
+//! Telemetry (JSONL events) to a Chrome trace / Perfetto JSON file (the Trace Event Format),
+//! streamed: events are read a line at a time and trace events written as they are known, so
+//! memory does not grow with the file (what is held is bounded: the open step's phases, the
+//! copies in flight, the copy lanes, the pool classes).
+//!
+//! One process for the run; one track for the compute stream, which carries a slice per step
+//! with its phases nested inside and an instant per prefetch miss; one track per copy lane of
+//! each direction (`H2D`, `D2H`; copies that overlap in time go to extra lanes `H2D 2`, ... so the
+//! slices of a track never overlap). Counter tracks follow VRAM (readings, and the limits), VRAM
+//! by owner (stacked: weights, kept and restored activations, copies in flight, the rest), the
+//! step time by part, and the bytes taken in each pinned pool. Incidents (out of memory,
+//! non-finite values, flight records, lost telemetry, dropped events, itinerary changes,
+//! warnings) are instant events. Timestamps are microseconds since the run started.
+//!
+//! Copies pair issue with completion by transfer id, direction and owner; a duplicate id pairs
+//! with its most recent issue, and a completion without an issue starts at its completion less
+//! its duration.
+//!
+//! Open the output in <https://ui.perfetto.dev> or `chrome://tracing`.
+
+mod validate;
+
+pub use validate::validate;
+
+use crate::{Error, Result};
+use serde_json::{json, Map, Value};
+use stagehand::events::jsonl::{parse_line, ReadReport, SkipReason, Skipped, MAX_SKIPPED_KEPT};
+use stagehand::events::model::{Direction, Event, EventKind, Owner, Phase, PoolKind};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{self, BufRead, Write};
+
+/// The process id used for the run.
+pub const PID: u64 = 1;
+/// The compute stream's track.
+pub const COMPUTE_TID: u64 = 1;
+/// First track of the H2D lanes (lane `n` is `H2D_TID + n`).
+pub const H2D_TID: u64 = 100;
+/// First track of the D2H lanes.
+pub const D2H_TID: u64 = 200;
+/// Lanes per direction; copies beyond this many in flight share the lane that frees first.
+const MAX_LANES: u64 = 99;
+/// The longest telemetry line read; longer ones are skipped as corrupt.
+pub const MAX_LINE: usize = 64 << 20;
+/// Copies waiting for their completion, at most; issues beyond wait unpaired.
+const MAX_PENDING: usize = 1 << 16;
+/// Characters of a copy's subject kept for its slice name.
+const MAX_SUBJECT: usize = 256;
+/// Size classes of a pool tracked, at most.
+const MAX_POOL_CLASSES: usize = 4096;
+/// Phase slices of one step held until the step's slice is written, at most.
+const MAX_HELD_PHASES: usize = 64;
+
+fn us(t_ns: u64) -> f64 {
+    t_ns as f64 / 1e3
+}
+
+/// What a conversion read and wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// What reading the telemetry found (events, lines skipped and why).
+    pub report: ReadReport,
+    /// Trace events written.
+    pub trace_events: u64,
+    /// Copies whose issue could not be paired with a completion (or the reverse).
+    pub unpaired: u64,
+}
+
+/// Lanes of one copy direction: each lane holds the end time of its last copy.
+#[derive(Debug, Default)]
+struct Lanes {
+    ends: Vec<u64>,
+}
+
+impl Lanes {
+    /// A lane free at `start` for a copy ending at `end`. Copies are placed as they complete;
+    /// a lane's ends only grow, so a copy placed after a lane's last end never overlaps it.
+    fn place(&mut self, start: u64, end: u64) -> u64 {
+        let lane = match self.ends.iter().position(|&e| e <= start) {
+            Some(i) => i,
+            None if (self.ends.len() as u64) < MAX_LANES => {
+                self.ends.push(0);
+                self.ends.len() - 1
+            }
+            // Pathological: more copies in flight than lanes; the lane that frees first.
+            None => self.ends.iter().enumerate().min_by_key(|(_, e)| **e).map_or(0, |(i, _)| i),
+        };
+        self.ends[lane] = self.ends[lane].max(end);
+        lane as u64
+    }
+}
+
+/// A finished slice waiting to be written.
+#[derive(Debug, Clone)]
+struct Slice {
+    tid: u64,
+    name: String,
+    cat: &'static str,
+    start_ns: u64,
+    end_ns: u64,
+    args: Value,
+}
+
+impl Slice {
+    fn to_json(&self) -> Value {
+        json!({
+            "ph": "X", "name": self.name, "cat": self.cat, "pid": PID, "tid": self.tid,
+            "ts": us(self.start_ns), "dur": us(self.end_ns.saturating_sub(self.start_ns)), "args": self.args,
+        })
+    }
+}
+
+/// The converter's state: everything in it is bounded, whatever the input's size.
+struct Converter<W: Write> {
+    out: W,
+    written: u64,
+    named: bool,
+    open_step: Option<(u64, u64)>,
+    open_phase: Option<(u64, Phase, u64)>,
+    /// Phase slices of the open step, written after the step's own slice.
+    held: Vec<Slice>,
+    pending: HashMap<(u64, Direction, Owner), Vec<(u64, String)>>,
+    pending_n: usize,
+    unpaired: u64,
+    h2d: Lanes,
+    d2h: Lanes,
+    /// Per pool: (slab bytes, slabs in use) by class.
+    pools: [Vec<(u64, u64)>; 2],
+    limits: BTreeMap<&'static str, u64>,
+    last_t: u64,
+    other: Map<String, Value>,
+}
+
+fn pool_index(p: PoolKind) -> usize {
+    match p {
+        PoolKind::Weights => 0,
+        PoolKind::Activations => 1,
+    }
+}
+
+impl<W: Write> Converter<W> {
+    fn new(mut out: W) -> io::Result<Converter<W>> {
+        out.write_all(b"{\"traceEvents\":[")?;
+        Ok(Converter {
+            out,
+            written: 0,
+            named: false,
+            open_step: None,
+            open_phase: None,
+            held: Vec::new(),
+            pending: HashMap::new(),
+            pending_n: 0,
+            unpaired: 0,
+            h2d: Lanes::default(),
+            d2h: Lanes::default(),
+            pools: [Vec::new(), Vec::new()],
+            limits: BTreeMap::new(),
+            last_t: 0,
+            other: Map::new(),
+        })
+    }
+
+    fn emit(&mut self, v: &Value) -> io::Result<()> {
+        if self.written > 0 {
+            self.out.write_all(b",\n")?;
+        } else {
+            self.out.write_all(b"\n")?;
+        }
+        serde_json::to_writer(&mut self.out, v)?;
+        self.written += 1;
+        Ok(())
+    }
+
+    fn counter(&mut self, name: &str, t_ns: u64, args: Value) -> io::Result<()> {
+        self.emit(&json!({ "ph": "C", "name": name, "cat": "memory", "pid": PID, "tid": 0, "ts": us(t_ns), "args": args }))
+    }
+
+    fn instant(&mut self, name: &str, cat: &str, e: &Event, args: Value) -> io::Result<()> {
+        self.emit(&json!({ "ph": "i", "s": "g", "name": name, "cat": cat, "pid": PID, "tid": 0, "ts": us(e.t_ns),
+                           "args": args }))
+    }
+
+    /// Ends the open phase at `t`: held with its step, or written when outside one.
+    fn close_phase(&mut self, t: u64, unfinished: bool) -> io::Result<()> {
+        if let Some((step, phase, start)) = self.open_phase.take() {
+            let mut args = json!({ "step": step });
+            if unfinished {
+                args["unfinished"] = json!(true);
+            }
+            let s = Slice { tid: COMPUTE_TID, name: phase.as_str().to_owned(), cat: "phase", start_ns: start, end_ns: t.max(start), args };
+            if self.open_step.is_some() && self.held.len() < MAX_HELD_PHASES {
+                self.held.push(s);
+            } else {
+                self.emit(&s.to_json())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the open step at `t`: its slice, then its phases, so parents come before children.
+    fn close_step(&mut self, t: u64, unfinished: bool) -> io::Result<()> {
+        if let Some((step, start)) = self.open_step.take() {
+            let mut args = json!({ "step": step });
+            if unfinished {
+                args["unfinished"] = json!(true);
+            }
+            let s = Slice { tid: COMPUTE_TID, name: format!("step {step}"), cat: "step", start_ns: start, end_ns: t.max(start), args };
+            self.emit(&s.to_json())?;
+        }
+        for s in std::mem::take(&mut self.held) {
+            self.emit(&s.to_json())?;
+        }
+        Ok(())
+    }
+
+    fn on_event(&mut self, e: &Event) -> io::Result<()> {
+        self.last_t = self.last_t.max(e.t_ns);
+        match &e.kind {
+            EventKind::RunStarted { run_id, model, device, wall_clock_unix_ms, .. } => {
+                self.named = true;
+                let name = format!("stagehand: {model} on {}", device.name);
+                self.emit(&json!({ "ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": { "name": name } }))?;
+                self.other.insert("run_id".into(), json!(run_id));
+                self.other.insert("model".into(), json!(model));
+                self.other.insert("device".into(), json!(device.name));
+                self.other.insert("wall_clock_unix_ms".into(), json!(wall_clock_unix_ms));
+            }
+            EventKind::PhaseChanged { from, to, .. } => {
+                self.close_phase(e.t_ns, false)?;
+                if *to == Phase::StepBegin || *from == Phase::StepEnd {
+                    self.close_step(e.t_ns, false)?;
+                }
+                if *to == Phase::StepBegin {
+                    self.open_step = Some((e.step, e.t_ns));
+                }
+                if *to != Phase::Idle {
+                    self.open_phase = Some((e.step, *to, e.t_ns));
+                }
+            }
+            EventKind::RunEnded { .. } => {
+                self.close_phase(e.t_ns, false)?;
+                self.close_step(e.t_ns, false)?;
+            }
+            EventKind::TransferIssued { id, dir, owner, subject, .. } => {
+                if self.pending_n < MAX_PENDING {
+                    let subject: String = subject.chars().take(MAX_SUBJECT).collect();
+                    self.pending.entry((id.0, *dir, *owner)).or_default().push((e.t_ns, subject));
+                    self.pending_n += 1;
+                } else {
+                    self.unpaired += 1;
+                }
+            }
+            EventKind::TransferCompleted { id, dir, owner, bytes, duration_ms } => {
+                let key = (id.0, *dir, *owner);
+                // The most recent issue of this id: ids are unique per run, but a file may hold
+                // two runs or a writer that restarted its count.
+                let issued = self.pending.get_mut(&key).and_then(Vec::pop);
+                if self.pending.get(&key).is_some_and(Vec::is_empty) {
+                    self.pending.remove(&key);
+                }
+                let (start, subject) = match issued {
+                    Some(i) => {
+                        self.pending_n -= 1;
+                        i
+                    }
+                    None => {
+                        self.unpaired += 1;
+                        let d = if duration_ms.is_finite() { (duration_ms.max(0.0) * 1e6) as u64 } else { 0 };
+                        (e.t_ns.saturating_sub(d), String::new())
+                    }
+                };
+                let end = e.t_ns.max(start);
+                let gbps = if *duration_ms > 0.0 { *bytes as f64 / (duration_ms * 1e6) } else { 0.0 };
+                let name = if subject.is_empty() { format!("{} {}", dir.as_str(), owner.as_str()) } else { subject };
+                let tid = match dir {
+                    Direction::H2d => H2D_TID + self.h2d.place(start, end),
+                    Direction::D2h => D2H_TID + self.d2h.place(start, end),
+                };
+                let args = json!({ "id": id.0, "owner": owner.as_str(), "bytes": bytes, "duration_ms": duration_ms, "gbps": gbps });
+                let s = Slice { tid, name, cat: "transfer", start_ns: start, end_ns: end, args };
+                self.emit(&s.to_json())?;
+            }
+            EventKind::VramSample { allocated_bytes, reserved_bytes, peak_allocated_bytes } => self.counter(
+                "VRAM",
+                e.t_ns,
+                json!({ "allocated": allocated_bytes, "reserved": reserved_bytes, "peak": peak_allocated_bytes }),
+            )?,
+            EventKind::LimitsSet { owner, budget_bytes, high_watermark_bytes, low_watermark_bytes } => {
+                let (b, h, l) = match owner {
+                    Owner::Device => ("device budget", "device high", "device low"),
+                    Owner::Weights => ("weights budget", "weights high", "weights low"),
+                    Owner::Activations => ("spill budget", "spill high", "spill low"),
+                    Owner::Conductor => ("conductor soft cap", "conductor hard cap", "conductor low"),
+                    Owner::Trainer => ("trainer budget", "trainer high", "trainer low"),
+                };
+                self.limits.insert(b, *budget_bytes);
+                if let Some(v) = high_watermark_bytes {
+                    self.limits.insert(h, *v);
+                }
+                if let Some(v) = low_watermark_bytes {
+                    self.limits.insert(l, *v);
+                }
+                let args = Value::Object(self.limits.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect());
+                self.counter("VRAM limits", e.t_ns, args)?;
+            }
+            EventKind::VramOwners(o) => self.counter(
+                "VRAM by owner",
+                e.t_ns,
+                json!({ "weights": o.weights_bytes, "activations_kept": o.activations_kept_bytes,
+                        "activations_restored": o.activations_restored_bytes,
+                        "copies_in_flight": o.copies_in_flight_bytes, "other": o.other_bytes }),
+            )?,
+            EventKind::StepTime(t) => {
+                let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
+                self.counter(
+                    "step time (ms)",
+                    e.t_ns,
+                    json!({ "compute": finite(t.compute_ms), "h2d_wait": finite(t.h2d_wait_ms), "d2h_wait": finite(t.d2h_wait_ms),
+                            "weight_stall": finite(t.weight_stall_ms), "restore_stall": finite(t.restore_stall_ms),
+                            "optimizer": finite(t.optimizer_ms), "other": finite(t.other_ms) }),
+                )?
+            }
+            EventKind::PoolConfigured { pool, classes, .. } => {
+                let p = &mut self.pools[pool_index(*pool)];
+                *p = classes.iter().take(MAX_POOL_CLASSES).map(|c| (c.slab_bytes, 0)).collect();
+                self.pool_counter(*pool, e.t_ns)?;
+            }
+            EventKind::SlabAcquired { pool, class, .. } | EventKind::SlabReleased { pool, class, .. } => {
+                let up = matches!(e.kind, EventKind::SlabAcquired { .. });
+                if let Some(c) = self.pools[pool_index(*pool)].get_mut(*class as usize) {
+                    c.1 = if up { c.1.saturating_add(1) } else { c.1.saturating_sub(1) };
+                    self.pool_counter(*pool, e.t_ns)?;
+                }
+            }
+            EventKind::PrefetchMiss { block, stall_ms } => self.emit(&json!({
+                "ph": "i", "s": "t", "name": "prefetch miss", "cat": "stall", "pid": PID, "tid": COMPUTE_TID,
+                "ts": us(e.t_ns), "args": { "block": block.0, "stall_ms": stall_ms },
+            }))?,
+            EventKind::OutOfMemory { requested_bytes, doing, .. } => {
+                self.instant("out of memory", "incident", e, json!({ "requested_bytes": requested_bytes, "doing": doing }))?
+            }
+            EventKind::NonFinite { block, tensor } => {
+                self.instant("non-finite", "incident", e, json!({ "block": block.map(|b| b.0), "in": tensor }))?
+            }
+            EventKind::FlightRecorded { reason, path, events } => {
+                self.instant("flight recorded", "incident", e, json!({ "reason": reason, "path": path, "events": events }))?
+            }
+            EventKind::TelemetryLost { sink, lost, reason, .. } => {
+                self.instant("telemetry lost", "incident", e, json!({ "sink": sink, "lost": lost, "reason": reason }))?
+            }
+            EventKind::EventsDropped { total } => self.instant("events dropped", "incident", e, json!({ "total": total }))?,
+            EventKind::ItineraryChanged { first_difference, .. } => {
+                self.instant("itinerary changed", "incident", e, json!({ "first_difference": first_difference }))?
+            }
+            EventKind::Warning { source, message } => {
+                self.instant("warning", "incident", e, json!({ "source": source.as_str(), "message": message }))?
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn pool_counter(&mut self, pool: PoolKind, t_ns: u64) -> io::Result<()> {
+        let used: u64 = self.pools[pool_index(pool)].iter().map(|(b, n)| b.saturating_mul(*n)).fold(0, u64::saturating_add);
+        let name = match pool {
+            PoolKind::Weights => "weight pool",
+            PoolKind::Activations => "activation pool",
+        };
+        self.counter(name, t_ns, json!({ "in_use_bytes": used }))
+    }
+
+    /// Closes what the file left open, names the tracks, and ends the JSON document.
+    fn finish(mut self, report: &ReadReport) -> io::Result<(W, u64, u64)> {
+        let t = self.last_t;
+        self.close_phase(t, true)?;
+        self.close_step(t, true)?;
+        if !self.named {
+            self.emit(&json!({ "ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": { "name": "stagehand run" } }))?;
+        }
+        let mut tracks = vec![(COMPUTE_TID, "compute".to_owned())];
+        for lane in 0..self.h2d.ends.len().max(1) as u64 {
+            tracks.push((H2D_TID + lane, lane_name("H2D", lane)));
+        }
+        for lane in 0..self.d2h.ends.len().max(1) as u64 {
+            tracks.push((D2H_TID + lane, lane_name("D2H", lane)));
+        }
+        for (tid, name) in tracks {
+            self.emit(&json!({ "ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "args": { "name": name } }))?;
+            self.emit(&json!({ "ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": { "sort_index": tid } }))?;
+        }
+        // Issues still waiting for their completion never completed in this file.
+        self.unpaired += self.pending_n as u64;
+        let mut other = std::mem::take(&mut self.other);
+        other.insert("events".into(), json!(report.events));
+        other.insert("lines_skipped".into(), json!(report.skipped_total));
+        other.insert("copies_unpaired".into(), json!(self.unpaired));
+        self.out.write_all(b"\n],\"displayTimeUnit\":\"ms\",\"otherData\":")?;
+        serde_json::to_writer(&mut self.out, &Value::Object(other))?;
+        self.out.write_all(b"}\n")?;
+        self.out.flush()?;
+        Ok((self.out, self.written, self.unpaired))
+    }
+}
+
+fn lane_name(dir: &str, lane: u64) -> String {
+    if lane == 0 {
+        dir.to_owned()
+    } else {
+        format!("{dir} {}", lane + 1)
+    }
+}
+
+/// Reads one line of at most `max` bytes into `buf` (the rest of a longer line is read and
+/// dropped). `Ok(None)` at the end; else whether the line was cut and whether it was complete.
+fn read_line(r: &mut impl BufRead, buf: &mut Vec<u8>, max: usize) -> io::Result<Option<(bool, bool)>> {
+    buf.clear();
+    let (mut cut, mut any) = (false, false);
+    loop {
+        let chunk = match r.fill_buf() {
+            Ok(c) => c,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if chunk.is_empty() {
+            return Ok(any.then_some((cut, false)));
+        }
+        any = true;
+        let nl = chunk.iter().position(|b| *b == b'\n');
+        let part = &chunk[..nl.unwrap_or(chunk.len())];
+        let room = max.saturating_sub(buf.len());
+        cut |= part.len() > room;
+        buf.extend_from_slice(&part[..part.len().min(room)]);
+        let used = nl.map_or(chunk.len(), |i| i + 1);
+        r.consume(used);
+        if nl.is_some() {
+            return Ok(Some((cut, true)));
+        }
+    }
+}
+
+fn skip(report: &mut ReadReport, reason: SkipReason, detail: String) {
+    report.skipped_total += 1;
+    if report.skipped.len() < MAX_SKIPPED_KEPT {
+        report.skipped.push(Skipped { line: report.lines, reason, detail: detail.chars().take(160).collect() });
+    }
+}
+
+/// Converts telemetry read from `input` into a trace written to `out`, a line at a time.
+/// Fails when reading or writing fails, or when no line holds an event.
+pub fn convert(mut input: impl BufRead, out: impl Write) -> Result<Summary> {
+    let mut c = Converter::new(out)?;
+    let mut report = ReadReport::default();
+    let mut raw = Vec::new();
+    while let Some((cut, complete)) = read_line(&mut input, &mut raw, MAX_LINE)? {
+        report.lines += 1;
+        if cut {
+            skip(&mut report, SkipReason::Corrupt, format!("line longer than {} MiB", MAX_LINE >> 20));
+            continue;
+        }
+        match parse_line(&String::from_utf8_lossy(&raw)) {
+            Ok(Some(e)) => {
+                report.events += 1;
+                c.on_event(&e)?;
+            }
+            Ok(None) => report.blank += 1,
+            Err((reason, detail)) => {
+                let reason = if complete { reason } else { SkipReason::Truncated };
+                skip(&mut report, reason, detail);
+            }
+        }
+    }
+    if report.events == 0 {
+        return Err(Error::Encode(format!("no events to convert ({})", report.summary())));
+    }
+    let (_, trace_events, unpaired) = c.finish(&report)?;
+    Ok(Summary { report, trace_events, unpaired })
+}
+
+/// Reads a telemetry file and writes its trace to `out` (see [`convert`]).
+pub fn convert_file(input: impl AsRef<std::path::Path>, out: impl Write) -> Result<Summary> {
+    let path = input.as_ref();
+    let file = std::fs::File::open(path).map_err(|source| {
+        Error::Telemetry(stagehand::events::jsonl::JsonlError::Io { path: path.to_path_buf(), source })
+    })?;
+    convert(io::BufReader::new(file), out)
+}
+
+/// The trace of events already in memory, as a JSON value (for programs that hold their events;
+/// files go through [`convert_file`], which streams).
+pub fn to_chrome_trace(events: &[Event]) -> Value {
+    let mut text = Vec::new();
+    for e in events {
+        // An Event always serializes: every field is plain data.
+        if serde_json::to_writer(&mut text, e).is_ok() {
+            text.push(b'\n');
+        }
+    }
+    let mut out = Vec::new();
+    match convert(text.as_slice(), &mut out) {
+        Ok(_) => serde_json::from_slice(&out).unwrap_or_else(|e| json!({ "traceEvents": [], "error": e.to_string() })),
+        Err(e) => json!({ "traceEvents": [], "error": e.to_string() }),
+    }
+}
+
+#[cfg(test)]
+mod tests;

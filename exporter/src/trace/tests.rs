@@ -1,0 +1,137 @@
+use super::*;
+use stagehand::events::model::{BlockId, Owner, StepTimeBreakdown, TransferId, VramByOwner};
+
+fn ev(seq: u64, t_ns: u64, step: u64, kind: EventKind) -> Event {
+    Event::new(seq, t_ns, step, Phase::Forward, kind)
+}
+
+fn phase(seq: u64, t: u64, step: u64, from: Phase, to: Phase) -> Event {
+    ev(seq, t, step, EventKind::PhaseChanged { from, to, duration_s: 0.0 })
+}
+
+fn issue(seq: u64, t: u64, id: u64, owner: Owner, subject: &str) -> Event {
+    ev(seq, t, 1, EventKind::TransferIssued { id: TransferId(id), dir: Direction::H2d, owner, bytes: 1 << 20, subject: subject.into() })
+}
+
+fn complete(seq: u64, t: u64, id: u64, owner: Owner, duration_ns: u64) -> Event {
+    ev(seq, t, 1, EventKind::TransferCompleted {
+        id: TransferId(id),
+        dir: Direction::H2d,
+        owner,
+        bytes: 1 << 20,
+        duration_ms: duration_ns as f64 / 1e6,
+    })
+}
+
+fn slices(t: &Value) -> Vec<&Value> {
+    t["traceEvents"].as_array().expect("array").iter().filter(|e| e["ph"] == "X").collect()
+}
+
+#[test]
+fn overlapping_copies_get_their_own_lanes_and_phases_nest_in_steps() {
+    let mut es = vec![phase(1, 1_000, 1, Phase::Idle, Phase::StepBegin), phase(2, 2_000, 1, Phase::StepBegin, Phase::Forward)];
+    for (i, (start, end)) in [(2_000u64, 9_000u64), (3_000, 5_000), (9_500, 12_000)].into_iter().enumerate() {
+        es.push(issue(10 + i as u64, start, i as u64, Owner::Weights, &format!("blocks.{i}")));
+        es.push(complete(20 + i as u64, end, i as u64, Owner::Weights, end - start));
+    }
+    es.sort_by_key(|e| e.t_ns);
+    es.push(phase(30, 13_000, 1, Phase::Forward, Phase::StepEnd));
+    es.push(phase(31, 14_000, 1, Phase::StepEnd, Phase::Idle));
+    let t = to_chrome_trace(&es);
+    validate(&t).expect("valid trace");
+    let xs = slices(&t);
+    let tid_of = |name: &str| xs.iter().find(|e| e["name"] == name).map(|e| e["tid"].as_u64());
+    // Copies take lanes as they complete: blocks.1 first, then blocks.0, which overlaps it.
+    assert_eq!(tid_of("blocks.1"), Some(Some(H2D_TID)));
+    assert_eq!(tid_of("blocks.0"), Some(Some(H2D_TID + 1)));
+    assert_eq!(tid_of("blocks.2"), Some(Some(H2D_TID)));
+    assert_eq!(tid_of("step 1"), Some(Some(COMPUTE_TID)));
+    let step = xs.iter().find(|e| e["name"] == "step 1").expect("step slice");
+    assert_eq!(step["ts"], 1.0);
+    assert_eq!(step["dur"], 13.0);
+    for p in ["step_begin", "forward", "step_end"] {
+        assert!(xs.iter().any(|e| e["name"] == p), "missing phase {p}");
+    }
+    // The step's slice is written before its phases: parents first in the file.
+    let at = |name: &str| xs.iter().position(|e| e["name"] == name).expect("slice");
+    assert!(at("step 1") < at("step_begin") && at("step 1") < at("forward"));
+    let evs = t["traceEvents"].as_array().expect("array");
+    assert!(evs.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "H2D 2"));
+}
+
+#[test]
+fn duplicate_ids_pair_by_owner_and_with_the_most_recent_issue() {
+    let es = [
+        // The same id for a weight copy and an activation copy: paired by owner.
+        issue(1, 1_000, 7, Owner::Weights, "blocks.1"),
+        issue(2, 2_000, 7, Owner::Activations, "t12"),
+        complete(3, 3_000, 7, Owner::Activations, 1_000),
+        complete(4, 5_000, 7, Owner::Weights, 4_000),
+        // A reused id of one owner: the most recent issue completes first.
+        issue(5, 6_000, 9, Owner::Weights, "blocks.2"),
+        issue(6, 7_000, 9, Owner::Weights, "blocks.3"),
+        complete(7, 8_000, 9, Owner::Weights, 1_000),
+        // A completion without an issue starts at its completion less its duration.
+        complete(8, 20_000, 99, Owner::Weights, 2_000),
+    ];
+    let mut out = Vec::new();
+    let text: Vec<u8> = es.iter().flat_map(|e| {
+        let mut l = serde_json::to_vec(e).expect("json");
+        l.push(b'\n');
+        l
+    }).collect();
+    let summary = convert(text.as_slice(), &mut out).expect("converts");
+    let t: Value = serde_json::from_slice(&out).expect("json");
+    validate(&t).expect("valid");
+    let xs = slices(&t);
+    let find = |name: &str| xs.iter().find(|e| e["name"] == name).map(|e| (e["ts"].as_f64(), e["dur"].as_f64()));
+    assert_eq!(find("t12"), Some((Some(2.0), Some(1.0))));
+    assert_eq!(find("blocks.1"), Some((Some(1.0), Some(4.0))));
+    assert_eq!(find("blocks.3"), Some((Some(7.0), Some(1.0))), "the most recent issue of id 9");
+    assert_eq!(find("h2d weights"), Some((Some(18.0), Some(2.0))));
+    // blocks.2 never completed, and id 99 never was issued.
+    assert_eq!(summary.unpaired, 2);
+    assert_eq!(t["otherData"]["copies_unpaired"], 2);
+}
+
+#[test]
+fn new_event_kinds_become_counters_and_instants() {
+    let es = vec![
+        ev(1, 1_000, 1, EventKind::VramOwners(VramByOwner { allocated_bytes: 10, weights_bytes: 6, other_bytes: 4, ..Default::default() })),
+        ev(2, 2_000, 1, EventKind::StepTime(StepTimeBreakdown { step_ms: 10.0, compute_ms: 7.0, h2d_wait_ms: 1.5, ..Default::default() })),
+        ev(3, 3_000, 1, EventKind::OutOfMemory { requested_bytes: 1 << 30, owners: VramByOwner::default(), doing: "loading block 'blocks.3'".into(), dump: None }),
+        ev(4, 4_000, 1, EventKind::NonFinite { block: Some(BlockId(3)), tensor: "gradient".into() }),
+        ev(5, 5_000, 1, EventKind::PrefetchMiss { block: BlockId(2), stall_ms: 3.4 }),
+        ev(6, 6_000, 1, EventKind::LimitsSet { owner: Owner::Activations, budget_bytes: 100, high_watermark_bytes: Some(90), low_watermark_bytes: Some(70) }),
+    ];
+    let t = to_chrome_trace(&es);
+    validate(&t).expect("valid");
+    let evs = t["traceEvents"].as_array().expect("array");
+    let by_name = |n: &str| evs.iter().find(|e| e["name"] == n).unwrap_or_else(|| panic!("no {n}"));
+    assert_eq!(by_name("VRAM by owner")["args"]["weights"], 6);
+    assert_eq!(by_name("step time (ms)")["args"]["compute"], 7.0);
+    assert_eq!(by_name("step time (ms)")["args"]["h2d_wait"], 1.5);
+    assert_eq!(by_name("out of memory")["ph"], "i");
+    assert_eq!(by_name("non-finite")["args"]["block"], 3);
+    assert_eq!(by_name("prefetch miss")["tid"], COMPUTE_TID);
+    assert_eq!(by_name("VRAM limits")["args"]["spill high"], 90);
+}
+
+#[test]
+fn a_file_without_events_is_an_error_not_an_empty_trace() {
+    let mut out = Vec::new();
+    let err = convert(&b"not json\n\n{\"v\":1}\n"[..], &mut out).expect_err("nothing to convert");
+    assert!(err.to_string().contains("no events"), "{err}");
+    assert!(convert(&b""[..], &mut Vec::new()).is_err());
+}
+
+#[test]
+fn lines_longer_than_the_bound_are_read_past_and_counted() {
+    let mut r = io::BufReader::with_capacity(8, &b"abcdefghijklmnop\nok\n"[..]);
+    let mut buf = Vec::new();
+    assert_eq!(read_line(&mut r, &mut buf, 5).expect("reads"), Some((true, true)));
+    assert_eq!(buf, b"abcde");
+    assert_eq!(read_line(&mut r, &mut buf, 5).expect("reads"), Some((false, true)));
+    assert_eq!(buf, b"ok");
+    assert_eq!(read_line(&mut r, &mut buf, 5).expect("reads"), None);
+}
