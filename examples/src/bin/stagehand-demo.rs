@@ -100,11 +100,8 @@ fn main() -> Result<()> {
         stagehand::events::JsonlSink::open(&out, stagehand::events::OpenMode::CreateNew)
             .with_context(|| format!("opening the telemetry file {}", out.display()))?,
     ));
-    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
-        || std::env::var_os("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT").is_some()
-    {
-        hub.add_sink(Box::new(stagehand_exporter::otlp::OtelSink::from_env().context("the OTLP exporter (OTEL_* variables)")?));
-    }
+    // OTLP whenever the standard OTEL_* variables ask for it.
+    let otlp = stagehand_exporter::otlp::attach_from_env(&hub).context("the OTLP exporter (OTEL_* variables)")?;
 
     let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget);
     if args.resident {
@@ -127,6 +124,9 @@ fn main() -> Result<()> {
         println!("  live TUI   {} --connect {url}", sibling("stagehand-top"));
     }
     println!("  telemetry  {}", out.display());
+    if otlp {
+        println!("  otlp       metrics and step spans to the OTEL_EXPORTER_OTLP_* endpoint");
+    }
     println!("  replay it  {} --replay {}", sibling("stagehand-top"), out.display());
     println!("  trace it   {} {}", sibling("stagehand-trace"), out.display());
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
