@@ -102,13 +102,13 @@ fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
                 human_bytes(o.requested_bytes),
                 o.doing,
                 human_bytes(o.owners.weights_bytes),
-                human_bytes(o.owners.activations_kept_bytes + o.owners.activations_restored_bytes),
+                human_bytes(o.owners.activations_kept_bytes.saturating_add(o.owners.activations_restored_bytes)),
                 human_bytes(o.owners.other_bytes)
             ),
             "the device budget (lower it so the plan leaves the allocator room)",
         ));
     }
-    let nonfinite: u64 = s.non_finite.values().sum();
+    let nonfinite = s.non_finite.values().fold(0u64, |t, n| t.saturating_add(*n));
     if nonfinite > 0 {
         let first = s
             .first_non_finite_block
@@ -186,7 +186,7 @@ fn time(r: &StepRecord, out: &mut Vec<Finding>) {
 
 fn weights(s: &Snapshot, r: &StepRecord, out: &mut Vec<Finding>) {
     let Some(w) = &r.weights else { return };
-    let seen = w.prefetch_hits + w.prefetch_misses;
+    let seen = w.prefetch_hits.saturating_add(w.prefetch_misses);
     if seen > 0 && w.hit_rate < HIT_RATE_FLOOR {
         out.push(finding(
             "weights_thrashing",
@@ -202,7 +202,7 @@ fn weights(s: &Snapshot, r: &StepRecord, out: &mut Vec<Finding>) {
         ));
     }
     let blocks = s.blocks.len() as u64;
-    if blocks > 0 && w.evictions > 2 * blocks {
+    if blocks > 0 && w.evictions > blocks.saturating_mul(2) {
         out.push(finding(
             "evictions_high",
             Severity::Warn,

@@ -8,6 +8,8 @@ pub mod jsonl;
 pub mod model;
 pub mod replay;
 pub mod snapshot;
+pub mod steps;
+#[cfg(any(test, feature = "synthetic"))]
 pub mod synthetic;
 pub mod wire;
 

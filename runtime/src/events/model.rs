@@ -541,6 +541,25 @@ pub struct StepTimeBreakdown {
     pub other_ms: f64,
 }
 
+/// Copies of one direction in one step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct CopyStats {
+    /// Copies completed.
+    pub count: u64,
+    pub bytes: u64,
+    /// Sum of the copies' durations.
+    pub busy_ms: f64,
+    /// Throughput of the step's last completed copy, GB/s (0 when none had a duration).
+    pub last_gbps: f64,
+}
+
+/// Copies of one step, both directions ([`EventKind::TransferStep`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct TransferStepMetrics {
+    pub h2d: CopyStats,
+    pub d2h: CopyStats,
+}
+
 /// Device memory by owner at one moment. `other_bytes` is what the allocator holds beyond the
 /// runtimes' own figures (the model's unmanaged tensors, workspaces, gradients, fragmentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -560,18 +579,21 @@ pub struct VramByOwner {
 impl VramByOwner {
     /// Fills `other_bytes` from `allocated_bytes` and the owned parts.
     pub fn with_other(mut self) -> VramByOwner {
-        let owned = self.weights_bytes
-            + self.activations_kept_bytes
-            + self.activations_restored_bytes
-            + self.copies_in_flight_bytes;
+        // Saturating: the parts come from readers of hostile files too.
+        let owned = self
+            .weights_bytes
+            .saturating_add(self.activations_kept_bytes)
+            .saturating_add(self.activations_restored_bytes)
+            .saturating_add(self.copies_in_flight_bytes);
         self.other_bytes = self.allocated_bytes.saturating_sub(owned);
         self
     }
 }
 
 /// Every event the runtimes, the Conductor and the trainer emit.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum EventKind {
     // ---- run lifecycle -------------------------------------------------------------------
     /// First event of a run: the wall-clock anchor and what is running.
@@ -787,6 +809,10 @@ pub enum EventKind {
     TrainStep(TrainStepMetrics),
     /// Where the step's time went.
     StepTime(StepTimeBreakdown),
+    /// The step's copies by direction. The bus adds it when a step closes (the next step
+    /// begins, the run goes idle or ends), summed from the step's `transfer_completed` events,
+    /// so that a summary-level file still carries the run's transfer totals.
+    TransferStep(TransferStepMetrics),
 
     // ---- health --------------------------------------------------------------------------
     /// Something a user should know about.
@@ -808,53 +834,15 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    /// The `kind` tag of this event, as on the wire.
+    /// The `kind` tag of this event, as on the wire. Derived from the variant's name with
+    /// the same snake_case rule serde applies (a test checks the two agree for every kind).
     pub fn name(&self) -> &'static str {
-        match self {
-            EventKind::RunStarted { .. } => "run_started",
-            EventKind::RunEnded { .. } => "run_ended",
-            EventKind::PhaseChanged { .. } => "phase_changed",
-            EventKind::BlockRegistered { .. } => "block_registered",
-            EventKind::ItineraryLearned { .. } => "itinerary_learned",
-            EventKind::ItineraryChanged { .. } => "itinerary_changed",
-            EventKind::Residency { .. } => "residency",
-            EventKind::PrefetchHit { .. } => "prefetch_hit",
-            EventKind::PrefetchMiss { .. } => "prefetch_miss",
-            EventKind::Eviction { .. } => "eviction",
-            EventKind::PrefetchWindow { .. } => "prefetch_window",
-            EventKind::Protection { .. } => "protection",
-            EventKind::TransferIssued { .. } => "transfer_issued",
-            EventKind::TransferCompleted { .. } => "transfer_completed",
-            EventKind::PoolConfigured { .. } => "pool_configured",
-            EventKind::SlabAcquired { .. } => "slab_acquired",
-            EventKind::SlabReleased { .. } => "slab_released",
-            EventKind::PoolExhausted { .. } => "pool_exhausted",
-            EventKind::PageableFallback { .. } => "pageable_fallback",
-            EventKind::Pack { .. } => "pack",
-            EventKind::SpillFinalized { .. } => "spill_finalized",
-            EventKind::Restored { .. } => "restored",
-            EventKind::SpillingToggled { .. } => "spilling_toggled",
-            EventKind::Reservation { .. } => "reservation",
-            EventKind::ReservationReleased { .. } => "reservation_released",
-            EventKind::SlotGranted { .. } => "slot_granted",
-            EventKind::SlotDenied { .. } => "slot_denied",
-            EventKind::SlotReleased { .. } => "slot_released",
-            EventKind::HintsChanged { .. } => "hints_changed",
-            EventKind::VramSample { .. } => "vram_sample",
-            EventKind::LimitsSet { .. } => "limits_set",
-            EventKind::VramOwners(_) => "vram_owners",
-            EventKind::OutOfMemory { .. } => "out_of_memory",
-            EventKind::WeightStep(_) => "weight_step",
-            EventKind::ActivationStep(_) => "activation_step",
-            EventKind::ConductorStep(_) => "conductor_step",
-            EventKind::TrainStep(_) => "train_step",
-            EventKind::StepTime(_) => "step_time",
-            EventKind::Warning { .. } => "warning",
-            EventKind::EventsDropped { .. } => "events_dropped",
-            EventKind::TelemetryLost { .. } => "telemetry_lost",
-            EventKind::NonFinite { .. } => "non_finite",
-            EventKind::FlightRecorded { .. } => "flight_recorded",
-        }
+        self.into()
+    }
+
+    /// Every `kind` tag, in declaration order.
+    pub fn names() -> &'static [&'static str] {
+        <EventKind as strum::VariantNames>::VARIANTS
     }
 
     /// The block this event is about, if any (for filters).
@@ -965,25 +953,28 @@ mod tests {
         assert_eq!(json["kind"], "activation_step");
     }
 
+    /// serde lists every tag it accepts when it meets an unknown one; the derived names must be
+    /// exactly that list, in order, so a new kind can never get a name serde does not use.
+    fn serde_tags() -> Vec<String> {
+        let err = serde_json::from_str::<EventKind>(r#"{"kind":"~"}"#).expect_err("unknown kind");
+        let msg = err.to_string();
+        let list = msg.split("expected one of ").nth(1).expect("serde lists the variants");
+        list.split(", ")
+            .map(|t| t.trim().trim_matches(|c| c == '`' || c == ',').to_owned())
+            .map(|t| t.split('`').next().unwrap_or_default().to_owned())
+            .collect()
+    }
+
     #[test]
     fn every_kind_name_matches_its_serde_tag() {
-        let kinds = vec![
-            EventKind::RunEnded { steps: 1 },
-            EventKind::WeightStep(WeightStepMetrics::default()),
-            EventKind::EventsDropped { total: 3 },
-            EventKind::HintsChanged {
-                hints: Hints::default(),
-                rule: PolicyRule::Contention,
-            },
-            EventKind::PageableFallback {
-                pool: PoolKind::Activations,
-                bytes: 1,
-            },
-        ];
-        for k in kinds {
-            let json = serde_json::to_value(&k).expect("serializes");
-            assert_eq!(json["kind"], k.name());
-        }
+        let tags = serde_tags();
+        assert_eq!(tags.len(), EventKind::names().len(), "{tags:?}");
+        assert_eq!(tags, EventKind::names(), "derived names differ from serde's tags");
+        // And the name of a value is its tag on the wire.
+        let k = EventKind::HintsChanged { hints: Hints::default(), rule: PolicyRule::Contention };
+        assert_eq!(serde_json::to_value(&k).expect("serializes")["kind"], k.name());
+        let k = EventKind::TransferStep(TransferStepMetrics::default());
+        assert_eq!(serde_json::to_value(&k).expect("serializes")["kind"], k.name());
     }
 
     #[test]

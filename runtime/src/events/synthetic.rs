@@ -15,6 +15,8 @@
 
 use super::bus::Bus;
 use super::model::*;
+use super::snapshot::tally::{ActivationCounts, ConductorCounts, WeightCounts};
+use super::steps::close_steps;
 use std::time::Duration;
 
 /// Shape of a synthetic run.
@@ -536,16 +538,19 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
         }
         g.wait_us(9_000);
         g.phase(Phase::StepEnd, 0.012);
-        let ab = blocks as u64;
+        // The aggregates are the sums of the step's detail events, as a runtime's are, so a
+        // summary-level file (aggregates only) and a full one reach the same totals.
+        let (w, a, c) = step_counts(&g.out, step);
+        let looked = w.prefetch_hits + w.prefetch_misses;
         g.push(EventKind::WeightStep(WeightStepMetrics {
-            h2d_bytes: BLOCK_BYTES * ab,
-            d2h_bytes: BLOCK_BYTES * (ab / 4),
-            stall_time_ms: if step == 1 { 3.4 } else { 0.0 },
-            stall_count: u64::from(step == 1),
-            evictions: ab - resident_cap as u64,
-            prefetch_hits: ab - u64::from(step == 1),
-            prefetch_misses: u64::from(step == 1),
-            hit_rate: if step == 1 { (ab - 1) as f64 / ab as f64 } else { 1.0 },
+            h2d_bytes: w.h2d_bytes,
+            d2h_bytes: w.d2h_bytes,
+            stall_time_ms: w.stall_time_ms,
+            stall_count: w.stall_count,
+            evictions: w.evictions,
+            prefetch_hits: w.prefetch_hits,
+            prefetch_misses: w.prefetch_misses,
+            hit_rate: if looked == 0 { 0.0 } else { w.prefetch_hits as f64 / looked as f64 },
             vram_used_mb: (g.vram / MIB) as f64,
             vram_reserved_mb: (g.vram / MIB + 64) as f64,
             host_pool_free: WEIGHT_SLABS,
@@ -553,18 +558,18 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
             ..Default::default()
         }));
         g.push(EventKind::ActivationStep(ActivationStepMetrics {
-            activations_saved: 2 * ab,
-            activations_kept: ab,
-            activations_spilled: ab,
-            activations_restored: ab,
-            activations_predicted: ab - ab.div_ceil(3),
-            weight_handles: 0,
-            spill_bytes: 21 * MIB * ab / 3,
-            restore_bytes: 21 * MIB * ab / 3,
-            stall_time_ms: 0.25 * ab.div_ceil(3) as f64,
-            stall_count: ab.div_ceil(3),
-            pool_hits: ab - u64::from(step == 2),
-            pool_misses: u64::from(step == 2),
+            activations_saved: a.saved,
+            activations_kept: a.kept,
+            activations_spilled: a.spilled,
+            activations_restored: a.restored,
+            activations_predicted: a.predicted,
+            weight_handles: a.weight_handles,
+            spill_bytes: a.spill_bytes,
+            restore_bytes: a.restore_bytes,
+            stall_time_ms: a.stall_time_ms,
+            stall_count: a.stall_count,
+            pool_hits: a.pool_hits,
+            pool_misses: a.pool_misses,
             vram_peak_mb: (g.peak / MIB) as f64,
             ..Default::default()
         }));
@@ -574,9 +579,11 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
             pinned_granted_mb: 0.0,
             h2d_inflight: 0,
             d2h_inflight: 0,
-            grant_count: 2,
-            deny_count: 1,
-            partial_count: 1,
+            grant_count: c.grants,
+            deny_count: c.denials,
+            partial_count: c.partials,
+            slot_grant_count: c.slot_grants,
+            slot_deny_count: c.slot_denials,
             phase_durations: PhaseDurations {
                 forward: 0.030,
                 backward: 0.041,
@@ -673,7 +680,65 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
     } else {
         g.push(EventKind::RunEnded { steps: run.steps });
     }
-    g.out
+    close_steps(g.out)
+}
+
+/// The detail counts of `step` in `out`, summed as the runtimes sum their step metrics.
+fn step_counts(out: &[Event], step: u64) -> (WeightCounts, ActivationCounts, ConductorCounts) {
+    let mut w = WeightCounts::default();
+    let mut a = ActivationCounts::default();
+    let mut c = ConductorCounts::default();
+    for e in out.iter().rev().take_while(|e| e.step == step) {
+        match &e.kind {
+            EventKind::PrefetchHit { .. } => w.prefetch_hits += 1,
+            EventKind::PrefetchMiss { stall_ms, .. } => {
+                w.prefetch_misses += 1;
+                w.stall_count += 1;
+                w.stall_time_ms += stall_ms;
+            }
+            EventKind::Eviction { .. } => w.evictions += 1,
+            EventKind::TransferCompleted { owner: Owner::Weights, dir, bytes, .. } => match dir {
+                Direction::H2d => w.h2d_bytes += bytes,
+                Direction::D2h => w.d2h_bytes += bytes,
+            },
+            EventKind::Pack { decision, bytes, pool_hit, .. } => {
+                a.saved += 1;
+                match decision {
+                    PackDecision::Kept => a.kept += 1,
+                    PackDecision::Spilled => {
+                        a.spilled += 1;
+                        a.spill_bytes += bytes;
+                        match pool_hit {
+                            Some(true) => a.pool_hits += 1,
+                            Some(false) => a.pool_misses += 1,
+                            None => {}
+                        }
+                    }
+                    PackDecision::WeightHandle => a.weight_handles += 1,
+                    PackDecision::Duplicate => {}
+                }
+            }
+            EventKind::Restored { bytes, predicted, stall_ms, .. } => {
+                a.restored += 1;
+                a.restore_bytes += bytes;
+                a.predicted += u64::from(*predicted);
+                if *stall_ms > 0.0 {
+                    a.stall_count += 1;
+                    a.stall_time_ms += stall_ms;
+                }
+            }
+            EventKind::Reservation { outcome, .. } => match outcome {
+                ReservationOutcome::Granted => c.grants += 1,
+                ReservationOutcome::Partial => c.partials += 1,
+                ReservationOutcome::Denied => c.denials += 1,
+                ReservationOutcome::CapRecorded => {}
+            },
+            EventKind::SlotGranted { .. } => c.slot_grants += 1,
+            EventKind::SlotDenied { .. } => c.slot_denials += 1,
+            _ => {}
+        }
+    }
+    (w, a, c)
 }
 
 /// The events of a synthetic run as JSONL text, one event a line.
@@ -692,7 +757,7 @@ pub fn jsonl(run: SyntheticRun) -> String {
 /// Plays the run onto `bus` as a training loop would publish it: phase changes through
 /// [`Bus::enter_phase`] (the bus times them), everything else through [`Bus::publish`], with
 /// the bus's own sequence numbers and clock, sleeping `pause` after each step. Returns the
-/// number of events published.
+/// number of events consumers will see (the `transfer_step` aggregates are added by the bus).
 pub fn publish(run: SyntheticRun, bus: &Bus, pause: Duration) -> u64 {
     let mut n = 0;
     for e in events(run) {
@@ -703,6 +768,8 @@ pub fn publish(run: SyntheticRun, bus: &Bus, pause: Duration) -> u64 {
                     std::thread::sleep(pause);
                 }
             }
+            // The bus sums each step's copies itself (and they count: consumers see them).
+            EventKind::TransferStep(_) => {}
             mut kind => {
                 // The run starts now, on the bus's wall clock.
                 if let EventKind::RunStarted { wall_clock_unix_ms, .. } = &mut kind {
@@ -747,7 +814,7 @@ mod tests {
         });
         for w in ev.windows(2) {
             assert_eq!(w[1].seq, w[0].seq + 1);
-            assert!(w[1].t_ns > w[0].t_ns);
+            assert!(w[1].t_ns >= w[0].t_ns);
         }
         assert!(matches!(ev.last().map(|e| &e.kind), Some(EventKind::RunEnded { steps: 5 })));
     }
