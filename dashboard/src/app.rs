@@ -597,6 +597,13 @@ pub fn describe(k: &EventKind) -> String {
         ItineraryChanged { order, first_difference, .. } => {
             format!("retraced: {} blocks, differs from position {first_difference}", order.len())
         }
+        TransferStep(m) => format!(
+            "h2d {} copies {}, d2h {} copies {}",
+            m.h2d.count,
+            fmt_bytes(m.h2d.bytes),
+            m.d2h.count,
+            fmt_bytes(m.d2h.bytes)
+        ),
         StepTime(t) => format!(
             "{:.1} ms: compute {:.1}, h2d wait {:.1}, d2h wait {:.1}, stalls {:.1}, optimizer {:.1}",
             t.step_ms,
