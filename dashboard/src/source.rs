@@ -2,7 +2,7 @@
 //! [`Source`] and hand the state the same [`Update`]s, so nothing downstream can tell them apart.
 
 use crate::app::{Control, SourceStatus, Update, RECENT_EVENTS};
-use stagehand::events::jsonl::{self, Follower, ReadReport};
+use stagehand::events::jsonl::{self, Follower, ReadReport, Restart};
 use stagehand::events::replay::Change;
 use stagehand::events::{Event, Replay, Snapshot, StreamMessage, DEFAULT_SERVER_ADDR};
 use std::io::{BufRead, BufReader};
@@ -321,6 +321,8 @@ pub struct ReplaySource {
     follower: Option<Follower>,
     last_follow: Option<Instant>,
     error: Option<String>,
+    /// Why a followed file was replayed from a new start, shown until the source ends.
+    restarted: Option<String>,
 }
 
 impl ReplaySource {
@@ -328,7 +330,7 @@ impl ReplaySource {
     pub fn open(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
         let (events, report, follower) = if follow {
             let mut f = Follower::open(path)?;
-            let events = f.poll()?;
+            let events = f.poll()?.events;
             (events, f.report().clone(), Some(f))
         } else {
             let (events, report) = jsonl::read_file(path)?;
@@ -343,6 +345,7 @@ impl ReplaySource {
             follower,
             last_follow: None,
             error: None,
+            restarted: None,
         })
     }
 
@@ -360,6 +363,7 @@ impl ReplaySource {
             follower: None,
             last_follow: None,
             error: None,
+            restarted: None,
         }
     }
 
@@ -400,13 +404,29 @@ impl ReplaySource {
 
 impl Source for ReplaySource {
     fn poll(&mut self, now: Instant, out: &mut Vec<Update>) {
+        let mut reset = false;
         if let Some(f) = &mut self.follower {
             if self.last_follow.is_none_or(|t| now.duration_since(t) >= FOLLOW_EVERY) {
                 self.last_follow = Some(now);
                 match f.poll() {
-                    Ok(more) => {
-                        if !more.is_empty() {
-                            self.replay.append(more);
+                    Ok(polled) => {
+                        if let Some(why) = polled.restarted {
+                            // Another run now: start over rather than merge it into the last.
+                            let (speed, paused) = (self.replay.speed(), self.replay.paused());
+                            self.replay = Replay::new(polled.events);
+                            self.replay.set_following(true);
+                            self.replay.set_speed(speed);
+                            self.replay.set_paused(paused);
+                            self.restarted = Some(format!(
+                                "the file was {} and is replayed from its new start",
+                                match why {
+                                    Restart::Truncated => "truncated and rewritten",
+                                    Restart::Replaced => "replaced",
+                                }
+                            ));
+                            reset = true;
+                        } else if !polled.events.is_empty() {
+                            self.replay.append(polled.events);
                         }
                         self.report = f.report().clone();
                         self.error = None;
@@ -414,6 +434,9 @@ impl Source for ReplaySource {
                     Err(e) => self.error = Some(e.to_string()),
                 }
             }
+        }
+        if reset {
+            self.push_change(Change::Reset, out);
         }
         let change = self.replay.tick(now);
         self.push_change(change, out);
@@ -450,6 +473,9 @@ impl Source for ReplaySource {
         let mut report = self.report.summary();
         if let Some(e) = &self.error {
             report.push_str(&format!("; {e}"));
+        }
+        if let Some(r) = &self.restarted {
+            report.push_str(&format!("; {r}"));
         }
         SourceStatus::Replay {
             path: self.path.display().to_string(),

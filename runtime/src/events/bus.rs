@@ -611,6 +611,33 @@ mod tests {
     }
 
     #[test]
+    fn a_sinks_losses_reach_every_consumer_as_telemetry_lost() {
+        struct Failing(u64, bool);
+        impl EventSink for Failing {
+            fn on_event(&mut self, _: &Event) {
+                self.0 += 1;
+            }
+            fn notices(&mut self) -> Vec<EventKind> {
+                // Reports once, as a real sink reports each new loss once.
+                if std::mem::replace(&mut self.1, true) {
+                    return Vec::new();
+                }
+                vec![EventKind::TelemetryLost { sink: "f".into(), lost: self.0, total: self.0, reason: "disk full".into() }]
+            }
+        }
+        let bus = Bus::new();
+        let hub = bus.hub().expect("enabled").clone();
+        hub.add_sink(Box::new(Failing(0, false)));
+        for _ in 0..3 {
+            bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
+        }
+        bus.close();
+        let snap = hub.snapshot();
+        assert_eq!(snap.telemetry_lost, 3);
+        assert_eq!(snap.event_counts["telemetry_lost"], 1);
+    }
+
+    #[test]
     fn disabled_bus_is_inert() {
         let bus = Bus::disabled();
         bus.publish(EventKind::RunEnded { steps: 0 });

@@ -6,6 +6,7 @@ pub mod bus;
 pub mod insight;
 pub mod jsonl;
 pub mod model;
+pub mod preamble;
 pub mod replay;
 pub mod snapshot;
 pub mod steps;
