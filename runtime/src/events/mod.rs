@@ -12,6 +12,7 @@ pub mod snapshot;
 pub mod steps;
 #[cfg(any(test, feature = "synthetic"))]
 pub mod synthetic;
+pub mod telemetry;
 pub mod wire;
 
 pub use bus::{Bus, EventSink, Hub, Subscription, Update};
@@ -19,4 +20,5 @@ pub use jsonl::{JsonlSink, OpenMode, ReadReport};
 pub use model::*;
 pub use replay::{Replay, ReplayStatus};
 pub use snapshot::Snapshot;
+pub use telemetry::{Level, Telemetry, TelemetryConfig};
 pub use wire::{StreamMessage, DEFAULT_SERVER_ADDR};

@@ -38,11 +38,11 @@ impl Preamble {
                 self.pools.retain(|(p, _)| p != pool);
                 self.pools.push((*pool, e.clone()));
             }
-            EventKind::BlockRegistered { block, .. } => {
-                // Bounded like the snapshot's registry: a file cannot make it grow without end.
-                if self.blocks.len() < MAX_BLOCKS || self.blocks.contains_key(block) {
-                    self.blocks.insert(*block, e.clone());
-                }
+            // Bounded like the snapshot's registry: a file cannot make it grow without end.
+            EventKind::BlockRegistered { block, .. }
+                if self.blocks.len() < MAX_BLOCKS || self.blocks.contains_key(block) =>
+            {
+                self.blocks.insert(*block, e.clone());
             }
             EventKind::ItineraryLearned { .. } | EventKind::ItineraryChanged { .. } => {
                 self.itinerary = Some(e.clone());

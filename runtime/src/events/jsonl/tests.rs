@@ -4,7 +4,7 @@ use super::*;
 use crate::events::bus::EventSink;
 use crate::events::model::{BlockId, EventKind, Phase};
 use std::fs::OpenOptions;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::sync::{Arc, Mutex};
 
 fn event(seq: u64) -> Event {

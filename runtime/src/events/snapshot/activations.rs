@@ -41,11 +41,9 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             }
             refresh(s);
         }
-        EventKind::SpillFinalized { inline, .. } => {
-            if *inline {
-                let a = &mut s.activations;
-                a.finalized_inline = a.finalized_inline.saturating_add(1);
-            }
+        EventKind::SpillFinalized { inline: true, .. } => {
+            let a = &mut s.activations;
+            a.finalized_inline = a.finalized_inline.saturating_add(1);
         }
         EventKind::Restored {
             bytes,
