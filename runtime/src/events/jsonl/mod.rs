@@ -9,7 +9,7 @@
 //!   file was truncated or replaced under it.
 
 mod follow;
-mod read;
+pub(crate) mod read;
 mod sink;
 pub mod zst;
 

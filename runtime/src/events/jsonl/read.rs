@@ -148,7 +148,7 @@ impl ReadReport {
     }
 
     /// Accounts for one line's outcome.
-    pub(super) fn record(&mut self, outcome: LineOutcome) -> Option<Event> {
+    pub(crate) fn record(&mut self, outcome: LineOutcome) -> Option<Event> {
         self.lines = self.lines.saturating_add(1);
         match outcome {
             LineOutcome::Event(e) => {
@@ -169,7 +169,7 @@ impl ReadReport {
 
 /// What one line turned out to be.
 #[derive(Debug)]
-pub(super) enum LineOutcome {
+pub(crate) enum LineOutcome {
     Event(Box<Event>),
     Blank,
     Skip(SkipReason, String),
@@ -226,7 +226,7 @@ fn classify(text: &str, err: serde_json::Error) -> (SkipReason, String) {
 }
 
 /// Parses one line's bytes.
-pub(super) fn parse_bytes(raw: &[u8], complete: bool) -> LineOutcome {
+pub(crate) fn parse_bytes(raw: &[u8], complete: bool) -> LineOutcome {
     let text = match std::str::from_utf8(raw) {
         Ok(t) => t,
         Err(e) => return LineOutcome::Skip(SkipReason::NotUtf8, e.to_string()),
@@ -241,7 +241,7 @@ pub(super) fn parse_bytes(raw: &[u8], complete: bool) -> LineOutcome {
 
 /// One line being gathered from a byte stream, bounded by [`MAX_LINE_BYTES`].
 #[derive(Debug, Default)]
-pub(super) struct LineBuf {
+pub(crate) struct LineBuf {
     line: Vec<u8>,
     /// The line grew past the bound: its bytes are dropped until its newline.
     too_long: bool,
@@ -250,7 +250,7 @@ pub(super) struct LineBuf {
 }
 
 /// A line the [`LineBuf`] completed.
-pub(super) enum Gathered<'a> {
+pub(crate) enum Gathered<'a> {
     Line(&'a [u8]),
     TooLong(usize),
 }
@@ -258,7 +258,7 @@ pub(super) enum Gathered<'a> {
 impl LineBuf {
     /// Takes bytes from `data` up to and including the first newline. Returns how many bytes
     /// it took and whether that ended a line.
-    pub(super) fn feed(&mut self, data: &[u8]) -> (usize, bool) {
+    pub(crate) fn feed(&mut self, data: &[u8]) -> (usize, bool) {
         let (take, ends) = match memchr::memchr(b'\n', data) {
             Some(i) => (i + 1, true),
             None => (data.len(), false),
@@ -276,7 +276,7 @@ impl LineBuf {
     }
 
     /// The line gathered so far (at a newline, or at the end of the input).
-    pub(super) fn gathered(&self) -> Gathered<'_> {
+    pub(crate) fn gathered(&self) -> Gathered<'_> {
         if self.too_long {
             Gathered::TooLong(self.seen)
         } else {
@@ -285,12 +285,12 @@ impl LineBuf {
     }
 
     /// True when nothing of a line has been gathered.
-    pub(super) fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.seen == 0
     }
 
     /// Starts the next line.
-    pub(super) fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.line.clear();
         self.too_long = false;
         self.seen = 0;
@@ -307,7 +307,7 @@ impl LineBuf {
     }
 
     /// What the gathered line is. `complete`: it ended with a newline.
-    pub(super) fn outcome(&self, complete: bool) -> LineOutcome {
+    pub(crate) fn outcome(&self, complete: bool) -> LineOutcome {
         match self.gathered() {
             Gathered::Line(raw) => parse_bytes(raw, complete),
             Gathered::TooLong(n) => LineOutcome::Skip(
