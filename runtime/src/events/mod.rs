@@ -15,6 +15,9 @@ pub mod synthetic;
 pub mod telemetry;
 pub mod wire;
 
+#[cfg(test)]
+mod proptests;
+
 pub use bus::{Bus, EventSink, Hub, Subscription, Update};
 pub use jsonl::{JsonlSink, OpenMode, ReadReport};
 pub use model::*;
