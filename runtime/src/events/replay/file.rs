@@ -301,8 +301,9 @@ impl FileReplay {
     /// Moves by `n` events (negative: back). Pauses, as stepping implies.
     pub fn step_events(&mut self, n: i64) -> Result<Played, JsonlError> {
         self.paused = true;
+        // Past the end stops at the end; the total may not be known yet while indexing.
         let target = (self.pos as i64).saturating_add(n).max(0) as usize;
-        self.go_to(target.min(self.len()))
+        self.go_to(target)
     }
 
     /// Moves to the start of the next (or, with `n < 0`, an earlier) training step.

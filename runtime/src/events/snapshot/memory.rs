@@ -45,7 +45,8 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             push_bounded(&mut s.vram_owners_history, r, OWNERS_HISTORY);
             if e.step > 0 {
                 let rec = s.step_record_mut(e.step);
-                if rec.vram_at_peak.is_none_or(|p| o.allocated_bytes >= p.allocated_bytes) {
+                // The first reading at the step's largest allocation (a summary file keeps exactly those).
+                if rec.vram_at_peak.is_none_or(|p| o.allocated_bytes > p.allocated_bytes) {
                     rec.vram_at_peak = Some(*o);
                 }
             }

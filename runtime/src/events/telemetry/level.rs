@@ -91,12 +91,10 @@ impl LevelFilter {
             // Every reading that is the step's largest so far is kept, so the step's record of
             // VRAM at its peak is the same as from a full file.
             VramOwners(o) => {
-                if self.owners_peak.0 != e.step {
-                    self.owners_peak = (e.step, 0);
-                }
-                let peak = o.allocated_bytes >= self.owners_peak.1;
+                let first = self.owners_peak.0 != e.step;
+                let peak = first || o.allocated_bytes > self.owners_peak.1;
                 if peak {
-                    self.owners_peak.1 = o.allocated_bytes;
+                    self.owners_peak = (e.step, o.allocated_bytes);
                 }
                 let due = due(&mut self.last_owners_ns, e.t_ns);
                 peak || due
