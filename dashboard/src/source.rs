@@ -3,7 +3,7 @@
 
 use crate::app::{Control, SourceStatus, Update, RECENT_EVENTS};
 use stagehand::events::jsonl::{self, Follower, ReadReport, Restart};
-use stagehand::events::replay::Change;
+use stagehand::events::replay::{Change, FileReplay, Played};
 use stagehand::events::{Event, Replay, Snapshot, StreamMessage, DEFAULT_SERVER_ADDR};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -309,6 +309,10 @@ impl Source for LiveSource {
 
 // ---- replay -------------------------------------------------------------------------------
 
+/// Files up to this size are indexed before the first frame (a fraction of a second); larger
+/// ones show their start at once and index in the background.
+const INDEX_BEFORE_SHOWING: u64 = 16 << 20;
+
 /// How often a followed file is read for new lines.
 const FOLLOW_EVERY: Duration = Duration::from_millis(200);
 
@@ -316,6 +320,9 @@ const FOLLOW_EVERY: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 pub struct ReplaySource {
     replay: Replay,
+    /// A file that is not followed plays from disk through its index instead of `replay`, so a
+    /// large file shows its first screen at once.
+    file: Option<FileReplay>,
     path: PathBuf,
     report: ReadReport,
     follower: Option<Follower>,
@@ -328,18 +335,23 @@ pub struct ReplaySource {
 impl ReplaySource {
     /// Reads `path` (following it when `follow`), ready to play from the start.
     pub fn open(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
-        let (events, report, follower) = if follow {
+        let (events, report, follower, file) = if follow {
             let mut f = Follower::open(path)?;
             let events = f.poll()?.events;
-            (events, f.report().clone(), Some(f))
+            (events, f.report().clone(), Some(f), None)
         } else {
-            let (events, report) = jsonl::read_file(path)?;
-            (events, report, None)
+            let file = FileReplay::open(path)?;
+            // A small file is indexed before the first frame, so its header shows the total.
+            if std::fs::metadata(path).map_or(0, |m| m.len()) <= INDEX_BEFORE_SHOWING {
+                file.wait_indexed();
+            }
+            (Vec::new(), file.report().0, None, Some(file))
         };
         let mut replay = Replay::new(events);
         replay.set_following(follow);
         Ok(ReplaySource {
             replay,
+            file,
             path: path.to_path_buf(),
             report,
             follower,
@@ -358,6 +370,7 @@ impl ReplaySource {
         };
         ReplaySource {
             replay: Replay::new(events),
+            file: None,
             path: PathBuf::from(label),
             report,
             follower: None,
@@ -371,6 +384,10 @@ impl ReplaySource {
     pub fn configure(&mut self, speed: f64, paused: bool) {
         self.replay.set_speed(speed);
         self.replay.set_paused(paused);
+        if let Some(f) = &mut self.file {
+            f.set_speed(speed);
+            f.set_paused(paused);
+        }
     }
 
     /// The replay controller.
@@ -381,6 +398,48 @@ impl ReplaySource {
     /// What reading the file found so far.
     pub fn report(&self) -> &ReadReport {
         &self.report
+    }
+
+    fn push_played(&mut self, played: Result<Played, jsonl::JsonlError>, out: &mut Vec<Update>) {
+        let Some(f) = &self.file else { return };
+        match played {
+            Ok(Played::None) => {}
+            Ok(Played::Advanced(v)) if v.len() <= RECENT_EVENTS => {
+                out.extend(v.into_iter().map(|e| Update::Event(Box::new(e))));
+            }
+            Ok(Played::Advanced(_) | Played::Reset) => out.push(Update::Reset {
+                snapshot: Box::new(f.snapshot().clone()),
+                history: Some(f.recent().iter().cloned().collect()),
+            }),
+            Err(e) => self.error = Some(e.to_string()),
+        }
+    }
+
+    fn control_file(&mut self, c: Control, out: &mut Vec<Update>) {
+        let Some(f) = &mut self.file else { return };
+        let played = match c {
+            Control::TogglePause => {
+                f.toggle_pause();
+                Ok(Played::None)
+            }
+            Control::StepEvents(n) => f.step_events(n),
+            Control::StepTraining(n) => f.step_training(n),
+            Control::SeekFraction(d) => {
+                let at = if f.is_empty() { 0.0 } else { f.position() as f64 / f.len() as f64 };
+                f.seek_fraction(at + d)
+            }
+            Control::Faster => {
+                f.faster();
+                Ok(Played::None)
+            }
+            Control::Slower => {
+                f.slower();
+                Ok(Played::None)
+            }
+            Control::ToStart => f.to_start(),
+            Control::ToEnd => f.to_end(),
+        };
+        self.push_played(played, out);
     }
 
     fn push_change(&self, change: Change, out: &mut Vec<Update>) {
@@ -404,6 +463,15 @@ impl ReplaySource {
 
 impl Source for ReplaySource {
     fn poll(&mut self, now: Instant, out: &mut Vec<Update>) {
+        if let Some(f) = &mut self.file {
+            let (report, error) = f.report();
+            self.report = report;
+            if error.is_some() {
+                self.error = error;
+            }
+            let played = f.tick(now);
+            return self.push_played(played, out);
+        }
         let mut reset = false;
         if let Some(f) = &mut self.follower {
             if self.last_follow.is_none_or(|t| now.duration_since(t) >= FOLLOW_EVERY) {
@@ -443,6 +511,9 @@ impl Source for ReplaySource {
     }
 
     fn control(&mut self, c: Control, out: &mut Vec<Update>) {
+        if self.file.is_some() {
+            return self.control_file(c, out);
+        }
         let r = &mut self.replay;
         let change = match c {
             Control::TogglePause => {
@@ -479,20 +550,20 @@ impl Source for ReplaySource {
         }
         SourceStatus::Replay {
             path: self.path.display().to_string(),
-            status: self.replay.status(),
+            status: self.file.as_ref().map_or_else(|| self.replay.status(), FileReplay::status),
             report,
             skipped: self.report.skipped_total,
         }
     }
 
     fn paused(&self) -> bool {
-        self.replay.paused()
+        self.file.as_ref().map_or_else(|| self.replay.paused(), FileReplay::paused)
     }
 }
 
 /// The state a replay source shows after `n` events, for tests: the replay's own snapshot.
 pub fn replay_snapshot(src: &ReplaySource) -> &Snapshot {
-    src.replay.snapshot()
+    src.file.as_ref().map_or_else(|| src.replay.snapshot(), FileReplay::snapshot)
 }
 
 #[cfg(test)]

@@ -123,7 +123,7 @@ fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
     let url = format!("http://{addr}");
     let mut t = Tui::start(&["--connect", &url]);
     // The first connection is closed by the server; the second snapshot makes the second resync.
-    t.wait_for("805 events, 2 resyncs");
+    t.wait_for(&format!("{} events, 2 resyncs", ev.len()));
     t.wait_for_all(&[&format!("live http://{addr}/api/stream"), "step 4 forward", "dropped 17"]);
     t.keys("6");
     t.wait_for("Phase timeline");

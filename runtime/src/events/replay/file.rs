@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Events applied last that a file replay keeps (for the consumers' recent-events views).
-pub const RECENT_KEPT: usize = 256;
+pub const RECENT_KEPT: usize = 4096;
 /// Most events one tick applies, so that a fast replay of a huge file stays responsive.
 const MAX_PER_TICK: usize = 200_000;
 
