@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 pub enum OpenMode {
     /// Refuse an existing file (no telemetry is ever overwritten).
     CreateNew,
-    /// Append to an existing file, as the seed did.
+    /// Append to an existing file (a run resumed into the same telemetry).
     Append,
 }
 
