@@ -75,13 +75,45 @@ fn size_per_step(dir: &Path) {
         let steps = events.iter().map(|e| e.step).max().unwrap_or(1).max(1);
         let mut filter = LevelFilter::new(Level::Summary);
         let (mut full, mut summary) = (0usize, 0usize);
+        let mut kept = Vec::new();
         for e in &events {
             let n = serde_json::to_string(e).map_or(0, |s| s.len() + 1);
             full += n;
             if filter.keeps(e) {
                 summary += n;
+                kept.push(e.clone());
             }
         }
+        // Whether the runtimes' step aggregates are the sums of their detail events: then the
+        // summary replays to the same totals as the full file.
+        let a = stagehand::events::Snapshot::from_events(&events);
+        let b = stagehand::events::Snapshot::from_events(&kept);
+        let pairs = [
+            ("weights.prefetch_hits", a.weights.prefetch_hits as f64, b.weights.prefetch_hits as f64),
+            ("weights.prefetch_misses", a.weights.prefetch_misses as f64, b.weights.prefetch_misses as f64),
+            ("weights.evictions", a.weights.evictions as f64, b.weights.evictions as f64),
+            ("weights.h2d_bytes", a.weights.h2d_bytes as f64, b.weights.h2d_bytes as f64),
+            ("weights.d2h_bytes", a.weights.d2h_bytes as f64, b.weights.d2h_bytes as f64),
+            ("weights.stall_time_ms", a.weights.stall_time_ms, b.weights.stall_time_ms),
+            ("activations.saved", a.activations.saved as f64, b.activations.saved as f64),
+            ("activations.spilled", a.activations.spilled as f64, b.activations.spilled as f64),
+            ("activations.restored", a.activations.restored as f64, b.activations.restored as f64),
+            ("activations.spill_bytes", a.activations.spill_bytes as f64, b.activations.spill_bytes as f64),
+            ("conductor.grants", a.conductor.grants as f64, b.conductor.grants as f64),
+            ("conductor.slot_grants", a.conductor.slot_grants as f64, b.conductor.slot_grants as f64),
+            ("transfers.h2d.bytes", a.transfers.h2d.bytes as f64, b.transfers.h2d.bytes as f64),
+            ("transfers.d2h.count", a.transfers.d2h.count as f64, b.transfers.d2h.count as f64),
+        ];
+        let differ: Vec<String> = pairs
+            .iter()
+            .filter(|(_, x, y)| x != y)
+            .map(|(k, x, y)| format!("{k} full {x} summary {y}"))
+            .collect();
+        println!(
+            "  real demo: step records {}; totals {}",
+            if a.steps == b.steps { "agree" } else { "DIFFER" },
+            if differ.is_empty() { "agree".to_owned() } else { format!("DIFFER: {}", differ.join("; ")) }
+        );
         println!(
             "  real demo ({demo}, {steps} steps, {} events a step): full {:.1} KB a step, summary {:.1} KB a step",
             events.len() as u64 / steps,
@@ -171,12 +203,56 @@ fn big_file(path: &Path, mb: u64) -> (u64, u64) {
     (std::fs::metadata(path).map_or(0, |m| m.len()), n)
 }
 
+/// Peak resident memory of this process so far, MB (Linux; 0 elsewhere).
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<f64>().ok()))
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// `--follow` on an existing file: one poll reads it all, linearly.
+fn follow_speed(dir: &Path) {
+    let path = dir.join("follow.jsonl");
+    let mut sink = JsonlSink::open(&path, OpenMode::CreateNew).expect("opens");
+    let one = synthetic::events(demo_run(100));
+    let mut n = 0u64;
+    for e in one.iter().cycle().take(160_000) {
+        n += 1;
+        let mut e = e.clone();
+        e.seq = n;
+        sink.on_event(&e);
+    }
+    drop(sink);
+    let t0 = Instant::now();
+    let mut f = jsonl::Follower::open(&path).expect("opens");
+    let got = f.poll().expect("polls").events.len();
+    println!(
+        "follow: first poll of an existing {n}-line file read {got} events in {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+}
+
 fn replay_speed(dir: &Path) {
     let mb: u64 = std::env::var("STAGEHAND_BENCH_REPLAY_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
     let path = dir.join("big.jsonl");
     let t0 = Instant::now();
     let (bytes, events) = big_file(&path, mb);
     println!("replay: wrote {:.0} MB, {events} events in {:.1} s", bytes as f64 / 1e6, t0.elapsed().as_secs_f64());
+    let before = peak_rss_mb();
+    let t = Instant::now();
+    let mut reader = jsonl::open(&path).expect("opens");
+    let streamed = (&mut reader).filter(|e| e.is_ok()).count();
+    println!(
+        "stream read: {streamed} events in {:.1} s; peak resident memory {before:.0} MB before, {:.0} MB after ({})",
+        t.elapsed().as_secs_f64(),
+        peak_rss_mb(),
+        reader.report().summary()
+    );
     let t0 = Instant::now();
     let mut r = FileReplay::open(&path).expect("opens");
     r.step_events(2000).expect("first screen");
@@ -216,6 +292,7 @@ fn replay_speed(dir: &Path) {
         indexed.as_secs_f64(),
         worst.as_secs_f64() * 1e3
     );
+    println!("peak resident memory after the replay: {:.0} MB", peak_rss_mb());
 }
 
 fn main() {
@@ -223,5 +300,6 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     size_per_step(dir.path());
     publish_cost(dir.path());
+    follow_speed(dir.path());
     replay_speed(dir.path());
 }
