@@ -97,9 +97,9 @@ impl Drop for Tui {
 #[test]
 fn replay_in_a_terminal_follows_keys() {
     let mut t = Tui::start(&["--replay", RUN, "--paused"]);
-    t.wait_for("0/805");
+    t.wait_for("0/809");
     t.keys("\x1b[F"); // End
-    t.wait_for("805/805");
+    t.wait_for("809/809");
     t.wait_for("dropped 17");
     t.keys("2");
     t.wait_for_all(&["gpu_freeing 1", "blocks.7"]);
@@ -150,7 +150,7 @@ fn follow_plays_a_growing_file_as_it_is_written() {
     write!(f, "{rest}\n{tail}").expect("appends the rest");
     f.flush().expect("flushes");
     // "dropped 17" comes from an appended event: the appended part was applied.
-    let s = t.wait_for_all(&["805/805", "read 805 events from 805 lines", "dropped 17"]);
+    let s = t.wait_for_all(&["809/809", "read 809 events from 809 lines", "dropped 17"]);
     assert!(!s.contains("skipped"), "the line finished later was read whole:\n{s}");
     t.keys("6");
     t.wait_for("Phase timeline");

@@ -102,7 +102,7 @@ fn damaged_file_shows_the_rest_and_reports_what_it_skipped() {
     let t = draw(&state, &view(View::Overview), &Theme::default());
     let screen = t.backend().to_string();
     assert!(
-        screen.contains("skipped 4 (2 corrupt, 1 truncated, 1 of unknown kind)"),
+        screen.contains("skipped 4 (2 malformed, 1 of unknown kind, 1 truncated)"),
         "{screen}"
     );
     insta::assert_snapshot!("damaged_overview", t.backend());

@@ -13,6 +13,12 @@
 //! the snapshot first, then the live events; one that lags is resynced from a fresh snapshot and
 //! told how many events it missed. A replay feeds the same [`Hub`], so consumers cannot tell a
 //! replay from a live run.
+//!
+//! The dispatcher adds a few events of its own, with the next sequence numbers: `events_dropped`
+//! when publishes were dropped, `transfer_step` when a step closes (see [`super::steps`]), and
+//! whatever the sinks report through [`EventSink::notices`] (a file sink's `telemetry_lost`, the
+//! flight recorder's `flight_recorded`), which a sink cannot publish itself while the hub is busy
+//! delivering to it.
 
 use super::model::{Event, EventKind, Phase, TransferStepMetrics};
 use super::snapshot::Snapshot;

@@ -432,13 +432,16 @@ mod tests {
     /// serde lists every tag it accepts when it meets an unknown one; the derived names must be
     /// exactly that list, in order, so a new kind can never get a name serde does not use.
     fn serde_tags() -> Vec<String> {
-        let err = serde_json::from_str::<EventKind>(r#"{"kind":"~"}"#).expect_err("unknown kind");
+        tags_of::<EventKind>(r#"{"kind":"~"}"#)
+    }
+
+    fn tags_of<T: serde::de::DeserializeOwned + std::fmt::Debug>(unknown: &str) -> Vec<String> {
+        let err = serde_json::from_str::<T>(unknown).expect_err("an unknown variant");
         let msg = err.to_string();
-        let list = msg.split("expected one of ").nth(1).expect("serde lists the variants");
-        list.split(", ")
-            .map(|t| t.trim().trim_matches(|c| c == '`' || c == ',').to_owned())
-            .map(|t| t.split('`').next().unwrap_or_default().to_owned())
-            .collect()
+        // "expected `a`", "expected `a` or `b`", "expected one of `a`, `b`, `c`": the quoted
+        // names after "expected".
+        let list = msg.split("expected").nth(1).expect("serde lists the variants");
+        list.split('`').skip(1).step_by(2).map(str::to_owned).collect()
     }
 
     #[test]
@@ -451,6 +454,32 @@ mod tests {
         assert_eq!(serde_json::to_value(&k).expect("serializes")["kind"], k.name());
         let k = EventKind::TransferStep(TransferStepMetrics::default());
         assert_eq!(serde_json::to_value(&k).expect("serializes")["kind"], k.name());
+    }
+
+    #[test]
+    fn every_value_name_is_its_serde_tag() {
+        fn check<T: serde::de::DeserializeOwned + std::fmt::Debug + strum::VariantNames>() {
+            assert_eq!(tags_of::<T>(r#""~""#), T::VARIANTS, "{}", std::any::type_name::<T>());
+        }
+        check::<Phase>();
+        check::<BlockState>();
+        check::<Direction>();
+        check::<Owner>();
+        check::<DeviceKind>();
+        check::<EvictionReason>();
+        check::<PoolKind>();
+        check::<PackDecision>();
+        check::<KeepReason>();
+        check::<ReservationMode>();
+        check::<Priority>();
+        check::<Resource>();
+        check::<ReservationOutcome>();
+        check::<DenyReason>();
+        check::<PolicyRule>();
+        for p in Phase::ALL {
+            assert_eq!(p.as_str(), wire_name(&p));
+        }
+        assert_eq!(DenyReason::H2dSlotsExhausted.as_str(), "h2d_slots_exhausted");
     }
 
     #[test]

@@ -4,8 +4,9 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The phase of a training step that an event belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Phase {
     /// Outside any step (set-up, between steps, shutdown).
     #[default]
@@ -28,16 +29,9 @@ impl Phase {
         Phase::StepEnd,
     ];
 
-    /// The name used on the wire and in labels.
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
     pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Idle => "idle",
-            Phase::StepBegin => "step_begin",
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::Optimizer => "optimizer",
-            Phase::StepEnd => "step_end",
-        }
+        self.into()
     }
 
     /// Compact encoding for the bus's lock-free step context.
@@ -57,8 +51,9 @@ impl fmt::Display for Phase {
 }
 
 /// Residency of a weight block: where its weights are, and what is moving them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum BlockState {
     /// Only the canonical host copy (or the file) holds the weights.
     #[default]
@@ -86,16 +81,9 @@ impl BlockState {
         BlockState::GpuFreeing,
     ];
 
-    /// The name used on the wire and in labels.
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
     pub fn as_str(self) -> &'static str {
-        match self {
-            BlockState::Unloaded => "unloaded",
-            BlockState::HostStaged => "host_staged",
-            BlockState::Prefetching => "prefetching",
-            BlockState::GpuReady => "gpu_ready",
-            BlockState::Evicting => "evicting",
-            BlockState::GpuFreeing => "gpu_freeing",
-        }
+        self.into()
     }
 
     /// Whether the transition `self -> to` is one of the eight valid edges.
@@ -122,8 +110,9 @@ impl fmt::Display for BlockState {
 }
 
 /// Direction of a copy across PCIe.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Direction {
     /// Host to device.
     H2d,
@@ -132,18 +121,16 @@ pub enum Direction {
 }
 
 impl Direction {
-    /// The name used on the wire and in labels.
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
     pub fn as_str(self) -> &'static str {
-        match self {
-            Direction::H2d => "h2d",
-            Direction::D2h => "d2h",
-        }
+        self.into()
     }
 }
 
 /// Which runtime an event, a copy or a reservation belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Owner {
     Weights,
     Activations,
@@ -154,21 +141,16 @@ pub enum Owner {
 }
 
 impl Owner {
-    /// The name used on the wire and in labels.
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
     pub fn as_str(self) -> &'static str {
-        match self {
-            Owner::Weights => "weights",
-            Owner::Activations => "activations",
-            Owner::Conductor => "conductor",
-            Owner::Trainer => "trainer",
-            Owner::Device => "device",
-        }
+        self.into()
     }
 }
 
 /// The kind of device a run uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum DeviceKind {
     /// A CUDA GPU: real VRAM, real copy streams.
     Cuda,
@@ -197,8 +179,9 @@ impl DeviceInfo {
 }
 
 /// Why a block was evicted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum EvictionReason {
     /// VRAM reached the high watermark; evicting until under the low one.
     Watermark,
@@ -211,8 +194,9 @@ pub enum EvictionReason {
 }
 
 /// Which pool an event is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum PoolKind {
     /// The uniform-slab pinned pool of the weight runtime.
     Weights,
@@ -221,8 +205,9 @@ pub enum PoolKind {
 }
 
 /// What the pack hook decided for one saved tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum PackDecision {
     /// Stays on the device; `reason` says why.
     Kept,
@@ -235,8 +220,9 @@ pub enum PackDecision {
 }
 
 /// Why a saved tensor was kept on the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum KeepReason {
     /// VRAM is under the watermark (or hysteresis says stop spilling).
     UnderWatermark,
@@ -259,8 +245,9 @@ pub enum KeepReason {
 }
 
 /// How a Conductor reservation may be granted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum ReservationMode {
     /// All or nothing under the soft cap.
     Hard,
@@ -275,8 +262,9 @@ pub enum ReservationMode {
 }
 
 /// Conductor priorities, highest first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Priority {
     Critical,
     Required,
@@ -285,16 +273,18 @@ pub enum Priority {
 }
 
 /// The resource a reservation is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Resource {
     Vram,
     PinnedHost,
 }
 
 /// How a reservation request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum ReservationOutcome {
     Granted,
     Partial,
@@ -304,8 +294,9 @@ pub enum ReservationOutcome {
 }
 
 /// Why the Conductor refused a reservation or a transfer slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum DenyReason {
     /// Not enough headroom under the cap for this mode.
     InsufficientHeadroom,
@@ -324,23 +315,16 @@ pub enum DenyReason {
 }
 
 impl DenyReason {
-    /// The name used on the wire and in labels.
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
     pub fn as_str(self) -> &'static str {
-        match self {
-            DenyReason::InsufficientHeadroom => "insufficient_headroom",
-            DenyReason::PriorityReserve => "priority_reserve",
-            DenyReason::OverCeiling => "over_ceiling",
-            DenyReason::H2dSlotsExhausted => "h2d_slots_exhausted",
-            DenyReason::D2hSlotsExhausted => "d2h_slots_exhausted",
-            DenyReason::PhaseRuleSuppressedSpeculative => "phase_rule_suppressed_speculative",
-            DenyReason::Shutdown => "shutdown",
-        }
+        self.into()
     }
 }
 
 /// The Conductor's policy rules: why it changed the hints it gives the runtimes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum PolicyRule {
     /// Step begin: every hint back to the runtimes' configured values.
     Reset,

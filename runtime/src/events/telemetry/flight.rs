@@ -24,6 +24,8 @@ pub const DEFAULT_MAX_EVENTS: usize = 100_000;
 pub const DEFAULT_STALL_MS: f64 = 100.0;
 /// Least run time between two dumps of the same reason.
 pub const DEFAULT_MIN_INTERVAL_S: f64 = 300.0;
+/// The rate-limit key shared by every dump on request.
+const REQUEST: &str = " request";
 
 /// How the flight recorder behaves.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -173,10 +175,11 @@ impl FlightRecorder {
         ok
     }
 
-    /// Whether a dump on request for `reason` is allowed now (the same per-reason limit).
-    pub fn request_allowed(&mut self, reason: &str) -> bool {
+    /// Whether a dump on request is allowed now. Requests share one limit whatever reason they
+    /// give: a caller inventing reasons must not be able to write a file per request.
+    pub fn request_allowed(&mut self) -> bool {
         let now = self.now_ns;
-        self.due(reason, now)
+        self.due(REQUEST, now)
     }
 
     /// Writes the ring (after the preamble) to a new file.

@@ -46,8 +46,8 @@ pub enum TelemetryError {
     /// The flight recorder is off (or the bus is disabled).
     #[error("the flight recorder is off")]
     RecorderOff,
-    /// A dump of this reason was written too recently.
-    #[error("a flight record for '{0}' was written less than the minimum interval ago")]
+    /// A dump on request was written too recently.
+    #[error("a flight record was requested less than the minimum interval ago; not writing '{0}'")]
     RateLimited(String),
 }
 
@@ -222,14 +222,15 @@ impl Telemetry {
     }
 
     /// Writes the flight recorder's ring to a new file now and returns its path (announced on
-    /// the bus as `flight_recorded`). `reason` names the file; each reason may dump once per
-    /// minimum interval, so a page that calls this in a loop cannot fill the disk.
+    /// the bus as `flight_recorded`). `reason` names the file. Requests may dump once per
+    /// minimum interval of run time, whatever reason they give, so a page that calls this in a
+    /// loop cannot fill the disk.
     pub fn dump(&self, reason: &str) -> Result<PathBuf, TelemetryError> {
         // Everything published before the request is in the ring first.
         self.bus.flush();
         let reason = flight::sanitize_reason(reason);
         let mut r = self.shared.recorder().ok_or(TelemetryError::RecorderOff)?;
-        if !r.request_allowed(&reason) {
+        if !r.request_allowed() {
             return Err(TelemetryError::RateLimited(reason));
         }
         let d = r.dump(&reason)?;

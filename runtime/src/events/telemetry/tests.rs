@@ -132,6 +132,7 @@ fn the_flight_recorder_dumps_recent_steps_once_per_reason_and_on_request() {
         events.iter().filter(|e| !crate::events::preamble::Preamble::is_context(&e.kind)).map(|e| e.step).collect();
     assert!(steps.iter().all(|s| *s >= 4), "only the last two steps: {steps:?}");
     assert!(matches!(t.dump("looked odd!"), Err(TelemetryError::RateLimited(_))), "rate limited");
+    assert!(matches!(t.dump("another reason"), Err(TelemetryError::RateLimited(_))), "whatever the reason");
     bus.flush();
     assert_eq!(bus.hub().expect("enabled").snapshot().flight_records.len(), 4, "announced");
 }
