@@ -149,7 +149,11 @@ fn event() -> impl Strategy<Value = Event> {
 }
 
 fn check_invariants(s: &Snapshot) {
-    assert!(s.blocks.windows(2).all(|w| w[0].id < w[1].id), "blocks sorted and unique");
+    let ids: std::collections::BTreeSet<BlockId> = s.blocks.iter().map(|b| b.id).collect();
+    assert_eq!(ids.len(), s.blocks.len(), "block ids unique");
+    for b in &s.blocks {
+        assert_eq!(s.block(b.id).map(|f| f.id), Some(b.id), "every block found by its id");
+    }
     assert!(s.blocks.len() <= MAX_BLOCKS);
     let counted: u64 = s.residency.values().map(|n| *n as u64).sum();
     assert_eq!(counted, s.blocks.len() as u64, "residency counts cover every block");

@@ -7,8 +7,8 @@
 //! Events may come from a file someone else wrote, so `apply` trusts no number in them: ids and
 //! counts are bounded (an event past a bound is refused and counted in [`Snapshot::refused`]),
 //! sums saturate, stored text is clipped, and structures stay small when ids are large (blocks
-//! are kept sorted by id, not indexed by it). The work of one `apply` is O(log blocks) plus the
-//! size of the event.
+//! are kept in registration order and found through an index by id, never indexed by the id
+//! itself). The work of one `apply` is O(log blocks) plus the size of the event.
 //!
 //! `apply` is split by domain: `run` (lifecycle, phases, steps, health), `weights`, `activations`,
 //! `transfers`, `pools`, `conductor`, `memory`. Totals that have a per-step aggregate are kept by
@@ -116,8 +116,12 @@ pub struct Snapshot {
     /// Events the telemetry sinks failed to write (a full disk, a closed pipe).
     #[serde(default)]
     pub telemetry_lost: u64,
-    /// Registered blocks, sorted by id (ids need not be dense).
+    /// Registered blocks in registration order (which is id order for the runtimes, whose ids
+    /// count registrations); ids need not be dense.
     pub blocks: Vec<BlockView>,
+    /// Where each id is in `blocks`: derived data, rebuilt after deserializing.
+    #[serde(skip)]
+    block_index: BlockIndex,
     /// Number of blocks in each residency state (states with none are absent).
     #[serde(default)]
     pub residency: BTreeMap<BlockState, u32>,
@@ -138,6 +142,33 @@ pub struct Snapshot {
     /// The reducer's bookkeeping for totals (see the `tally` module).
     #[serde(default)]
     pub tallies: Tallies,
+}
+
+/// Position of each block id in `Snapshot::blocks`. Compares equal to any other index: it is
+/// derived from `blocks`, which the comparison already covers.
+#[derive(Debug, Clone, Default)]
+struct BlockIndex(BTreeMap<BlockId, usize>);
+
+impl PartialEq for BlockIndex {
+    fn eq(&self, _: &BlockIndex) -> bool {
+        true
+    }
+}
+
+impl BlockIndex {
+    fn build(blocks: &[BlockView]) -> BlockIndex {
+        BlockIndex(blocks.iter().enumerate().map(|(i, b)| (b.id, i)).collect())
+    }
+    /// Whether the index describes `blocks` (it does unless the snapshot was deserialized).
+    fn covers(&self, blocks: &[BlockView]) -> bool {
+        self.0.len() == blocks.len()
+    }
+    fn get(&self, id: BlockId) -> Option<usize> {
+        self.0.get(&id).copied()
+    }
+    fn insert(&mut self, id: BlockId, pos: usize) {
+        self.0.insert(id, pos);
+    }
 }
 
 pub(super) fn push_bounded<T>(q: &mut VecDeque<T>, item: T, cap: usize) {
@@ -193,12 +224,35 @@ impl Snapshot {
         s
     }
 
-    /// The block with this id, if registered (a binary search).
+    /// The block with this id, if registered: O(log n) through the index (a linear search on a
+    /// snapshot just deserialized, until its first `apply` rebuilds the index).
     pub fn block(&self, id: BlockId) -> Option<&BlockView> {
-        self.blocks
-            .binary_search_by_key(&id, |b| b.id)
-            .ok()
-            .map(|i| &self.blocks[i])
+        if self.block_index.covers(&self.blocks) {
+            return self.block_index.get(id).and_then(|i| self.blocks.get(i)).filter(|b| b.id == id);
+        }
+        self.blocks.iter().find(|b| b.id == id)
+    }
+
+    /// The position of block `id` in `blocks`, rebuilding the index if it is stale.
+    pub(super) fn block_pos(&mut self, id: BlockId) -> Option<usize> {
+        let found = |s: &Self| s.block_index.get(id).filter(|i| s.blocks.get(*i).is_some_and(|b| b.id == id));
+        if self.block_index.covers(&self.blocks) {
+            if let Some(i) = found(self) {
+                return Some(i);
+            }
+            // Not registered, or `blocks` was changed from outside: make sure.
+            if !self.block_index.0.contains_key(&id) {
+                return None;
+            }
+        }
+        self.block_index = BlockIndex::build(&self.blocks);
+        found(self)
+    }
+
+    /// Appends a block that is not registered yet.
+    pub(super) fn push_block(&mut self, view: BlockView) {
+        self.block_index.insert(view.id, self.blocks.len());
+        self.blocks.push(view);
     }
 
     /// Number of blocks in each residency state (kept as events arrive, not recounted).

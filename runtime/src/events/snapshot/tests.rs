@@ -146,7 +146,8 @@ fn the_largest_ids_cost_one_entry_and_an_unknown_class_is_refused() {
     s.apply(&register(1, u32::MAX));
     s.apply(&register(2, 20_000_000));
     s.apply(&register(3, 0));
-    assert_eq!(s.blocks.iter().map(|b| b.id.0).collect::<Vec<_>>(), [0, 20_000_000, u32::MAX]);
+    assert_eq!(s.blocks.iter().map(|b| b.id.0).collect::<Vec<_>>(), [u32::MAX, 20_000_000, 0]);
+    assert_eq!(s.block(BlockId(20_000_000)).map(|b| b.name.as_str()), Some("blocks.20000000"));
     s.apply(&ev(
         4,
         1,
@@ -180,7 +181,8 @@ fn the_largest_ids_cost_one_entry_and_an_unknown_class_is_refused() {
 #[test]
 fn registrations_past_the_bound_are_refused_and_counted() {
     let mut s = Snapshot::new();
-    // Descending ids: every insert lands at the front, the worst case for the sorted vector.
+    // Descending ids: the worst order for a vector kept sorted (quadratic); an index keeps each
+    // registration O(log n).
     let n = MAX_BLOCKS as u32 + 3;
     for (i, id) in (0..n).rev().enumerate() {
         s.apply(&register(i as u64 + 1, id * 7));
@@ -238,6 +240,19 @@ fn stored_text_is_clipped() {
     assert!(s.warnings[0].message.len() <= MAX_TEXT + 3);
     assert_eq!(s.non_finite.len(), MAX_TEXT_KEYS + 1);
     assert_eq!(s.non_finite["other"], MAX_TEXT_KEYS as u64);
+}
+
+#[test]
+fn a_deserialized_snapshot_finds_its_blocks_and_goes_on() {
+    let mut s = Snapshot::new();
+    for (seq, id) in [(1, 9), (2, 3), (3, 400)] {
+        s.apply(&register(seq, id));
+    }
+    let mut back: Snapshot = serde_json::from_str(&serde_json::to_string(&s).expect("json")).expect("parses");
+    assert_eq!(back.block(BlockId(3)).map(|b| b.id), Some(BlockId(3)), "found before any apply");
+    back.apply(&ev(4, 1, EventKind::PrefetchHit { block: BlockId(400) }));
+    assert_eq!(back.block(BlockId(400)).map(|b| b.last.as_str()), Some("prefetch hit"));
+    assert!(back.refused.is_empty());
 }
 
 /// The whole state of the reducer travels in the snapshot: a client that receives a snapshot

@@ -125,26 +125,26 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
     }
 }
 
-/// Adds (or replaces) a block, keeping `blocks` sorted by id: O(log n) to find its place.
+/// Adds (or replaces) a block: O(log n) whatever the order of ids.
 fn register(s: &mut Snapshot, view: BlockView) {
-    match s.blocks.binary_search_by_key(&view.id, |b| b.id) {
-        Ok(i) => {
+    match s.block_pos(view.id) {
+        Some(i) => {
             let old = s.blocks[i].state;
             count_state(s, old, -1);
             s.blocks[i] = view;
         }
-        Err(i) => {
+        None => {
             if s.blocks.len() >= MAX_BLOCKS {
                 return s.refuse(Refusal::TooManyBlocks);
             }
-            s.blocks.insert(i, view);
+            s.push_block(view);
         }
     }
     count_state(s, BlockState::Unloaded, 1);
 }
 
 fn block_mut(s: &mut Snapshot, id: BlockId) -> Option<&mut BlockView> {
-    let i = s.blocks.binary_search_by_key(&id, |b| b.id).ok()?;
+    let i = s.block_pos(id)?;
     Some(&mut s.blocks[i])
 }
 
