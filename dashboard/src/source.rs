@@ -692,4 +692,40 @@ mod tests {
             other => panic!("not a replay status: {other:?}"),
         }
     }
+
+    #[test]
+    fn a_followed_file_rewritten_with_another_run_starts_over_and_says_so() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("live.jsonl");
+        let first = events(SyntheticRun { blocks: 6, steps: 2, end_mid_step: false });
+        let text = |ev: &[Event]| ev.iter().map(|e| serde_json::to_string(e).expect("json") + "\n").collect::<String>();
+        std::fs::write(&path, text(&first)).expect("writes");
+        let mut src = ReplaySource::open(&path, true).expect("opens");
+        src.configure(1024.0, false);
+        let mut state = State::new();
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        src.poll(t0, &mut out);
+        src.poll(t0 + Duration::from_secs(60), &mut out);
+        for u in out.drain(..) {
+            state.ingest(u);
+        }
+        assert_eq!(state.snapshot.blocks.len(), 6);
+        // The writer starts another run in the same file, longer than the first.
+        let second = events(SyntheticRun { blocks: 3, steps: 4, end_mid_step: false });
+        std::fs::write(&path, text(&second)).expect("rewrites");
+        let t1 = t0 + Duration::from_secs(61);
+        src.poll(t1, &mut out);
+        src.poll(t1 + Duration::from_secs(60), &mut out);
+        for u in out.drain(..) {
+            state.ingest(u);
+        }
+        assert_eq!(state.snapshot, Snapshot::from_events(&second), "the second run alone, not merged");
+        match src.status() {
+            SourceStatus::Replay { report, .. } => {
+                assert!(report.contains("truncated and rewritten"), "{report}")
+            }
+            other => panic!("not a replay status: {other:?}"),
+        }
+    }
 }
