@@ -133,7 +133,7 @@ pub struct CopyStats {
     pub last_gbps: f64,
 }
 
-/// Copies of one step, both directions ([`EventKind::TransferStep`]).
+/// Copies of one step, both directions ([`EventKind::TransferStep`](super::EventKind::TransferStep)).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct TransferStepMetrics {
     pub h2d: CopyStats,

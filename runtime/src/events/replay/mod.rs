@@ -8,7 +8,7 @@
 //! web server drives one into a [`Hub`](super::bus::Hub) so that its subscribers cannot tell a
 //! replay from a live run.
 
-mod file;
+pub mod file;
 mod index;
 
 pub use file::{FileReplay, Played};
