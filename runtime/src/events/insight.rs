@@ -69,6 +69,20 @@ pub fn findings(s: &Snapshot) -> Vec<Finding> {
 }
 
 fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
+    let refused = s.refused_total();
+    if refused > 0 {
+        let reasons: Vec<String> = s.refused.iter().map(|(r, n)| format!("{n} {r}")).collect();
+        out.push(finding(
+            "events_refused",
+            Severity::Warn,
+            format!(
+                "{refused} events were refused as out of bounds ({}): the source is damaged or \
+                 not a run of this version, and the views leave those events out",
+                reasons.join(", ")
+            ),
+            "",
+        ));
+    }
     if s.dropped_events > 0 {
         out.push(finding(
             "events_dropped",
@@ -285,6 +299,15 @@ mod tests {
             EventKind::WeightStep(WeightStepMetrics { prefetch_hits: 10, hit_rate: 1.0, ..Default::default() }),
         ));
         assert!(findings(&s).is_empty(), "{:?}", findings(&s));
+    }
+
+    #[test]
+    fn refused_events_are_a_finding() {
+        let mut s = Snapshot::new();
+        s.apply(&at(1, 1, EventKind::PrefetchHit { block: BlockId(4_000_000_000) }));
+        let f = findings(&s);
+        assert_eq!(ids(&s), ["events_refused"]);
+        assert!(f[0].message.contains("1 unknown_block"), "{}", f[0].message);
     }
 
     #[test]
