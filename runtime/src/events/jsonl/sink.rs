@@ -74,6 +74,9 @@ pub struct JsonlSink {
     oldest: Option<Instant>,
     /// Bytes of the current segment known to end on a complete line.
     committed: u64,
+    /// Bytes of the current segment's preamble: a segment holding no more is never rotated (a
+    /// bound smaller than the preamble would otherwise open a segment per batch).
+    floor: u64,
     /// A write failed and could not be rolled back: start the next batch on a fresh line.
     broken_tail: bool,
     written: u64,
@@ -184,6 +187,7 @@ impl JsonlSink {
             buffered: 0,
             oldest: None,
             committed: 0,
+            floor: 0,
             broken_tail: false,
             written: 0,
             lost: 0,
@@ -276,7 +280,7 @@ impl JsonlSink {
     /// Closes the segment at the size bound and opens the next one with the preamble.
     fn maybe_rotate(&mut self) {
         let Some(limit) = self.rotate_bytes else { return };
-        if self.committed < limit || self.paths.is_empty() {
+        if self.committed < limit || self.committed <= self.floor || self.paths.is_empty() {
             return;
         }
         let next = segment_path(&self.path, self.segment + 1);
@@ -287,9 +291,17 @@ impl JsonlSink {
                 self.committed = 0;
                 self.broken_tail = false;
                 self.paths.push(next);
+                // Whatever is buffered goes after the preamble, which is written at once so
+                // that the segment reads alone.
+                let pending = std::mem::take(&mut self.buf);
+                let pending_events = std::mem::take(&mut self.buffered);
                 for e in self.preamble.events() {
                     self.push_line(&e);
                 }
+                self.write_batch();
+                self.floor = self.committed;
+                self.buf = pending;
+                self.buffered = pending_events;
             }
             Err(e) => {
                 // Keep writing the full segment rather than lose events.
@@ -331,8 +343,6 @@ impl EventSink for JsonlSink {
     fn flush(&mut self) {
         self.write_batch();
         self.maybe_rotate();
-        // The preamble of a new segment is written at once: the segment reads alone.
-        self.write_batch();
     }
 
     fn batch_end(&mut self) {

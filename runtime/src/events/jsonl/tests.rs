@@ -307,3 +307,27 @@ fn rotated_segments_each_read_alone_and_follow_as_one_run() {
     let followed = f.poll().expect("poll").events;
     assert_eq!(followed, run, "the segments follow as the one run, preambles skipped");
 }
+
+#[test]
+fn a_bound_below_the_preamble_never_opens_segments_without_events() {
+    use crate::events::synthetic::{self, SyntheticRun};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.jsonl");
+    let run = synthetic::events(SyntheticRun { blocks: 4, steps: 1, end_mid_step: false });
+    let mut sink = JsonlSink::open_with(&path, OpenMode::CreateNew, false, Some(1)).expect("opens");
+    for e in &run[..20] {
+        sink.on_event(e);
+    }
+    sink.flush();
+    let after_events = sink.paths().len();
+    for _ in 0..5 {
+        sink.flush(); // idle flushes
+    }
+    assert_eq!(sink.paths().len(), after_events, "no segment holds only a preamble");
+    sink.on_event(&run[20]);
+    sink.flush();
+    assert_eq!(sink.paths().len(), after_events + 1);
+    drop(sink);
+    let (events, _) = read_file(sink::segment_path(&path, after_events as u32 - 1)).expect("reads");
+    assert_eq!(events.last(), Some(&run[20]), "the new event follows the preamble");
+}
