@@ -12,7 +12,7 @@
 
 use super::super::model::Event;
 use super::super::preamble::Preamble;
-use super::read::{LineBuf, ReadReport};
+use super::read::{LineBuf, ReadReport, SkipReason};
 use super::sink::segment_path;
 use super::{zst, JsonlError};
 use std::fs::File;
@@ -233,9 +233,15 @@ impl Follower {
         while let Some(n) = zst::frame_len(&self.raw) {
             let frame: Vec<u8> = self.raw.drain(..n).collect();
             let mut decoded = Vec::new();
-            zst::decode_frame(&frame, |b| decoded.extend_from_slice(b))
-                .map_err(|e| JsonlError::io(&self.path, e))?;
-            self.feed_lines(&decoded, out);
+            match zst::decode_frame(&frame, |b| decoded.extend_from_slice(b)) {
+                Ok(()) => self.feed_lines(&decoded, out),
+                // A damaged frame is skipped and counted; the frames after it still read.
+                Err(e) => {
+                    self.report.lines = self.report.lines.saturating_add(1);
+                    let line = self.report.lines;
+                    self.report.skip(line, SkipReason::Truncated, format!("a damaged compressed frame of {n} bytes: {e}"));
+                }
+            }
         }
         if self.raw.len() > zst::MAX_FRAME_BYTES {
             return Err(JsonlError::io(

@@ -51,19 +51,22 @@ pub type FileStream = Box<dyn BufRead + Send>;
 
 /// Opens a telemetry file for reading, plain or zstd-compressed (recognised by its magic
 /// number), as a streaming [`Reader`].
+/// Compressed data that ends damaged or cut off (a writer killed mid-frame) ends the events
+/// there and counts as one truncated line; the events before it are kept.
 pub fn open(path: impl AsRef<Path>) -> Result<Reader<FileStream>, JsonlError> {
     let path = path.as_ref();
-    let stream = open_stream(path).map_err(|e| JsonlError::io(path, e))?;
-    Ok(Reader::new(stream))
+    let (stream, damage) = open_stream(path).map_err(|e| JsonlError::io(path, e))?;
+    Ok(Reader::with_damage(stream, damage))
 }
 
-/// The decompressed bytes of a file.
-pub(crate) fn open_stream(path: &Path) -> io::Result<FileStream> {
+/// The decompressed bytes of a file, and where a compressed one reports damage.
+pub(crate) fn open_stream(path: &Path) -> io::Result<(FileStream, Option<zst::Damage>)> {
     let mut file = BufReader::with_capacity(256 * 1024, File::open(path)?);
     if zst::is_zstd(file.fill_buf()?) {
-        Ok(Box::new(BufReader::with_capacity(256 * 1024, zst::decoder(file)?)))
+        let (d, damage) = zst::Lenient::new(file)?;
+        Ok((Box::new(BufReader::with_capacity(256 * 1024, d)), Some(damage)))
     } else {
-        Ok(Box::new(file))
+        Ok((Box::new(file), None))
     }
 }
 

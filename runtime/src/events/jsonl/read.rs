@@ -98,7 +98,7 @@ pub struct ReadReport {
 }
 
 impl ReadReport {
-    pub(super) fn skip(&mut self, line: u64, reason: SkipReason, detail: String) {
+    pub(crate) fn skip(&mut self, line: u64, reason: SkipReason, detail: String) {
         self.skipped_total = self.skipped_total.saturating_add(1);
         let n = self.skipped_by_reason.entry(reason).or_insert(0);
         *n = n.saturating_add(1);
@@ -330,6 +330,8 @@ pub struct Reader<R> {
     /// Offset where the line being gathered started.
     line_start: u64,
     done: bool,
+    /// Where a compressed stream reports that it ended damaged.
+    damage: Option<super::zst::Damage>,
 }
 
 impl<R: BufRead> Reader<R> {
@@ -347,6 +349,25 @@ impl<R: BufRead> Reader<R> {
             offset,
             line_start: offset,
             done: false,
+            damage: None,
+        }
+    }
+
+    /// A reader of a decompressed stream whose damage (an incomplete last frame) it reports as
+    /// one truncated line.
+    pub(crate) fn with_damage(inner: R, damage: Option<super::zst::Damage>) -> Reader<R> {
+        let mut r = Reader::new(inner);
+        r.damage = damage;
+        r
+    }
+
+    fn report_damage(&mut self) {
+        let Some(d) = &self.damage else { return };
+        let msg = d.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(msg) = msg {
+            self.report.lines = self.report.lines.saturating_add(1);
+            let n = self.report.lines;
+            self.report.skip(n, SkipReason::Truncated, msg);
         }
     }
 
@@ -373,6 +394,7 @@ impl<R: BufRead> Reader<R> {
                 Ok([]) => {
                     self.done = true;
                     if self.line.is_empty() {
+                        self.report_damage();
                         return None;
                     }
                     (0, false)
@@ -393,7 +415,11 @@ impl<R: BufRead> Reader<R> {
             let outcome = self.line.outcome(ends);
             self.line.clear();
             self.line_start = self.offset;
-            if let Some(e) = self.report.record(outcome) {
+            let event = self.report.record(outcome);
+            if self.done {
+                self.report_damage();
+            }
+            if let Some(e) = event {
                 return Some(Ok((start, e)));
             }
         }

@@ -331,3 +331,38 @@ fn a_bound_below_the_preamble_never_opens_segments_without_events() {
     let (events, _) = read_file(sink::segment_path(&path, after_events as u32 - 1)).expect("reads");
     assert_eq!(events.last(), Some(&run[20]), "the new event follows the preamble");
 }
+
+#[test]
+fn a_compressed_file_cut_off_mid_frame_keeps_the_events_before() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("cut.jsonl.zst");
+    {
+        let mut sink = JsonlSink::open_with(&path, OpenMode::CreateNew, true, None).expect("opens");
+        for i in 1..=10 {
+            sink.on_event(&event(i));
+        }
+        sink.flush();
+        for i in 11..=20 {
+            sink.on_event(&event(i));
+        }
+    }
+    // The writer was killed while writing the second frame.
+    let bytes = std::fs::read(&path).expect("read");
+    std::fs::write(&path, &bytes[..bytes.len() - 7]).expect("cut");
+    let (events, report) = read_file(&path).expect("reads what is there");
+    assert_eq!(events.len(), 10);
+    assert_eq!(report.count(SkipReason::Truncated), 1, "{}", report.summary());
+    let r = crate::events::replay::FileReplay::open(&path).expect("opens");
+    r.wait_indexed();
+    assert_eq!(r.len(), 10);
+    assert_eq!(r.report().0.count(SkipReason::Truncated), 1);
+    // A damaged frame in the middle is skipped; the frames after it still read.
+    let mut damaged = bytes.clone();
+    let first_frame = zst::frame_len(&damaged).expect("a frame");
+    damaged[first_frame - 3] ^= 0xff; // inside the first frame's data or checksum
+    std::fs::write(&path, &damaged).expect("write");
+    let mut f = Follower::open(&path).expect("opens");
+    let p = f.poll().expect("polls");
+    assert_eq!(p.events.first().map(|e| e.seq), Some(11), "{:?}", f.report());
+    assert_eq!(f.report().count(SkipReason::Truncated), 1);
+}

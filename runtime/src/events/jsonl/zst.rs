@@ -6,6 +6,7 @@
 //! decoding at any frame.
 
 use std::io::{self, BufRead, Read};
+use std::sync::{Arc, Mutex};
 
 /// The first four bytes of every zstd frame.
 pub const MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
@@ -48,6 +49,42 @@ pub(crate) fn decode_frame(frame: &[u8], mut out: impl FnMut(&[u8])) -> io::Resu
             Ok(n) => out(&buf[..n]),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
+        }
+    }
+}
+
+/// What went wrong with a compressed stream, shared between a [`Lenient`] decoder and the reader
+/// that reports it.
+pub(crate) type Damage = Arc<Mutex<Option<String>>>;
+
+/// The decoded bytes of a compressed stream, where damaged or cut-off data ends the stream the
+/// way a cut-off plain file ends, instead of failing the whole read: a writer killed mid-frame
+/// leaves an incomplete last frame, and the events before it are still good. What happened is
+/// kept in the [`Damage`] for the reader's report.
+pub(crate) struct Lenient<R: BufRead> {
+    inner: zstd::stream::read::Decoder<'static, R>,
+    damage: Damage,
+}
+
+impl<R: BufRead> Lenient<R> {
+    pub(crate) fn new(r: R) -> io::Result<(Lenient<R>, Damage)> {
+        let damage = Damage::default();
+        Ok((Lenient { inner: decoder(r)?, damage: damage.clone() }, damage))
+    }
+}
+
+impl<R: BufRead> Read for Lenient<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.inner.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let mut d = self.damage.lock().unwrap_or_else(|p| p.into_inner());
+                    d.get_or_insert_with(|| format!("compressed data ends damaged or cut off: {e}"));
+                    return Ok(0);
+                }
+                ok => return ok,
+            }
         }
     }
 }

@@ -9,6 +9,7 @@
 //! only slower to seek).
 
 use super::super::jsonl::read::{LineBuf, ReadReport};
+use super::super::jsonl::SkipReason;
 use super::super::jsonl::{zst, JsonlError};
 use super::super::model::{Event, EventKind, Phase};
 use super::super::snapshot::Snapshot;
@@ -93,7 +94,8 @@ pub fn stream_at(path: &Path, compressed: bool, at: Position) -> io::Result<Box<
     f.seek(SeekFrom::Start(at.raw))?;
     let f = BufReader::with_capacity(256 * 1024, f);
     let mut s: Box<dyn BufRead + Send> = if compressed {
-        Box::new(BufReader::with_capacity(256 * 1024, zst::decoder(f)?))
+        // Damage ends the stream (the index has counted it); play stops there.
+        Box::new(BufReader::with_capacity(256 * 1024, zst::Lenient::new(f)?.0))
     } else {
         Box::new(f)
     };
@@ -191,12 +193,18 @@ impl<'a> Indexer<'a> {
                 let frame: Vec<u8> = raw.drain(..n).collect();
                 self.next_at = Position { raw: raw_at, skip: 0 };
                 let mut out = Vec::new();
-                zst::decode_frame(&frame, |b| out.extend_from_slice(b))?;
-                self.feed(&out, false);
+                match zst::decode_frame(&frame, |b| out.extend_from_slice(b)) {
+                    Ok(()) => self.feed(&out, false),
+                    // A damaged frame is skipped and counted; the frames after it still read.
+                    Err(e) => self.damaged(format!("a damaged compressed frame of {n} bytes at byte {raw_at}: {e}")),
+                }
                 raw_at += n as u64;
                 continue;
             }
             if eof {
+                if !raw.is_empty() {
+                    self.damaged(format!("{} bytes of an incomplete compressed frame at the end", raw.len()));
+                }
                 break;
             }
             if raw.len() > zst::MAX_FRAME_BYTES {
@@ -246,6 +254,12 @@ impl<'a> Indexer<'a> {
                 }
             }
         }
+    }
+
+    fn damaged(&mut self, detail: String) {
+        self.report.lines = self.report.lines.saturating_add(1);
+        let n = self.report.lines;
+        self.report.skip(n, SkipReason::Truncated, detail);
     }
 
     fn event(&mut self, e: Event) {
