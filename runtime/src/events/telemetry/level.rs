@@ -118,3 +118,40 @@ fn due(last: &mut Option<u64>, t_ns: u64) -> bool {
     }
     ok
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::model::{BlockId, Phase, VramByOwner};
+
+    fn at(t_ns: u64, step: u64, kind: EventKind) -> Event {
+        Event::new(1, t_ns, step, Phase::Forward, kind)
+    }
+
+    fn sample(t_ns: u64) -> Event {
+        at(t_ns, 1, EventKind::VramSample { allocated_bytes: 1, reserved_bytes: 1, peak_allocated_bytes: 1 })
+    }
+
+    fn owners(t_ns: u64, step: u64, allocated_bytes: u64) -> Event {
+        at(t_ns, step, EventKind::VramOwners(VramByOwner { allocated_bytes, ..Default::default() }))
+    }
+
+    #[test]
+    fn summary_keeps_aggregates_and_bounds_readings() {
+        let mut f = LevelFilter::new(Level::Summary);
+        assert!(!f.keeps(&at(0, 1, EventKind::PrefetchHit { block: BlockId(0) })), "detail");
+        assert!(f.keeps(&at(0, 1, EventKind::RunEnded { steps: 1 })));
+        let ms = 1_000_000;
+        let kept: Vec<u64> = (0..50).map(|i| i * 10 * ms).filter(|t| f.keeps(&sample(*t))).collect();
+        assert_eq!(kept, [0, 100 * ms, 200 * ms, 300 * ms, 400 * ms], "one reading per 100 ms");
+        // Owners: every new peak of the step, and otherwise the bounded rate.
+        let step1: Vec<bool> = [(1, 5), (2, 9), (3, 9), (4, 3), (5, 12)]
+            .iter()
+            .map(|(t, a)| f.keeps(&owners(*t, 1, *a)))
+            .collect();
+        assert_eq!(step1, [true, true, false, false, true]);
+        assert!(f.keeps(&owners(6, 2, 1)), "the first reading of a step");
+        assert!(LevelFilter::new(Level::Full).keeps(&at(0, 1, EventKind::PrefetchHit { block: BlockId(0) })));
+        assert!(!LevelFilter::new(Level::Off).keeps(&at(0, 1, EventKind::RunEnded { steps: 1 })));
+    }
+}
