@@ -51,8 +51,8 @@ pub type FileStream = Box<dyn BufRead + Send>;
 
 /// Opens a telemetry file for reading, plain or zstd-compressed (recognised by its magic
 /// number), as a streaming [`Reader`].
-/// Compressed data that ends damaged or cut off (a writer killed mid-frame) ends the events
-/// there and counts as one truncated line; the events before it are kept.
+/// In a compressed file a damaged frame is skipped and an incomplete last frame (a writer killed
+/// mid-frame) ends the events; each counts as one truncated line, and the rest reads.
 pub fn open(path: impl AsRef<Path>) -> Result<Reader<FileStream>, JsonlError> {
     let path = path.as_ref();
     let (stream, damage) = open_stream(path).map_err(|e| JsonlError::io(path, e))?;
@@ -63,7 +63,7 @@ pub fn open(path: impl AsRef<Path>) -> Result<Reader<FileStream>, JsonlError> {
 pub(crate) fn open_stream(path: &Path) -> io::Result<(FileStream, Option<zst::Damage>)> {
     let mut file = BufReader::with_capacity(256 * 1024, File::open(path)?);
     if zst::is_zstd(file.fill_buf()?) {
-        let (d, damage) = zst::Lenient::new(file)?;
+        let (d, damage) = zst::Frames::new(file);
         Ok((Box::new(BufReader::with_capacity(256 * 1024, d)), Some(damage)))
     } else {
         Ok((Box::new(file), None))

@@ -353,8 +353,8 @@ impl<R: BufRead> Reader<R> {
         }
     }
 
-    /// A reader of a decompressed stream whose damage (an incomplete last frame) it reports as
-    /// one truncated line.
+    /// A reader of a decompressed stream whose damage (a skipped frame, an incomplete last frame)
+    /// it reports as a truncated line each.
     pub(crate) fn with_damage(inner: R, damage: Option<super::zst::Damage>) -> Reader<R> {
         let mut r = Reader::new(inner);
         r.damage = damage;
@@ -363,8 +363,8 @@ impl<R: BufRead> Reader<R> {
 
     fn report_damage(&mut self) {
         let Some(d) = &self.damage else { return };
-        let msg = d.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(msg) = msg {
+        let msgs = std::mem::take(&mut *d.lock().unwrap_or_else(|p| p.into_inner()));
+        for msg in msgs {
             self.report.lines = self.report.lines.saturating_add(1);
             let n = self.report.lines;
             self.report.skip(n, SkipReason::Truncated, msg);

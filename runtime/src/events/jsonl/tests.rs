@@ -365,4 +365,12 @@ fn a_compressed_file_cut_off_mid_frame_keeps_the_events_before() {
     let p = f.poll().expect("polls");
     assert_eq!(p.events.first().map(|e| e.seq), Some(11), "{:?}", f.report());
     assert_eq!(f.report().count(SkipReason::Truncated), 1);
+    // The streaming reader and the replay skip the same frame and read on.
+    let (events, report) = read_file(&path).expect("reads");
+    assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), (11..=20).collect::<Vec<_>>());
+    assert_eq!(report.count(SkipReason::Truncated), 1, "{}", report.summary());
+    let mut r = crate::events::replay::FileReplay::open(&path).expect("opens");
+    r.wait_indexed();
+    r.to_end().expect("plays to the end");
+    assert_eq!((r.position(), r.snapshot().last_seq), (10, 20));
 }

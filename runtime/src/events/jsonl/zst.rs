@@ -53,37 +53,89 @@ pub(crate) fn decode_frame(frame: &[u8], mut out: impl FnMut(&[u8])) -> io::Resu
     }
 }
 
-/// What went wrong with a compressed stream, shared between a [`Lenient`] decoder and the reader
-/// that reports it.
-pub(crate) type Damage = Arc<Mutex<Option<String>>>;
+/// What went wrong with a compressed stream (one message per damaged place), shared between a
+/// [`Frames`] decoder and the reader that reports it.
+pub(crate) type Damage = Arc<Mutex<Vec<String>>>;
 
-/// The decoded bytes of a compressed stream, where damaged or cut-off data ends the stream the
-/// way a cut-off plain file ends, instead of failing the whole read: a writer killed mid-frame
-/// leaves an incomplete last frame, and the events before it are still good. What happened is
-/// kept in the [`Damage`] for the reader's report.
-pub(crate) struct Lenient<R: BufRead> {
-    inner: zstd::stream::read::Decoder<'static, R>,
+fn note(damage: &Damage, msg: String) {
+    damage.lock().unwrap_or_else(|p| p.into_inner()).push(msg);
+}
+
+/// The decoded bytes of a compressed stream, frame by frame. A damaged frame is skipped and the
+/// frames after it still read; an incomplete last frame (a writer killed mid-frame) ends the
+/// stream the way a cut-off plain file ends. Either is kept in the [`Damage`] for the reader's
+/// report instead of failing the whole read. A frame too large to hold (a foreign file written
+/// as one frame) is decoded as a stream from there on.
+pub(crate) struct Frames<R: Read> {
+    src: Option<R>,
+    raw: Vec<u8>,
+    eof: bool,
+    current: Option<zstd::stream::read::Decoder<'static, io::BufReader<io::Cursor<Vec<u8>>>>>,
+    tail: Option<zstd::stream::read::Decoder<'static, io::BufReader<io::Chain<io::Cursor<Vec<u8>>, R>>>>,
     damage: Damage,
 }
 
-impl<R: BufRead> Lenient<R> {
-    pub(crate) fn new(r: R) -> io::Result<(Lenient<R>, Damage)> {
+impl<R: Read> Frames<R> {
+    pub(crate) fn new(src: R) -> (Frames<R>, Damage) {
         let damage = Damage::default();
-        Ok((Lenient { inner: decoder(r)?, damage: damage.clone() }, damage))
+        let f = Frames { src: Some(src), raw: Vec::new(), eof: false, current: None, tail: None, damage: damage.clone() };
+        (f, damage)
     }
 }
 
-impl<R: BufRead> Read for Lenient<R> {
+impl<R: Read> Read for Frames<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
-            match self.inner.read(buf) {
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    let mut d = self.damage.lock().unwrap_or_else(|p| p.into_inner());
-                    d.get_or_insert_with(|| format!("compressed data ends damaged or cut off: {e}"));
-                    return Ok(0);
+            if let Some(t) = &mut self.tail {
+                return match t.read(buf) {
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        note(&self.damage, format!("compressed data ends damaged or cut off: {e}"));
+                        self.tail = None;
+                        self.eof = true;
+                        Ok(0)
+                    }
+                    ok => ok,
+                };
+            }
+            if let Some(d) = &mut self.current {
+                match d.read(buf) {
+                    Ok(0) => self.current = None,
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        note(&self.damage, format!("a damaged compressed frame was skipped: {e}"));
+                        self.current = None;
+                    }
                 }
-                ok => return ok,
+                continue;
+            }
+            if let Some(n) = frame_len(&self.raw) {
+                let frame: Vec<u8> = self.raw.drain(..n).collect();
+                self.current = Some(zstd::stream::read::Decoder::new(io::Cursor::new(frame))?.single_frame());
+                continue;
+            }
+            if self.eof {
+                if !self.raw.is_empty() {
+                    note(&self.damage, format!("{} bytes of an incomplete compressed frame at the end", self.raw.len()));
+                    self.raw.clear();
+                }
+                return Ok(0);
+            }
+            if self.raw.len() > MAX_FRAME_BYTES {
+                if let Some(src) = self.src.take() {
+                    let rest = io::Cursor::new(std::mem::take(&mut self.raw)).chain(src);
+                    self.tail = Some(zstd::stream::read::Decoder::new(rest)?);
+                    continue;
+                }
+            }
+            let Some(src) = &mut self.src else { return Ok(0) };
+            let mut chunk = [0u8; 64 * 1024];
+            match src.read(&mut chunk) {
+                Ok(0) => self.eof = true,
+                Ok(k) => self.raw.extend_from_slice(&chunk[..k]),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
         }
     }

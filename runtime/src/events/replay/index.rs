@@ -94,8 +94,8 @@ pub fn stream_at(path: &Path, compressed: bool, at: Position) -> io::Result<Box<
     f.seek(SeekFrom::Start(at.raw))?;
     let f = BufReader::with_capacity(256 * 1024, f);
     let mut s: Box<dyn BufRead + Send> = if compressed {
-        // Damage ends the stream (the index has counted it); play stops there.
-        Box::new(BufReader::with_capacity(256 * 1024, zst::Lenient::new(f)?.0))
+        // Damaged frames are skipped as the index skipped them (it has counted them).
+        Box::new(BufReader::with_capacity(256 * 1024, zst::Frames::new(f).0))
     } else {
         Box::new(f)
     };
