@@ -66,12 +66,17 @@ fn note(damage: &Damage, msg: String) {
 /// stream the way a cut-off plain file ends. Either is kept in the [`Damage`] for the reader's
 /// report instead of failing the whole read. A frame too large to hold (a foreign file written
 /// as one frame) is decoded as a stream from there on.
+/// Decodes one frame held in memory.
+type FrameDecoder = zstd::stream::read::Decoder<'static, io::BufReader<io::Cursor<Vec<u8>>>>;
+/// Decodes what is left of a stream (held bytes, then the source).
+type StreamDecoder<R> = zstd::stream::read::Decoder<'static, io::BufReader<io::Chain<io::Cursor<Vec<u8>>, R>>>;
+
 pub(crate) struct Frames<R: Read> {
     src: Option<R>,
     raw: Vec<u8>,
     eof: bool,
-    current: Option<zstd::stream::read::Decoder<'static, io::BufReader<io::Cursor<Vec<u8>>>>>,
-    tail: Option<zstd::stream::read::Decoder<'static, io::BufReader<io::Chain<io::Cursor<Vec<u8>>, R>>>>,
+    current: Option<FrameDecoder>,
+    tail: Option<StreamDecoder<R>>,
     damage: Damage,
 }
 
