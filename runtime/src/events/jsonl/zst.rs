@@ -61,16 +61,16 @@ fn note(damage: &Damage, msg: String) {
     damage.lock().unwrap_or_else(|p| p.into_inner()).push(msg);
 }
 
-/// The decoded bytes of a compressed stream, frame by frame. A damaged frame is skipped and the
-/// frames after it still read; an incomplete last frame (a writer killed mid-frame) ends the
-/// stream the way a cut-off plain file ends. Either is kept in the [`Damage`] for the reader's
-/// report instead of failing the whole read. A frame too large to hold (a foreign file written
-/// as one frame) is decoded as a stream from there on.
 /// Decodes one frame held in memory.
 type FrameDecoder = zstd::stream::read::Decoder<'static, io::BufReader<io::Cursor<Vec<u8>>>>;
 /// Decodes what is left of a stream (held bytes, then the source).
 type StreamDecoder<R> = zstd::stream::read::Decoder<'static, io::BufReader<io::Chain<io::Cursor<Vec<u8>>, R>>>;
 
+/// The decoded bytes of a compressed stream, frame by frame. A damaged frame is skipped and the
+/// frames after it still read; an incomplete last frame (a writer killed mid-frame) ends the
+/// stream the way a cut-off plain file ends. Either is kept in the [`Damage`] for the reader's
+/// report instead of failing the whole read. A frame too large to hold (a foreign file written
+/// as one frame) is decoded as a stream from there on.
 pub(crate) struct Frames<R: Read> {
     src: Option<R>,
     raw: Vec<u8>,
