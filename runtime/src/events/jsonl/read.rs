@@ -363,8 +363,9 @@ impl<R: BufRead> Reader<R> {
 
     fn report_damage(&mut self) {
         let Some(d) = &self.damage else { return };
-        let msgs = std::mem::take(&mut *d.lock().unwrap_or_else(|p| p.into_inner()));
-        for msg in msgs {
+        let log = std::mem::take(&mut *d.lock().unwrap_or_else(|p| p.into_inner()));
+        let more = (0..log.more).map(|_| "another damaged compressed frame".to_owned());
+        for msg in log.messages.into_iter().chain(more) {
             self.report.lines = self.report.lines.saturating_add(1);
             let n = self.report.lines;
             self.report.skip(n, SkipReason::Truncated, msg);
@@ -416,9 +417,7 @@ impl<R: BufRead> Reader<R> {
             self.line.clear();
             self.line_start = self.offset;
             let event = self.report.record(outcome);
-            if self.done {
-                self.report_damage();
-            }
+            self.report_damage();
             if let Some(e) = event {
                 return Some(Ok((start, e)));
             }

@@ -53,12 +53,28 @@ pub(crate) fn decode_frame(frame: &[u8], mut out: impl FnMut(&[u8])) -> io::Resu
     }
 }
 
-/// What went wrong with a compressed stream (one message per damaged place), shared between a
-/// [`Frames`] decoder and the reader that reports it.
-pub(crate) type Damage = Arc<Mutex<Vec<String>>>;
+/// What went wrong with a compressed stream, shared between a [`Frames`] decoder and the reader
+/// that reports it: one entry per damaged place, taken by the reader as it goes.
+pub(crate) type Damage = Arc<Mutex<DamageLog>>;
+
+/// Damaged places not yet reported: messages for the first ones, a count for the rest (a file
+/// of nothing but damaged frames must not grow memory).
+#[derive(Debug, Default)]
+pub(crate) struct DamageLog {
+    pub(crate) messages: Vec<String>,
+    pub(crate) more: u64,
+}
+
+/// Messages a [`DamageLog`] holds before it only counts.
+const DAMAGE_MESSAGES: usize = 100;
 
 fn note(damage: &Damage, msg: String) {
-    damage.lock().unwrap_or_else(|p| p.into_inner()).push(msg);
+    let mut d = damage.lock().unwrap_or_else(|p| p.into_inner());
+    if d.messages.len() < DAMAGE_MESSAGES {
+        d.messages.push(msg);
+    } else {
+        d.more = d.more.saturating_add(1);
+    }
 }
 
 /// Decodes one frame held in memory.
