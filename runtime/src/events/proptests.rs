@@ -218,4 +218,36 @@ proptest! {
         let s = Snapshot::from_events(&events);
         check_invariants(&s);
     }
+
+    #[test]
+    fn compressed_garbage_never_panics_and_reads_what_is_whole(
+        good in prop::collection::vec(event(), 0..20),
+        cut in any::<usize>(),
+        flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+    ) {
+        let mut text = Vec::new();
+        for e in &good {
+            text.extend_from_slice(&serde_json::to_vec(e).unwrap_or_default());
+            text.push(b'\n');
+        }
+        let mut raw = super::jsonl::zst::compress_frame(&text).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        raw.extend_from_slice(&super::jsonl::zst::compress_frame(&text).map_err(|e| TestCaseError::fail(e.to_string()))?);
+        raw.truncate(cut % (raw.len() + 1));
+        for (at, b) in flips {
+            if !raw.is_empty() {
+                let i = at % raw.len();
+                raw[i] ^= b;
+            }
+        }
+        let (frames, damage) = super::jsonl::zst::Frames::new(std::io::Cursor::new(raw));
+        let mut reader = super::jsonl::Reader::with_damage(std::io::BufReader::new(frames), Some(damage));
+        let mut n = 0u64;
+        for e in &mut reader {
+            prop_assert!(e.is_ok());
+            n += 1;
+        }
+        prop_assert!(n <= 2 * good.len() as u64);
+        let r = reader.report();
+        prop_assert_eq!(r.events + r.blank + r.skipped_total, r.lines);
+    }
 }
