@@ -154,6 +154,13 @@ pub fn describe(k: &EventKind) -> String {
             m.grant_count, m.partial_count, m.deny_count
         ),
         TrainStep(m) => format!("loss {:.4} in {:.1} ms", m.loss, m.step_time_s * 1e3),
+        TransferStep(m) => format!(
+            "h2d {} copies {}, d2h {} copies {}",
+            m.h2d.count,
+            fmt_bytes(m.h2d.bytes),
+            m.d2h.count,
+            fmt_bytes(m.d2h.bytes)
+        ),
         Warning { source, message } => format!("{}: {message}", source.as_str()),
         EventsDropped { total } => format!("{total} dropped so far"),
         LimitsSet { owner, budget_bytes, high_watermark_bytes, low_watermark_bytes } => {

@@ -97,9 +97,9 @@ impl Drop for Tui {
 #[test]
 fn replay_in_a_terminal_follows_keys() {
     let mut t = Tui::start(&["--replay", RUN, "--paused"]);
-    t.wait_for("0/805");
+    t.wait_for("0/809");
     t.keys("\x1b[F"); // End
-    t.wait_for("805/805");
+    t.wait_for("809/809");
     t.wait_for("dropped 17");
     t.keys("2");
     t.wait_for_all(&["Step 3 took 88.0 ms: where the time went", "compute 63.0 ms 72%", "Findings (1)"]);
@@ -133,7 +133,7 @@ fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
     let url = format!("http://{addr}");
     let mut t = Tui::start(&["--connect", &url]);
     // The first connection is closed by the server; the second snapshot makes the second resync.
-    t.wait_for("805 events, 2 resyncs");
+    t.wait_for(&format!("{} events, 2 resyncs", ev.len()));
     let s = t.wait_for_all(&[&format!("live {addr}"), "step 4 forward", "dropped 17"]);
     assert_eq!(s.matches(&addr).count(), 1, "the address once:\n{s}");
     t.keys("2");
@@ -163,7 +163,7 @@ fn follow_plays_a_growing_file_as_it_is_written() {
     write!(f, "{rest}\n{tail}").expect("appends the rest");
     f.flush().expect("flushes");
     // "dropped 17" comes from an appended event: the appended part was applied.
-    let s = t.wait_for_all(&["805/805", "read 805 events from 805 lines", "dropped 17"]);
+    let s = t.wait_for_all(&["809/809", "read 809 events from 809 lines", "dropped 17"]);
     assert!(!s.contains("skipped"), "the line finished later was read whole:\n{s}");
     t.keys("8");
     t.wait_for("Phase timeline");

@@ -112,10 +112,10 @@ fn damaged_file_shows_the_rest_and_reports_what_it_skipped() {
     assert_eq!(state.snapshot.blocks.len(), 8);
     let t = draw(&state, &view(View::Overview), &Theme::default());
     let s = screen(&t);
-    assert!(s.contains("skipped 4 (2 corrupt, 1 truncated, 1 of unknown kind)"), "{s}");
+    assert!(s.contains("skipped 4 (2 malformed, 1 of unknown kind, 1 truncated)"), "{s}");
     insta::assert_snapshot!("damaged_overview", t.backend());
     let small = screen(&draw_at(&state, &view(View::Overview), &Theme::default(), SMALL));
-    assert!(small.contains("skipped 4 (2 corrupt, 1 truncated, 1 of unknown kind)"), "{small}");
+    assert!(small.contains("skipped 4 (2 malformed, 1 of unknown kind, 1 truncated)"), "{small}");
 }
 
 /// The end of the fixture run with counts far larger than the fixture's, as a long run has.
@@ -240,6 +240,7 @@ fn a_file_that_is_still_loading_shows_its_progress() {
             end_t_ns: 0,
             step: 1,
             following: false,
+            indexing: false,
         },
         report: "read 250000 events from 250000 lines".into(),
         skipped: 0,

@@ -1,10 +1,12 @@
-//! Cost of publishing on the training thread with the snapshot and JSONL consumers attached,
-//! and JSONL write/read throughput.
+//! Cost of publishing on the training thread with the snapshot and JSONL consumers attached, and
+//! with every telemetry sink attached (full and summary files, the flight recorder), and JSONL
+//! write/read throughput.
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench events`.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use stagehand::events::jsonl::{read_from, JsonlSink, OpenMode};
+use stagehand::events::telemetry::{self, Level, TelemetryConfig};
 use stagehand::events::{
     BlockId, BlockState, Bus, Event, EventKind, EventSink, Hub, PackDecision, Phase, TensorId,
 };
@@ -54,11 +56,53 @@ fn publish(c: &mut Criterion) {
             bus.publish(pack(i));
         })
     });
-    let disabled = Bus::disabled();
-    g.bench_function("disabled_bus", |b| b.iter(|| disabled.publish(residency(1))));
     g.finish();
     bus.flush();
     eprintln!("published {}, dropped {}", bus.published(), bus.dropped());
+
+    // Every sink the product attaches: a full-level file, a compressed summary-level file with
+    // the flight recorder, the snapshot and a live subscriber.
+    let hub = Arc::new(Hub::new());
+    let _sub = hub.subscribe();
+    let bus = Bus::with_hub(hub, 1 << 16);
+    let _full = telemetry::attach(
+        &bus,
+        TelemetryConfig { level: Level::Full, path: Some(dir.path().join("full.jsonl")), ..Default::default() },
+    )
+    .expect("full telemetry");
+    let _summary = telemetry::attach(
+        &bus,
+        TelemetryConfig {
+            level: Level::Summary,
+            path: Some(dir.path().join("summary.jsonl.zst")),
+            compress: true,
+            ..Default::default()
+        },
+    )
+    .expect("summary telemetry");
+    bus.enter_phase(1, Phase::Forward);
+    let mut g = c.benchmark_group("publish_all_sinks");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("residency_full_and_summary_files_flight_recorder_subscriber", |b| {
+        b.iter(|| {
+            i += 1;
+            bus.publish(residency(i));
+        })
+    });
+    g.bench_function("pack_full_and_summary_files_flight_recorder_subscriber", |b| {
+        b.iter(|| {
+            i += 1;
+            bus.publish(pack(i));
+        })
+    });
+    g.finish();
+    bus.flush();
+    eprintln!("published {}, dropped {}", bus.published(), bus.dropped());
+
+    let mut g = c.benchmark_group("publish");
+    let disabled = Bus::disabled();
+    g.bench_function("disabled_bus", |b| b.iter(|| disabled.publish(residency(1))));
+    g.finish();
 }
 
 fn jsonl(c: &mut Criterion) {

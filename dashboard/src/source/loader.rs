@@ -4,7 +4,7 @@
 //! last line waits for its newline) and starts over if the file shrinks (rewritten).
 
 use super::sse::LineReader;
-use stagehand::events::jsonl::{parse_line, ReadReport, SkipReason, Skipped, MAX_SKIPPED_KEPT};
+use stagehand::events::jsonl::{parse_line, ReadReport, SkipReason};
 use stagehand::events::Event;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -109,17 +109,15 @@ impl Drop for Loader {
 }
 
 fn skip(report: &mut ReadReport, reason: SkipReason, detail: String) {
-    report.skipped_total += 1;
-    if report.skipped.len() < MAX_SKIPPED_KEPT {
-        report.skipped.push(Skipped { line: report.lines, reason, detail: detail.chars().take(160).collect() });
-    }
+    let line = report.lines;
+    report.skip(line, reason, detail);
 }
 
 /// Reads one line's worth: parses it into `events` or counts why not.
 fn take_line(raw: &[u8], cut: bool, complete: bool, report: &mut ReadReport, events: &mut Vec<Event>) {
     report.lines += 1;
     if cut {
-        skip(report, SkipReason::Corrupt, format!("line longer than {} MiB", MAX_LINE >> 20));
+        skip(report, SkipReason::LineTooLong, format!("line longer than {} MiB", MAX_LINE >> 20));
         return;
     }
     match parse_line(&String::from_utf8_lossy(raw)) {
@@ -130,7 +128,7 @@ fn take_line(raw: &[u8], cut: bool, complete: bool, report: &mut ReadReport, eve
                 report.events += 1;
                 events.push(e);
             }
-            Err(why) => skip(report, SkipReason::Corrupt, format!("implausible: {why}")),
+            Err(why) => skip(report, SkipReason::InvalidValue, format!("implausible: {why}")),
         },
         Ok(None) => report.blank += 1,
         Err((reason, detail)) => {

@@ -80,15 +80,15 @@ fn main() -> ExitCode {
         return usage_error("no telemetry file given");
     };
     // Open the input first: a missing file creates nothing.
-    let file = match std::fs::File::open(&input) {
-        Ok(f) => f,
+    // Plain or zstd-compressed, streamed: memory does not grow with the file.
+    let reader = match stagehand::events::jsonl::open(&input) {
+        Ok(r) => r,
         Err(e) => return fail(&format!("cannot read '{}': {e}", input.display())),
     };
-    let reader = std::io::BufReader::new(file);
     if output.as_deref() == Some("-") {
         let stdout = std::io::stdout();
         let mut out = std::io::BufWriter::new(stdout.lock());
-        return match stagehand_exporter::trace::convert(reader, &mut out).and_then(|s| out.flush().map(|_| s).map_err(Into::into)) {
+        return match stagehand_exporter::trace::convert_events(reader, &mut out).and_then(|s| out.flush().map(|_| s).map_err(Into::into)) {
             Ok(s) => {
                 report(&s);
                 ExitCode::SUCCESS
@@ -122,7 +122,7 @@ fn main() -> ExitCode {
         Err(e) => return fail(&format!("cannot write in '{}': {e}", dir.display())),
     };
     let mut w = std::io::BufWriter::new(tmp);
-    let summary = match stagehand_exporter::trace::convert(reader, &mut w) {
+    let summary = match stagehand_exporter::trace::convert_events(reader, &mut w) {
         Ok(s) => s,
         // The temporary file is removed when dropped: nothing is left behind.
         Err(e) => return fail(&format!("'{}': {e}", input.display())),

@@ -24,7 +24,7 @@ pub use validate::validate;
 
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
-use stagehand::events::jsonl::{parse_line, ReadReport, SkipReason, Skipped, MAX_SKIPPED_KEPT};
+use stagehand::events::jsonl::{self, ReadReport};
 use stagehand::events::model::{Direction, Event, EventKind, Owner, Phase, PoolKind};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufRead, Write};
@@ -39,8 +39,6 @@ pub const H2D_TID: u64 = 100;
 pub const D2H_TID: u64 = 200;
 /// Lanes per direction; copies beyond this many in flight share the lane that frees first.
 const MAX_LANES: u64 = 99;
-/// The longest telemetry line read; longer ones are skipped as corrupt.
-pub const MAX_LINE: usize = 64 << 20;
 /// Copies waiting for their completion, at most; issues beyond wait unpaired.
 const MAX_PENDING: usize = 1 << 16;
 /// Characters of a copy's subject kept for its slice name.
@@ -409,65 +407,20 @@ fn lane_name(dir: &str, lane: u64) -> String {
     }
 }
 
-/// Reads one line of at most `max` bytes into `buf` (the rest of a longer line is read and
-/// dropped). `Ok(None)` at the end; else whether the line was cut and whether it was complete.
-fn read_line(r: &mut impl BufRead, buf: &mut Vec<u8>, max: usize) -> io::Result<Option<(bool, bool)>> {
-    buf.clear();
-    let (mut cut, mut any) = (false, false);
-    loop {
-        let chunk = match r.fill_buf() {
-            Ok(c) => c,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if chunk.is_empty() {
-            return Ok(any.then_some((cut, false)));
-        }
-        any = true;
-        let nl = chunk.iter().position(|b| *b == b'\n');
-        let part = &chunk[..nl.unwrap_or(chunk.len())];
-        let room = max.saturating_sub(buf.len());
-        cut |= part.len() > room;
-        buf.extend_from_slice(&part[..part.len().min(room)]);
-        let used = nl.map_or(chunk.len(), |i| i + 1);
-        r.consume(used);
-        if nl.is_some() {
-            return Ok(Some((cut, true)));
-        }
-    }
+/// Converts telemetry read from `input` (plain JSONL) into a trace written to `out`, an event
+/// at a time. Fails when reading or writing fails, or when no line holds an event.
+pub fn convert(input: impl BufRead, out: impl Write) -> Result<Summary> {
+    convert_events(jsonl::Reader::new(input), out)
 }
 
-fn skip(report: &mut ReadReport, reason: SkipReason, detail: String) {
-    report.skipped_total += 1;
-    if report.skipped.len() < MAX_SKIPPED_KEPT {
-        report.skipped.push(Skipped { line: report.lines, reason, detail: detail.chars().take(160).collect() });
-    }
-}
-
-/// Converts telemetry read from `input` into a trace written to `out`, a line at a time.
-/// Fails when reading or writing fails, or when no line holds an event.
-pub fn convert(mut input: impl BufRead, out: impl Write) -> Result<Summary> {
+/// Converts the events a streaming [`jsonl::Reader`] yields (see [`convert`]): memory stays
+/// bounded by the reader's line bound, whatever the file's size.
+pub fn convert_events<R: BufRead>(mut events: jsonl::Reader<R>, out: impl Write) -> Result<Summary> {
     let mut c = Converter::new(out)?;
-    let mut report = ReadReport::default();
-    let mut raw = Vec::new();
-    while let Some((cut, complete)) = read_line(&mut input, &mut raw, MAX_LINE)? {
-        report.lines += 1;
-        if cut {
-            skip(&mut report, SkipReason::Corrupt, format!("line longer than {} MiB", MAX_LINE >> 20));
-            continue;
-        }
-        match parse_line(&String::from_utf8_lossy(&raw)) {
-            Ok(Some(e)) => {
-                report.events += 1;
-                c.on_event(&e)?;
-            }
-            Ok(None) => report.blank += 1,
-            Err((reason, detail)) => {
-                let reason = if complete { reason } else { SkipReason::Truncated };
-                skip(&mut report, reason, detail);
-            }
-        }
+    for e in &mut events {
+        c.on_event(&e?)?;
     }
+    let report = events.into_report();
     if report.events == 0 {
         return Err(Error::Encode(format!("no events to convert ({})", report.summary())));
     }
@@ -475,13 +428,11 @@ pub fn convert(mut input: impl BufRead, out: impl Write) -> Result<Summary> {
     Ok(Summary { report, trace_events, unpaired })
 }
 
-/// Reads a telemetry file and writes its trace to `out` (see [`convert`]).
+/// Reads a telemetry file, plain or zstd-compressed, and writes its trace to `out` (see
+/// [`convert`]).
 pub fn convert_file(input: impl AsRef<std::path::Path>, out: impl Write) -> Result<Summary> {
     let path = input.as_ref();
-    let file = std::fs::File::open(path).map_err(|source| {
-        Error::Telemetry(stagehand::events::jsonl::JsonlError::Io { path: path.to_path_buf(), source })
-    })?;
-    convert(io::BufReader::new(file), out)
+    convert_events(jsonl::open(path)?, out)
 }
 
 /// The trace of events already in memory, as a JSON value (for programs that hold their events;

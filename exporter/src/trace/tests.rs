@@ -126,12 +126,22 @@ fn a_file_without_events_is_an_error_not_an_empty_trace() {
 }
 
 #[test]
-fn lines_longer_than_the_bound_are_read_past_and_counted() {
-    let mut r = io::BufReader::with_capacity(8, &b"abcdefghijklmnop\nok\n"[..]);
-    let mut buf = Vec::new();
-    assert_eq!(read_line(&mut r, &mut buf, 5).expect("reads"), Some((true, true)));
-    assert_eq!(buf, b"abcde");
-    assert_eq!(read_line(&mut r, &mut buf, 5).expect("reads"), Some((false, true)));
-    assert_eq!(buf, b"ok");
-    assert_eq!(read_line(&mut r, &mut buf, 5).expect("reads"), None);
+fn a_compressed_file_converts_like_the_plain_one() {
+    let events = stagehand::events::synthetic::events(Default::default());
+    let mut text = Vec::new();
+    for e in &events {
+        serde_json::to_writer(&mut text, e).expect("serializes");
+        text.push(b'\n');
+    }
+    let dir = tempfile::tempdir().expect("dir");
+    let plain = dir.path().join("run.jsonl");
+    let packed = dir.path().join("run.jsonl.zst");
+    std::fs::write(&plain, &text).expect("writes");
+    std::fs::write(&packed, zstd::encode_all(text.as_slice(), 3).expect("compresses")).expect("writes");
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let sa = convert_file(&plain, &mut a).expect("plain converts");
+    let sb = convert_file(&packed, &mut b).expect("compressed converts");
+    assert_eq!(sa.report.events, events.len() as u64);
+    assert_eq!(sb.report.events, sa.report.events);
+    assert_eq!(a, b, "the same trace");
 }

@@ -69,6 +69,20 @@ pub fn findings(s: &Snapshot) -> Vec<Finding> {
 }
 
 fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
+    let refused = s.refused_total();
+    if refused > 0 {
+        let reasons: Vec<String> = s.refused.iter().map(|(r, n)| format!("{n} {r}")).collect();
+        out.push(finding(
+            "events_refused",
+            Severity::Warn,
+            format!(
+                "{refused} events were refused as out of bounds ({}): the source is damaged or \
+                 not a run of this version, and the views leave those events out",
+                reasons.join(", ")
+            ),
+            "",
+        ));
+    }
     if s.dropped_events > 0 {
         out.push(finding(
             "events_dropped",
@@ -102,13 +116,13 @@ fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
                 human_bytes(o.requested_bytes),
                 o.doing,
                 human_bytes(o.owners.weights_bytes),
-                human_bytes(o.owners.activations_kept_bytes + o.owners.activations_restored_bytes),
+                human_bytes(o.owners.activations_kept_bytes.saturating_add(o.owners.activations_restored_bytes)),
                 human_bytes(o.owners.other_bytes)
             ),
             "the device budget (lower it so the plan leaves the allocator room)",
         ));
     }
-    let nonfinite: u64 = s.non_finite.values().sum();
+    let nonfinite = s.non_finite.values().fold(0u64, |t, n| t.saturating_add(*n));
     if nonfinite > 0 {
         let first = s
             .first_non_finite_block
@@ -186,7 +200,7 @@ fn time(r: &StepRecord, out: &mut Vec<Finding>) {
 
 fn weights(s: &Snapshot, r: &StepRecord, out: &mut Vec<Finding>) {
     let Some(w) = &r.weights else { return };
-    let seen = w.prefetch_hits + w.prefetch_misses;
+    let seen = w.prefetch_hits.saturating_add(w.prefetch_misses);
     if seen > 0 && w.hit_rate < HIT_RATE_FLOOR {
         out.push(finding(
             "weights_thrashing",
@@ -202,7 +216,7 @@ fn weights(s: &Snapshot, r: &StepRecord, out: &mut Vec<Finding>) {
         ));
     }
     let blocks = s.blocks.len() as u64;
-    if blocks > 0 && w.evictions > 2 * blocks {
+    if blocks > 0 && w.evictions > blocks.saturating_mul(2) {
         out.push(finding(
             "evictions_high",
             Severity::Warn,
@@ -285,6 +299,15 @@ mod tests {
             EventKind::WeightStep(WeightStepMetrics { prefetch_hits: 10, hit_rate: 1.0, ..Default::default() }),
         ));
         assert!(findings(&s).is_empty(), "{:?}", findings(&s));
+    }
+
+    #[test]
+    fn refused_events_are_a_finding() {
+        let mut s = Snapshot::new();
+        s.apply(&at(1, 1, EventKind::PrefetchHit { block: BlockId(4_000_000_000) }));
+        let f = findings(&s);
+        assert_eq!(ids(&s), ["events_refused"]);
+        assert!(f[0].message.contains("1 unknown_block"), "{}", f[0].message);
     }
 
     #[test]

@@ -1,261 +1,16 @@
-//! A deterministic synthetic run: every kind of event a real run emits, with realistic shapes
-//! (blocks streaming through their residency states, copies, pool slabs, spills and restores,
-//! Conductor reservations, denials and hints, VRAM samples, per-step metrics, a warning and a
-//! bus drop), and no wall-clock values, without libtorch.
-//!
-//! For every consumer's tests (snapshot, stagehand-top, metrics, traces, the HTTP server, the
-//! web page), for trying the dashboards without a model (`stagehand-top --demo`), and for
-//! benchmarks. [`events`] gives the run as recorded events (what a telemetry file holds);
-//! [`publish`] plays it onto a live [`Bus`] with pauses between steps, so a live consumer sees it
-//! unfold.
+//! The run itself: set-up, each step's forward, backward and optimizer, and the ending.
 
 // The runtime's metric structs gain fields over time; `..Default::default()` keeps this
 // generator building when they do.
 #![allow(clippy::needless_update)]
 
-use super::bus::Bus;
-use super::model::*;
-use std::time::Duration;
+use super::super::model::*;
+use super::super::steps::close_steps;
+use super::gen::*;
+use super::SyntheticRun;
 
-/// Shape of a synthetic run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SyntheticRun {
-    /// Managed weight blocks.
-    pub blocks: u32,
-    /// Complete training steps.
-    pub steps: u64,
-    /// End with a partial step that leaves blocks in each of the six residency states (a run
-    /// caught mid-step) instead of a `run_ended` event.
-    pub end_mid_step: bool,
-}
-
-impl SyntheticRun {
-    /// A run of `steps` steps over 12 blocks that ends with `run_ended`.
-    pub fn finished(steps: u64) -> SyntheticRun {
-        SyntheticRun { blocks: 12, steps, end_mid_step: false }
-    }
-}
-
-impl Default for SyntheticRun {
-    fn default() -> Self {
-        SyntheticRun {
-            blocks: 8,
-            steps: 3,
-            end_mid_step: true,
-        }
-    }
-}
-
-const MIB: u64 = 1 << 20;
-const BLOCK_BYTES: u64 = 48 * MIB;
-const BUDGET: u64 = 1024 * MIB;
-const HIGH: u64 = 900 * MIB;
-const LOW: u64 = 700 * MIB;
-const WEIGHT_SLABS: u32 = 4;
-
-struct Gen {
-    seq: u64,
-    t_ns: u64,
-    step: u64,
-    phase: Phase,
-    out: Vec<Event>,
-    transfer: u64,
-    tensor: u64,
-    reservation: u64,
-    vram: u64,
-    peak: u64,
-    state: Vec<BlockState>,
-}
-
-impl Gen {
-    fn push(&mut self, kind: EventKind) {
-        self.seq += 1;
-        self.t_ns += 37_000;
-        self.out
-            .push(Event::new(self.seq, self.t_ns, self.step, self.phase, kind));
-    }
-
-    fn wait_us(&mut self, us: u64) {
-        self.t_ns += us * 1000;
-    }
-
-    fn phase(&mut self, to: Phase, duration_s: f64) {
-        let from = self.phase;
-        self.phase = to;
-        self.push(EventKind::PhaseChanged {
-            from,
-            to,
-            duration_s,
-        });
-    }
-
-    fn residency(&mut self, b: u32, to: BlockState, refcount: u32) {
-        let from = self.state[b as usize];
-        self.state[b as usize] = to;
-        self.push(EventKind::Residency {
-            block: BlockId(b),
-            from,
-            to,
-            refcount,
-        });
-    }
-
-    fn sample(&mut self) {
-        self.peak = self.peak.max(self.vram);
-        self.push(EventKind::VramSample {
-            allocated_bytes: self.vram,
-            reserved_bytes: self.vram + 64 * MIB,
-            peak_allocated_bytes: self.peak,
-        });
-        // Who holds it: the resident blocks, kept and restored activations, the rest.
-        let weights = self.state.iter().filter(|s| **s == BlockState::GpuReady).count() as u64 * BLOCK_BYTES;
-        let kept = (self.vram.saturating_sub(weights)) / 2;
-        self.push(EventKind::VramOwners(
-            VramByOwner {
-                allocated_bytes: self.vram,
-                weights_bytes: weights.min(self.vram),
-                activations_kept_bytes: kept,
-                activations_restored_bytes: kept / 4,
-                copies_in_flight_bytes: 0,
-                other_bytes: 0,
-            }
-            .with_other(),
-        ));
-    }
-
-    fn limits(&mut self) {
-        for (owner, budget, high, low) in [
-            (Owner::Device, BUDGET, None, None),
-            (Owner::Weights, BLOCK_BYTES * 4, None, None),
-            (Owner::Activations, BUDGET, Some(HIGH), Some(LOW)),
-            (Owner::Conductor, BUDGET, Some(BUDGET + BUDGET / 10), None),
-        ] {
-            self.push(EventKind::LimitsSet {
-                owner,
-                budget_bytes: budget,
-                high_watermark_bytes: high,
-                low_watermark_bytes: low,
-            });
-        }
-    }
-
-    fn copy(&mut self, dir: Direction, owner: Owner, bytes: u64, subject: String, us: u64) {
-        self.transfer += 1;
-        let id = TransferId(self.transfer);
-        self.push(EventKind::TransferIssued {
-            id,
-            dir,
-            owner,
-            bytes,
-            subject,
-        });
-        self.wait_us(us);
-        self.push(EventKind::TransferCompleted {
-            id,
-            dir,
-            owner,
-            bytes,
-            duration_ms: us as f64 / 1000.0,
-        });
-    }
-
-    /// Unloaded -> HostStaged -> Prefetching -> GpuReady, with its slab and its copy.
-    fn load(&mut self, b: u32, slab: u32, miss: bool) {
-        self.push(EventKind::SlotGranted {
-            dir: Direction::H2d,
-            owner: Owner::Weights,
-            speculative: !miss,
-            inflight: 1,
-        });
-        self.push(EventKind::SlabAcquired {
-            pool: PoolKind::Weights,
-            class: 0,
-            slab: SlabId(slab),
-            bytes: BLOCK_BYTES,
-            waited_ms: 0.0,
-        });
-        self.residency(b, BlockState::HostStaged, 0);
-        self.residency(b, BlockState::Prefetching, 0);
-        // Copies run at about 20 GB/s, a little slower for the first block of a step.
-        let us = if miss { 3_400 } else { 2_500 + (b as u64 % 3) * 100 };
-        self.copy(Direction::H2d, Owner::Weights, BLOCK_BYTES, format!("blocks.{b}"), us);
-        self.vram += BLOCK_BYTES;
-        self.residency(b, BlockState::GpuReady, 1);
-        self.push(EventKind::SlabReleased {
-            pool: PoolKind::Weights,
-            class: 0,
-            slab: SlabId(slab),
-        });
-        self.push(EventKind::SlotReleased {
-            dir: Direction::H2d,
-            owner: Owner::Weights,
-            inflight: 0,
-        });
-        if miss {
-            self.push(EventKind::PrefetchMiss {
-                block: BlockId(b),
-                stall_ms: 3.4,
-            });
-        } else {
-            self.push(EventKind::PrefetchHit { block: BlockId(b) });
-        }
-        self.sample();
-    }
-
-    /// Frees a frozen block, or saves a trainable one back to the host.
-    fn evict(&mut self, b: u32, trainable: bool, reason: EvictionReason) {
-        self.push(EventKind::Eviction {
-            block: BlockId(b),
-            reason,
-            score: (b as f64 + 1.0) * BLOCK_BYTES as f64,
-            bytes: BLOCK_BYTES,
-        });
-        if trainable {
-            self.residency(b, BlockState::Evicting, 0);
-            self.copy(Direction::D2h, Owner::Weights, BLOCK_BYTES, format!("blocks.{b}"), 2_700);
-            self.residency(b, BlockState::Unloaded, 0);
-        } else {
-            self.residency(b, BlockState::GpuFreeing, 0);
-            self.residency(b, BlockState::Unloaded, 0);
-        }
-        self.vram = self.vram.saturating_sub(BLOCK_BYTES);
-        self.sample();
-    }
-
-    fn reserve(
-        &mut self,
-        owner: Owner,
-        mode: ReservationMode,
-        priority: Priority,
-        requested: u64,
-        outcome: ReservationOutcome,
-        reason: Option<DenyReason>,
-    ) -> ReservationId {
-        self.reservation += 1;
-        let granted = match outcome {
-            ReservationOutcome::Granted => requested,
-            ReservationOutcome::Partial => requested / 2,
-            _ => 0,
-        };
-        let id = ReservationId(self.reservation);
-        self.push(EventKind::Reservation {
-            id,
-            owner,
-            resource: Resource::Vram,
-            mode,
-            priority,
-            requested_bytes: requested,
-            granted_bytes: granted,
-            outcome,
-            reason,
-            scope: Some(self.phase),
-        });
-        id
-    }
-}
-
-/// The events of a synthetic run, in order, numbered from 1.
-pub fn events(run: SyntheticRun) -> Vec<Event> {
+/// The events of `run`, in order, numbered from 1.
+pub(super) fn generate(run: SyntheticRun) -> Vec<Event> {
     let blocks = run.blocks.max(2);
     let mut g = Gen {
         seq: 0,
@@ -536,16 +291,19 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
         }
         g.wait_us(9_000);
         g.phase(Phase::StepEnd, 0.012);
-        let ab = blocks as u64;
+        // The aggregates are the sums of the step's detail events, as a runtime's are, so a
+        // summary-level file (aggregates only) and a full one reach the same totals.
+        let (w, a, c) = step_counts(&g.out, step);
+        let looked = w.prefetch_hits + w.prefetch_misses;
         g.push(EventKind::WeightStep(WeightStepMetrics {
-            h2d_bytes: BLOCK_BYTES * ab,
-            d2h_bytes: BLOCK_BYTES * (ab / 4),
-            stall_time_ms: if step == 1 { 3.4 } else { 0.0 },
-            stall_count: u64::from(step == 1),
-            evictions: ab - resident_cap as u64,
-            prefetch_hits: ab - u64::from(step == 1),
-            prefetch_misses: u64::from(step == 1),
-            hit_rate: if step == 1 { (ab - 1) as f64 / ab as f64 } else { 1.0 },
+            h2d_bytes: w.h2d_bytes,
+            d2h_bytes: w.d2h_bytes,
+            stall_time_ms: w.stall_time_ms,
+            stall_count: w.stall_count,
+            evictions: w.evictions,
+            prefetch_hits: w.prefetch_hits,
+            prefetch_misses: w.prefetch_misses,
+            hit_rate: if looked == 0 { 0.0 } else { w.prefetch_hits as f64 / looked as f64 },
             vram_used_mb: (g.vram / MIB) as f64,
             vram_reserved_mb: (g.vram / MIB + 64) as f64,
             host_pool_free: WEIGHT_SLABS,
@@ -553,18 +311,18 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
             ..Default::default()
         }));
         g.push(EventKind::ActivationStep(ActivationStepMetrics {
-            activations_saved: 2 * ab,
-            activations_kept: ab,
-            activations_spilled: ab,
-            activations_restored: ab,
-            activations_predicted: ab - ab.div_ceil(3),
-            weight_handles: 0,
-            spill_bytes: 21 * MIB * ab / 3,
-            restore_bytes: 21 * MIB * ab / 3,
-            stall_time_ms: 0.25 * ab.div_ceil(3) as f64,
-            stall_count: ab.div_ceil(3),
-            pool_hits: ab - u64::from(step == 2),
-            pool_misses: u64::from(step == 2),
+            activations_saved: a.saved,
+            activations_kept: a.kept,
+            activations_spilled: a.spilled,
+            activations_restored: a.restored,
+            activations_predicted: a.predicted,
+            weight_handles: a.weight_handles,
+            spill_bytes: a.spill_bytes,
+            restore_bytes: a.restore_bytes,
+            stall_time_ms: a.stall_time_ms,
+            stall_count: a.stall_count,
+            pool_hits: a.pool_hits,
+            pool_misses: a.pool_misses,
             vram_peak_mb: (g.peak / MIB) as f64,
             ..Default::default()
         }));
@@ -574,9 +332,11 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
             pinned_granted_mb: 0.0,
             h2d_inflight: 0,
             d2h_inflight: 0,
-            grant_count: 2,
-            deny_count: 1,
-            partial_count: 1,
+            grant_count: c.grants,
+            deny_count: c.denials,
+            partial_count: c.partials,
+            slot_grant_count: c.slot_grants,
+            slot_deny_count: c.slot_denials,
             phase_durations: PhaseDurations {
                 forward: 0.030,
                 backward: 0.041,
@@ -673,126 +433,6 @@ pub fn events(run: SyntheticRun) -> Vec<Event> {
     } else {
         g.push(EventKind::RunEnded { steps: run.steps });
     }
-    g.out
+    close_steps(g.out)
 }
 
-/// The events of a synthetic run as JSONL text, one event a line.
-pub fn jsonl(run: SyntheticRun) -> String {
-    let mut s = String::new();
-    for e in events(run) {
-        // An Event always serializes: every field is plain data.
-        if let Ok(line) = serde_json::to_string(&e) {
-            s.push_str(&line);
-            s.push('\n');
-        }
-    }
-    s
-}
-
-/// Plays the run onto `bus` as a training loop would publish it: phase changes through
-/// [`Bus::enter_phase`] (the bus times them), everything else through [`Bus::publish`], with
-/// the bus's own sequence numbers and clock, sleeping `pause` after each step. Returns the
-/// number of events published.
-pub fn publish(run: SyntheticRun, bus: &Bus, pause: Duration) -> u64 {
-    let mut n = 0;
-    for e in events(run) {
-        match e.kind {
-            EventKind::PhaseChanged { to, .. } => {
-                bus.enter_phase(e.step, to);
-                if to == Phase::Idle && !pause.is_zero() {
-                    std::thread::sleep(pause);
-                }
-            }
-            mut kind => {
-                // The run starts now, on the bus's wall clock.
-                if let EventKind::RunStarted { wall_clock_unix_ms, .. } = &mut kind {
-                    *wall_clock_unix_ms = bus.wall_clock_unix_ms();
-                }
-                bus.publish(kind);
-            }
-        }
-        n += 1;
-    }
-    n
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::events::Snapshot;
-
-    #[test]
-    fn every_residency_transition_is_valid_and_all_six_states_show_at_the_end() {
-        let ev = events(SyntheticRun::default());
-        for e in &ev {
-            if let EventKind::Residency { from, to, .. } = e.kind {
-                assert!(from.can_transition_to(to), "seq {}: {from} -> {to}", e.seq);
-            }
-        }
-        let s = Snapshot::from_events(&ev);
-        let counts = s.residency_counts();
-        for st in BlockState::ALL {
-            assert!(counts.get(&st).copied().unwrap_or(0) > 0, "no block {st}: {counts:?}");
-        }
-        assert_eq!(s.dropped_events, 17);
-        assert_eq!(s.warnings.len(), 1);
-    }
-
-    #[test]
-    fn sequence_and_time_only_grow() {
-        let ev = events(SyntheticRun {
-            blocks: 12,
-            steps: 5,
-            end_mid_step: false,
-        });
-        for w in ev.windows(2) {
-            assert_eq!(w[1].seq, w[0].seq + 1);
-            assert!(w[1].t_ns > w[0].t_ns);
-        }
-        assert!(matches!(ev.last().map(|e| &e.kind), Some(EventKind::RunEnded { steps: 5 })));
-    }
-
-    #[test]
-    fn a_finished_run_leaves_nothing_in_flight() {
-        let ev = events(SyntheticRun { blocks: 12, steps: 3, end_mid_step: false });
-        let snap = Snapshot::from_events(&ev);
-        assert!(snap.ended);
-        assert_eq!(snap.steps.len(), 3);
-        assert_eq!((snap.transfers.h2d.inflight, snap.transfers.d2h.inflight), (0, 0));
-        assert!(snap.activations.spilled > 0 && snap.activations.restored == snap.activations.spilled);
-        assert!(snap.weights.prefetch_hits > 0 && snap.weights.prefetch_misses > 0);
-    }
-
-    #[test]
-    fn publishing_on_a_bus_gives_the_same_run() {
-        let run = SyntheticRun { blocks: 6, steps: 2, end_mid_step: false };
-        #[derive(Clone, Default)]
-        struct Keep(std::sync::Arc<std::sync::Mutex<Vec<Event>>>);
-        impl crate::events::EventSink for Keep {
-            fn on_event(&mut self, e: &Event) {
-                self.0.lock().expect("keep").push(e.clone());
-            }
-        }
-        let keep = Keep::default();
-        let bus = Bus::new();
-        bus.hub().expect("enabled bus").add_sink(Box::new(keep.clone()));
-        let n = publish(run, &bus, Duration::ZERO);
-        bus.flush();
-        let live = keep.0.lock().expect("keep").clone();
-        let recorded = events(run);
-        assert_eq!(n as usize, recorded.len());
-        assert_eq!(live.len(), recorded.len());
-        for (l, r) in live.iter().zip(&recorded) {
-            assert_eq!((l.step, l.phase), (r.step, r.phase), "seq {}", r.seq);
-            match (&l.kind, &r.kind) {
-                (EventKind::PhaseChanged { from: lf, to: lt, .. }, EventKind::PhaseChanged { from: rf, to: rt, .. }) => {
-                    assert_eq!((lf, lt), (rf, rt));
-                }
-                (EventKind::RunStarted { model: lm, .. }, EventKind::RunStarted { model: rm, .. }) => {
-                    assert_eq!(lm, rm);
-                }
-                (a, b) => assert_eq!(a, b),
-            }
-        }
-    }
-}

@@ -13,9 +13,16 @@
 //! the snapshot first, then the live events; one that lags is resynced from a fresh snapshot and
 //! told how many events it missed. A replay feeds the same [`Hub`], so consumers cannot tell a
 //! replay from a live run.
+//!
+//! The dispatcher adds a few events of its own, with the next sequence numbers: `events_dropped`
+//! when publishes were dropped, `transfer_step` when a step closes (see [`super::steps`]), and
+//! whatever the sinks report through [`EventSink::notices`] (a file sink's `telemetry_lost`, the
+//! flight recorder's `flight_recorded`), which a sink cannot publish itself while the hub is busy
+//! delivering to it.
 
-use super::model::{Event, EventKind, Phase};
+use super::model::{Event, EventKind, Phase, TransferStepMetrics};
 use super::snapshot::Snapshot;
+use super::steps::StepCloser;
 use crossbeam_queue::ArrayQueue;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,6 +49,17 @@ pub trait EventSink: Send {
     /// (metrics) rebuild it from `history`; sinks that only append (files) ignore it.
     fn rewind(&mut self, history: &[Event]) {
         let _ = history;
+    }
+    /// Called after each batch the dispatcher delivers. A sink may defer its writes to a later
+    /// batch (to write fewer, larger blocks) as long as [`EventSink::flush`] writes everything.
+    fn batch_end(&mut self) {
+        self.flush();
+    }
+    /// Events the sink itself has to report (the events it failed to write, a flight record it
+    /// wrote). The dispatcher publishes them after the batch, so every consumer sees them; a
+    /// sink cannot publish from inside the hub, which is busy delivering to it.
+    fn notices(&mut self) -> Vec<EventKind> {
+        Vec::new()
     }
 }
 
@@ -122,11 +140,27 @@ impl Hub {
         let _ = self.tx.send(Update::Event(Arc::new(event)));
     }
 
-    /// Flushes every sink.
+    /// Flushes every sink: everything ingested so far is written.
     pub fn flush(&self) {
         for s in self.lock().sinks.iter_mut() {
             s.flush();
         }
+    }
+
+    /// Ends a delivered batch: every sink's [`EventSink::batch_end`].
+    pub fn batch_end(&self) {
+        for s in self.lock().sinks.iter_mut() {
+            s.batch_end();
+        }
+    }
+
+    /// The events sinks have to report since the last call ([`EventSink::notices`]).
+    pub fn take_notices(&self) -> Vec<EventKind> {
+        let mut out = Vec::new();
+        for s in self.lock().sinks.iter_mut() {
+            out.extend(s.notices());
+        }
+        out
     }
 
     /// Replaces the snapshot (replay seek), rewinds every sink to `history` (the events up to
@@ -190,30 +224,82 @@ impl Shared {
         self.start.elapsed().as_nanos() as u64
     }
 
-    fn dispatch_pending(&self, last_dropped: &mut u64) -> usize {
+    /// Ingests an event the dispatcher adds itself, with the next sequence number.
+    fn ingest_own(&self, t_ns: u64, step: u64, phase: Phase, kind: EventKind) {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        self.hub.ingest(Event::new(seq, t_ns, step, phase, kind));
+    }
+
+    fn ingest_aggregate(&self, at: (u64, Phase), (step, m): (u64, TransferStepMetrics)) {
+        self.ingest_own(at.0, step, at.1, EventKind::TransferStep(m));
+    }
+
+    fn dispatch_pending(&self, st: &mut DispatchState) -> usize {
         let mut n = 0;
         while let Some(e) = self.queue.pop() {
+            let at = (e.t_ns, e.phase);
+            if let Some(agg) = st.closer.before(&e) {
+                self.ingest_aggregate(at, agg);
+            }
+            let after = st.closer.after(&e);
             self.hub.ingest(e);
+            if let Some(agg) = after {
+                self.ingest_aggregate(at, agg);
+            }
             n += 1;
         }
         let dropped = self.dropped.load(Ordering::Relaxed);
-        if dropped != *last_dropped {
-            *last_dropped = dropped;
-            let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-            self.hub.ingest(Event::new(
-                seq,
-                self.now_ns(),
-                self.step.load(Ordering::Relaxed),
-                Phase::from_u8(self.phase.load(Ordering::Relaxed)),
-                EventKind::EventsDropped { total: dropped },
-            ));
+        if dropped != st.last_dropped {
+            st.last_dropped = dropped;
+            self.ingest_own(self.now_ns(), self.step(), self.phase(), EventKind::EventsDropped { total: dropped });
             n += 1;
         }
         if n > 0 {
-            self.hub.flush();
+            self.hub.batch_end();
         }
-        n
+        n + self.publish_notices()
     }
+
+    /// Publishes what the sinks have to report; they are written with the next batch.
+    fn publish_notices(&self) -> usize {
+        let notices = self.hub.take_notices();
+        for kind in &notices {
+            self.ingest_own(self.now_ns(), self.step(), self.phase(), kind.clone());
+        }
+        notices.len()
+    }
+
+    /// The last delivery: what is queued, the open step's copies, and the sinks' last notices.
+    fn finish(&self, st: &mut DispatchState) {
+        self.dispatch_pending(st);
+        if let Some(agg) = st.closer.finish() {
+            self.ingest_aggregate((self.now_ns(), self.phase()), agg);
+        }
+        // A flush can fail and have a loss to report, whose write can fail again: twice is
+        // enough to get the first report out without looping on a dead disk.
+        for _ in 0..2 {
+            self.hub.flush();
+            if self.publish_notices() == 0 {
+                break;
+            }
+        }
+        self.hub.flush();
+    }
+
+    fn step(&self) -> u64 {
+        self.step.load(Ordering::Relaxed)
+    }
+
+    fn phase(&self) -> Phase {
+        Phase::from_u8(self.phase.load(Ordering::Relaxed))
+    }
+}
+
+/// What the dispatcher thread remembers between batches.
+#[derive(Default)]
+struct DispatchState {
+    last_dropped: u64,
+    closer: StepCloser,
 }
 
 struct Dispatcher {
@@ -292,12 +378,11 @@ impl Bus {
         let thread = std::thread::Builder::new()
             .name("stagehand-events".into())
             .spawn(move || {
-                let mut last_dropped = 0;
+                let mut st = DispatchState::default();
                 loop {
-                    let n = worker.dispatch_pending(&mut last_dropped);
+                    let n = worker.dispatch_pending(&mut st);
                     if worker.stop.load(Ordering::Acquire) {
-                        worker.dispatch_pending(&mut last_dropped);
-                        worker.hub.flush();
+                        worker.finish(&mut st);
                         break;
                     }
                     if n == 0 {
@@ -445,98 +530,4 @@ impl Default for Bus {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::events::model::{BlockId, EventKind};
-
-    #[test]
-    fn subscriber_sees_snapshot_then_events() {
-        let bus = Bus::new();
-        let hub = bus.hub().expect("enabled").clone();
-        bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
-        bus.flush();
-        let mut sub = hub.subscribe();
-        assert_eq!(sub.snapshot.weights.prefetch_hits, 1);
-        bus.publish(EventKind::PrefetchHit { block: BlockId(1) });
-        bus.flush();
-        match sub.rx.try_recv() {
-            Ok(Update::Event(e)) => assert_eq!(e.seq, 2),
-            other => panic!("expected the second event, got {other:?}"),
-        }
-        assert!(sub.rx.try_recv().is_err(), "nothing else");
-    }
-
-    #[test]
-    fn full_queue_drops_and_counts_without_blocking() {
-        let hub = Arc::new(Hub::new());
-        let bus = Bus::with_hub(hub.clone(), 4);
-        // Stop the dispatcher so the queue fills.
-        if let Some(d) = &bus.inner {
-            d.shared.stop.store(true, Ordering::Release);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-        for _ in 0..10 {
-            bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
-        }
-        assert_eq!(bus.dropped(), 6);
-        assert_eq!(bus.published(), 10);
-    }
-
-    #[test]
-    fn dropped_count_becomes_an_event() {
-        let hub = Arc::new(Hub::new());
-        let bus = Bus::with_hub(hub.clone(), 2);
-        if let Some(d) = &bus.inner {
-            d.shared.dropped.store(5, Ordering::Relaxed);
-        }
-        bus.publish(EventKind::RunEnded { steps: 0 });
-        bus.close();
-        assert_eq!(hub.snapshot().dropped_events, 5);
-        assert_eq!(hub.snapshot().event_counts["events_dropped"], 1);
-    }
-
-    #[test]
-    fn lagging_subscriber_is_told_how_many_it_missed() {
-        let hub = Hub::new();
-        let mut sub = hub.subscribe();
-        for i in 0..(DEFAULT_SUBSCRIBER_CAPACITY as u64 + 10) {
-            hub.ingest(Event::new(
-                i + 1,
-                i,
-                0,
-                Phase::Idle,
-                EventKind::PrefetchHit { block: BlockId(0) },
-            ));
-        }
-        match sub.rx.try_recv() {
-            Err(broadcast::error::TryRecvError::Lagged(n)) => assert_eq!(n, 10),
-            other => panic!("expected Lagged, got {other:?}"),
-        }
-        let fresh = hub.resubscribe();
-        assert_eq!(
-            fresh.snapshot.weights.prefetch_hits,
-            DEFAULT_SUBSCRIBER_CAPACITY as u64 + 10
-        );
-    }
-
-    #[test]
-    fn phases_tag_events_and_carry_durations() {
-        let bus = Bus::new();
-        bus.enter_phase(3, Phase::StepBegin);
-        bus.enter_phase(3, Phase::Forward);
-        bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
-        bus.flush();
-        let snap = bus.hub().expect("enabled").snapshot();
-        assert_eq!((snap.step, snap.phase), (3, Phase::Forward));
-        assert_eq!(bus.context(), (3, Phase::Forward));
-    }
-
-    #[test]
-    fn disabled_bus_is_inert() {
-        let bus = Bus::disabled();
-        bus.publish(EventKind::RunEnded { steps: 0 });
-        bus.enter_phase(1, Phase::Forward);
-        assert_eq!(bus.published(), 0);
-        assert!(bus.hub().is_none());
-    }
-}
+mod tests;

@@ -1,10 +1,17 @@
 //! Replay of recorded events: at recorded speed, faster or slower, paused and stepped by event
 //! or by training step, with seeking both ways.
 //!
-//! [`Replay`] is a pure controller over a list of events and the [`Snapshot`] after the first
-//! `position` of them; the caller gives it the time. The terminal UI drives one directly; the
+//! [`Replay`] is a pure controller over a list of events in memory and the [`Snapshot`] after
+//! the first `position` of them; the caller gives it the time. [`FileReplay`] does the same for a
+//! telemetry file of any size: it shows the start at once, indexes the file in the background
+//! (byte offsets and snapshot checkpoints) and reads only what a position needs. The terminal UI drives one directly; the
 //! web server drives one into a [`Hub`](super::bus::Hub) so that its subscribers cannot tell a
 //! replay from a live run.
+
+pub mod file;
+mod index;
+
+pub use file::{FileReplay, Played};
 
 use super::model::{Event, EventKind, Phase};
 use super::snapshot::Snapshot;
@@ -40,6 +47,9 @@ pub struct ReplayStatus {
     pub end_t_ns: u64,
     pub step: u64,
     pub following: bool,
+    /// The file is still being indexed: `total` and `end_t_ns` are what is known so far.
+    #[serde(default)]
+    pub indexing: bool,
 }
 
 /// A replay of a list of events.
@@ -129,6 +139,7 @@ impl Replay {
             end_t_ns: self.events.last().map_or(0, |e| e.t_ns),
             step: self.snapshot.step,
             following: self.following,
+            indexing: false,
         }
     }
 
@@ -292,6 +303,9 @@ impl Replay {
         self.apply_to(self.events.len())
     }
 }
+
+#[cfg(test)]
+mod file_tests;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,193 @@
+//! Per-step metrics and measurements events carry: the runtimes' step aggregates, where a step's
+//! time went, copies by direction, VRAM by owner.
+
+use serde::{Deserialize, Serialize};
+
+/// Weight runtime metrics of one step. Field names match the original Python Stagehand's
+/// `StepMetrics`, so that its users' tools read our files.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct WeightStepMetrics {
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub stall_time_ms: f64,
+    pub stall_count: u64,
+    pub evictions: u64,
+    pub prefetch_hits: u64,
+    pub prefetch_misses: u64,
+    /// prefetch_hits / (hits + misses), 0 when there were none.
+    pub hit_rate: f64,
+    pub vram_used_mb: f64,
+    pub vram_reserved_mb: f64,
+    pub host_pool_free: u32,
+    pub host_pool_in_use: u32,
+    /// Milliseconds the compute stream waited for weight copies still landing (GPU-measured).
+    #[serde(default)]
+    pub h2d_wait_ms: f64,
+    /// Milliseconds the training thread waited for the host optimizer to finish a block it
+    /// needed.
+    #[serde(default)]
+    pub update_wait_ms: f64,
+    /// Bytes a scheduler that knew the whole step in advance would have had to copy in (the
+    /// Belady minimum for the step's itinerary and room), to compare with `h2d_bytes`.
+    #[serde(default)]
+    pub min_h2d_bytes: u64,
+}
+
+/// Activation runtime metrics of one step (field names kept from the original, as above).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ActivationStepMetrics {
+    pub activations_saved: u64,
+    pub activations_kept: u64,
+    pub activations_spilled: u64,
+    pub activations_restored: u64,
+    /// Restores issued ahead of need by the predictive restorer.
+    pub activations_predicted: u64,
+    pub weight_handles: u64,
+    pub spill_bytes: u64,
+    pub restore_bytes: u64,
+    pub stall_time_ms: f64,
+    pub stall_count: u64,
+    pub pool_hits: u64,
+    pub pool_misses: u64,
+    pub vram_peak_mb: f64,
+    /// Milliseconds the compute stream waited for restores still landing (GPU-measured).
+    #[serde(default)]
+    pub h2d_wait_ms: f64,
+    /// Milliseconds the training thread waited for spills to land (over the in-flight cap, or
+    /// at the turn to backward).
+    #[serde(default)]
+    pub d2h_wait_ms: f64,
+    /// Bytes spilled through pageable memory because no pinned slab was free.
+    #[serde(default)]
+    pub pageable_bytes: u64,
+}
+
+/// Conductor metrics of one step (field names kept from the original, as above).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ConductorStepMetrics {
+    pub vram_allocated_mb: f64,
+    pub vram_headroom_mb: f64,
+    pub pinned_granted_mb: f64,
+    pub h2d_inflight: u32,
+    pub d2h_inflight: u32,
+    pub grant_count: u64,
+    pub deny_count: u64,
+    pub partial_count: u64,
+    /// Seconds spent in each phase of the step.
+    pub phase_durations: PhaseDurations,
+    /// Each attached runtime's knobs at the end of the step, by adapter name
+    /// (`stagehand: {max_inflight, prefetch_window}`, `activation_stagehand: {max_d2h, max_h2d}`).
+    #[serde(default)]
+    pub runtime_snapshots: std::collections::BTreeMap<String, serde_json::Value>,
+    /// Transfer slots granted in the step (over-limit grants included).
+    #[serde(default)]
+    pub slot_grant_count: u64,
+    /// Transfer slots refused in the step.
+    #[serde(default)]
+    pub slot_deny_count: u64,
+    /// Required copies let through a full slot pool in the step.
+    #[serde(default)]
+    pub slot_over_limit_count: u64,
+    /// Bytes reported by completed H2D slot tokens in the step.
+    #[serde(default)]
+    pub h2d_bytes: u64,
+    /// Bytes reported by completed D2H slot tokens in the step.
+    #[serde(default)]
+    pub d2h_bytes: u64,
+}
+
+/// Seconds spent in each phase of one step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct PhaseDurations {
+    pub forward: f64,
+    pub backward: f64,
+    pub optimizer: f64,
+}
+
+/// What the trainer reports at the end of each step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct TrainStepMetrics {
+    pub loss: f64,
+    /// Wall time of the whole step in seconds.
+    pub step_time_s: f64,
+    /// Tokens (or samples) processed in the step.
+    pub tokens: u64,
+    /// Peak bytes allocated on the device during the step.
+    pub vram_peak_bytes: u64,
+}
+
+/// Where one step's wall time went. The parts `compute_ms` .. `other_ms` add up to `step_ms`.
+///
+/// The compute stream's waits are measured on the GPU: before the compute stream is made to wait
+/// on a copy, a timed event is recorded on it, and the time from that event to the copy's own
+/// completion event is how long the compute stream sat idle for the copy (0 when the copy had
+/// landed first). On the host device copies are synchronous and those waits are host stalls.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct StepTimeBreakdown {
+    /// Wall time of the whole step.
+    pub step_ms: f64,
+    /// Forward and backward time not spent in any of the waits below.
+    pub compute_ms: f64,
+    /// The compute stream waiting on host-to-device copies (weights, restores) still landing.
+    pub h2d_wait_ms: f64,
+    /// The compute stream (or the host) waiting on device-to-host copies (spills, gradients).
+    pub d2h_wait_ms: f64,
+    /// The host blocked loading weight blocks that were not prefetched (misses).
+    pub weight_stall_ms: f64,
+    /// The host blocked restoring spilled activations on demand.
+    pub restore_stall_ms: f64,
+    /// The optimizer phase (host and device optimizer steps).
+    pub optimizer_ms: f64,
+    /// Everything else (step set-up, loss read-back, telemetry).
+    pub other_ms: f64,
+}
+
+/// Copies of one direction in one step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct CopyStats {
+    /// Copies completed.
+    pub count: u64,
+    pub bytes: u64,
+    /// Sum of the copies' durations.
+    pub busy_ms: f64,
+    /// Throughput of the step's last completed copy, GB/s (0 when none had a duration).
+    pub last_gbps: f64,
+}
+
+/// Copies of one step, both directions ([`EventKind::TransferStep`](super::EventKind::TransferStep)).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct TransferStepMetrics {
+    pub h2d: CopyStats,
+    pub d2h: CopyStats,
+}
+
+/// Device memory by owner at one moment. `other_bytes` is what the allocator holds beyond the
+/// runtimes' own figures (the model's unmanaged tensors, workspaces, gradients, fragmentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct VramByOwner {
+    pub allocated_bytes: u64,
+    /// Resident weight blocks (ready or being evicted).
+    pub weights_bytes: u64,
+    /// Saved activations kept on the device.
+    pub activations_kept_bytes: u64,
+    /// Spilled activations brought back and waiting for backward.
+    pub activations_restored_bytes: u64,
+    /// Destinations of copies still in flight (weights landing, restores landing, spills leaving).
+    pub copies_in_flight_bytes: u64,
+    pub other_bytes: u64,
+}
+
+impl VramByOwner {
+    /// Fills `other_bytes` from `allocated_bytes` and the owned parts.
+    pub fn with_other(mut self) -> VramByOwner {
+        // Saturating: the parts come from readers of hostile files too.
+        let owned = self
+            .weights_bytes
+            .saturating_add(self.activations_kept_bytes)
+            .saturating_add(self.activations_restored_bytes)
+            .saturating_add(self.copies_in_flight_bytes);
+        self.other_bytes = self.allocated_bytes.saturating_sub(owned);
+        self
+    }
+}
+

@@ -1,0 +1,354 @@
+//! The value types events carry: phases, residency states, owners, reasons, modes.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The phase of a training step that an event belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Phase {
+    /// Outside any step (set-up, between steps, shutdown).
+    #[default]
+    Idle,
+    StepBegin,
+    Forward,
+    Backward,
+    Optimizer,
+    StepEnd,
+}
+
+impl Phase {
+    /// Every phase, in step order.
+    pub const ALL: [Phase; 6] = [
+        Phase::Idle,
+        Phase::StepBegin,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Optimizer,
+        Phase::StepEnd,
+    ];
+
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+
+    /// Compact encoding for the bus's lock-free step context.
+    pub(crate) fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    pub(crate) fn from_u8(v: u8) -> Phase {
+        Phase::ALL.get(v as usize).copied().unwrap_or(Phase::Idle)
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Residency of a weight block: where its weights are, and what is moving them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum BlockState {
+    /// Only the canonical host copy (or the file) holds the weights.
+    #[default]
+    Unloaded,
+    /// Staged into a pinned slab, ready to copy.
+    HostStaged,
+    /// An H2D copy is in flight.
+    Prefetching,
+    /// On the device and usable.
+    GpuReady,
+    /// Being saved back to the host (trainable weights, gradients).
+    Evicting,
+    /// Device memory being released without a copy back (frozen weights).
+    GpuFreeing,
+}
+
+impl BlockState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [BlockState; 6] = [
+        BlockState::Unloaded,
+        BlockState::HostStaged,
+        BlockState::Prefetching,
+        BlockState::GpuReady,
+        BlockState::Evicting,
+        BlockState::GpuFreeing,
+    ];
+
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+
+    /// Whether the transition `self -> to` is one of the eight valid edges.
+    pub fn can_transition_to(self, to: BlockState) -> bool {
+        use BlockState::*;
+        matches!(
+            (self, to),
+            (Unloaded, HostStaged)
+                | (HostStaged, Prefetching)
+                | (Prefetching, GpuReady)
+                | (GpuReady, Evicting)
+                | (GpuReady, GpuFreeing)
+                | (Evicting, HostStaged)
+                | (Evicting, Unloaded)
+                | (GpuFreeing, Unloaded)
+        )
+    }
+}
+
+impl fmt::Display for BlockState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Direction of a copy across PCIe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Direction {
+    /// Host to device.
+    H2d,
+    /// Device to host.
+    D2h,
+}
+
+impl Direction {
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+}
+
+/// Which runtime an event, a copy or a reservation belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Owner {
+    Weights,
+    Activations,
+    Conductor,
+    Trainer,
+    /// The device as a whole (the one budget a run is given).
+    Device,
+}
+
+impl Owner {
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+}
+
+/// The kind of device a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum DeviceKind {
+    /// A CUDA GPU: real VRAM, real copy streams.
+    Cuda,
+    /// The host device: VRAM is an accounted budget in host memory, copies are synchronous.
+    #[default]
+    Host,
+}
+
+/// The device a run uses, as dashboards label it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct DeviceInfo {
+    pub kind: DeviceKind,
+    /// CUDA ordinal (0 on the host device).
+    pub index: u32,
+    /// "NVIDIA H200", or "host (simulated)".
+    pub name: String,
+    /// Device memory in bytes (the simulated budget on the host device).
+    pub total_bytes: u64,
+}
+
+impl DeviceInfo {
+    /// True when VRAM and copies are simulated on the host.
+    pub fn host_simulated(&self) -> bool {
+        self.kind == DeviceKind::Host
+    }
+}
+
+/// Why a block was evicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum EvictionReason {
+    /// VRAM reached the high watermark; evicting until under the low one.
+    Watermark,
+    /// The weight budget (slots on the device) was full and a block had to make room.
+    Budget,
+    /// The user asked for it.
+    Explicit,
+    /// The run is shutting down.
+    Shutdown,
+}
+
+/// Which pool an event is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum PoolKind {
+    /// The uniform-slab pinned pool of the weight runtime.
+    Weights,
+    /// The size-class pinned pool of the activation runtime.
+    Activations,
+}
+
+/// What the pack hook decided for one saved tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum PackDecision {
+    /// Stays on the device; `reason` says why.
+    Kept,
+    /// Copied to a pinned host buffer and released on the device.
+    Spilled,
+    /// A managed weight, stored as a handle to its block.
+    WeightHandle,
+    /// Another save of a tensor already handled in this step.
+    Duplicate,
+}
+
+/// Why a saved tensor was kept on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum KeepReason {
+    /// VRAM is under the watermark (or hysteresis says stop spilling).
+    UnderWatermark,
+    /// Smaller than the minimum size to spill.
+    TooSmall,
+    /// Not on a CUDA device (host tensors on a GPU run).
+    NotOnDevice,
+    /// Outside every region that allows spilling.
+    OutsideRegion,
+    /// The spill fraction for this step is used up.
+    FractionReached,
+    /// Among the last groups of the forward, which backward needs first.
+    TailOfForward,
+    /// A parameter of the model (not managed by the weight runtime).
+    Parameter,
+    /// Larger than every size class and the pageable fallback is off.
+    TooLarge,
+    /// Spilling is paused (`max_inflight_d2h` is 0, as the Conductor sets it in OPTIMIZER).
+    SpillsPaused,
+}
+
+/// How a Conductor reservation may be granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum ReservationMode {
+    /// All or nothing under the soft cap.
+    Hard,
+    /// A partial grant of what is available.
+    Soft,
+    /// May exceed the soft cap, up to the hard cap.
+    Burst,
+    /// A guaranteed minimum, all or nothing.
+    Floor,
+    /// An upper-bound hint: records a cap, grants nothing.
+    Ceiling,
+}
+
+/// Conductor priorities, highest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Priority {
+    Critical,
+    Required,
+    Speculative,
+    Background,
+}
+
+/// The resource a reservation is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Resource {
+    Vram,
+    PinnedHost,
+}
+
+/// How a reservation request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum ReservationOutcome {
+    Granted,
+    Partial,
+    Denied,
+    /// A ceiling was recorded; nothing was granted.
+    CapRecorded,
+}
+
+/// Why the Conductor refused a reservation or a transfer slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum DenyReason {
+    /// Not enough headroom under the cap for this mode.
+    InsufficientHeadroom,
+    /// Below the reserve kept for higher priorities.
+    PriorityReserve,
+    /// Over a ceiling recorded for this owner.
+    OverCeiling,
+    /// Every H2D slot is taken.
+    H2dSlotsExhausted,
+    /// Every D2H slot is taken.
+    D2hSlotsExhausted,
+    /// A policy rule suppresses speculative work in this phase.
+    PhaseRuleSuppressedSpeculative,
+    /// The Conductor is shut down.
+    Shutdown,
+}
+
+impl DenyReason {
+    /// The name used on the wire and in labels (derived from the variant, as serde's).
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+}
+
+/// The Conductor's policy rules: why it changed the hints it gives the runtimes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum PolicyRule {
+    /// Step begin: every hint back to the runtimes' configured values.
+    Reset,
+    /// Backward with VRAM pressure above 80% of the soft cap.
+    BackwardPressure,
+    /// Optimizer phase: no speculative work, one H2D in flight.
+    OptimizerProtection,
+    /// Transfer slots full on more than three consecutive checks.
+    Contention,
+}
+
+/// Limits the Conductor asks the runtimes to respect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Hints {
+    pub max_inflight_h2d: Option<u32>,
+    pub max_inflight_d2h: Option<u32>,
+    pub prefetch_window_cap: Option<u32>,
+    pub suppress_speculative: bool,
+}
+
+/// One size class of a pool, as configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolClass {
+    pub slab_bytes: u64,
+    pub slabs: u32,
+}
+

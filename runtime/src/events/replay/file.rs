@@ -1,0 +1,366 @@
+//! A replay of a telemetry file of any size: [`FileReplay::open`] returns at once with the start
+//! of the file, while the file is indexed in the background; seeks start from the nearest
+//! checkpoint and read only the events between it and the target.
+
+use super::index::{self, Checkpoint, Index, Position};
+use super::{ReplayStatus, MAX_SPEED, MIN_SPEED};
+use crate::events::jsonl::{JsonlError, ReadReport, Reader};
+use crate::events::model::Event;
+use crate::events::snapshot::Snapshot;
+use std::collections::VecDeque;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Events applied last that a file replay keeps (for the consumers' recent-events views).
+pub const RECENT_KEPT: usize = 4096;
+/// Most events one tick applies, so that a fast replay of a huge file stays responsive.
+const MAX_PER_TICK: usize = 200_000;
+
+/// What an operation did to the replayed stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Played {
+    /// Nothing moved.
+    None,
+    /// These events were applied, in order.
+    Advanced(Vec<Event>),
+    /// The position jumped: consumers resync from [`FileReplay::snapshot`] (and
+    /// [`FileReplay::recent`] for history).
+    Reset,
+}
+
+/// A replay that reads its file on demand.
+pub struct FileReplay {
+    path: PathBuf,
+    compressed: bool,
+    index: Arc<Index>,
+    pos: usize,
+    snapshot: Snapshot,
+    /// Positioned at event `pos`; `None` at the end.
+    reader: Option<Reader<Box<dyn BufRead + Send>>>,
+    /// The next event, read ahead to know when it is due.
+    peeked: Option<Event>,
+    recent: VecDeque<Event>,
+    speed: f64,
+    paused: bool,
+    anchor: Option<(Instant, u64)>,
+}
+
+impl std::fmt::Debug for FileReplay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileReplay")
+            .field("path", &self.path)
+            .field("position", &self.pos)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for FileReplay {
+    fn drop(&mut self) {
+        self.index.cancel();
+    }
+}
+
+impl FileReplay {
+    /// Opens `path` (plain or zstd) positioned before its first event, playing at recorded
+    /// speed; indexing starts in the background.
+    pub fn open(path: impl AsRef<Path>) -> Result<FileReplay, JsonlError> {
+        let path = path.as_ref().to_path_buf();
+        let compressed = index::is_compressed(&path).map_err(|e| JsonlError::io(&path, e))?;
+        let index = index::spawn(path.clone(), compressed)?;
+        let mut r = FileReplay {
+            path,
+            compressed,
+            index,
+            pos: 0,
+            snapshot: Snapshot::new(),
+            reader: None,
+            peeked: None,
+            recent: VecDeque::new(),
+            speed: 1.0,
+            paused: false,
+            anchor: None,
+        };
+        r.reposition(Checkpoint {
+            pos: 0,
+            at: Position::default(),
+            t_ns: 0,
+            snapshot: Arc::new(Snapshot::new()),
+        })?;
+        Ok(r)
+    }
+
+    /// The file replayed.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The state after the events applied so far.
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// The last events applied (at most [`RECENT_KEPT`]), oldest first.
+    pub fn recent(&self) -> &VecDeque<Event> {
+        &self.recent
+    }
+
+    /// Events applied so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Events known so far (all of them once indexing is done).
+    pub fn len(&self) -> usize {
+        self.index.lock().total.max(self.pos)
+    }
+
+    /// True when the file has no events (as far as indexed).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the whole file is indexed.
+    pub fn indexed(&self) -> bool {
+        self.index.lock().done
+    }
+
+    /// Snapshot checkpoints indexed so far (seeks start from the nearest one).
+    pub fn checkpoints(&self) -> usize {
+        self.index.lock().checkpoints.len()
+    }
+
+    /// Blocks until the whole file is indexed (tests, tools that need the total).
+    pub fn wait_indexed(&self) {
+        self.index.wait();
+    }
+
+    /// What reading the file found (so far), and an indexing error if one stopped it.
+    pub fn report(&self) -> (ReadReport, Option<String>) {
+        let st = self.index.lock();
+        (st.report.clone(), st.error.clone())
+    }
+
+    /// Whether the replay is paused.
+    pub fn paused(&self) -> bool {
+        self.paused
+    }
+
+    /// Playback speed (1.0 = recorded).
+    pub fn speed(&self) -> f64 {
+        self.speed
+    }
+
+    /// Replay time: the time of the last applied event.
+    pub fn t_ns(&self) -> u64 {
+        self.recent.back().map_or(self.snapshot.t_ns, |e| e.t_ns)
+    }
+
+    /// Where the replay is.
+    pub fn status(&self) -> ReplayStatus {
+        let st = self.index.lock();
+        ReplayStatus {
+            position: self.pos,
+            total: st.total.max(self.pos),
+            paused: self.paused,
+            speed: self.speed,
+            t_ns: self.t_ns(),
+            end_t_ns: st.end_t_ns,
+            step: self.snapshot.step,
+            following: false,
+            indexing: !st.done,
+        }
+    }
+
+    /// Pauses or resumes.
+    pub fn set_paused(&mut self, paused: bool) {
+        self.paused = paused;
+        self.anchor = None;
+    }
+
+    /// Pauses or resumes.
+    pub fn toggle_pause(&mut self) {
+        self.set_paused(!self.paused);
+    }
+
+    /// Sets the speed (clamped to [`MIN_SPEED`]..=[`MAX_SPEED`]).
+    pub fn set_speed(&mut self, speed: f64) {
+        let speed = if speed.is_finite() { speed } else { 1.0 };
+        self.speed = speed.clamp(MIN_SPEED, MAX_SPEED);
+        self.anchor = None;
+    }
+
+    /// Doubles the speed.
+    pub fn faster(&mut self) {
+        self.set_speed(self.speed * 2.0);
+    }
+
+    /// Halves the speed.
+    pub fn slower(&mut self) {
+        self.set_speed(self.speed / 2.0);
+    }
+
+    fn io(&self, e: std::io::Error) -> JsonlError {
+        JsonlError::io(&self.path, e)
+    }
+
+    /// Starts over from a checkpoint.
+    fn reposition(&mut self, cp: Checkpoint) -> Result<(), JsonlError> {
+        let stream = index::stream_at(&self.path, self.compressed, cp.at).map_err(|e| self.io(e))?;
+        self.reader = Some(Reader::new(stream));
+        self.peeked = None;
+        self.pos = cp.pos;
+        self.snapshot = (*cp.snapshot).clone();
+        self.recent.clear();
+        self.anchor = None;
+        Ok(())
+    }
+
+    fn peek(&mut self) -> Result<Option<&Event>, JsonlError> {
+        if self.peeked.is_none() {
+            if let Some(r) = &mut self.reader {
+                match r.next() {
+                    Some(Ok(e)) => self.peeked = Some(e),
+                    Some(Err(e)) => return Err(JsonlError::io(&self.path, e)),
+                    None => self.reader = None,
+                }
+            }
+        }
+        Ok(self.peeked.as_ref())
+    }
+
+    /// Applies the next event, if any.
+    fn advance(&mut self, out: Option<&mut Vec<Event>>) -> Result<bool, JsonlError> {
+        self.peek()?;
+        let Some(e) = self.peeked.take() else { return Ok(false) };
+        self.snapshot.apply(&e);
+        self.pos += 1;
+        if self.recent.len() == RECENT_KEPT {
+            self.recent.pop_front();
+        }
+        if let Some(out) = out {
+            out.push(e.clone());
+        }
+        self.recent.push_back(e);
+        Ok(true)
+    }
+
+    /// Moves to `target` events applied: forward by reading on, backward (or far forward) from
+    /// the nearest checkpoint.
+    fn go_to(&mut self, target: usize) -> Result<Played, JsonlError> {
+        if target == self.pos {
+            return Ok(Played::None);
+        }
+        let cp = {
+            let st = self.index.lock();
+            let i = st.checkpoints.partition_point(|c| c.pos <= target);
+            st.checkpoints.get(i.wrapping_sub(1)).cloned()
+        };
+        let from_checkpoint = cp.filter(|c| target < self.pos || c.pos > self.pos);
+        let jumped = from_checkpoint.is_some();
+        if let Some(cp) = from_checkpoint {
+            self.reposition(cp)?;
+        }
+        let start = self.pos;
+        let mut out = Vec::new();
+        while self.pos < target {
+            let keep = (!jumped && self.pos - start < RECENT_KEPT).then_some(&mut out);
+            if !self.advance(keep)? {
+                break;
+            }
+        }
+        if jumped || out.len() < self.pos - start {
+            return Ok(Played::Reset);
+        }
+        Ok(if out.is_empty() { Played::None } else { Played::Advanced(out) })
+    }
+
+    /// Applies every event that is due at wall time `now`, at the current speed.
+    pub fn tick(&mut self, now: Instant) -> Result<Played, JsonlError> {
+        if self.paused {
+            self.anchor = None;
+            return Ok(Played::None);
+        }
+        let Some(first_t) = self.peek()?.map(|e| e.t_ns) else {
+            self.anchor = None;
+            return Ok(Played::None);
+        };
+        let (start, t0) = *self
+            .anchor
+            .get_or_insert((now, if self.pos == 0 { first_t } else { self.t_ns() }));
+        let elapsed = now.saturating_duration_since(start).as_nanos() as f64 * self.speed;
+        let due = t0.saturating_add(elapsed as u64);
+        let mut out = Vec::new();
+        while out.len() < MAX_PER_TICK && self.peek()?.is_some_and(|e| e.t_ns <= due) {
+            self.advance(Some(&mut out))?;
+        }
+        Ok(if out.is_empty() { Played::None } else { Played::Advanced(out) })
+    }
+
+    /// Moves by `n` events (negative: back). Pauses, as stepping implies.
+    pub fn step_events(&mut self, n: i64) -> Result<Played, JsonlError> {
+        self.paused = true;
+        // Past the end stops at the end; the total may not be known yet while indexing.
+        let target = (self.pos as i64).saturating_add(n).max(0) as usize;
+        self.go_to(target)
+    }
+
+    /// Moves to the start of the next (or, with `n < 0`, an earlier) training step.
+    pub fn step_training(&mut self, n: i64) -> Result<Played, JsonlError> {
+        self.paused = true;
+        let target = {
+            let st = self.index.lock();
+            let starts = &st.step_starts;
+            if n >= 0 {
+                let i = starts.partition_point(|p| *p <= self.pos);
+                starts.get(i + (n.max(1) as usize - 1)).copied().unwrap_or(st.total.max(self.pos))
+            } else {
+                let i = starts.partition_point(|p| *p < self.pos);
+                i.checked_sub(n.unsigned_abs() as usize).map_or(0, |k| starts[k])
+            }
+        };
+        self.go_to(target)
+    }
+
+    /// Jumps to a position (number of events applied).
+    pub fn seek(&mut self, position: usize) -> Result<Played, JsonlError> {
+        self.go_to(position)
+    }
+
+    /// Jumps to a fraction of the events known so far (0.0 = start, 1.0 = end).
+    pub fn seek_fraction(&mut self, fraction: f64) -> Result<Played, JsonlError> {
+        let f = if fraction.is_finite() { fraction.clamp(0.0, 1.0) } else { 0.0 };
+        let target = (self.len() as f64 * f).round() as usize;
+        self.go_to(target)
+    }
+
+    /// Jumps to the first event at or after `t_ns`.
+    pub fn seek_time(&mut self, t_ns: u64) -> Result<Played, JsonlError> {
+        let cp = {
+            let st = self.index.lock();
+            let i = st.checkpoints.partition_point(|c| c.t_ns < t_ns);
+            st.checkpoints.get(i.wrapping_sub(1)).cloned()
+        };
+        if let Some(cp) = cp {
+            if cp.pos > self.pos || self.t_ns() >= t_ns {
+                self.reposition(cp)?;
+            }
+        }
+        while self.peek()?.is_some_and(|e| e.t_ns < t_ns) {
+            self.advance(None)?;
+        }
+        Ok(Played::Reset)
+    }
+
+    /// Jumps to the start.
+    pub fn to_start(&mut self) -> Result<Played, JsonlError> {
+        self.go_to(0)
+    }
+
+    /// Jumps to the end (of what is indexed so far).
+    pub fn to_end(&mut self) -> Result<Played, JsonlError> {
+        let end = self.len();
+        self.go_to(end)
+    }
+}

@@ -1,0 +1,77 @@
+//! Tests of the file-backed replay against the in-memory one.
+
+use super::*;
+use crate::events::bus::EventSink;
+use crate::events::jsonl::{JsonlSink, OpenMode};
+use crate::events::synthetic::{self, SyntheticRun};
+use std::time::Duration;
+
+fn write(path: &std::path::Path, events: &[Event], compress: bool) {
+    let mut sink = JsonlSink::open_with(path, OpenMode::CreateNew, compress, None).expect("opens");
+    for (i, e) in events.iter().enumerate() {
+        sink.on_event(e);
+        if i % 500 == 0 {
+            sink.flush(); // many frames, as a live run writes them
+        }
+    }
+}
+
+#[test]
+fn a_file_replay_reaches_every_position_with_the_in_memory_snapshot() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let events = synthetic::events(SyntheticRun { blocks: 10, steps: 12, end_mid_step: true });
+    let n = events.len();
+    for (name, compress) in [("r.jsonl", false), ("r.jsonl.zst", true)] {
+        let path = dir.path().join(name);
+        write(&path, &events, compress);
+        let mut r = FileReplay::open(&path).expect("opens");
+        assert_eq!(r.position(), 0);
+        r.wait_indexed();
+        assert_eq!(r.len(), n, "{name}");
+        let cps = r.checkpoints();
+        assert!(cps > 5, "{name}: {cps} checkpoints");
+        for target in [n / 2, 3, n - 1, n / 3, 0, n, 17, 2 * n / 3] {
+            r.seek(target).expect("seeks");
+            assert_eq!(r.position(), target);
+            assert_eq!(r.snapshot(), &Snapshot::from_events(&events[..target]), "{name} at {target}");
+        }
+        // Stepping by training steps lands just after each step_begin, as the in-memory one.
+        let mut mem = Replay::new(events.clone());
+        r.to_start().expect("start");
+        for k in [1i64, 1, 3, -2, -1, 1] {
+            mem.step_training(k);
+            r.step_training(k).expect("steps");
+            assert_eq!(r.position(), mem.position(), "{name}: step_training({k})");
+        }
+        r.step_events(-5).expect("back");
+        mem.step_events(-5);
+        assert_eq!(r.snapshot(), mem.snapshot());
+        let t = events[n / 2].t_ns;
+        r.seek_time(t).expect("seeks by time");
+        mem.seek_time(t);
+        assert_eq!(r.position(), mem.position(), "{name}: seek_time");
+        assert_eq!(r.report().0.skipped_total, 0);
+    }
+}
+
+#[test]
+fn a_file_replay_plays_at_recorded_speed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let events = synthetic::events(SyntheticRun::finished(2));
+    let path = dir.path().join("p.jsonl");
+    write(&path, &events, false);
+    let mut r = FileReplay::open(&path).expect("opens");
+    let t0 = Instant::now();
+    let first = r.tick(t0).expect("tick");
+    assert!(matches!(first, Played::Advanced(ref v) if v.len() == 1), "{first:?}");
+    // 1 ms of recorded time later: exactly the events due by then.
+    let due = events[0].t_ns + 1_000_000;
+    let expect = events.iter().filter(|e| e.t_ns <= due).count();
+    r.tick(t0 + Duration::from_millis(1)).expect("tick");
+    assert_eq!(r.position(), expect);
+    match r.seek(expect + 3).expect("seek") {
+        Played::Advanced(v) => assert_eq!(v, events[expect..expect + 3].to_vec()),
+        other => panic!("a short move forward hands over its events: {other:?}"),
+    }
+    assert_eq!(r.recent().back(), events.get(expect + 2));
+}

@@ -1,0 +1,92 @@
+//! Saved activations: what the pack hook decided, spills, restores, and their totals.
+
+use super::super::model::*;
+use super::tally::ActivationCounts;
+use super::*;
+
+pub(super) fn apply(s: &mut Snapshot, e: &Event) {
+    match &e.kind {
+        EventKind::Pack {
+            decision,
+            reason,
+            bytes,
+            pool_hit,
+            ..
+        } => {
+            let t = s.tallies.activations.detail(e.step);
+            t.saved = t.saved.saturating_add(1);
+            match decision {
+                PackDecision::Kept => t.kept = t.kept.saturating_add(1),
+                PackDecision::Spilled => {
+                    t.spilled = t.spilled.saturating_add(1);
+                    t.spill_bytes = t.spill_bytes.saturating_add(*bytes);
+                    match pool_hit {
+                        Some(true) => t.pool_hits = t.pool_hits.saturating_add(1),
+                        Some(false) => t.pool_misses = t.pool_misses.saturating_add(1),
+                        None => {}
+                    }
+                }
+                PackDecision::WeightHandle => t.weight_handles = t.weight_handles.saturating_add(1),
+                PackDecision::Duplicate => {}
+            }
+            let a = &mut s.activations;
+            match decision {
+                PackDecision::Kept => {
+                    if let Some(r) = reason {
+                        bump(&mut a.kept_by_reason, &wire_name(r));
+                    }
+                }
+                PackDecision::Duplicate => a.duplicates = a.duplicates.saturating_add(1),
+                PackDecision::Spilled | PackDecision::WeightHandle => {}
+            }
+            refresh(s);
+        }
+        EventKind::SpillFinalized { inline: true, .. } => {
+            let a = &mut s.activations;
+            a.finalized_inline = a.finalized_inline.saturating_add(1);
+        }
+        EventKind::Restored {
+            bytes,
+            predicted,
+            stall_ms,
+            ..
+        } => {
+            let t = s.tallies.activations.detail(e.step);
+            t.restored = t.restored.saturating_add(1);
+            t.restore_bytes = t.restore_bytes.saturating_add(*bytes);
+            if *predicted {
+                t.predicted = t.predicted.saturating_add(1);
+            }
+            if *stall_ms > 0.0 {
+                t.stall_count = t.stall_count.saturating_add(1);
+                t.stall_time_ms += stall_ms;
+            }
+            refresh(s);
+        }
+        EventKind::SpillingToggled { on, .. } => s.activations.spilling = *on,
+        EventKind::ActivationStep(m) => {
+            s.tallies.activations.aggregate(e.step, &ActivationCounts::from(m));
+            refresh(s);
+            s.activations.last_step = Some(m.clone());
+            s.step_record_mut(e.step).activations = Some(m.clone());
+        }
+        _ => {}
+    }
+}
+
+fn refresh(s: &mut Snapshot) {
+    let t = s.tallies.activations.total();
+    let a = &mut s.activations;
+    a.saved = t.saved;
+    a.kept = t.kept;
+    a.spilled = t.spilled;
+    a.weight_handles = t.weight_handles;
+    a.restored = t.restored;
+    a.predicted = t.predicted;
+    a.spill_bytes = t.spill_bytes;
+    a.restore_bytes = t.restore_bytes;
+    a.stall_time_ms = t.stall_time_ms;
+    a.stall_count = t.stall_count;
+    a.pool_hits = t.pool_hits;
+    a.pool_misses = t.pool_misses;
+}

@@ -1,0 +1,258 @@
+//! Run totals that come out the same from a full telemetry file and from a summary one.
+//!
+//! A total such as "prefetch hits" can be counted from detail events (`prefetch_hit`) or from the
+//! per-step aggregates (`weight_step`). A full file has both, a summary file only the aggregates.
+//! So each domain keeps a [`Tally`]: the sum of finished steps' aggregates (`committed`) plus the
+//! detail counts of the step in progress (`open`). When a step's aggregate arrives it *replaces*
+//! that step's open detail counts, so nothing is counted twice, and both kinds of file reach the
+//! same totals by the same float additions. A step whose aggregate never comes (a runtime that is
+//! not attached, a run cut off mid-step) keeps its detail counts.
+
+use super::super::model::*;
+use serde::{Deserialize, Serialize};
+
+/// Counts that add up step by step.
+pub trait StepSum: Default + Clone {
+    /// Adds `other` into `self` (saturating: the numbers may come from a hostile file).
+    fn add(&mut self, other: &Self);
+}
+
+/// One domain's totals: finished steps plus the step in progress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Tally<T> {
+    /// Sum of the steps already closed.
+    pub committed: T,
+    /// The step whose detail is being counted.
+    pub open_step: u64,
+    /// Detail counts of `open_step`, until its aggregate replaces them.
+    pub open: T,
+}
+
+impl<T: StepSum> Tally<T> {
+    /// The counts of `step`'s detail events, to add one to. A detail event of another step
+    /// closes the open one as it stands (no aggregate came for it).
+    pub fn detail(&mut self, step: u64) -> &mut T {
+        if step != self.open_step {
+            let open = std::mem::take(&mut self.open);
+            self.committed.add(&open);
+            self.open_step = step;
+        }
+        &mut self.open
+    }
+
+    /// `step`'s aggregate: it replaces that step's detail counts.
+    pub fn aggregate(&mut self, step: u64, agg: &T) {
+        if step == self.open_step {
+            self.open = T::default();
+        }
+        self.committed.add(agg);
+    }
+
+    /// Committed plus open.
+    pub fn total(&self) -> T {
+        let mut t = self.committed.clone();
+        t.add(&self.open);
+        t
+    }
+}
+
+/// Weight runtime counts (the summable part of [`WeightStepMetrics`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct WeightCounts {
+    pub prefetch_hits: u64,
+    pub prefetch_misses: u64,
+    pub stall_count: u64,
+    pub stall_time_ms: f64,
+    pub evictions: u64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+}
+
+impl StepSum for WeightCounts {
+    fn add(&mut self, o: &Self) {
+        self.prefetch_hits = self.prefetch_hits.saturating_add(o.prefetch_hits);
+        self.prefetch_misses = self.prefetch_misses.saturating_add(o.prefetch_misses);
+        self.stall_count = self.stall_count.saturating_add(o.stall_count);
+        self.stall_time_ms += o.stall_time_ms;
+        self.evictions = self.evictions.saturating_add(o.evictions);
+        self.h2d_bytes = self.h2d_bytes.saturating_add(o.h2d_bytes);
+        self.d2h_bytes = self.d2h_bytes.saturating_add(o.d2h_bytes);
+    }
+}
+
+impl From<&WeightStepMetrics> for WeightCounts {
+    fn from(m: &WeightStepMetrics) -> Self {
+        WeightCounts {
+            prefetch_hits: m.prefetch_hits,
+            prefetch_misses: m.prefetch_misses,
+            stall_count: m.stall_count,
+            stall_time_ms: m.stall_time_ms,
+            evictions: m.evictions,
+            h2d_bytes: m.h2d_bytes,
+            d2h_bytes: m.d2h_bytes,
+        }
+    }
+}
+
+/// Activation runtime counts (the summable part of [`ActivationStepMetrics`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ActivationCounts {
+    pub saved: u64,
+    pub kept: u64,
+    pub spilled: u64,
+    pub weight_handles: u64,
+    pub restored: u64,
+    pub predicted: u64,
+    pub spill_bytes: u64,
+    pub restore_bytes: u64,
+    pub stall_time_ms: f64,
+    pub stall_count: u64,
+    pub pool_hits: u64,
+    pub pool_misses: u64,
+}
+
+impl StepSum for ActivationCounts {
+    fn add(&mut self, o: &Self) {
+        self.saved = self.saved.saturating_add(o.saved);
+        self.kept = self.kept.saturating_add(o.kept);
+        self.spilled = self.spilled.saturating_add(o.spilled);
+        self.weight_handles = self.weight_handles.saturating_add(o.weight_handles);
+        self.restored = self.restored.saturating_add(o.restored);
+        self.predicted = self.predicted.saturating_add(o.predicted);
+        self.spill_bytes = self.spill_bytes.saturating_add(o.spill_bytes);
+        self.restore_bytes = self.restore_bytes.saturating_add(o.restore_bytes);
+        self.stall_time_ms += o.stall_time_ms;
+        self.stall_count = self.stall_count.saturating_add(o.stall_count);
+        self.pool_hits = self.pool_hits.saturating_add(o.pool_hits);
+        self.pool_misses = self.pool_misses.saturating_add(o.pool_misses);
+    }
+}
+
+impl From<&ActivationStepMetrics> for ActivationCounts {
+    fn from(m: &ActivationStepMetrics) -> Self {
+        ActivationCounts {
+            saved: m.activations_saved,
+            kept: m.activations_kept,
+            spilled: m.activations_spilled,
+            weight_handles: m.weight_handles,
+            restored: m.activations_restored,
+            predicted: m.activations_predicted,
+            spill_bytes: m.spill_bytes,
+            restore_bytes: m.restore_bytes,
+            stall_time_ms: m.stall_time_ms,
+            stall_count: m.stall_count,
+            pool_hits: m.pool_hits,
+            pool_misses: m.pool_misses,
+        }
+    }
+}
+
+/// Conductor counts (the summable part of [`ConductorStepMetrics`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ConductorCounts {
+    pub grants: u64,
+    pub partials: u64,
+    pub denials: u64,
+    pub slot_grants: u64,
+    pub slot_denials: u64,
+}
+
+impl StepSum for ConductorCounts {
+    fn add(&mut self, o: &Self) {
+        self.grants = self.grants.saturating_add(o.grants);
+        self.partials = self.partials.saturating_add(o.partials);
+        self.denials = self.denials.saturating_add(o.denials);
+        self.slot_grants = self.slot_grants.saturating_add(o.slot_grants);
+        self.slot_denials = self.slot_denials.saturating_add(o.slot_denials);
+    }
+}
+
+impl From<&ConductorStepMetrics> for ConductorCounts {
+    fn from(m: &ConductorStepMetrics) -> Self {
+        ConductorCounts {
+            grants: m.grant_count,
+            partials: m.partial_count,
+            denials: m.deny_count,
+            slot_grants: m.slot_grant_count,
+            slot_denials: m.slot_deny_count,
+        }
+    }
+}
+
+impl StepSum for CopyStats {
+    fn add(&mut self, o: &Self) {
+        self.count = self.count.saturating_add(o.count);
+        self.bytes = self.bytes.saturating_add(o.bytes);
+        self.busy_ms += o.busy_ms;
+        if o.count > 0 {
+            self.last_gbps = o.last_gbps;
+        }
+    }
+}
+
+impl StepSum for TransferStepMetrics {
+    fn add(&mut self, o: &Self) {
+        self.h2d.add(&o.h2d);
+        self.d2h.add(&o.d2h);
+    }
+}
+
+impl CopyStats {
+    /// Adds one completed copy.
+    pub fn record(&mut self, bytes: u64, duration_ms: f64) {
+        let mut one = CopyStats {
+            count: 1,
+            bytes,
+            busy_ms: duration_ms,
+            last_gbps: self.last_gbps,
+        };
+        if duration_ms > 0.0 {
+            one.last_gbps = bytes as f64 / (duration_ms * 1e6);
+        }
+        self.add(&one);
+    }
+}
+
+impl TransferStepMetrics {
+    /// The stats of one direction.
+    pub fn dir_mut(&mut self, d: Direction) -> &mut CopyStats {
+        match d {
+            Direction::H2d => &mut self.h2d,
+            Direction::D2h => &mut self.d2h,
+        }
+    }
+
+    /// True when no copy completed.
+    pub fn is_empty(&self) -> bool {
+        self.h2d.count == 0 && self.d2h.count == 0
+    }
+}
+
+/// The tallies of every domain whose totals have a per-step aggregate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Tallies {
+    pub weights: Tally<WeightCounts>,
+    pub activations: Tally<ActivationCounts>,
+    pub conductor: Tally<ConductorCounts>,
+    pub transfers: Tally<TransferStepMetrics>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_aggregate_replaces_its_steps_detail_and_later_steps_keep_theirs() {
+        let mut t = Tally::<ConductorCounts>::default();
+        t.detail(1).grants += 1;
+        t.detail(1).grants += 1;
+        assert_eq!(t.total().grants, 2);
+        t.aggregate(1, &ConductorCounts { grants: 5, ..Default::default() });
+        assert_eq!(t.total().grants, 5, "the aggregate replaced the two detail grants");
+        t.detail(2).grants += 1;
+        assert_eq!(t.total().grants, 6);
+        // Step 2 never got an aggregate: its detail stays when step 3 starts.
+        t.detail(3).denials += 1;
+        assert_eq!((t.total().grants, t.total().denials), (6, 1));
+    }
+}

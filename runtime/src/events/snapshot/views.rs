@@ -1,0 +1,315 @@
+//! The view types a [`Snapshot`](super::Snapshot) is made of, and the bounds on its histories.
+
+use super::super::model::*;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+
+/// VRAM samples kept for history charts.
+pub const VRAM_HISTORY: usize = 600;
+/// Steps kept in the per-step history.
+pub const STEP_HISTORY: usize = 512;
+/// Recent transfers kept for the transfers view.
+pub const RECENT_TRANSFERS: usize = 64;
+/// Warnings kept.
+pub const RECENT_WARNINGS: usize = 64;
+/// Phase spans kept for the Conductor timeline.
+pub const PHASE_SPANS: usize = 96;
+/// Denials kept for the Conductor view.
+pub const RECENT_DENIALS: usize = 32;
+/// Readings of VRAM by owner kept for history charts.
+pub const OWNERS_HISTORY: usize = 256;
+/// Out-of-memory reports and flight-recorder files kept.
+pub const RECENT_INCIDENTS: usize = 16;
+
+/// What the `run_started` event said.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RunInfo {
+    pub run_id: String,
+    pub wall_clock_unix_ms: u64,
+    pub device: DeviceInfo,
+    pub model: String,
+    pub versions: BTreeMap<String, String>,
+    pub config: serde_json::Value,
+}
+
+/// One reading of device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct VramReading {
+    pub t_ns: u64,
+    pub allocated_bytes: u64,
+    pub reserved_bytes: u64,
+    pub peak_allocated_bytes: u64,
+}
+
+/// The limits one owner published ([`EventKind::LimitsSet`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct OwnerLimits {
+    pub budget_bytes: u64,
+    pub high_watermark_bytes: Option<u64>,
+    pub low_watermark_bytes: Option<u64>,
+}
+
+/// Device memory by owner at one moment of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct OwnersReading {
+    pub t_ns: u64,
+    pub step: u64,
+    pub phase: Phase,
+    pub owners: VramByOwner,
+}
+
+/// A device allocation that failed, as reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OomRecord {
+    pub seq: u64,
+    pub step: u64,
+    pub phase: Phase,
+    pub requested_bytes: u64,
+    pub owners: VramByOwner,
+    pub doing: String,
+    pub dump: Option<String>,
+}
+
+/// One managed weight block.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct BlockView {
+    pub id: BlockId,
+    pub name: String,
+    pub bytes: u64,
+    pub exec_order: u32,
+    pub file_backed: bool,
+    pub trainable: bool,
+    pub state: BlockState,
+    pub refcount: u32,
+    pub protected: bool,
+    pub loads: u64,
+    pub evictions: u64,
+    /// What happened to it last, e.g. "prefetching -> gpu_ready".
+    pub last: String,
+    pub last_seq: u64,
+}
+
+/// Where the weight scheduler is in its itinerary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ItineraryView {
+    pub order: Vec<BlockId>,
+    pub cursor: u32,
+    pub backward: bool,
+    pub window: Vec<BlockId>,
+}
+
+/// One size class of a pool (the weight pool has one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ClassView {
+    pub slab_bytes: u64,
+    pub slabs: u32,
+    pub in_use: u32,
+    pub peak_in_use: u32,
+    pub hits: u64,
+    pub exhausted: u64,
+}
+
+/// A pinned pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct PoolView {
+    pub pinned: bool,
+    pub classes: Vec<ClassView>,
+    pub pageable_fallbacks: u64,
+    pub pageable_bytes: u64,
+    pub total_wait_ms: f64,
+}
+
+impl PoolView {
+    /// Bytes the pool holds in all.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.classes
+            .iter()
+            .fold(0u64, |t, c| t.saturating_add(c.slab_bytes.saturating_mul(c.slabs as u64)))
+    }
+    /// Bytes in slabs that are taken.
+    pub fn in_use_bytes(&self) -> u64 {
+        self.classes
+            .iter()
+            .fold(0u64, |t, c| t.saturating_add(c.slab_bytes.saturating_mul(c.in_use as u64)))
+    }
+}
+
+/// One direction of PCIe traffic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct DirectionView {
+    pub inflight: u32,
+    pub count: u64,
+    pub bytes: u64,
+    /// Sum of copy durations, for mean throughput.
+    pub busy_ms: f64,
+    /// Throughput of the last completed copy, GB/s.
+    pub last_gbps: f64,
+}
+
+impl DirectionView {
+    /// Mean throughput over all completed copies, GB/s.
+    pub fn mean_gbps(&self) -> f64 {
+        if self.busy_ms > 0.0 {
+            self.bytes as f64 / (self.busy_ms * 1e6)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A completed copy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransferRecord {
+    pub seq: u64,
+    pub t_ns: u64,
+    pub id: TransferId,
+    pub dir: Direction,
+    pub owner: Owner,
+    pub bytes: u64,
+    pub duration_ms: f64,
+}
+
+/// Copies in both directions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct TransfersView {
+    pub h2d: DirectionView,
+    pub d2h: DirectionView,
+    pub recent: VecDeque<TransferRecord>,
+}
+
+impl TransfersView {
+    /// The view of one direction.
+    pub fn dir(&self, d: Direction) -> &DirectionView {
+        match d {
+            Direction::H2d => &self.h2d,
+            Direction::D2h => &self.d2h,
+        }
+    }
+    pub(super) fn dir_mut(&mut self, d: Direction) -> &mut DirectionView {
+        match d {
+            Direction::H2d => &mut self.h2d,
+            Direction::D2h => &mut self.d2h,
+        }
+    }
+}
+
+/// Weight runtime totals over the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct WeightTotals {
+    pub prefetch_hits: u64,
+    pub prefetch_misses: u64,
+    pub stall_time_ms: f64,
+    pub evictions: u64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    /// Misses that stalled the compute stream.
+    #[serde(default)]
+    pub stall_count: u64,
+    pub last_step: Option<WeightStepMetrics>,
+}
+
+impl WeightTotals {
+    /// Hits over hits plus misses, 0 when there were none.
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.prefetch_hits.saturating_add(self.prefetch_misses);
+        if n == 0 {
+            0.0
+        } else {
+            self.prefetch_hits as f64 / n as f64
+        }
+    }
+}
+
+/// Activation runtime totals over the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ActivationTotals {
+    pub saved: u64,
+    pub kept: u64,
+    pub spilled: u64,
+    pub weight_handles: u64,
+    pub duplicates: u64,
+    pub restored: u64,
+    pub predicted: u64,
+    pub finalized_inline: u64,
+    pub spill_bytes: u64,
+    pub restore_bytes: u64,
+    pub stall_time_ms: f64,
+    pub stall_count: u64,
+    pub pool_hits: u64,
+    pub pool_misses: u64,
+    pub kept_by_reason: BTreeMap<String, u64>,
+    pub spilling: bool,
+    pub last_step: Option<ActivationStepMetrics>,
+}
+
+/// A denial, for the Conductor view.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DenialRecord {
+    pub seq: u64,
+    pub step: u64,
+    pub phase: Phase,
+    pub owner: Owner,
+    pub what: String,
+    pub reason: DenyReason,
+}
+
+/// The Conductor's state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct ConductorView {
+    pub hints: Hints,
+    pub hints_rule: Option<PolicyRule>,
+    pub hint_changes: u64,
+    pub grants: u64,
+    pub partials: u64,
+    pub denials: u64,
+    pub ceilings: u64,
+    pub by_mode: BTreeMap<String, u64>,
+    pub by_priority: BTreeMap<String, u64>,
+    pub denials_by_reason: BTreeMap<String, u64>,
+    pub active_reservations: u64,
+    pub active_bytes: u64,
+    pub slot_grants: u64,
+    pub slot_denials: u64,
+    pub h2d_inflight: u32,
+    pub d2h_inflight: u32,
+    pub recent_denials: VecDeque<DenialRecord>,
+    pub last_step: Option<ConductorStepMetrics>,
+}
+
+/// A phase of a step, with its span.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PhaseSpan {
+    pub step: u64,
+    pub phase: Phase,
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
+/// Everything known about one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct StepRecord {
+    pub step: u64,
+    pub train: Option<TrainStepMetrics>,
+    pub weights: Option<WeightStepMetrics>,
+    pub activations: Option<ActivationStepMetrics>,
+    pub conductor: Option<ConductorStepMetrics>,
+    #[serde(default)]
+    pub time: Option<StepTimeBreakdown>,
+    /// Device memory by owner at the step's peak (the largest allocation seen in the step).
+    #[serde(default)]
+    pub vram_at_peak: Option<VramByOwner>,
+    /// The step's copies by direction.
+    #[serde(default)]
+    pub transfers: Option<TransferStepMetrics>,
+}
+
+/// A warning, for the log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WarningRecord {
+    pub seq: u64,
+    pub t_ns: u64,
+    pub step: u64,
+    pub source: Owner,
+    pub message: String,
+}
+
