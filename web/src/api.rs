@@ -42,7 +42,34 @@ pub struct AppState {
     pub(crate) hub: Arc<Hub>,
     metrics: Metrics,
     replay: Option<Arc<ReplayDriver>>,
-    stop: watch::Receiver<bool>,
+    stop: Shutdown,
+}
+
+/// When the streams end. A router built by the user (served on their own tokio) has no
+/// shutdown signal: its streams run until the client leaves.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Shutdown(Option<watch::Receiver<bool>>);
+
+impl Shutdown {
+    /// Streams end when `stop` turns true.
+    pub(crate) fn new(stop: watch::Receiver<bool>) -> Shutdown {
+        Shutdown(Some(stop))
+    }
+
+    /// True once the server is shutting down.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.as_ref().is_some_and(|rx| *rx.borrow())
+    }
+
+    /// Resolves when the server shuts down (or its handle is gone); never without a signal.
+    pub(crate) async fn wait(&mut self) {
+        match &mut self.0 {
+            Some(rx) => {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+            None => std::future::pending().await,
+        }
+    }
 }
 
 impl AppState {
@@ -52,7 +79,7 @@ impl AppState {
             hub,
             metrics,
             replay: None,
-            stop: watch::channel(false).1,
+            stop: Shutdown::default(),
         }
     }
 
@@ -65,13 +92,13 @@ impl AppState {
             hub,
             metrics,
             replay: Some(driver),
-            stop: watch::channel(false).1,
+            stop: Shutdown::default(),
         }
     }
 
     /// Streams end when `stop` turns true (graceful shutdown).
     pub fn with_shutdown(mut self, stop: watch::Receiver<bool>) -> AppState {
-        self.stop = stop;
+        self.stop = Shutdown::new(stop);
         self
     }
 

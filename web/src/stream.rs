@@ -7,18 +7,19 @@
 use stagehand::events::{Hub, StreamMessage, Subscription, Update};
 use std::collections::VecDeque;
 use std::sync::Arc;
-use tokio::sync::{broadcast, watch};
+use crate::api::Shutdown;
+use tokio::sync::broadcast;
 
 /// One connection's position in the stream.
 pub(crate) struct Feed {
     hub: Arc<Hub>,
     rx: broadcast::Receiver<Update>,
     queue: VecDeque<StreamMessage>,
-    stop: watch::Receiver<bool>,
+    stop: Shutdown,
 }
 
 impl Feed {
-    pub(crate) fn new(hub: Arc<Hub>, stop: watch::Receiver<bool>) -> Feed {
+    pub(crate) fn new(hub: Arc<Hub>, stop: Shutdown) -> Feed {
         let Subscription { snapshot, rx } = hub.subscribe();
         Feed {
             hub,
@@ -35,12 +36,12 @@ impl Feed {
         if let Some(m) = self.queue.pop_front() {
             return Some(m);
         }
-        if *self.stop.borrow() {
+        if self.stop.is_set() {
             return None;
         }
         let received = tokio::select! {
             r = self.rx.recv() => r,
-            _ = self.stop.wait_for(|s| *s) => return None,
+            _ = self.stop.wait() => return None,
         };
         match received {
             Ok(Update::Event(e)) => Some(StreamMessage::Event {
@@ -66,6 +67,7 @@ impl Feed {
 mod tests {
     use super::*;
     use stagehand::events::model::{BlockId, Event, EventKind, Phase};
+    use tokio::sync::watch;
 
     fn hit(seq: u64) -> Event {
         Event::new(seq, seq, 0, Phase::Idle, EventKind::PrefetchHit { block: BlockId(0) })
@@ -76,7 +78,7 @@ mod tests {
         let hub = Arc::new(Hub::new());
         hub.ingest(hit(1));
         let (_tx, stop) = watch::channel(false);
-        let mut feed = Feed::new(hub.clone(), stop);
+        let mut feed = Feed::new(hub.clone(), Shutdown::new(stop));
         match feed.next().await {
             Some(StreamMessage::Snapshot { snapshot }) => assert_eq!(snapshot.last_seq, 1),
             other => panic!("expected the snapshot first, got {other:?}"),
@@ -104,7 +106,7 @@ mod tests {
     async fn a_feed_ends_at_shutdown() {
         let hub = Arc::new(Hub::new());
         let (tx, stop) = watch::channel(false);
-        let mut feed = Feed::new(hub, stop);
+        let mut feed = Feed::new(hub, Shutdown::new(stop));
         assert!(matches!(feed.next().await, Some(StreamMessage::Snapshot { .. })));
         tx.send(true).expect("feed listens");
         assert!(feed.next().await.is_none());

@@ -217,3 +217,37 @@ async fn replay_controls_drive_the_hub() {
     let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "fraction": 2.0 }))).await;
     assert_error(s, &b, StatusCode::BAD_REQUEST, "fraction 2");
 }
+
+/// `router(AppState::live(..))` is how a user serves with their own tokio: its stream must
+/// follow the run to its end, not stop after the first snapshot.
+#[tokio::test]
+async fn sse_from_a_plain_router_follows_the_run_to_its_end() {
+    let hub = Arc::new(Hub::new());
+    let state = AppState::live(hub.clone(), Metrics::new());
+    let req = Request::builder().uri("/api/stream").header("host", "localhost").body(Body::empty()).expect("request");
+    let resp = router(state).oneshot(req).await.expect("answers");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let events = synthetic::events(SyntheticRun::finished(3));
+    let total = events.len();
+    let publisher = std::thread::spawn(move || {
+        for e in events {
+            hub.ingest(e);
+        }
+    });
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    let mut seen = 0;
+    while !text.contains("\"kind\":\"run_ended\"") {
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(60), body.frame())
+            .await
+            .expect("the stream keeps sending until the run ends")
+            .expect("the stream is still open")
+            .expect("a frame");
+        let Ok(data) = frame.into_data() else { continue };
+        text.push_str(std::str::from_utf8(&data).expect("utf-8"));
+        seen += 1;
+    }
+    publisher.join().expect("publisher");
+    let events_seen = text.matches("event: event\n").count();
+    assert_eq!(events_seen, total, "every event of the run arrived ({seen} frames)");
+}
