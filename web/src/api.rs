@@ -1,17 +1,20 @@
 //! The routes. Every one is documented in `assets/openapi.json`, served at `/api/openapi.json`.
 
+use crate::access::{guard, Access};
 use crate::assets;
+use crate::fanout::Fanout;
 use crate::replay::{BadControl, ReplayDriver, SeekRequest, SpeedRequest, StepRequest};
 use crate::stream::Feed;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{OriginalUri, Query, State};
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, OriginalUri, Query, State};
 use axum::http::{header, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::stream::{self, Stream};
+use bytes::Bytes;
+use futures_util::stream;
 use serde::Serialize;
 use serde_json::json;
 use stagehand::events::snapshot::STEP_HISTORY;
@@ -20,13 +23,17 @@ use stagehand_exporter::{Metrics, TEXT_CONTENT_TYPE};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// How often an idle stream sends a keep-alive (an SSE comment, or a WebSocket ping).
 pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
 /// Steps returned by `/api/steps` when no `limit` is given.
 pub const DEFAULT_STEPS_LIMIT: usize = 100;
+/// A WebSocket client that answers nothing (not even a ping) for this long is gone.
+const WS_SILENCE: Duration = Duration::from_secs(30);
+/// Largest request body accepted (the controls take a few numbers).
+const MAX_BODY: usize = 16 * 1024;
 
 /// Whether the server shows a live run or replays a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -39,10 +46,12 @@ pub enum Mode {
 /// What the handlers share.
 #[derive(Debug, Clone)]
 pub struct AppState {
-    pub(crate) hub: Arc<Hub>,
+    hub: Arc<Hub>,
     metrics: Metrics,
     replay: Option<Arc<ReplayDriver>>,
     stop: Shutdown,
+    fanout: Arc<Fanout>,
+    access: Arc<Access>,
 }
 
 /// When the streams end. A router built by the user (served on their own tokio) has no
@@ -73,26 +82,34 @@ impl Shutdown {
 }
 
 impl AppState {
-    /// A live run's hub, with the metrics sink attached to it.
+    /// A live run's hub, with the metrics sink attached to it. Adds the sink that encodes the
+    /// stream for every client (once per state: clones share it), so build one per hub.
     pub fn live(hub: Arc<Hub>, metrics: Metrics) -> AppState {
+        let fanout = Fanout::attach(&hub);
         AppState {
             hub,
             metrics,
             replay: None,
             stop: Shutdown::default(),
+            fanout,
+            access: Arc::new(Access::loopback()),
         }
     }
 
-    /// A replay: the driver feeds a hub of its own, with a metrics sink.
+    /// A replay: the driver feeds a hub of its own, with a metrics sink. Serving it with your
+    /// own tokio, spawn [`ReplayDriver::run`] as well, or it never plays.
     pub fn replay(driver: Arc<ReplayDriver>) -> AppState {
         let hub = Arc::new(Hub::new());
         let metrics = Metrics::new();
         hub.add_sink(Box::new(metrics.clone()));
+        let fanout = Fanout::attach(&hub);
         AppState {
             hub,
             metrics,
             replay: Some(driver),
             stop: Shutdown::default(),
+            fanout,
+            access: Arc::new(Access::loopback()),
         }
     }
 
@@ -100,6 +117,17 @@ impl AppState {
     pub fn with_shutdown(mut self, stop: watch::Receiver<bool>) -> AppState {
         self.stop = Shutdown::new(stop);
         self
+    }
+
+    /// Who may use the routes (default: [`Access::loopback`], no token).
+    pub fn with_access(mut self, access: Access) -> AppState {
+        self.access = Arc::new(access);
+        self
+    }
+
+    /// The replay's driver, when replaying.
+    pub fn replay_driver(&self) -> Option<&Arc<ReplayDriver>> {
+        self.replay.as_ref()
     }
 
     /// The hub the routes read.
@@ -125,7 +153,7 @@ pub(crate) struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
             message: message.into(),
@@ -158,8 +186,10 @@ impl From<BadControl> for ApiError {
     }
 }
 
-/// The router of every route, for serving with your own tokio or testing in memory.
+/// The router of every route, for serving with your own tokio or testing in memory. Every
+/// route, the fallback included, passes the state's [`Access`] checks.
 pub fn router(state: AppState) -> Router {
+    let access = state.access.clone();
     Router::new()
         .route("/", get(|| async { assets::page("index.html") }))
         .route("/assets/{*file}", get(asset))
@@ -178,7 +208,9 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(access, guard))
 }
 
 async fn not_found(OriginalUri(uri): OriginalUri) -> ApiError {
@@ -282,47 +314,62 @@ async fn metrics(State(s): State<AppState>) -> Response {
     }
 }
 
-fn sse_stream(feed: Feed) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    stream::unfold(feed, |mut feed| async move {
-        let msg = feed.next().await?;
-        let ev = SseEvent::default()
-            .event(msg.name())
-            .json_data(&msg)
-            // Serializing our own types cannot fail; say so on the stream if it ever does.
-            .unwrap_or_else(|e| SseEvent::default().comment(format!("serialization error: {e}")));
-        Some((Ok(ev), feed))
-    })
+fn feed(s: &AppState) -> Feed {
+    Feed::new(s.hub.clone(), s.fanout.clone(), s.stop.clone())
 }
 
-async fn sse(State(s): State<AppState>) -> impl IntoResponse {
-    let feed = Feed::new(s.hub.clone(), s.stop.clone());
-    Sse::new(sse_stream(feed)).keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
+/// SSE: the messages as the fan-out framed them, with a keep-alive comment when idle.
+async fn sse(State(s): State<AppState>) -> Response {
+    let body = stream::unfold(feed(&s), |mut feed| async move {
+        let chunk = match tokio::time::timeout(KEEP_ALIVE, feed.next()).await {
+            Ok(Some(m)) => m.sse(),
+            Ok(None) => return None,
+            Err(_) => Bytes::from_static(b": keep-alive\n\n"),
+        };
+        Some((Ok::<_, Infallible>(chunk), feed))
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(body),
+    )
+        .into_response()
 }
 
 async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
-    upgrade.on_upgrade(move |socket| ws_session(socket, s))
+    // Bounded frames in: clients have nothing to say beyond pongs and a close.
+    upgrade
+        .max_message_size(4096)
+        .max_frame_size(4096)
+        .on_upgrade(move |socket| ws_session(socket, s))
 }
 
 async fn ws_session(mut socket: WebSocket, s: AppState) {
-    let mut feed = Feed::new(s.hub.clone(), s.stop.clone());
+    let mut feed = feed(&s);
     let mut ping = tokio::time::interval(KEEP_ALIVE);
     ping.tick().await;
+    let mut heard = Instant::now();
     loop {
         tokio::select! {
             msg = feed.next() => {
                 let Some(msg) = msg else { break };
-                let Ok(text) = serde_json::to_string(&msg) else { break };
-                if socket.send(Message::Text(text.into())).await.is_err() {
+                // The fan-out's JSON is UTF-8 by construction; the check is a scan, no copy.
+                let Ok(text) = axum::extract::ws::Utf8Bytes::try_from(msg.json()) else { break };
+                if socket.send(Message::Text(text)).await.is_err() {
                     return;
                 }
             }
             incoming = socket.recv() => match incoming {
                 None | Some(Err(_)) | Some(Ok(Message::Close(_))) => return,
-                // Clients have nothing to say; pongs and stray frames are ignored.
-                Some(Ok(_)) => {}
+                Some(Ok(_)) => heard = Instant::now(),
             },
             _ = ping.tick() => {
-                if socket.send(Message::Ping(Vec::new().into())).await.is_err() {
+                if heard.elapsed() > WS_SILENCE {
+                    break;
+                }
+                if socket.send(Message::Ping(Bytes::new())).await.is_err() {
                     return;
                 }
             }

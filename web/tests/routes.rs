@@ -27,6 +27,7 @@ async fn call(state: &AppState, method: &str, uri: &str, body: Option<Value>) ->
     let req = Request::builder()
         .method(method)
         .uri(uri)
+        .header("host", "localhost:7878")
         .header("content-type", "application/json")
         .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
         .expect("request");
@@ -144,7 +145,7 @@ async fn metrics_page_and_openapi() {
 #[tokio::test]
 async fn sse_starts_with_a_snapshot() {
     let state = live_state(1);
-    let req = Request::builder().uri("/api/stream").body(Body::empty()).expect("request");
+    let req = Request::builder().uri("/api/stream").header("host", "localhost").body(Body::empty()).expect("request");
     let resp = router(state.clone()).oneshot(req).await.expect("answers");
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
