@@ -32,6 +32,8 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
 pub const DEFAULT_STEPS_LIMIT: usize = 100;
 /// A WebSocket client that answers nothing (not even a ping) for this long is gone.
 const WS_SILENCE: Duration = Duration::from_secs(30);
+/// Most a WebSocket client's write buffer may hold (one message: a large run's snapshot).
+const MAX_WS_WRITE_BUFFER: usize = 64 << 20;
 /// Largest request body accepted (the controls take a few numbers).
 const MAX_BODY: usize = 16 * 1024;
 
@@ -339,10 +341,15 @@ async fn sse(State(s): State<AppState>) -> Response {
 }
 
 async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
-    // Bounded frames in: clients have nothing to say beyond pongs and a close.
+    // Clients have nothing to say beyond pongs and a close: small frames in, a small read
+    // buffer (the default is 128 KiB per client). Out, each send waits for the previous flush,
+    // so the write buffer holds one message beyond its small threshold.
     upgrade
         .max_message_size(4096)
         .max_frame_size(4096)
+        .read_buffer_size(4096)
+        .write_buffer_size(8192)
+        .max_write_buffer_size(MAX_WS_WRITE_BUFFER)
         .on_upgrade(move |socket| ws_session(socket, s))
 }
 
