@@ -3,6 +3,7 @@
 use crate::access::{guard, Access};
 use crate::assets;
 use crate::fanout::Fanout;
+use crate::view::feed::ViewFeed;
 use crate::replay::{BadControl, ReplayDriver, SeekRequest, SpeedRequest, StepRequest};
 use crate::stream::Feed;
 use axum::extract::rejection::JsonRejection;
@@ -53,6 +54,7 @@ pub struct AppState {
     replay: Option<Arc<ReplayDriver>>,
     stop: Shutdown,
     fanout: Arc<Fanout>,
+    views: Arc<ViewFeed>,
     access: Arc<Access>,
 }
 
@@ -94,6 +96,7 @@ impl AppState {
             replay: None,
             stop: Shutdown::default(),
             fanout,
+            views: ViewFeed::new(),
             access: Arc::new(Access::loopback()),
         }
     }
@@ -111,6 +114,7 @@ impl AppState {
             replay: Some(driver),
             stop: Shutdown::default(),
             fanout,
+            views: ViewFeed::new(),
             access: Arc::new(Access::loopback()),
         }
     }
@@ -125,6 +129,14 @@ impl AppState {
     pub fn with_access(mut self, access: Access) -> AppState {
         self.access = Arc::new(access);
         self
+    }
+
+    pub(crate) fn fanout(&self) -> &Arc<Fanout> {
+        &self.fanout
+    }
+
+    pub(crate) fn shutdown(&self) -> Shutdown {
+        self.stop.clone()
     }
 
     /// The replay's driver, when replaying.
@@ -198,6 +210,8 @@ pub fn router(state: AppState) -> Router {
         .route("/api/snapshot", get(snapshot))
         .route("/api/stream", get(sse))
         .route("/api/ws", get(ws))
+        .route("/api/view", get(view))
+        .route("/api/view/stream", get(view_stream))
         .route("/api/run", get(run))
         .route("/api/steps", get(steps))
         .route("/api/openapi.json", get(openapi))
@@ -316,6 +330,51 @@ async fn metrics(State(s): State<AppState>) -> Response {
     }
 }
 
+fn json_bytes(body: Bytes) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn view(State(s): State<AppState>) -> Response {
+    match s.views.current(&s) {
+        Some(m) => json_bytes(m.json()),
+        None => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the view could not be built").into_response(),
+    }
+}
+
+/// SSE of the page's view: the current one with the recent log, then a fresh one whenever it
+/// changes (at most every [`VIEW_INTERVAL`](crate::view::feed::VIEW_INTERVAL)).
+async fn view_stream(State(s): State<AppState>) -> Response {
+    let (first, rx) = s.views.subscribe(&s);
+    let start = (first, rx, s.stop.clone());
+    let body = stream::unfold(start, |(pending, mut rx, mut stop)| async move {
+        if let Some(first) = pending {
+            return Some((Ok::<_, Infallible>(first.sse()), (None, rx, stop)));
+        }
+        let chunk = tokio::select! {
+            changed = tokio::time::timeout(KEEP_ALIVE, rx.changed()) => match changed {
+                Ok(Ok(())) => rx.borrow_and_update().as_ref().map(|f| f.tick.sse()),
+                Ok(Err(_)) => return None,
+                Err(_) => Some(Bytes::from_static(b": keep-alive\n\n")),
+            },
+            _ = stop.wait() => return None,
+        };
+        let chunk = chunk.unwrap_or_else(|| Bytes::from_static(b": keep-alive\n\n"));
+        Some((Ok(chunk), (None, rx, stop)))
+    });
+    sse_response(Body::from_stream(body))
+}
+
+fn sse_response(body: Body) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
 fn feed(s: &AppState) -> Feed {
     Feed::new(s.hub.clone(), s.fanout.clone(), s.stop.clone())
 }
@@ -330,14 +389,7 @@ async fn sse(State(s): State<AppState>) -> Response {
         };
         Some((Ok::<_, Infallible>(chunk), feed))
     });
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(body),
-    )
-        .into_response()
+    sse_response(Body::from_stream(body))
 }
 
 async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {

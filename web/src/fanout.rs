@@ -83,6 +83,8 @@ struct Inner {
     recent: VecDeque<(u64, Event)>,
     encoded_events: u64,
     snapshot: Option<(u64, Encoded)>,
+    /// The index of the last restart: lines from before it no longer belong.
+    restarted_at: u64,
 }
 
 /// The shared side of the full stream.
@@ -110,6 +112,7 @@ impl Fanout {
                 recent: VecDeque::with_capacity(RECENT_EVENTS),
                 encoded_events: 0,
                 snapshot: None,
+                restarted_at: 0,
             }),
         });
         hub.add_sink(Box::new(FanoutSink(fanout.clone())));
@@ -140,15 +143,15 @@ impl Fanout {
     }
 
     /// The position of the stream: moves with every event and every restart.
-    #[allow(dead_code)] // read by the page's view
     pub(crate) fn index(&self) -> u64 {
         self.lock().index
     }
 
-    /// The recent events with their positions, oldest first.
-    #[allow(dead_code)] // read by the page's view
-    pub(crate) fn recent(&self) -> Vec<(u64, Event)> {
-        self.lock().recent.iter().cloned().collect()
+    /// The recent events with their positions, oldest first, and the position of the last
+    /// restart.
+    pub(crate) fn recent(&self) -> (Vec<(u64, Event)>, u64) {
+        let inner = self.lock();
+        (inner.recent.iter().cloned().collect(), inner.restarted_at)
     }
 
     /// Events encoded so far (each once, whatever the number of clients).
@@ -183,6 +186,7 @@ impl EventSink for FanoutSink {
         let mut inner = f.lock();
         // One step for the restart itself, then one per event kept, as `on_event` counts.
         inner.index += 1;
+        inner.restarted_at = inner.index;
         let start = history.len().saturating_sub(RECENT_EVENTS);
         let base = inner.index + 1;
         inner.recent = history[start..]
@@ -247,7 +251,8 @@ mod tests {
         let before = fanout.index();
         hub.reset(Snapshot::from_events(&history[..250]), &history[..250]);
         assert!(fanout.index() > before);
-        let recent = fanout.recent();
+        let (recent, restarted_at) = fanout.recent();
+        assert!(recent.iter().all(|(i, _)| *i > restarted_at));
         assert_eq!(recent.len(), RECENT_EVENTS);
         assert_eq!(recent.last().map(|(_, e)| e.seq), Some(250));
         assert!(recent.windows(2).all(|w| w[1].0 == w[0].0 + 1), "positions run on");

@@ -8,6 +8,7 @@ mod fanout;
 mod replay;
 mod server;
 mod stream;
+pub mod view;
 
 pub use access::Access;
 pub use api::{router, AppState, Mode};

@@ -17,10 +17,12 @@ fn live_state(steps: u64) -> AppState {
     let hub = Arc::new(Hub::new());
     let metrics = Metrics::new();
     hub.add_sink(Box::new(metrics.clone()));
+    // Before the run, as a server is started: the page's log sees every event.
+    let state = AppState::live(hub.clone(), metrics);
     for e in synthetic::events(SyntheticRun::finished(steps)) {
         hub.ingest(e);
     }
-    AppState::live(hub, metrics)
+    state
 }
 
 async fn call(state: &AppState, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, String, Vec<u8>) {
@@ -251,4 +253,22 @@ async fn sse_from_a_plain_router_follows_the_run_to_its_end() {
     publisher.join().expect("publisher");
     let events_seen = text.matches("event: event\n").count();
     assert_eq!(events_seen, total, "every event of the run arrived ({seen} frames)");
+}
+
+/// The page's first message carries what the page shows, not the whole snapshot.
+#[tokio::test]
+async fn the_pages_view_is_small_beside_the_snapshot() {
+    let state = live_state(600);
+    let (_, _, snapshot) = call(&state, "GET", "/api/snapshot", None).await;
+    let (status, ctype, view) = call(&state, "GET", "/api/view", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(ctype.starts_with("application/json"));
+    eprintln!("snapshot {} bytes, view {} bytes", snapshot.len(), view.len());
+    let msg: Value = serde_json::from_slice(&view).expect("JSON");
+    assert_eq!(msg["type"], "view");
+    assert_eq!(msg["log"]["reset"], true);
+    assert_eq!(msg["log"]["lines"].as_array().map(Vec::len), Some(stagehand_web::RECENT_EVENTS));
+    assert_eq!(msg["log"]["lines"][199]["kind"], "run_ended", "the log ends where the run did");
+    assert!(view.len() < 160 * 1024, "view of {} bytes", view.len());
+    assert!(view.len() * 3 < snapshot.len(), "view {} vs snapshot {} bytes", view.len(), snapshot.len());
 }
