@@ -272,3 +272,91 @@ async fn the_pages_view_is_small_beside_the_snapshot() {
     assert!(view.len() < 160 * 1024, "view of {} bytes", view.len());
     assert!(view.len() * 3 < snapshot.len(), "view {} vs snapshot {} bytes", view.len(), snapshot.len());
 }
+
+fn replay_state(steps: u64) -> (AppState, usize) {
+    let events = synthetic::events(SyntheticRun::finished(steps));
+    let total = events.len();
+    (AppState::replay(Arc::new(ReplayDriver::new(events))), total)
+}
+
+/// Extreme and meaningless values get a 4xx JSON answer, never a panic or an overflow.
+#[tokio::test]
+async fn replay_controls_refuse_bad_values_with_clear_errors() {
+    let (state, total) = replay_state(3);
+    for body in [
+        json!({ "events": i64::MAX }), json!({ "events": i64::MIN }), json!({ "steps": i64::MIN }),
+        json!({ "steps": i64::MAX }), json!({ "events": 0 }), json!({ "steps": 0 }),
+        json!({ "events": total as i64 + 1 }),
+    ] {
+        let (s, b) = call_json(&state, "POST", "/api/replay/step", Some(body.clone())).await;
+        assert_error(s, &b, StatusCode::BAD_REQUEST, "out of range");
+        assert!(b["error"].as_str().is_some_and(|m| m.contains(&total.to_string())), "{body}: {b}");
+    }
+    for (path, body) in [
+        ("/api/replay/step", r#"{"events": 1e300}"#), ("/api/replay/step", r#"{"events": "1"}"#),
+        ("/api/replay/step", r#"{"steps": 18446744073709551616}"#), ("/api/replay/seek", r#"{"position": -1}"#),
+        ("/api/replay/seek", r#"{"speed": 1}"#), ("/api/replay/step", r#""text""#), ("/api/replay/seek", "{"),
+    ] {
+        let req = Request::builder().method("POST").uri(path).header("host", "localhost")
+            .header("content-type", "application/json").body(Body::from(body)).expect("request");
+        let resp = router(state.clone()).oneshot(req).await.expect("answers");
+        let s = resp.status();
+        let b: Value = serde_json::from_slice(&resp.into_body().collect().await.expect("body").to_bytes()).expect("JSON");
+        assert!(s.is_client_error(), "{body}: {s}");
+        assert!(b["error"].as_str().is_some_and(|m| m.contains("bad request body")), "{body}: {b}");
+    }
+    for speed in [json!(1e308), json!(-1), json!(0.0001)] {
+        let (s, b) = call_json(&state, "POST", "/api/replay/speed", Some(json!({ "speed": speed }))).await;
+        assert_error(s, &b, StatusCode::BAD_REQUEST, "out of range");
+    }
+    let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "t_ns": u64::MAX }))).await;
+    assert_eq!(s, StatusCode::OK, "a time past the end is the end: {b}");
+    assert_eq!(b["position"].as_u64(), Some(total as u64));
+    let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "step": 99 }))).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "step 99 is not in the file: it holds steps 1 to 3");
+    let (s, b) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "step": 1, "position": 2 }))).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "exactly one");
+}
+
+/// Seek by event index, by time and by training step.
+#[tokio::test]
+async fn replay_seeks_by_event_index_time_and_step() {
+    let (state, total) = replay_state(4);
+    let (s, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "step": 3 }))).await;
+    assert_eq!(s, StatusCode::OK);
+    let snap = state.hub().snapshot();
+    assert_eq!((st["step"].as_u64(), snap.step), (Some(3), 3));
+    assert_eq!(snap.phase, stagehand::events::Phase::StepBegin, "at the start of the step");
+    let at_step = st["position"].as_u64().expect("position");
+
+    let (_, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "position": 5 }))).await;
+    assert_eq!(st["position"], 5);
+    assert_eq!(state.hub().snapshot().events_applied, 5);
+
+    let t = st["end_t_ns"].as_u64().expect("end") / 2;
+    let (_, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "t_ns": t }))).await;
+    let pos = st["position"].as_u64().expect("position") as usize;
+    assert!(pos > 0 && pos < total);
+    assert!(st["t_ns"].as_u64().expect("t") < t, "the events before the time are applied");
+
+    let (_, st) = call_json(&state, "POST", "/api/replay/step", Some(json!({ "steps": -1 }))).await;
+    assert!(st["position"].as_u64() < Some(pos as u64));
+    let (_, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "step": 3 }))).await;
+    assert_eq!(st["position"].as_u64(), Some(at_step));
+}
+
+/// The run's configuration is served as the run published it: structured JSON, not a string.
+#[tokio::test]
+async fn run_config_keeps_its_structure() {
+    let hub = Arc::new(Hub::new());
+    let state = AppState::live(hub.clone(), Metrics::new());
+    for mut e in synthetic::events(SyntheticRun::finished(1)) {
+        if let stagehand::events::EventKind::RunStarted { config, .. } = &mut e.kind {
+            *config = json!({ "weights": { "prefetch_window": 3, "room": { "mib": 640 } }, "steps": [1, 2] });
+        }
+        hub.ingest(e);
+    }
+    let (_, run) = call_json(&state, "GET", "/api/run", None).await;
+    assert_eq!(run["run"]["config"]["weights"]["room"]["mib"], 640);
+    assert_eq!(run["run"]["config"]["steps"][1], 2);
+}
