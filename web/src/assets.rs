@@ -3,9 +3,6 @@
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-/// The OpenAPI document of every route.
-pub(crate) const OPENAPI: &str = include_str!("../assets/openapi.json");
-
 const FILES: &[(&str, &str, &[u8])] = &[
     ("index.html", "text/html; charset=utf-8", include_bytes!("../assets/index.html")),
     ("app.js", "text/javascript; charset=utf-8", include_bytes!("../assets/app.js")),

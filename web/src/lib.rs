@@ -5,13 +5,17 @@ mod api;
 mod assets;
 mod config;
 mod fanout;
+mod openapi;
 mod replay;
 mod server;
 mod stream;
 pub mod view;
 
 pub use access::Access;
-pub use api::{router, AppState, Mode};
+pub use api::controls::ReplayState;
+pub use api::routes::{RunResponse, StepsPage, DEFAULT_STEPS_LIMIT};
+pub use api::{router, AppState, ErrorBody, Mode, KEEP_ALIVE};
+pub use openapi::openapi;
 pub use config::{
     ServerConfig, TlsFiles, TokenSetting, DEFAULT_HEADER_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_SERVER_ADDR, DEFAULT_WRITE_TIMEOUT_MS, MIN_TOKEN_LEN,

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 const TICK: Duration = Duration::from_millis(20);
 
 /// Where to seek: exactly one of the fields.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SeekRequest {
     /// Events applied after the seek (0 = the start): the event index.
@@ -27,7 +27,7 @@ pub struct SeekRequest {
 
 /// Stepping: `events` events or `steps` training steps, forward (positive) or back; not zero,
 /// and no more than the file holds.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StepRequest {
     pub events: Option<i64>,
@@ -35,7 +35,7 @@ pub struct StepRequest {
 }
 
 /// A new playback speed.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SpeedRequest {
     /// 1.0 = recorded speed; between [`MIN_SPEED`] and [`MAX_SPEED`].

@@ -134,14 +134,88 @@ async fn metrics_page_and_openapi() {
     let (s, b) = call_json(&state, "GET", "/assets/nope.js", None).await;
     assert_error(s, &b, StatusCode::NOT_FOUND, "nope.js");
 
+}
+
+/// Every route the router has.
+const ROUTES: [&str; 17] = [
+    "/", "/assets/{file}", "/api/openapi.json", "/api/snapshot", "/api/run", "/api/steps", "/metrics",
+    "/api/view", "/api/view/stream", "/api/stream", "/api/ws", "/api/replay/status", "/api/replay/play",
+    "/api/replay/pause", "/api/replay/seek", "/api/replay/speed", "/api/replay/step",
+];
+
+fn refs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    match v {
+        Value::Object(o) => {
+            if let Some(Value::String(r)) = o.get("$ref") {
+                out.push(r);
+            }
+            o.values().for_each(|x| refs(x, out));
+        }
+        Value::Array(a) => a.iter().for_each(|x| refs(x, out)),
+        _ => {}
+    }
+}
+
+/// Validates `value` against the document's schema `name`.
+fn validate(doc: &Value, name: &str, value: &Value) {
+    let schema = json!({ "$ref": format!("#/components/schemas/{name}"), "components": doc["components"] });
+    let validator = jsonschema::draft202012::new(&schema).unwrap_or_else(|e| panic!("schema {name}: {e}"));
+    let errors: Vec<String> = validator.iter_errors(value).take(5).map(|e| format!("{e} at {}", e.instance_path())).collect();
+    assert!(errors.is_empty(), "{name}: {errors:#?}");
+}
+
+/// The document is generated from the response types: every route is in it, every reference
+/// resolves, the snapshot's schema has the snapshot's fields, and real answers validate.
+#[tokio::test]
+async fn openapi_document_describes_every_route_and_its_answers() {
+    let state = live_state(3);
     let (s, doc) = call_json(&state, "GET", "/api/openapi.json", None).await;
     assert_eq!(s, StatusCode::OK);
     assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
-    for path in ["/api/snapshot", "/api/stream", "/api/ws", "/api/run", "/api/steps", "/metrics",
-                 "/api/replay/status", "/api/replay/play", "/api/replay/pause", "/api/replay/seek",
-                 "/api/replay/speed", "/api/replay/step", "/api/openapi.json"] {
-        assert!(doc["paths"][path].is_object(), "openapi lacks {path}");
+    let mut paths: Vec<&str> = doc["paths"].as_object().expect("paths").keys().map(String::as_str).collect();
+    paths.sort_unstable();
+    let mut want = ROUTES.to_vec();
+    want.sort_unstable();
+    assert_eq!(paths, want);
+
+    let schemas = doc["components"]["schemas"].as_object().expect("schemas");
+    let mut all = Vec::new();
+    refs(&doc, &mut all);
+    assert!(all.len() > 50, "{} references", all.len());
+    for r in all {
+        let name = r.strip_prefix("#/components/schemas/").unwrap_or_else(|| panic!("a local schema: {r}"));
+        assert!(schemas.contains_key(name), "{r} does not resolve");
     }
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for (method, op) in item.as_object().expect("operations") {
+            let ok = op["responses"].get("200").or_else(|| op["responses"].get("101"));
+            assert!(ok.is_some_and(|r| r["description"].is_string()), "{method} {path}: no success answer");
+            assert!(op["responses"]["401"]["content"]["application/json"]["schema"]["$ref"].is_string(), "{method} {path}: 401");
+        }
+    }
+    let snap_schema = &schemas["Snapshot"];
+    let props = snap_schema["properties"].as_object().expect("the snapshot's fields");
+    let real = serde_json::to_value(state.hub().snapshot()).expect("a snapshot");
+    for key in real.as_object().expect("fields").keys() {
+        assert!(props.contains_key(key), "the Snapshot schema lacks '{key}'");
+    }
+    assert_eq!(props["steps"]["items"]["$ref"], "#/components/schemas/StepRecord");
+    assert!(schemas["StepRecord"]["properties"]["time"].is_object());
+
+    for (uri, schema) in [("/api/snapshot", "Snapshot"), ("/api/run", "RunResponse"), ("/api/steps", "StepsPage"),
+                          ("/api/view", "ViewMessage"), ("/api/steps?limit=0", "ErrorBody"), ("/api/replay/status", "ErrorBody")] {
+        let (_, body) = call_json(&state, "GET", uri, None).await;
+        validate(&doc, schema, &body);
+    }
+    let (replay, _) = replay_state(2);
+    let (_, st) = call_json(&replay, "POST", "/api/replay/step", Some(json!({ "steps": 1 }))).await;
+    validate(&doc, "ReplayState", &st);
+    let (_, view) = call_json(&replay, "GET", "/api/view", None).await;
+    validate(&doc, "ViewMessage", &view);
+    // The validator is not lenient: a wrong answer fails.
+    let schema = json!({ "$ref": "#/components/schemas/ReplayState", "components": doc["components"] });
+    let validator = jsonschema::draft202012::new(&schema).expect("a schema");
+    assert!(!validator.is_valid(&json!({ "position": "three" })));
 }
 
 #[tokio::test]

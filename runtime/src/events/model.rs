@@ -40,6 +40,7 @@ macro_rules! id_newtype {
 
 id_newtype!(
     /// A managed weight block, numbered in registration order.
+    #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
     BlockId(u32)
 );
 id_newtype!(
@@ -52,6 +53,7 @@ id_newtype!(
 );
 id_newtype!(
     /// One copy between host and device, unique within a run.
+    #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
     TransferId(u64)
 );
 id_newtype!(
@@ -60,6 +62,7 @@ id_newtype!(
 );
 
 /// The phase of a training step that an event belongs to.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
@@ -113,6 +116,7 @@ impl fmt::Display for Phase {
 }
 
 /// Residency of a weight block (the seed's six states).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum BlockState {
@@ -178,6 +182,7 @@ impl fmt::Display for BlockState {
 }
 
 /// Direction of a copy across PCIe.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Direction {
@@ -198,6 +203,7 @@ impl Direction {
 }
 
 /// Which runtime an event, a copy or a reservation belongs to.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Owner {
@@ -223,6 +229,7 @@ impl Owner {
 }
 
 /// The kind of device a run uses.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceKind {
@@ -234,6 +241,7 @@ pub enum DeviceKind {
 }
 
 /// The device a run uses, as dashboards label it.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct DeviceInfo {
     pub kind: DeviceKind,
@@ -360,6 +368,7 @@ pub enum ReservationOutcome {
 }
 
 /// Why the Conductor refused a reservation or a transfer slot.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DenyReason {
@@ -395,6 +404,7 @@ impl DenyReason {
 }
 
 /// The Conductor's policy rules (seed section 16.7).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyRule {
@@ -409,6 +419,7 @@ pub enum PolicyRule {
 }
 
 /// Limits the Conductor asks the runtimes to respect.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Hints {
     pub max_inflight_h2d: Option<u32>,
@@ -425,6 +436,7 @@ pub struct PoolClass {
 }
 
 /// Weight runtime metrics of one step (the seed's `StepMetrics` fields).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightStepMetrics {
     pub h2d_bytes: u64,
@@ -443,6 +455,7 @@ pub struct WeightStepMetrics {
 }
 
 /// Activation runtime metrics of one step (the seed's field names).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ActivationStepMetrics {
     pub activations_saved: u64,
@@ -462,6 +475,7 @@ pub struct ActivationStepMetrics {
 }
 
 /// Conductor metrics of one step (the seed's field names).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ConductorStepMetrics {
     pub vram_allocated_mb: f64,
@@ -496,6 +510,7 @@ pub struct ConductorStepMetrics {
 }
 
 /// Seconds spent in each phase of one step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct PhaseDurations {
     pub forward: f64,
@@ -504,6 +519,7 @@ pub struct PhaseDurations {
 }
 
 /// What the trainer reports at the end of each step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct TrainStepMetrics {
     pub loss: f64,
@@ -521,6 +537,7 @@ pub struct TrainStepMetrics {
 /// on a copy, a timed event is recorded on it, and the time from that event to the copy's own
 /// completion event is how long the compute stream sat idle for the copy (0 when the copy had
 /// landed first). On the host device copies are synchronous and those waits are host stalls.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct StepTimeBreakdown {
     /// Wall time of the whole step.
@@ -543,6 +560,7 @@ pub struct StepTimeBreakdown {
 
 /// Device memory by owner at one moment. `other_bytes` is what the allocator holds beyond the
 /// runtimes' own figures (the model's unmanaged tensors, workspaces, gradients, fragmentation).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct VramByOwner {
     pub allocated_bytes: u64,

@@ -26,6 +26,7 @@ pub const OWNERS_HISTORY: usize = 256;
 pub const RECENT_INCIDENTS: usize = 16;
 
 /// What the `run_started` event said.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct RunInfo {
     pub run_id: String,
@@ -37,6 +38,7 @@ pub struct RunInfo {
 }
 
 /// One reading of device memory.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct VramReading {
     pub t_ns: u64,
@@ -46,6 +48,7 @@ pub struct VramReading {
 }
 
 /// The limits one owner published ([`EventKind::LimitsSet`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct OwnerLimits {
     pub budget_bytes: u64,
@@ -54,6 +57,7 @@ pub struct OwnerLimits {
 }
 
 /// Device memory by owner at one moment of a step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct OwnersReading {
     pub t_ns: u64,
@@ -63,6 +67,7 @@ pub struct OwnersReading {
 }
 
 /// A device allocation that failed, as reported.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OomRecord {
     pub seq: u64,
@@ -75,6 +80,7 @@ pub struct OomRecord {
 }
 
 /// One managed weight block.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct BlockView {
     pub id: BlockId,
@@ -94,6 +100,7 @@ pub struct BlockView {
 }
 
 /// Where the weight scheduler is in its itinerary.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ItineraryView {
     pub order: Vec<BlockId>,
@@ -103,6 +110,7 @@ pub struct ItineraryView {
 }
 
 /// One size class of a pool (the weight pool has one).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ClassView {
     pub slab_bytes: u64,
@@ -114,6 +122,7 @@ pub struct ClassView {
 }
 
 /// A pinned pool.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct PoolView {
     pub pinned: bool,
@@ -135,6 +144,7 @@ impl PoolView {
 }
 
 /// One direction of PCIe traffic.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct DirectionView {
     pub inflight: u32,
@@ -158,6 +168,7 @@ impl DirectionView {
 }
 
 /// A completed copy.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TransferRecord {
     pub seq: u64,
@@ -170,10 +181,12 @@ pub struct TransferRecord {
 }
 
 /// Copies in both directions.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct TransfersView {
     pub h2d: DirectionView,
     pub d2h: DirectionView,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<TransferRecord>))]
     pub recent: VecDeque<TransferRecord>,
 }
 
@@ -194,6 +207,7 @@ impl TransfersView {
 }
 
 /// Weight runtime totals over the run.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightTotals {
     pub prefetch_hits: u64,
@@ -218,6 +232,7 @@ impl WeightTotals {
 }
 
 /// Activation runtime totals over the run.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ActivationTotals {
     pub saved: u64,
@@ -240,6 +255,7 @@ pub struct ActivationTotals {
 }
 
 /// A denial, for the Conductor view.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DenialRecord {
     pub seq: u64,
@@ -251,6 +267,7 @@ pub struct DenialRecord {
 }
 
 /// The Conductor's state.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ConductorView {
     pub hints: Hints,
@@ -269,11 +286,13 @@ pub struct ConductorView {
     pub slot_denials: u64,
     pub h2d_inflight: u32,
     pub d2h_inflight: u32,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<DenialRecord>))]
     pub recent_denials: VecDeque<DenialRecord>,
     pub last_step: Option<ConductorStepMetrics>,
 }
 
 /// A phase of a step, with its span.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PhaseSpan {
     pub step: u64,
@@ -283,6 +302,7 @@ pub struct PhaseSpan {
 }
 
 /// Everything known about one step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct StepRecord {
     pub step: u64,
@@ -298,6 +318,7 @@ pub struct StepRecord {
 }
 
 /// A warning, for the log.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WarningRecord {
     pub seq: u64,
@@ -308,6 +329,7 @@ pub struct WarningRecord {
 }
 
 /// The picture of a run after some prefix of its events.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Snapshot {
     pub run: Option<RunInfo>,
@@ -323,6 +345,7 @@ pub struct Snapshot {
     pub phase: Phase,
     pub phase_started_ns: u64,
     pub vram: Option<VramReading>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<VramReading>))]
     pub vram_history: VecDeque<VramReading>,
     /// Each owner's limits, as last published.
     #[serde(default)]
@@ -332,12 +355,14 @@ pub struct Snapshot {
     pub vram_owners: Option<OwnersReading>,
     /// Readings by owner, for the chart of where VRAM went over recent steps.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<OwnersReading>))]
     pub vram_owners_history: VecDeque<OwnersReading>,
     /// Times the itinerary was traced again because a step ran another order.
     #[serde(default)]
     pub itinerary_changes: u64,
     /// Device allocations that failed.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<OomRecord>))]
     pub out_of_memory: VecDeque<OomRecord>,
     /// Non-finite values seen (by what held them: output, gradient, loss).
     #[serde(default)]
@@ -347,6 +372,7 @@ pub struct Snapshot {
     pub first_non_finite_block: Option<BlockId>,
     /// Flight-recorder files written (newest last).
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
     pub flight_records: VecDeque<String>,
     /// Events the telemetry sinks failed to write (a full disk, a closed pipe).
     #[serde(default)]
@@ -359,8 +385,11 @@ pub struct Snapshot {
     pub weights: WeightTotals,
     pub activations: ActivationTotals,
     pub conductor: ConductorView,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<PhaseSpan>))]
     pub phase_spans: VecDeque<PhaseSpan>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<StepRecord>))]
     pub steps: VecDeque<StepRecord>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<WarningRecord>))]
     pub warnings: VecDeque<WarningRecord>,
     pub event_counts: BTreeMap<String, u64>,
 }

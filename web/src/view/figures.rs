@@ -36,7 +36,7 @@ pub(crate) fn short(x: f64) -> String {
 }
 
 /// A chart's value axis: the scale's top, where the ticks go, and what they say.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Axis {
     pub max: f64,
     pub ticks: Vec<f64>,

@@ -13,7 +13,7 @@ pub const TIME_STEPS: usize = 60;
 const MAX_FINDING_TEXT: usize = 600;
 
 /// A finding as the page lists it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct FindingView {
     pub id: String,
     pub severity: Severity,
@@ -39,7 +39,7 @@ pub(crate) fn findings(s: &Snapshot) -> Vec<FindingView> {
 }
 
 /// One cause of a step's time, or one owner of device memory.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Part {
     pub key: &'static str,
     pub label: &'static str,
@@ -60,7 +60,7 @@ const TIME_PARTS: [Reading<StepTimeBreakdown, f64>; 7] = [
 ];
 
 /// One cause's figures in the newest step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct PartFigure {
     pub key: &'static str,
     pub ms: f64,
@@ -69,7 +69,7 @@ pub struct PartFigure {
 }
 
 /// The newest step's breakdown.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct NewestStep {
     pub step: u64,
     pub step_ms: f64,
@@ -77,7 +77,7 @@ pub struct NewestStep {
 }
 
 /// Where each recent step's time went: a stacked bar per step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct StepTimePanel {
     pub parts: Vec<Part>,
     /// The steps shown, oldest first.
@@ -132,14 +132,14 @@ const OWNERS: [Reading<VramByOwner, u64>; 5] = [
 ];
 
 /// One owner's bytes at the step's peak.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct OwnerFigure {
     pub key: &'static str,
     pub bytes: u64,
 }
 
 /// Device memory by owner at the moment of a step's largest allocation.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct AtPeak {
     pub step: u64,
     pub allocated_bytes: u64,
@@ -147,7 +147,7 @@ pub struct AtPeak {
 }
 
 /// Where VRAM went over one step (stacked by owner), and at its peak.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct OwnersPanel {
     /// The step shown: the newest finished one (the one in progress until a step has finished).
     pub step: Option<u64>,

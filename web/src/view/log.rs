@@ -10,7 +10,7 @@ use stagehand::events::{Event, EventKind, Phase, ReservationOutcome};
 const MAX_TEXT: usize = 400;
 
 /// One line of the log.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct LogLine {
     /// Position in the server's stream; a gap between two lines means events not shown.
     pub i: u64,

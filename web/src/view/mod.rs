@@ -20,7 +20,7 @@ use serde::Serialize;
 use stagehand::events::{ReplayStatus, Snapshot};
 
 /// Where a replay is, as its controls show it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ReplayPanel {
     /// Events applied.
     pub position: usize,
@@ -49,7 +49,7 @@ impl From<&ReplayStatus> for ReplayPanel {
 }
 
 /// Everything the page shows.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct PageView {
     pub mode: Mode,
     pub header: Header,
@@ -87,7 +87,7 @@ impl PageView {
 }
 
 /// Log lines that come with a view.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct LogBatch {
     /// Drop the lines you have: these start over (a new client, or a replay seek).
     pub reset: bool,
@@ -96,7 +96,7 @@ pub struct LogBatch {
 }
 
 /// One message of `/api/view/stream` (and the body of `/api/view`): `{"type": "view", ...}`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ViewMessage {
     /// Always `"view"`.
     #[serde(rename = "type")]

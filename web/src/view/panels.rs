@@ -24,7 +24,7 @@ fn name(s: &str) -> String {
 }
 
 /// What is running, and where the stream is.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Header {
     pub run_id: Option<String>,
     pub model: Option<String>,
@@ -56,7 +56,7 @@ pub(crate) fn header(s: &Snapshot) -> Header {
 }
 
 /// Device memory against its limits, with its recent history.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct VramPanel {
     pub allocated_bytes: Option<u64>,
     pub reserved_bytes: Option<u64>,
@@ -113,7 +113,7 @@ pub(crate) fn vram(s: &Snapshot) -> VramPanel {
 }
 
 /// One weight block in the grid.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct BlockCell {
     pub id: u32,
     pub name: String,
@@ -125,14 +125,14 @@ pub struct BlockCell {
 }
 
 /// How many blocks are in one residency state.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct StateCount {
     pub state: BlockState,
     pub blocks: u32,
 }
 
 /// Weight blocks by residency state, and how the prefetcher does.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ResidencyPanel {
     pub blocks: Vec<BlockCell>,
     /// Blocks beyond [`MAX_BLOCKS`], not in `blocks`.
@@ -180,7 +180,7 @@ pub(crate) fn residency(s: &Snapshot) -> ResidencyPanel {
 }
 
 /// One size class of a pinned pool.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ClassFigures {
     pub slab_bytes: u64,
     pub slabs: u32,
@@ -189,7 +189,7 @@ pub struct ClassFigures {
 }
 
 /// A pinned pool's slabs in use.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct PoolPanel {
     pub name: &'static str,
     pub pinned: bool,
@@ -221,7 +221,7 @@ pub(crate) fn pools(s: &Snapshot) -> Vec<PoolPanel> {
 }
 
 /// One direction of PCIe traffic.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct DirectionFigures {
     pub inflight: u32,
     pub count: u64,
@@ -232,7 +232,7 @@ pub struct DirectionFigures {
 }
 
 /// Copies both ways, recent throughput, and the Conductor's transfer slots.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct TransfersPanel {
     pub h2d: DirectionFigures,
     pub d2h: DirectionFigures,
@@ -282,7 +282,7 @@ pub(crate) fn transfers(s: &Snapshot) -> TransfersPanel {
 }
 
 /// Saved tensors: kept, spilled, restored.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ActivationsPanel {
     pub saved: u64,
     pub kept: u64,
@@ -311,7 +311,7 @@ pub(crate) fn activations(s: &Snapshot) -> ActivationsPanel {
 }
 
 /// One phase of a recent step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct PhaseSlice {
     pub step: u64,
     pub phase: Phase,
@@ -319,7 +319,7 @@ pub struct PhaseSlice {
 }
 
 /// A refusal of the Conductor's.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct DenialLine {
     pub step: u64,
     pub phase: Phase,
@@ -329,7 +329,7 @@ pub struct DenialLine {
 }
 
 /// Reservations, hints, phases and denials.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ConductorPanel {
     pub grants: u64,
     pub partials: u64,
