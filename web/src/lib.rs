@@ -3,6 +3,8 @@
 mod access;
 mod api;
 mod assets;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod config;
 mod fanout;
 mod openapi;
