@@ -98,7 +98,10 @@
   }
   function owners(o) {
     set("owners-step", o.step, o.step == null ? "-" : String(o.step));
-    if (!charts.owners) charts.owners = C.owners($("owners-chart"), o.owners);
+    $("owners-empty").classList.toggle("hidden", o.step != null);
+    $("owners-chart").classList.toggle("hidden", o.step == null);
+    // Made once there is something to draw, when the chart has its width.
+    if (!charts.owners && o.step != null) charts.owners = C.owners($("owners-chart"), o.owners);
     if (charts.owners) {
       const tops = [];
       let acc = o.t_ms.map(() => 0);

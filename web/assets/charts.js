@@ -84,6 +84,14 @@ window.StagehandCharts = (function () {
   const PART_COLORS = ["#3fb950", "#58a6ff", "#f78166", "#e0b341", "#bc8cff", "#f0883e", "#6e7681"];
   function steps(el, t) {
     el.textContent = "";
+    if (!t.steps.length) {
+      const note = document.createElement("div");
+      note.className = "empty-note";
+      note.dataset.testid = "time-empty";
+      note.textContent = "No step has said where its time went yet: a run reports it (step_time) at the end of each step.";
+      el.appendChild(note);
+      return;
+    }
     const plot = document.createElement("div"); plot.className = "plot";
     const yl = document.createElement("div"); yl.className = "ylabels";
     const xl = document.createElement("div"); xl.className = "xlabels";

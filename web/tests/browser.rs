@@ -274,3 +274,41 @@ fn replay_page_follows_its_controls_and_says_the_speed_in_force() {
     assert!(!driver_state.status().paused);
     save("web-replay.png", &driver.screenshot());
 }
+
+/// Screenshots of a real server for the docs: `STAGEHAND_URL=http://127.0.0.1:7878 cargo test -p
+/// stagehand-web --test browser screenshots -- --ignored` while the demo runs
+/// (`cargo run --release -p stagehand-examples --bin stagehand-demo -- --steps 30 --keep-serving`).
+/// Takes `dashboard-live.png` once the run is a few steps in, then `dashboard-ended.png` when it
+/// has ended (or `replay.png` for a replay), into `STAGEHAND_SHOTS` (default `docs/screenshots`).
+#[test]
+#[ignore = "needs a running server: STAGEHAND_URL"]
+fn screenshots_of_a_running_server() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    let url = std::env::var("STAGEHAND_URL").expect("STAGEHAND_URL: the server's address (with ?token= if it has one)");
+    let dir = std::env::var("STAGEHAND_SHOTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/screenshots"));
+    std::fs::create_dir_all(&dir).expect("the screenshot folder");
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+    driver.open(&url);
+    let state = |f: &HashMap<String, String>| f.get("connection").cloned().unwrap_or_default();
+    let f = driver.wait_for("a run or a replay", |f| {
+        matches!(state(f).as_str(), "paused" | "replaying") || f.get("events-applied").is_some_and(|n| n != "0")
+    });
+    if matches!(state(&f).as_str(), "paused" | "replaying") {
+        driver.script("document.getElementById('rp-play').click(); return true;");
+        driver.wait_for("the replay a few steps in", |f| f.get("step").and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s >= 8));
+        driver.script("document.getElementById('rp-play').click(); return true;");
+        std::thread::sleep(Duration::from_millis(500));
+        std::fs::write(dir.join("replay.png"), driver.full_page_screenshot()).expect("saved");
+        return;
+    }
+    if f.get("connection").map(String::as_str) == Some("live") {
+        driver.wait_for("a few steps", |f| f.get("step").and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s >= 5));
+        std::fs::write(dir.join("dashboard-live.png"), driver.full_page_screenshot()).expect("saved");
+    }
+    driver.wait_for("the end of the run", |f| f.get("connection").map(String::as_str) == Some("ended"));
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::write(dir.join("dashboard-ended.png"), driver.full_page_screenshot()).expect("saved");
+}
