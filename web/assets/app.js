@@ -297,6 +297,6 @@
     connected = true;
     showBadge();
   }
-  window.__stagehand = { view: () => view, received: () => received, axes: C.axes };
+  window.__stagehand = { view: () => view, received: () => received, axes: C.axes, takeLog };
   init();
 })();

@@ -199,6 +199,13 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
     assert!(lines.len() >= 100, "event log lines: {}", lines.len());
     assert!(lines.last().and_then(Value::as_str).is_some_and(|l| l.contains("run_ended")), "the log ends with the run");
     assert!(lines.iter().all(|l| !l.as_str().unwrap_or("").contains("999999")), "rounded figures");
+    // Lines the page did not get (it fell behind, or events came faster than views) are said.
+    let gap = driver.script(
+        "const v = window.__stagehand; const last = Array.from(document.querySelectorAll('[data-testid=event-log] div'));\
+         v.takeLog({ reset: false, lines: [{ i: 1000000, seq: 1, step: 1, phase: 'idle', kind: 'warning', text: 'x', warn: true }] });\
+         const g = document.querySelectorAll('[data-testid=event-log] .gap'); return g[g.length - 1].textContent;",
+    );
+    assert!(gap.as_str().is_some_and(|g| g.contains("events not shown")), "{gap}");
     assert_eq!(driver.script("return document.querySelector('[data-testid=replay-controls]').offsetParent === null;"), json!(true),
         "no replay controls on a live run");
     // The run's nested configuration, as a tree.
