@@ -142,6 +142,11 @@ impl Fanout {
         })
     }
 
+    /// Clients of the full stream connected now.
+    pub(crate) fn clients(&self) -> usize {
+        self.tx.receiver_count()
+    }
+
     /// The position of the stream: moves with every event and every restart.
     pub(crate) fn index(&self) -> u64 {
         self.lock().index

@@ -143,6 +143,7 @@ impl Server {
             .map_err(Error::Runtime)?;
         let (stop_tx, stop_rx) = watch::channel(false);
         let state = state.with_shutdown(stop_rx.clone()).with_access(access);
+        let clients = state.clone();
         let limits = Limits {
             max_connections: config.max_connections,
             header_timeout: Duration::from_millis(config.header_timeout_ms),
@@ -169,6 +170,7 @@ impl Server {
             })
             .map_err(Error::Runtime)?;
         let handle = ServerHandle {
+            clients,
             addr: local,
             scheme: handle_scheme,
             token,
@@ -357,6 +359,8 @@ impl AsyncWrite for Conn {
 /// A running server. Dropping it shuts the server down (and waits for its thread).
 #[derive(Debug)]
 pub struct ServerHandle {
+    /// The served state, for counting its clients.
+    clients: AppState,
     addr: SocketAddr,
     scheme: &'static str,
     token: Option<String>,
@@ -393,6 +397,11 @@ impl ServerHandle {
     /// The token every request must carry, if any.
     pub fn token(&self) -> Option<&str> {
         self.token.as_deref()
+    }
+
+    /// Clients of the full stream (`/api/stream`, `/api/ws`) connected now.
+    pub fn stream_clients(&self) -> usize {
+        self.clients.stream_clients()
     }
 
     /// What was printed as warnings at start (exposure without TLS, any host allowed).

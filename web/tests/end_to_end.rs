@@ -55,7 +55,9 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
     let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
     let addr = server.addr();
     assert!(addr.ip().is_loopback());
+    assert_eq!(server.stream_clients(), 0);
     let mut sse = http::Sse::open(addr);
+    assert_eq!(server.stream_clients(), 1, "subscribed before the answer's headers");
 
     let (bus, publisher) = publish(&hub, 5);
 

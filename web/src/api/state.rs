@@ -104,6 +104,12 @@ impl AppState {
         self
     }
 
+    /// Clients of the full stream (`/api/stream`, `/api/ws`) connected now; a client counts
+    /// from the moment its snapshot is taken, before its answer's headers go out.
+    pub fn stream_clients(&self) -> usize {
+        self.fanout.clients()
+    }
+
     pub(crate) fn fanout(&self) -> &Arc<Fanout> {
         &self.fanout
     }
