@@ -28,7 +28,7 @@ fn wrapping_a_loop_changes_memory_not_results() {
     assert!(after.contains("evictions"), "{after}");
     assert!(file.exists());
 
-    let replay = run(env!("CARGO_BIN_EXE_replay"), &[file.to_str().expect("utf-8 path")]);
+    let replay = run(env!("CARGO_BIN_EXE_replay"), &[file.to_str().expect("utf-8 path"), "--serve-secs", "0"]);
     assert!(replay.contains("stagehand-top --replay"), "{replay}");
     let trace: serde_json::Value = serde_json::from_slice(
         &std::fs::read(format!("{}.trace.json", file.display())).expect("trace written"),

@@ -64,7 +64,7 @@ fn demo_run_agrees_across_every_consumer() {
     let server = Server::live(hub.clone(), "127.0.0.1:0").expect("server");
     let stream = follow_stream(server.url());
     // Let the client subscribe before the run starts, so it sees the run from its first event.
-    while hub.subscriber_count() == 0 {
+    while server.stream_clients() == 0 {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     // stagehand-top's live source, on the real server.

@@ -1,360 +1,302 @@
-// Stagehand web dashboard: subscribes to /api/stream (snapshot first, then events), keeps the
-// snapshot up to date with a port of the reducer for what it shows, and renders it.
+// Stagehand web dashboard: renders the view the server computes (/api/view/stream: the view,
+// then a fresh one at most every 200 ms, each with the log lines since the last). There is no
+// reducer here: every figure is the server's, so the page cannot disagree with the API.
 "use strict";
 (function () {
-  const STATES = ["unloaded", "host_staged", "prefetching", "gpu_ready", "evicting", "gpu_freeing"];
-  const VRAM_HISTORY = 600, PHASE_SPANS = 96, RECENT_TRANSFERS = 64, RECENT_DENIALS = 32, LOG_LINES = 200;
+  const C = window.StagehandCharts;
+  const LOG_LINES = 200;
+  const SPEEDS = [0.0625, 0.25, 0.5, 1, 2, 4, 8, 16, 64, 256, 1024];
   const $ = (id) => document.getElementById(id);
   const q = (tid) => document.querySelector(`[data-testid="${tid}"]`);
-  let snap = null, mode = "live", received = 0, dirty = true, es = null;
-  const log = [];
+  let view = null, received = 0, runId = null, es = null, connected = false;
+  let log = [];
+  let charts = {};
 
-  function mib(b) {
+  function bytes(b) {
+    if (b == null) return "-";
     if (b >= 1 << 30) return (b / (1 << 30)).toFixed(2) + " GiB";
     if (b >= 1 << 20) return (b / (1 << 20)).toFixed(1) + " MiB";
     if (b >= 1 << 10) return (b / (1 << 10)).toFixed(1) + " KiB";
     return b + " B";
   }
+  function ms(x) { return x == null ? "-" : (x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : x.toFixed(2)) + " ms"; }
+  // Sets a figure: data-value keeps the server's number (what tests compare), the text shows it.
   function set(tid, value, text) {
     const el = q(tid);
     if (!el) return;
-    if (value !== undefined && el.dataset.value !== undefined) el.dataset.value = String(value);
+    if (el.dataset.value !== undefined) el.dataset.value = value == null ? "" : String(value);
     const t = text !== undefined ? text : String(value);
     if (el.textContent !== t) el.textContent = t;
   }
-  function push(arr, item, cap) { if (arr.length >= cap) arr.shift(); arr.push(item); }
-  function bump(map, key) { map[key] = (map[key] || 0) + 1; }
-
-  // ---- the reducer (a port of Snapshot::apply for the fields shown here) -------------------
-  function pool(name) {
-    const k = name === "weights" ? "weight_pool" : "activation_pool";
-    if (!snap[k]) snap[k] = { pinned: false, classes: [], pageable_fallbacks: 0, pageable_bytes: 0, total_wait_ms: 0 };
-    return snap[k];
-  }
-  function cls(name, i) {
-    const p = pool(name);
-    while (p.classes.length <= i) p.classes.push({ slab_bytes: 0, slabs: 0, in_use: 0, peak_in_use: 0, hits: 0, exhausted: 0 });
-    return p.classes[i];
-  }
-  function apply(e) {
-    const s = snap;
-    s.last_seq = Math.max(s.last_seq, e.seq);
-    s.events_applied += 1;
-    s.t_ns = Math.max(s.t_ns, e.t_ns);
-    if (e.step > s.step) s.step = e.step;
-    bump(s.event_counts, e.kind);
-    const w = s.weights, a = s.activations, c = s.conductor;
-    switch (e.kind) {
-      case "run_started":
-        s.run = { run_id: e.run_id, wall_clock_unix_ms: e.wall_clock_unix_ms, device: e.device, model: e.model, versions: e.versions, config: e.config };
-        s.ended = false; break;
-      case "run_ended": s.ended = true; break;
-      case "phase_changed":
-        if (e.from !== "idle" && e.from !== e.to)
-          push(s.phase_spans, { step: e.step, phase: e.from, start_ns: s.phase_started_ns, end_ns: e.t_ns }, PHASE_SPANS);
-        s.phase = e.to; s.phase_started_ns = e.t_ns; s.step = e.step; break;
-      case "block_registered":
-        while (s.blocks.length <= e.block) s.blocks.push({ id: s.blocks.length, state: "unloaded", name: "", bytes: 0 });
-        s.blocks[e.block] = { id: e.block, name: e.name, bytes: e.bytes, state: "unloaded", refcount: 0, protected: false, loads: 0, evictions: 0 };
-        break;
-      case "residency": {
-        const b = s.blocks[e.block];
-        if (b) { b.state = e.to; b.refcount = e.refcount; if (e.to === "gpu_ready") b.loads += 1; }
-        break;
-      }
-      case "protection": { const b = s.blocks[e.block]; if (b) b.protected = e.protected; break; }
-      case "prefetch_hit": w.prefetch_hits += 1; break;
-      case "prefetch_miss": w.prefetch_misses += 1; w.stall_time_ms += e.stall_ms; break;
-      case "eviction": w.evictions += 1; { const b = s.blocks[e.block]; if (b) b.evictions += 1; } break;
-      case "transfer_issued": s.transfers[e.dir].inflight += 1; break;
-      case "transfer_completed": {
-        const d = s.transfers[e.dir];
-        d.inflight = Math.max(0, d.inflight - 1); d.count += 1; d.bytes += e.bytes; d.busy_ms += e.duration_ms;
-        if (e.duration_ms > 0) d.last_gbps = e.bytes / (e.duration_ms * 1e6);
-        push(s.transfers.recent, { seq: e.seq, t_ns: e.t_ns, id: e.id, dir: e.dir, owner: e.owner, bytes: e.bytes, duration_ms: e.duration_ms }, RECENT_TRANSFERS);
-        break;
-      }
-      case "pool_configured": {
-        const p = pool(e.pool);
-        p.pinned = e.pinned; p.pageable_fallbacks = 0; p.pageable_bytes = 0; p.total_wait_ms = 0;
-        p.classes = e.classes.map((k) => ({ slab_bytes: k.slab_bytes, slabs: k.slabs, in_use: 0, peak_in_use: 0, hits: 0, exhausted: 0 }));
-        break;
-      }
-      case "slab_acquired": { const k = cls(e.pool, e.class); k.in_use += 1; k.hits += 1; k.peak_in_use = Math.max(k.peak_in_use, k.in_use); break; }
-      case "slab_released": { const k = cls(e.pool, e.class); k.in_use = Math.max(0, k.in_use - 1); break; }
-      case "pool_exhausted": cls(e.pool, e.class).exhausted += 1; break;
-      case "pack":
-        a.saved += 1;
-        if (e.decision === "kept") a.kept += 1;
-        else if (e.decision === "spilled") a.spilled += 1, a.spill_bytes += e.bytes;
-        else if (e.decision === "weight_handle") a.weight_handles += 1;
-        else if (e.decision === "duplicate") a.duplicates += 1;
-        break;
-      case "restored":
-        a.restored += 1; a.restore_bytes += e.bytes;
-        if (e.predicted) a.predicted += 1;
-        if (e.stall_ms > 0) a.stall_count += 1, a.stall_time_ms += e.stall_ms;
-        break;
-      case "spilling_toggled": a.spilling = e.on; break;
-      case "reservation":
-        if (e.outcome === "granted") c.grants += 1;
-        else if (e.outcome === "partial") c.partials += 1;
-        else if (e.outcome === "denied") c.denials += 1;
-        else c.ceilings += 1;
-        if (e.outcome === "granted" || e.outcome === "partial") c.active_reservations += 1, c.active_bytes += e.granted_bytes;
-        if (e.reason) {
-          bump(c.denials_by_reason, e.reason);
-          push(c.recent_denials, { seq: e.seq, step: e.step, phase: e.phase, owner: e.owner, what: e.mode + " reservation", reason: e.reason }, RECENT_DENIALS);
-        }
-        break;
-      case "reservation_released":
-        c.active_reservations = Math.max(0, c.active_reservations - 1); c.active_bytes = Math.max(0, c.active_bytes - e.bytes); break;
-      case "slot_granted": c.slot_grants += 1; if (e.dir === "h2d") c.h2d_inflight = e.inflight; else c.d2h_inflight = e.inflight; break;
-      case "slot_released": if (e.dir === "h2d") c.h2d_inflight = e.inflight; else c.d2h_inflight = e.inflight; break;
-      case "slot_denied":
-        c.slot_denials += 1; bump(c.denials_by_reason, e.reason);
-        push(c.recent_denials, { seq: e.seq, step: e.step, phase: e.phase, owner: e.owner, what: e.dir + " slot" + (e.speculative ? " (speculative)" : ""), reason: e.reason }, RECENT_DENIALS);
-        break;
-      case "hints_changed": c.hints = e.hints; c.hints_rule = e.rule; c.hint_changes += 1; break;
-      case "vram_sample": {
-        const r = { t_ns: e.t_ns, allocated_bytes: e.allocated_bytes, reserved_bytes: e.reserved_bytes, peak_allocated_bytes: e.peak_allocated_bytes };
-        s.vram = r; push(s.vram_history, r, VRAM_HISTORY); break;
-      }
-      case "limits_set":
-        s.limits = s.limits || {};
-        s.limits[e.owner] = { budget_bytes: e.budget_bytes, high_watermark_bytes: e.high_watermark_bytes ?? null, low_watermark_bytes: e.low_watermark_bytes ?? null };
-        break;
-      case "events_dropped": s.dropped_events = Math.max(s.dropped_events, e.total); break;
-      default: break;
+  function h(tag, attrs, ...kids) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") e.className = v;
+      else if (k.startsWith("data-")) e.setAttribute(k, v);
+      else if (k === "style") e.setAttribute("style", v);
+      else e[k] = v;
     }
+    for (const k of kids) if (k != null) e.appendChild(typeof k === "string" ? document.createTextNode(k) : k);
+    return e;
   }
+  function fill(el, nodes) { el.replaceChildren(...nodes); }
 
-  // ---- log --------------------------------------------------------------------------------
-  const SKIP = new Set(["kind", "v", "seq", "t_ns", "step", "phase"]);
-  function logLine(e) {
-    const rest = Object.keys(e).filter((k) => !SKIP.has(k)).map((k) => {
-      const v = e[k];
-      return k + "=" + (typeof v === "object" ? JSON.stringify(v) : v);
-    }).join(" ");
-    push(log, { seq: e.seq, kind: e.kind, where: "s" + e.step + " " + e.phase, rest, warn: e.kind === "warning" || e.kind === "events_dropped" || e.kind === "slot_denied" || (e.kind === "reservation" && e.outcome === "denied") }, LOG_LINES);
+  // ---- header, banners, badge ----------------------------------------------------------------
+  function badge(state, text) {
+    const b = $("conn");
+    if (b.dataset.state === state && b.textContent === text) return;
+    b.className = "badge " + state; b.textContent = text; b.dataset.state = state;
   }
-
-  // ---- charts -----------------------------------------------------------------------------
-  let vramPlot = null, tputPlot = null;
-  function chartWidth(el) { return Math.max(200, el.clientWidth - 4); }
-  function makeCharts() {
-    if (typeof uPlot === "undefined") return;
-    const axes = [{ stroke: "#8a96a3", grid: { stroke: "#26303b" }, ticks: { stroke: "#26303b" } },
-                  { stroke: "#8a96a3", grid: { stroke: "#26303b" }, ticks: { stroke: "#26303b" }, values: (u, v) => v.map((x) => (x / 1048576).toFixed(0) + " MiB"), size: 70 }];
-    const ve = $("vram-chart");
-    vramPlot = new uPlot({ width: chartWidth(ve), height: 220, legend: { show: true }, scales: { x: { time: false } },
-      axes: [Object.assign({}, axes[0], { values: (u, v) => v.map((x) => x.toFixed(2) + " s") }), axes[1]],
-      series: [{ label: "t" },
-        { label: "allocated", stroke: "#3fb950", fill: "rgba(63,185,80,0.12)", width: 2 },
-        { label: "reserved", stroke: "#58a6ff", width: 1 },
-        { label: "high watermark", stroke: "#f85149", dash: [6, 4], width: 1.5 },
-        { label: "low watermark", stroke: "#e0b341", dash: [6, 4], width: 1.5 },
-        { label: "budget", stroke: "#8a96a3", dash: [2, 4], width: 1 }] }, [[], [], [], [], [], []], ve);
-    const te = $("tput-chart");
-    const dot = (color) => ({ stroke: color, width: 0, spanGaps: true, points: { show: true, size: 5, fill: color, stroke: color }, paths: () => null });
-    tputPlot = new uPlot({ width: chartWidth(te), height: 150, legend: { show: true }, scales: { x: { time: false } },
-      axes: [Object.assign({}, axes[0], { values: (u, v) => v.map((x) => x.toFixed(2) + " s") }), Object.assign({}, axes[1], { values: (u, v) => v.map((x) => (x / 1e9).toFixed(1) + " GB/s") })],
-      series: [{ label: "t" }, Object.assign({ label: "H2D" }, dot("#58a6ff")), Object.assign({ label: "D2H" }, dot("#f78166"))] },
-      [[], [], []], te);
-    window.addEventListener("resize", () => {
-      vramPlot.setSize({ width: chartWidth(ve), height: 220 });
-      tputPlot.setSize({ width: chartWidth(te), height: 150 });
-    });
+  function showBadge() {
+    if (!connected) return badge("disconnected", "disconnected, retrying");
+    if (!view) return badge("connecting", "connecting");
+    if (view.header.ended) return badge("ended", "run ended");
+    if (view.replay) return view.replay.paused ? badge("paused", "replay paused") : badge("replaying", "replaying");
+    badge("live", "live");
   }
-  function drawThroughput() {
-    if (!tputPlot || !snap) return;
-    const rec = snap.transfers.recent || [];
-    const x = [], h = [], d = [];
-    for (const r of rec) {
-      if (!(r.duration_ms > 0)) continue;
-      x.push(r.t_ns / 1e9);
-      const gbps = r.bytes / (r.duration_ms * 1e6) * 1e9;
-      h.push(r.dir === "h2d" ? gbps : null); d.push(r.dir === "d2h" ? gbps : null);
-    }
-    tputPlot.setData([x, h, d]);
-  }
-
-  // ---- render -----------------------------------------------------------------------------
-  function render() {
-    if (!snap || !dirty) return;
-    dirty = false;
-    const s = snap;
-    set("events-applied", s.events_applied, String(s.events_applied));
-    set("last-seq", s.last_seq);
-    set("events-received", received);
-    set("run-ended", s.ended);
-    set("step", s.step);
-    const ph = q("phase"); ph.textContent = s.phase; ph.className = "phase-chip ph-" + s.phase;
-    if (s.run) set("run-model", undefined, `${s.run.model} on ${s.run.device.name}${s.ended ? " (ended)" : ""}`);
+  function header(v) {
+    const hd = v.header;
+    set("events-applied", hd.events_applied); set("last-seq", hd.last_seq);
+    set("step", hd.step);
+    const ph = q("phase"); ph.textContent = hd.phase; ph.className = "phase-chip ph-" + hd.phase;
+    set("run-ended", hd.ended);
+    set("views-received", received);
+    const run = hd.model ? `${hd.model} on ${hd.device}${hd.host_simulated ? " (VRAM simulated on the host)" : ""}` : "waiting for a run";
+    set("run-model", undefined, run);
     const dr = $("dropped");
-    dr.dataset.value = String(s.dropped_events);
-    dr.classList.toggle("hidden", !s.dropped_events);
-    dr.textContent = s.dropped_events ? `${s.dropped_events} events were dropped: the bus queue was full, so these figures miss some events.` : "";
+    dr.dataset.value = String(hd.dropped_events);
+    dr.classList.toggle("hidden", !hd.dropped_events);
+    dr.textContent = hd.dropped_events ? `${hd.dropped_events} events were dropped: the bus queue was full, so these figures miss some events.` : "";
+    const lost = $("lost");
+    lost.dataset.value = String(hd.telemetry_lost);
+    lost.classList.toggle("hidden", !hd.telemetry_lost);
+    lost.textContent = hd.telemetry_lost ? `${hd.telemetry_lost} events could not be written to the telemetry file.` : "";
+    showBadge();
+    if (hd.run_id !== runId) { runId = hd.run_id; loadRun(); }
+  }
 
-    const v = s.vram;
-    const lim = s.limits || {};
-    const budget = (lim.device || lim.conductor || {}).budget_bytes ?? (s.run ? s.run.device.total_bytes : 0);
-    const high = (lim.activations || {}).high_watermark_bytes ?? 0;
-    const low = (lim.activations || {}).low_watermark_bytes ?? 0;
-    if (v) {
-      set("vram-allocated", v.allocated_bytes, mib(v.allocated_bytes));
-      set("vram-reserved", v.reserved_bytes, mib(v.reserved_bytes));
-      set("vram-peak", v.peak_allocated_bytes, mib(v.peak_allocated_bytes));
-      set("vram-high", high, mib(high));
-      set("vram-low", low, mib(low));
-      set("vram-budget", budget, mib(budget));
+  // ---- insight ---------------------------------------------------------------------------------
+  function findings(list) {
+    const el = $("findings");
+    el.dataset.value = String(list.length);
+    if (!list.length) return fill(el, [h("li", { class: "none" }, "Nothing looks off so far.")]);
+    fill(el, list.map((f) => h("li", { class: "finding " + f.severity, "data-testid": "finding", "data-id": f.id, "data-severity": f.severity },
+      h("span", { class: "sev" }, f.severity), h("span", { class: "msg" }, f.message),
+      f.knob ? h("span", { class: "knob" }, "knob: ", h("b", {}, f.knob)) : null)));
+  }
+  function stepTime(t) {
+    C.steps($("time-chart"), t);
+    const n = t.newest;
+    set("time-step", n ? n.step : null, n ? String(n.step) : "-");
+    set("time-total", n ? n.step_ms : null, n ? ms(n.step_ms) : "-");
+    fill($("time-parts"), t.parts.map((p, k) => {
+      const f = n ? n.parts[k] : null;
+      return h("tr", {}, h("td", {}, h("i", { class: "sw", style: `background:${C.PART_COLORS[k]}` })), h("td", {}, p.label),
+        h("td", { "data-testid": "time-" + p.key, "data-value": f ? String(f.ms) : "" }, f ? ms(f.ms) : "-"),
+        h("td", { class: "muted" }, f ? f.share.toFixed(1) + "%" : ""));
+    }));
+  }
+  function owners(o) {
+    set("owners-step", o.step, o.step == null ? "-" : String(o.step));
+    $("owners-empty").classList.toggle("hidden", o.step != null);
+    $("owners-chart").classList.toggle("hidden", o.step == null);
+    // Made once there is something to draw, when the chart has its width.
+    if (!charts.owners && o.step != null) charts.owners = C.owners($("owners-chart"), o.owners);
+    if (charts.owners) {
+      const tops = [];
+      let acc = o.t_ms.map(() => 0);
+      o.bytes.forEach((b) => { acc = acc.map((a, i) => a + b[i]); tops.push(acc); });
+      charts.owners.setAxis(o.axis);
+      charts.owners.u.setData([o.t_ms].concat(tops.slice().reverse()));
     }
-    if (vramPlot) {
-      const h = s.vram_history;
-      vramPlot.setData([h.map((r) => r.t_ns / 1e9), h.map((r) => r.allocated_bytes), h.map((r) => r.reserved_bytes),
-        h.map(() => high), h.map(() => low), h.map(() => budget)]);
-    }
+    const p = o.at_peak;
+    set("peak-step", p ? p.step : null, p ? String(p.step) : "-");
+    set("peak-allocated", p ? p.allocated_bytes : null, p ? bytes(p.allocated_bytes) : "-");
+    fill($("peak-parts"), o.owners.map((w, k) => {
+      const f = p ? p.parts[k] : null;
+      return h("tr", {}, h("td", {}, h("i", { class: "sw", style: `background:${C.OWNER_COLORS[k]}` })), h("td", {}, w.label),
+        h("td", { "data-testid": "peak-" + w.key, "data-value": f ? String(f.bytes) : "" }, f ? bytes(f.bytes) : "-"));
+    }));
+  }
 
-    // Residency grid and legend.
+  // ---- state panels ------------------------------------------------------------------------------
+  function vram(v) {
+    set("vram-allocated", v.allocated_bytes ?? 0, bytes(v.allocated_bytes));
+    set("vram-reserved", v.reserved_bytes ?? 0, bytes(v.reserved_bytes));
+    set("vram-peak", v.peak_allocated_bytes ?? 0, bytes(v.peak_allocated_bytes));
+    set("vram-high", v.high_watermark_bytes ?? 0, bytes(v.high_watermark_bytes));
+    set("vram-low", v.low_watermark_bytes ?? 0, bytes(v.low_watermark_bytes));
+    set("vram-budget", v.budget_bytes ?? 0, bytes(v.budget_bytes));
+    if (charts.vram) {
+      const line = (x) => v.t_s.map(() => x ?? null);
+      charts.vram.setAxis(v.axis);
+      charts.vram.u.setData([v.t_s, v.allocated, v.reserved, line(v.high_watermark_bytes), line(v.low_watermark_bytes), line(v.budget_bytes)]);
+    }
+  }
+  const STATES = ["unloaded", "host_staged", "prefetching", "gpu_ready", "evicting", "gpu_freeing"];
+  function residency(r) {
     const grid = $("grid");
-    while (grid.children.length < s.blocks.length) { const d = document.createElement("div"); d.className = "cell"; grid.appendChild(d); }
-    while (grid.children.length > s.blocks.length) grid.removeChild(grid.lastChild);
-    const counts = {}; STATES.forEach((x) => (counts[x] = 0));
-    s.blocks.forEach((b, i) => {
-      counts[b.state] = (counts[b.state] || 0) + 1;
+    while (grid.children.length < r.blocks.length) grid.appendChild(h("div", { class: "cell" }));
+    while (grid.children.length > r.blocks.length) grid.removeChild(grid.lastChild);
+    r.blocks.forEach((b, i) => {
       const d = grid.children[i];
       d.style.background = `var(--${b.state})`;
       d.textContent = String(b.id);
-      d.title = `${b.name}: ${b.state}, ${mib(b.bytes)}, loads ${b.loads}`;
+      d.title = `${b.name}: ${b.state}, ${bytes(b.bytes)}, loads ${b.loads}, evictions ${b.evictions}`;
       d.dataset.state = b.state;
       d.classList.toggle("protected", !!b.protected);
     });
-    $("legend").innerHTML = STATES.map((x) => `<span><i style="background:var(--${x})"></i>${x.replace("_", " ")} <b data-testid="residency-${x}" data-value="${counts[x]}">${counts[x]}</b></span>`).join("");
-    const w = s.weights;
-    set("prefetch-hits", w.prefetch_hits); set("prefetch-misses", w.prefetch_misses); set("evictions", w.evictions);
-    const n = w.prefetch_hits + w.prefetch_misses;
-    set("hit-rate", undefined, n ? (100 * w.prefetch_hits / n).toFixed(1) + "%" : "-");
-
-    // Pools.
-    const parts = [];
-    for (const [name, p] of [["weights", s.weight_pool], ["activations", s.activation_pool]]) {
-      if (!p) continue;
-      parts.push(`<div class="pool"><h3>${name}${p.pinned ? " (pinned)" : ""}</h3>` + p.classes.map((k, i) => {
-        const pct = k.slabs ? (100 * k.in_use / k.slabs) : 0;
-        return `<div class="cls"><span>${mib(k.slab_bytes)}</span><div class="bar"><div style="width:${pct}%"></div></div>` +
-          `<span data-testid="pool-${name}-${i}" data-value="${k.in_use}">${k.in_use}/${k.slabs}</span></div>`;
-      }).join("") + "</div>");
-    }
-    const poolsHtml = parts.join("") || `<div class="muted">no pools configured</div>`;
-    if ($("pools").innerHTML !== poolsHtml) $("pools").innerHTML = poolsHtml;
-
+    $("more-blocks").textContent = r.more_blocks ? `and ${r.more_blocks} more blocks` : "";
+    fill($("legend"), r.counts.map((c) => h("span", {}, h("i", { style: `background:var(--${c.state})` }), c.state.replace("_", " ") + " ",
+      h("b", { "data-testid": "residency-" + c.state, "data-value": String(c.blocks) }, String(c.blocks)))));
+    set("prefetch-hits", r.prefetch_hits); set("prefetch-misses", r.prefetch_misses); set("evictions", r.evictions);
+    set("hit-rate", undefined, r.hit_rate == null ? "-" : r.hit_rate.toFixed(1) + "%");
+  }
+  function pools(list) {
+    if (!list.length) return fill($("pools"), [h("div", { class: "muted" }, "no pools configured")]);
+    fill($("pools"), list.map((p) => h("div", { class: "pool" }, h("h3", {}, p.name + (p.pinned ? " (pinned)" : " (pageable)")),
+      ...p.classes.map((k, i) => h("div", { class: "cls" }, h("span", {}, bytes(k.slab_bytes)),
+        h("div", { class: "bar" }, h("div", { style: `width:${k.slabs ? 100 * k.in_use / k.slabs : 0}%` })),
+        h("span", { "data-testid": `pool-${p.name}-${i}`, "data-value": String(k.in_use) }, `${k.in_use}/${k.slabs}`))))));
+  }
+  function transfers(t) {
     for (const d of ["h2d", "d2h"]) {
-      const t = s.transfers[d];
-      set(d + "-inflight", t.inflight); set(d + "-count", t.count); set(d + "-bytes", t.bytes, mib(t.bytes));
-      set(d + "-gbps", undefined, t.busy_ms > 0 ? (t.bytes / (t.busy_ms * 1e6)).toFixed(2) + " GB/s" : "-");
-      set(d + "-last", undefined, t.last_gbps ? t.last_gbps.toFixed(2) + " GB/s" : "-");
+      const x = t[d];
+      set(d + "-inflight", x.inflight); set(d + "-count", x.count); set(d + "-bytes", x.bytes, bytes(x.bytes));
+      set(d + "-gbps", undefined, x.mean_gbps == null ? "-" : x.mean_gbps.toFixed(2) + " GB/s");
+      set(d + "-last", undefined, x.last_gbps == null ? "-" : x.last_gbps.toFixed(2) + " GB/s");
     }
-    const c = s.conductor;
-    set("slot-grants", c.slot_grants); set("slot-denials", c.slot_denials);
-    set("cond-h2d", c.h2d_inflight); set("cond-d2h", c.d2h_inflight);
-
-    const a = s.activations;
+    set("slot-grants", t.slot_grants); set("slot-denials", t.slot_denials);
+    set("cond-h2d", t.conductor_h2d_inflight); set("cond-d2h", t.conductor_d2h_inflight);
+    if (charts.throughput) {
+      charts.throughput.setAxis(t.axis);
+      charts.throughput.u.setData([t.t_s, t.h2d_gbps, t.d2h_gbps]);
+    }
+  }
+  function activations(a) {
     set("act-saved", a.saved); set("act-kept", a.kept); set("act-spilled", a.spilled);
     set("act-restored", a.restored); set("act-predicted", a.predicted);
-    set("act-spill-bytes", a.spill_bytes, mib(a.spill_bytes)); set("act-restore-bytes", a.restore_bytes, mib(a.restore_bytes));
-    set("act-stall", undefined, a.stall_time_ms.toFixed(1) + " ms"); set("act-spilling", undefined, a.spilling ? "on" : "off");
-
+    set("act-spill-bytes", a.spill_bytes, bytes(a.spill_bytes)); set("act-restore-bytes", a.restore_bytes, bytes(a.restore_bytes));
+    set("act-stall", a.stall_ms, ms(a.stall_ms)); set("act-spilling", undefined, a.spilling ? "on" : "off");
+  }
+  function conductor(c) {
     set("cond-grants", c.grants); set("cond-partials", c.partials); set("cond-denials", c.denials);
-    set("cond-active", c.active_reservations); set("cond-active-bytes", c.active_bytes, mib(c.active_bytes));
-    const h = c.hints || {};
-    const hs = [h.max_inflight_h2d != null ? `H2D <= ${h.max_inflight_h2d}` : null, h.max_inflight_d2h != null ? `D2H <= ${h.max_inflight_d2h}` : null,
-      h.prefetch_window_cap != null ? `window <= ${h.prefetch_window_cap}` : null, h.suppress_speculative ? "no speculative" : null].filter(Boolean);
-    set("hints", undefined, (hs.length ? hs.join(", ") : "none") + (c.hints_rule ? ` (rule ${c.hints_rule})` : ""));
-    // The last steps' phases, laid end to end (idle time between steps left out).
-    const lastSteps = [...new Set(s.phase_spans.map((p) => p.step))].slice(-3);
-    const spans = s.phase_spans.filter((p) => lastSteps.includes(p.step));
-    const tl = spans.map((p, i) => {
-      const ms = (p.end_ns - p.start_ns) / 1e6;
-      const sep = i > 0 && spans[i - 1].step !== p.step ? " sep" : "";
-      return `<div class="ph-${p.phase}${sep}" style="flex-grow:${Math.max(ms * 1000, 1)}" title="step ${p.step} ${p.phase}: ${ms.toFixed(2)} ms"></div>`;
-    }).join("");
-    if ($("timeline").innerHTML !== tl) $("timeline").innerHTML = tl;
-    set("phase-legend", undefined, lastSteps.length ? `steps ${lastSteps[0]}-${lastSteps[lastSteps.length - 1]}: ` +
-      ["forward", "backward", "optimizer"].map((ph) => {
-        const ms = spans.filter((p) => p.phase === ph).reduce((acc, p) => acc + (p.end_ns - p.start_ns) / 1e6, 0);
-        return `${ph} ${ms.toFixed(1)} ms`;
-      }).join(", ") : "no completed phases yet");
-    $("denials").innerHTML = c.recent_denials.slice(-6).reverse().map((d) =>
-      `<tr><td>step ${d.step}</td><td>${d.phase}</td><td>${d.owner}</td><td>${d.what}</td><td class="reason">${d.reason}</td></tr>`).join("");
+    set("cond-active", c.active_reservations); set("cond-active-bytes", c.active_bytes, bytes(c.active_bytes));
+    set("hints", undefined, c.hints);
+    const spans = c.timeline;
+    fill($("timeline"), spans.map((p, i) => h("div", {
+      class: `ph-${p.phase}` + (i > 0 && spans[i - 1].step !== p.step ? " sep" : ""),
+      style: `flex-grow:${Math.max(p.ms * 1000, 1)}`, title: `step ${p.step} ${p.phase}: ${ms(p.ms)}` })));
+    const stepsShown = [...new Set(spans.map((p) => p.step))];
+    set("phase-legend", undefined, stepsShown.length ? `steps ${stepsShown[0]}-${stepsShown[stepsShown.length - 1]}: ` +
+      ["forward", "backward", "optimizer"].map((ph) => `${ph} ${ms(spans.filter((p) => p.phase === ph).reduce((s, p) => s + p.ms, 0))}`).join(", ")
+      : "no completed phases yet");
+    fill($("denials"), c.recent_denials.map((d) => h("tr", {}, h("td", {}, "step " + d.step), h("td", {}, d.phase), h("td", {}, d.owner),
+      h("td", {}, d.what), h("td", { class: "reason" }, d.reason))));
+  }
 
-    drawThroughput();
+  // ---- the run's own description (/api/run), nested config included -------------------------------
+  function tree(value) {
+    if (value === null || typeof value !== "object") return h("span", { class: "val" }, JSON.stringify(value));
+    const entries = Array.isArray(value) ? value.map((v, i) => [String(i), v]) : Object.entries(value);
+    if (!entries.length) return h("span", { class: "val" }, Array.isArray(value) ? "[]" : "{}");
+    return h("dl", {}, ...entries.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, tree(v))]));
+  }
+  async function loadRun() {
+    try {
+      const r = await fetch("/api/run");
+      if (!r.ok) return;
+      const run = await r.json();
+      const info = run.run;
+      fill($("run-info"), info ? [h("div", {}, `run ${info.run_id}, device ${info.device.name} (${bytes(info.device.total_bytes)})`),
+        h("div", { class: "muted" }, Object.entries(info.versions || {}).map(([k, v]) => `${k} ${v}`).join(", "))] : [h("div", { class: "muted" }, "no run yet")]);
+      fill($("run-config"), info ? [tree(info.config)] : []);
+    } catch (_) { /* the badge shows the connection */ }
+  }
+
+  // ---- log -------------------------------------------------------------------------------------------
+  function takeLog(batch) {
+    if (batch.reset) log = [];
+    for (const l of batch.lines) {
+      const last = log.length ? log[log.length - 1] : null;
+      if (last && l.i <= last.i) continue;
+      if (last && l.i > last.i + 1) log.push({ gap: l.i - last.i - 1, i: l.i - 1 });
+      log.push(l);
+    }
+    if (log.length > LOG_LINES) log = log.slice(log.length - LOG_LINES);
     const lg = $("log");
     const atBottom = lg.scrollTop + lg.clientHeight >= lg.scrollHeight - 4;
-    lg.innerHTML = log.map((l) => `<div class="${l.warn ? "warn" : ""}"><span class="s">#${l.seq} ${l.where}</span> <span class="k">${l.kind}</span> ${escapeHtml(l.rest)}</div>`).join("");
+    fill(lg, log.map((l) => l.gap
+      ? h("div", { class: "gap" }, `... ${l.gap} events not shown (they came faster than the page updates) ...`)
+      : h("div", { class: l.warn ? "warn" : "" }, h("span", { class: "s" }, `#${l.seq} s${l.step} ${l.phase}`), " ",
+          h("span", { class: "k" }, l.kind), " ", l.text)));
     if (atBottom) lg.scrollTop = lg.scrollHeight;
   }
-  function escapeHtml(t) { return t.replace(/[&<>"]/g, (ch) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[ch])); }
 
-  // ---- connection -------------------------------------------------------------------------
-  function badge(state, text) { const b = $("conn"); b.className = "badge " + state; b.textContent = text; b.dataset.state = state; }
-  function connect() {
-    badge("connecting", "connecting");
-    es = new EventSource("/api/stream");
-    es.addEventListener("snapshot", (m) => {
-      const msg = JSON.parse(m.data);
-      snap = msg.snapshot;
-      for (const k of ["event_counts", "denials_by_reason"]) if (!snap[k] && k === "event_counts") snap[k] = {};
-      dirty = true;
-      badge(mode === "replay" ? "replay" : "live", mode === "replay" ? "replaying" : "live");
-    });
-    es.addEventListener("event", (m) => {
-      if (!snap) return;
-      const e = JSON.parse(m.data).event;
-      apply(e); logLine(e); received += 1; dirty = true;
-    });
-    es.addEventListener("lagged", (m) => {
-      const missed = JSON.parse(m.data).missed;
-      push(log, { seq: "-", kind: "lagged", where: "", rest: `this page fell behind and missed ${missed} events; resynced`, warn: true }, LOG_LINES);
-      dirty = true;
-    });
-    es.onerror = () => badge("disconnected", "disconnected, retrying");
-  }
-
-  // ---- replay controls --------------------------------------------------------------------
-  async function control(path, body) {
-    const r = await fetch("/api/replay/" + path, { method: "POST", headers: { "content-type": "application/json" }, body: body ? JSON.stringify(body) : undefined });
-    const st = await r.json();
-    if (r.ok) showReplay(st);
-  }
+  // ---- replay controls ---------------------------------------------------------------------------------
   let seeking = false;
-  function showReplay(st) {
-    $("rp-play").innerHTML = st.paused ? "&#9654;" : "&#10074;&#10074;";
-    $("rp-play").dataset.paused = String(st.paused);
-    if (!seeking) $("rp-seek").value = st.total ? Math.round(1000 * st.position / st.total) : 0;
-    set("replay-status", undefined, `${st.paused ? "paused" : "playing"} ${st.speed}x, event ${st.position}/${st.total}, step ${st.step}`);
-  }
-  async function pollReplay() {
-    try { const r = await fetch("/api/replay/status"); if (r.ok) showReplay(await r.json()); } catch (_) { /* shown by the badge */ }
-  }
-  async function init() {
+  async function control(path, body) {
+    $("rp-error").textContent = "";
     try {
-      const run = await (await fetch("/api/run")).json();
-      mode = run.mode || "live";
-    } catch (_) { mode = "live"; }
-    if (mode === "replay") {
-      $("replay").classList.remove("hidden");
-      $("rp-play").onclick = () => control($("rp-play").dataset.paused === "false" ? "pause" : "play");
-      $("rp-back").onclick = () => control("step", { steps: -1 });
-      $("rp-fwd").onclick = () => control("step", { steps: 1 });
-      $("rp-speed").onchange = (ev) => control("speed", { speed: Number(ev.target.value) });
-      $("rp-seek").oninput = () => { seeking = true; };
-      $("rp-seek").onchange = (ev) => { seeking = false; control("seek", { fraction: Number(ev.target.value) / 1000 }); };
-      setInterval(pollReplay, 500); pollReplay();
-    }
-    makeCharts();
-    connect();
-    setInterval(render, 100);
+      const r = await fetch("/api/replay/" + path, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body || {}) });
+      if (!r.ok) $("rp-error").textContent = (await r.json()).error || ("error " + r.status);
+    } catch (e) { $("rp-error").textContent = String(e); }
   }
-  window.__stagehand = { snapshot: () => snap, received: () => received };
+  function speedLabel(s) { return (s < 1 ? String(s) : String(Math.round(s * 100) / 100)) + "\u00d7"; }
+  function replay(r) {
+    $("replay").classList.toggle("hidden", !r);
+    if (!r) return;
+    $("rp-play").innerHTML = r.paused ? "&#9654;" : "&#10074;&#10074;";
+    $("rp-play").dataset.paused = String(r.paused);
+    if (!seeking) $("rp-seek").value = r.total ? Math.round(1000 * r.position / r.total) : 0;
+    const sel = $("rp-speed");
+    const speeds = SPEEDS.includes(r.speed) ? SPEEDS : SPEEDS.concat([r.speed]).sort((a, b) => a - b);
+    const key = speeds.join(",");
+    if (sel.dataset.key !== key) { fill(sel, speeds.map((s) => h("option", { value: String(s) }, speedLabel(s)))); sel.dataset.key = key; }
+    if (document.activeElement !== sel) sel.value = String(r.speed);
+    set("replay-status", undefined, `${r.paused ? "paused" : "playing"} at ${speedLabel(r.speed)}, event ${r.position}/${r.total}, ` +
+      `step ${r.step}, ${r.t_s.toFixed(2)} s of ${r.end_t_s.toFixed(2)} s`);
+  }
+  function wireReplay() {
+    $("rp-play").onclick = () => control($("rp-play").dataset.paused === "false" ? "pause" : "play");
+    $("rp-back").onclick = () => control("step", { steps: -1 });
+    $("rp-fwd").onclick = () => control("step", { steps: 1 });
+    $("rp-speed").onchange = (ev) => control("speed", { speed: Number(ev.target.value) });
+    $("rp-seek").oninput = () => { seeking = true; };
+    $("rp-seek").onchange = (ev) => { seeking = false; control("seek", { fraction: Number(ev.target.value) / 1000 }); };
+    $("rp-go").onclick = () => control("seek", { step: Number($("rp-step").value) });
+  }
+
+  // ---- the stream ----------------------------------------------------------------------------------------
+  function render(msg) {
+    view = msg.view;
+    received += 1;
+    header(view);
+    findings(view.findings);
+    stepTime(view.step_time);
+    owners(view.owners);
+    vram(view.vram);
+    residency(view.residency);
+    pools(view.pools);
+    transfers(view.transfers);
+    activations(view.activations);
+    conductor(view.conductor);
+    replay(view.replay);
+    takeLog(msg.log);
+  }
+  function connect() {
+    es = new EventSource("/api/view/stream");
+    es.onopen = () => { connected = true; showBadge(); };
+    es.addEventListener("view", (m) => { connected = true; render(JSON.parse(m.data)); });
+    es.onerror = () => { connected = false; showBadge(); };
+  }
+  function init() {
+    charts = { vram: C.vram($("vram-chart")), throughput: C.throughput($("tput-chart")) };
+    wireReplay();
+    connect();
+    connected = true;
+    showBadge();
+  }
+  window.__stagehand = { view: () => view, received: () => received, axes: C.axes, takeLog };
   init();
 })();

@@ -3,12 +3,10 @@
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-/// The OpenAPI document of every route.
-pub(crate) const OPENAPI: &str = include_str!("../assets/openapi.json");
-
 const FILES: &[(&str, &str, &[u8])] = &[
     ("index.html", "text/html; charset=utf-8", include_bytes!("../assets/index.html")),
     ("app.js", "text/javascript; charset=utf-8", include_bytes!("../assets/app.js")),
+    ("charts.js", "text/javascript; charset=utf-8", include_bytes!("../assets/charts.js")),
     ("app.css", "text/css; charset=utf-8", include_bytes!("../assets/app.css")),
     ("vendor/uPlot.iife.min.js", "text/javascript; charset=utf-8", include_bytes!("../assets/vendor/uPlot.iife.min.js")),
     ("vendor/uPlot.min.css", "text/css; charset=utf-8", include_bytes!("../assets/vendor/uPlot.min.css")),

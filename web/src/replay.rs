@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 use stagehand::events::replay::{Change, MAX_SPEED, MIN_SPEED};
-use stagehand::events::{Event, Hub, Replay, ReplayStatus};
+use stagehand::events::{Event, EventKind, Hub, Phase, Replay, ReplayStatus};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -12,19 +12,22 @@ use tokio::sync::watch;
 const TICK: Duration = Duration::from_millis(20);
 
 /// Where to seek: exactly one of the fields.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SeekRequest {
-    /// Events applied after the seek (0 = the start).
+    /// Events applied after the seek (0 = the start): the event index.
     pub position: Option<usize>,
     /// Fraction of the file, 0.0 to 1.0.
     pub fraction: Option<f64>,
     /// Replay time in ns since the run started.
     pub t_ns: Option<u64>,
+    /// The start of this training step.
+    pub step: Option<u64>,
 }
 
-/// Stepping: `events` events or `steps` training steps, forward (positive) or back.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// Stepping: `events` events or `steps` training steps, forward (positive) or back; not zero,
+/// and no more than the file holds.
+#[derive(Debug, Clone, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StepRequest {
     pub events: Option<i64>,
@@ -32,7 +35,7 @@ pub struct StepRequest {
 }
 
 /// A new playback speed.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SpeedRequest {
     /// 1.0 = recorded speed; between [`MIN_SPEED`] and [`MAX_SPEED`].
@@ -42,6 +45,25 @@ pub struct SpeedRequest {
 /// A control request that makes no sense, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BadControl(pub String);
+
+fn is_step_begin(e: &Event) -> bool {
+    matches!(e.kind, EventKind::PhaseChanged { to: Phase::StepBegin, .. })
+}
+
+/// The position just after `step` began (so the step shows as current), if the file has it.
+fn step_start(events: &[Event], step: u64) -> Option<usize> {
+    events
+        .iter()
+        .position(|e| e.step == step && is_step_begin(e))
+        .map(|i| i + 1)
+}
+
+/// The first and last steps the file begins.
+fn step_range(events: &[Event]) -> (Option<u64>, Option<u64>) {
+    let mut steps = events.iter().filter(|e| is_step_begin(e)).map(|e| e.step);
+    let first = steps.next();
+    (first, steps.next_back().or(first))
+}
 
 /// The [`Replay`] controller, shared by the tick task and the API's control routes.
 #[derive(Debug)]
@@ -105,8 +127,8 @@ impl ReplayDriver {
     /// Seeks and tells the hub.
     pub fn seek(&self, req: &SeekRequest, hub: &Hub) -> Result<ReplayStatus, BadControl> {
         let mut r = self.lock();
-        let change = match (req.position, req.fraction, req.t_ns) {
-            (Some(p), None, None) => {
+        let change = match (req.position, req.fraction, req.t_ns, req.step) {
+            (Some(p), None, None, None) => {
                 if p > r.len() {
                     return Err(BadControl(format!(
                         "position {p} is past the end: expected 0 to {}",
@@ -115,16 +137,26 @@ impl ReplayDriver {
                 }
                 r.seek(p)
             }
-            (None, Some(f), None) => {
+            (None, Some(f), None, None) => {
                 if !(0.0..=1.0).contains(&f) {
                     return Err(BadControl(format!("fraction {f} is out of range: expected 0.0 to 1.0")));
                 }
                 r.seek_fraction(f)
             }
-            (None, None, Some(t)) => r.seek_time(t),
+            (None, None, Some(t), None) => r.seek_time(t),
+            (None, None, None, Some(step)) => {
+                let target = step_start(r.events(), step).ok_or_else(|| {
+                    let (first, last) = step_range(r.events());
+                    BadControl(match (first, last) {
+                        (Some(a), Some(b)) => format!("step {step} is not in the file: it holds steps {a} to {b}"),
+                        _ => format!("step {step} is not in the file: it holds no steps"),
+                    })
+                })?;
+                r.seek(target)
+            }
             _ => {
                 return Err(BadControl(
-                    "expected exactly one of 'position', 'fraction', 't_ns'".into(),
+                    "expected exactly one of 'position', 'fraction', 't_ns', 'step'".into(),
                 ))
             }
         };
@@ -135,9 +167,19 @@ impl ReplayDriver {
     /// Steps by events or training steps and tells the hub.
     pub fn step(&self, req: &StepRequest, hub: &Hub) -> Result<ReplayStatus, BadControl> {
         let mut r = self.lock();
+        let len = r.len() as i64;
+        let check = |n: i64, what: &str| {
+            if n == 0 || n.unsigned_abs() > len.unsigned_abs() {
+                Err(BadControl(format!(
+                    "{what} {n} is out of range: expected -{len} to {len}, not 0 (the file holds {len} events)"
+                )))
+            } else {
+                Ok(n)
+            }
+        };
         let change = match (req.events, req.steps) {
-            (Some(n), None) => r.step_events(n),
-            (None, Some(n)) => r.step_training(n),
+            (Some(n), None) => r.step_events(check(n, "events")?),
+            (None, Some(n)) => r.step_training(check(n, "steps")?),
             _ => return Err(BadControl("expected exactly one of 'events', 'steps'".into())),
         };
         ReplayDriver::publish(&r, change, hub);

@@ -1,160 +1,56 @@
 //! The web page in a real headless browser (Debian's chromium, driven over WebDriver by
-//! chromedriver): it loads against a real server, receives live events, and the figures it
-//! shows match `/api/snapshot`. A screenshot is kept in `target/artifacts/web-dashboard.png`.
+//! chromedriver): it loads against a real server, follows a live run and a replay, and every
+//! figure it shows, the insight panels included, matches `/api/snapshot`. Chart axes are
+//! checked for overlapping and clipped labels. A screenshot is kept in
+//! `target/artifacts/web-dashboard.png`.
 
 mod http;
+mod webdriver;
 
-use base64::Engine as _;
 use serde_json::{json, Value};
-use stagehand::events::{Bus, Hub, Snapshot};
+use stagehand::events::insight;
 use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand_web::Server;
+use stagehand::events::{Bus, Event, EventKind, Hub, Snapshot};
+use stagehand_web::{AppState, ReplayDriver, Server, ServerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use webdriver::{browser, Driver};
 
-fn find(names: &[&str]) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .flat_map(|d| names.iter().map(move |n| d.join(n)))
-        .find(|p| p.is_file())
+fn snapshot(addr: SocketAddr) -> Snapshot {
+    serde_json::from_slice(&http::request(addr, "GET", "/api/snapshot", None).body).expect("a snapshot")
 }
 
-struct Driver {
-    child: Child,
-    addr: SocketAddr,
-    session: String,
-}
-
-impl Driver {
-    fn start(chromium: &PathBuf, chromedriver: &PathBuf, profile: &std::path::Path) -> Driver {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new(chromedriver)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver starts");
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(addr).is_err() {
-            assert!(Instant::now() < deadline, "chromedriver did not listen on {addr}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let caps = json!({ "capabilities": { "alwaysMatch": {
-            "browserName": "chrome",
-            "goog:chromeOptions": {
-                "binary": chromium,
-                "args": ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                         "--disable-background-networking", "--disable-component-update",
-                         "--disable-sync", "--disable-dev-shm-usage", "--window-size=1440,1280",
-                         format!("--user-data-dir={}", profile.display())],
-            }
-        }}});
-        let r = http::request(addr, "POST", "/session", Some(&caps.to_string()));
-        let v = r.json();
-        let session = v["value"]["sessionId"]
-            .as_str()
-            .unwrap_or_else(|| panic!("no WebDriver session: {v}"))
-            .to_owned();
-        Driver { child, addr, session }
-    }
-
-    fn cmd(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let body = body.map(|b| b.to_string());
-        let r = http::request(self.addr, method, &format!("/session/{}{path}", self.session), body.as_deref());
-        let v = r.json();
-        assert_eq!(r.status, 200, "WebDriver {method} {path}: {v}");
-        v["value"].clone()
-    }
-
-    fn script(&self, script: &str) -> Value {
-        self.cmd("POST", "/execute/sync", Some(json!({ "script": script, "args": [] })))
-    }
-
-    /// Every figure the page shows: data-testid -> data-value (or the text).
-    fn figures(&self) -> HashMap<String, String> {
-        let v = self.script(
-            "return Array.from(document.querySelectorAll('[data-testid]')).map(e => \
-             [e.dataset.testid, e.dataset.value !== undefined ? e.dataset.value : (e.dataset.state || e.textContent)]);",
-        );
-        v.as_array()
-            .expect("pairs")
-            .iter()
-            .map(|p| (p[0].as_str().unwrap_or("").to_owned(), p[1].as_str().unwrap_or("").to_owned()))
-            .collect()
-    }
-
-    /// Polls the page until `done` holds (the page updates asynchronously); fails after a
-    /// generous deadline with what the page showed.
-    fn wait_for(&self, what: &str, done: impl Fn(&HashMap<String, String>) -> bool) -> HashMap<String, String> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let f = self.figures();
-            if done(&f) {
-                return f;
-            }
-            assert!(Instant::now() < deadline, "the page never showed {what}: {f:#?}");
-            std::thread::sleep(Duration::from_millis(100));
+/// The synthetic run, with the structured configuration a real run publishes.
+fn run_events(steps: u64) -> Vec<Event> {
+    let mut events = synthetic::events(SyntheticRun::finished(steps));
+    for e in &mut events {
+        if let EventKind::RunStarted { config, .. } = &mut e.kind {
+            *config = json!({ "weights": { "prefetch_window": 2, "room": { "mib": 640 } }, "activations": { "spill": true } });
         }
     }
+    events
 }
 
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = http::request(self.addr, "DELETE", &format!("/session/{}", self.session), None);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn close(a: &str, b: f64, what: &str) {
+    let a: f64 = a.parse().unwrap_or_else(|_| panic!("{what}: {a:?} is not a number"));
+    assert!((a - b).abs() <= 0.0006, "{what}: page {a}, api {b}");
 }
 
-#[test]
-fn dashboard_shows_the_live_run_as_the_api_does() {
-    let (Some(chromium), Some(chromedriver)) = (find(&["chromium", "chromium-browser"]), find(&["chromedriver"])) else {
-        let msg = "chromium and chromedriver are needed for the browser test: \
-                   apt-get install chromium chromium-driver (scripts/test does)";
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            panic!("{msg}");
-        }
-        eprintln!("skipping: {msg}");
-        return;
-    };
-    let hub = Arc::new(Hub::new());
-    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
-    let profile = tempfile::tempdir().expect("profile dir");
-    let driver = Driver::start(&chromium, &chromedriver, profile.path());
-    driver.cmd("POST", "/url", Some(json!({ "url": server.url() })));
-    driver.wait_for("a live connection", |f| f.get("connection").map(String::as_str) == Some("live"));
-
-    // The run starts after the page is connected: everything it shows arrived live.
-    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
-    let publisher = {
-        let bus = bus.clone();
-        std::thread::spawn(move || synthetic::publish(SyntheticRun::finished(6), &bus, Duration::from_millis(150)))
-    };
-    publisher.join().expect("publisher");
-    bus.flush();
-    let api: Snapshot = serde_json::from_slice(&http::request(server.addr(), "GET", "/api/snapshot", None).body).expect("snapshot");
-    let total = api.events_applied.to_string();
-    let f = driver.wait_for("the whole run", |f| f.get("events-applied") == Some(&total));
-
-    assert_eq!(f["run-ended"], "true");
-    assert!(f["events-received"].parse::<u64>().expect("number") > 1000, "live events reached the page");
-    assert_eq!(f["connection"], "live");
+/// Every figure the page shows against the API's snapshot.
+fn assert_page_matches(driver: &Driver, f: &HashMap<String, String>, api: &Snapshot) {
+    assert_eq!(f["events-applied"], api.events_applied.to_string());
     assert_eq!(f["last-seq"], api.last_seq.to_string());
     assert_eq!(f["step"], api.step.to_string());
     assert_eq!(f["dropped-banner"], api.dropped_events.to_string());
     let v = api.vram.expect("vram");
+    let (high, low) = api.spill_watermarks().expect("watermarks");
     for (id, want) in [
         ("vram-allocated", v.allocated_bytes), ("vram-reserved", v.reserved_bytes),
-        ("vram-peak", v.peak_allocated_bytes), ("vram-high", api.spill_watermarks().map_or(0, |w| w.0)),
-        ("vram-low", api.spill_watermarks().map_or(0, |w| w.1)), ("vram-budget", api.vram_budget_bytes().unwrap_or(0)),
+        ("vram-peak", v.peak_allocated_bytes), ("vram-high", high), ("vram-low", low),
+        ("vram-budget", api.vram_budget_bytes().unwrap_or(0)),
         ("prefetch-hits", api.weights.prefetch_hits), ("prefetch-misses", api.weights.prefetch_misses),
         ("evictions", api.weights.evictions),
         ("h2d-inflight", api.transfers.h2d.inflight as u64), ("h2d-count", api.transfers.h2d.count),
@@ -183,21 +79,243 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
     }
     let cells = driver.script("return document.querySelectorAll('[data-testid=residency-grid] .cell').length;");
     assert_eq!(cells.as_u64(), Some(api.blocks.len() as u64));
-    let lines = driver.script("return document.querySelectorAll('[data-testid=event-log] div').length;");
-    assert!(lines.as_u64().is_some_and(|n| n > 100), "event log lines: {lines}");
-    assert_eq!(driver.script("return document.querySelector('[data-testid=replay-controls]').offsetParent === null;"), json!(true),
-        "no replay controls on a live run");
-    let charts = driver.script("return document.querySelectorAll('.uplot canvas').length;");
-    assert!(charts.as_u64().is_some_and(|n| n >= 2), "uPlot charts drawn: {charts}");
 
-    let png = driver.cmd("GET", "/screenshot", None);
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(png.as_str().expect("base64"))
-        .expect("decodes");
-    assert!(bytes.starts_with(b"\x89PNG"));
+    // Insight: the findings, in order, with their knobs.
+    let shown = driver.script(
+        "return Array.from(document.querySelectorAll('[data-testid=finding]')).map(e => \
+         [e.dataset.id, e.querySelector('.msg').textContent, (e.querySelector('.knob b') || {}).textContent || '']);",
+    );
+    let want: Vec<Value> = insight::findings(api).iter().map(|x| json!([x.id, x.message, x.knob])).collect();
+    assert_eq!(shown, Value::Array(want), "findings");
+
+    // Where the newest step's time went.
+    let (step, t) = api.steps.iter().rev().find_map(|r| r.time.map(|t| (r.step, t))).expect("a timed step");
+    assert_eq!(f["time-step"], step.to_string());
+    close(&f["time-total"], t.step_ms, "step time");
+    for (key, ms) in [("compute", t.compute_ms), ("h2d_wait", t.h2d_wait_ms), ("d2h_wait", t.d2h_wait_ms),
+                      ("weight_stall", t.weight_stall_ms), ("restore_stall", t.restore_stall_ms),
+                      ("optimizer", t.optimizer_ms), ("other", t.other_ms)] {
+        close(&f[&format!("time-{key}")], ms, key);
+    }
+    let bars = driver.script("return document.querySelectorAll('[data-testid=step-time-chart] .tbar').length;");
+    let timed = api.steps.iter().filter(|r| r.time.is_some()).count().min(60);
+    assert_eq!(bars.as_u64(), Some(timed as u64), "a bar per recent step");
+
+    // VRAM by owner: the step shown and its peak.
+    let owners_step = stagehand_web::view::insight::owners_step(api).expect("readings");
+    assert_eq!(f["owners-step"], owners_step.to_string());
+    let peak = api.step_record(owners_step).and_then(|r| r.vram_at_peak).expect("the step's peak");
+    assert_eq!(f["peak-step"], owners_step.to_string());
+    for (key, want) in [("allocated", peak.allocated_bytes), ("weights", peak.weights_bytes),
+                        ("activations_kept", peak.activations_kept_bytes), ("activations_restored", peak.activations_restored_bytes),
+                        ("copies_in_flight", peak.copies_in_flight_bytes), ("other", peak.other_bytes)] {
+        assert_eq!(f[&format!("peak-{key}")], want.to_string(), "peak {key}");
+    }
+}
+
+/// Axis labels: none overlap along x, none is clipped along y, the VRAM axis is binary.
+fn assert_axes_readable(driver: &Driver, view: &Value) {
+    let axes = driver.script("return window.__stagehand.axes();");
+    let axes = axes.as_array().expect("axes");
+    assert!(axes.len() >= 6, "three charts with two axes each: {axes:?}");
+    for a in axes {
+        let labels: Vec<&str> = a["labels"].as_array().expect("labels").iter().map(|l| l.as_str().unwrap_or("")).collect();
+        let pos: Vec<f64> = a["positions"].as_array().expect("positions").iter().map(|p| p.as_f64().unwrap_or(0.0)).collect();
+        let widths: Vec<f64> = a["widths"].as_array().expect("widths").iter().map(|w| w.as_f64().unwrap_or(0.0)).collect();
+        let what = format!("{} axis {}", a["chart"], a["axis"]);
+        assert!(labels.iter().filter(|l| !l.is_empty()).count() >= 2, "{what} has labels: {labels:?}");
+        if a["axis"] == 0 {
+            let mut shown: Vec<(f64, f64)> = pos.iter().zip(&widths).zip(&labels)
+                .filter(|(_, l)| !l.is_empty()).map(|((p, w), _)| (*p, *w)).collect();
+            shown.sort_by(|x, y| x.0.total_cmp(&y.0));
+            for w in shown.windows(2) {
+                assert!(w[0].0 + w[0].1 / 2.0 + 2.0 <= w[1].0 - w[1].1 / 2.0, "{what}: labels overlap: {labels:?} at {pos:?}");
+            }
+        } else {
+            let room = a["size"].as_f64().unwrap_or(0.0) - a["tick"].as_f64().unwrap_or(0.0) - a["gap"].as_f64().unwrap_or(0.0);
+            let widest = widths.iter().copied().fold(0.0, f64::max);
+            assert!(widest <= room, "{what}: a {widest}px label in {room}px: {labels:?}");
+        }
+    }
+    let vram_y = axes.iter().find(|a| a["chart"] == "vram" && a["axis"] == 1).expect("the VRAM axis");
+    assert_eq!(vram_y["labels"], view["vram"]["axis"]["labels"], "the server's binary ticks");
+    for l in vram_y["labels"].as_array().expect("labels") {
+        let l = l.as_str().unwrap_or("");
+        assert!(["B", "KiB", "MiB", "GiB"].iter().any(|u| l.ends_with(&format!(" {u}"))), "binary label {l:?}");
+    }
+}
+
+fn save(name: &str, png: &[u8]) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/artifacts");
     std::fs::create_dir_all(&dir).expect("artifacts dir");
-    std::fs::write(dir.join("web-dashboard.png"), bytes).expect("screenshot saved");
+    std::fs::write(dir.join(name), png).expect("screenshot saved");
+}
+
+#[test]
+fn dashboard_shows_the_live_run_as_the_api_does() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    let hub = Arc::new(Hub::new());
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+    driver.open(&server.url());
+    driver.wait_for("a live connection", |f| f.get("connection").map(String::as_str) == Some("live"));
+
+    // The run starts after the page is connected: everything it shows arrived live.
+    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+    let publisher = {
+        let bus = bus.clone();
+        let events = run_events(6);
+        std::thread::spawn(move || {
+            let b = bus.clone();
+            for e in events {
+                match e.kind {
+                    EventKind::PhaseChanged { to, .. } => {
+                        b.enter_phase(e.step, to);
+                        if to == stagehand::events::Phase::Idle {
+                            std::thread::sleep(Duration::from_millis(150));
+                        }
+                    }
+                    kind => b.publish(kind),
+                }
+            }
+        })
+    };
+    publisher.join().expect("publisher");
+    bus.flush();
+    let api = snapshot(server.addr());
+    let total = api.events_applied.to_string();
+    let f = driver.wait_for("the whole run", |f| f.get("events-applied") == Some(&total));
+
+    assert_eq!(f["run-ended"], "true");
+    assert_eq!(f["connection"], "ended", "the badge says the run ended");
+    assert!(f["views-received"].parse::<u64>().expect("number") > 3, "views arrived while the run went on");
+    assert_page_matches(&driver, &f, &api);
+    let view: Value = http::request(server.addr(), "GET", "/api/view", None).json();
+    assert_axes_readable(&driver, &view["view"]);
+
+    let lines = driver.script("return Array.from(document.querySelectorAll('[data-testid=event-log] div:not(.gap)')).map(d => d.textContent);");
+    let lines = lines.as_array().expect("lines");
+    assert!(lines.len() >= 100, "event log lines: {}", lines.len());
+    assert!(lines.last().and_then(Value::as_str).is_some_and(|l| l.contains("run_ended")), "the log ends with the run");
+    assert!(lines.iter().all(|l| !l.as_str().unwrap_or("").contains("999999")), "rounded figures");
+    // Lines the page did not get (it fell behind, or events came faster than views) are said.
+    let gap = driver.script(
+        "const v = window.__stagehand; const last = Array.from(document.querySelectorAll('[data-testid=event-log] div'));\
+         v.takeLog({ reset: false, lines: [{ i: 1000000, seq: 1, step: 1, phase: 'idle', kind: 'warning', text: 'x', warn: true }] });\
+         const g = document.querySelectorAll('[data-testid=event-log] .gap'); return g[g.length - 1].textContent;",
+    );
+    assert!(gap.as_str().is_some_and(|g| g.contains("events not shown")), "{gap}");
+    assert_eq!(driver.script("return document.querySelector('[data-testid=replay-controls]').offsetParent === null;"), json!(true),
+        "no replay controls on a live run");
+    // The run's nested configuration, as a tree.
+    let config = driver.script("return Array.from(document.querySelectorAll('[data-testid=run-config] dt')).map(d => d.textContent);");
+    for key in ["weights", "prefetch_window", "room", "mib", "activations", "spill"] {
+        assert!(config.as_array().expect("keys").iter().any(|k| k == key), "config key {key}: {config}");
+    }
+    let charts = driver.script("return document.querySelectorAll('.uplot canvas').length;");
+    assert!(charts.as_u64().is_some_and(|n| n >= 3), "uPlot charts drawn: {charts}");
+    save("web-dashboard.png", &driver.full_page_screenshot());
     drop(driver);
     server.shutdown().expect("shuts down");
+}
+
+#[test]
+fn a_page_opened_after_the_run_shows_how_it_ended() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    let hub = Arc::new(Hub::new());
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
+    for e in run_events(3) {
+        hub.ingest(e);
+    }
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+    driver.open(&server.url());
+    let api = snapshot(server.addr());
+    let total = api.events_applied.to_string();
+    let f = driver.wait_for("the finished run", |f| f.get("events-applied") == Some(&total));
+    assert_eq!(f["connection"], "ended");
+    assert_page_matches(&driver, &f, &api);
+    let n = driver.script("return document.querySelectorAll('[data-testid=event-log] div').length;");
+    assert_eq!(n.as_u64(), Some(stagehand_web::RECENT_EVENTS as u64), "the log is filled from history");
+}
+
+#[test]
+fn replay_page_follows_its_controls_and_says_the_speed_in_force() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    let driver_state = Arc::new(ReplayDriver::new(run_events(5)));
+    let server = Server::start(&ServerConfig::new("127.0.0.1:0"), AppState::replay(driver_state.clone())).expect("starts");
+    let addr = server.addr();
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+    driver.open(&server.url());
+    driver.wait_for("the replay, paused", |f| f.get("connection").map(String::as_str) == Some("paused"));
+    assert_eq!(driver.script("return document.querySelector('[data-testid=replay-controls]').offsetParent !== null;"), json!(true));
+
+    // The speed set elsewhere (the API, another tab) is the speed shown.
+    assert_eq!(http::request(addr, "POST", "/api/replay/speed", Some(r#"{"speed": 8}"#)).status, 200);
+    driver.wait_script("8x selected", "return document.querySelector('[data-testid=replay-speed]').value === '8';");
+    let status = driver.script("return document.querySelector('[data-testid=replay-status]').textContent;");
+    assert!(status.as_str().is_some_and(|s| s.contains("8\u{d7}")), "{status}");
+    assert_eq!(http::request(addr, "POST", "/api/replay/speed", Some(r#"{"speed": 3}"#)).status, 200);
+    driver.wait_script("an unlisted 3x", "return document.querySelector('[data-testid=replay-speed]').value === '3';");
+
+    // Seek by step from the page's own control.
+    driver.script("document.querySelector('[data-testid=replay-step-input]').value = '3'; document.getElementById('rp-go').click(); return true;");
+    driver.wait_for("step 3", |f| f.get("step").map(String::as_str) == Some("3"));
+    assert_eq!(driver_state.status().step, 3);
+
+    // To the end: the page shows what the API does, insight included.
+    assert_eq!(http::request(addr, "POST", "/api/replay/seek", Some(r#"{"fraction": 1.0}"#)).status, 200);
+    let api = snapshot(addr);
+    let total = api.events_applied.to_string();
+    let f = driver.wait_for("the end of the file", |f| f.get("events-applied") == Some(&total));
+    assert_page_matches(&driver, &f, &api);
+    assert_eq!(f["connection"], "ended");
+
+    // Play from the page.
+    assert_eq!(http::request(addr, "POST", "/api/replay/seek", Some(r#"{"position": 0}"#)).status, 200);
+    driver.wait_for("the start", |f| f.get("events-applied").map(String::as_str) == Some("0"));
+    driver.script("document.getElementById('rp-play').click(); return true;");
+    driver.wait_script("playing", "return document.getElementById('rp-play').dataset.paused === 'false';");
+    assert!(!driver_state.status().paused);
+    save("web-replay.png", &driver.screenshot());
+}
+
+/// Screenshots of a real server for the docs: `STAGEHAND_URL=http://127.0.0.1:7878 cargo test -p
+/// stagehand-web --test browser screenshots -- --ignored` while the demo runs
+/// (`cargo run --release -p stagehand-examples --bin stagehand-demo -- --steps 30 --keep-serving`).
+/// Takes `dashboard-live.png` once the run is a few steps in, then `dashboard-ended.png` when it
+/// has ended (or `replay.png` for a replay), into `STAGEHAND_SHOTS` (default `docs/screenshots`).
+#[test]
+#[ignore = "needs a running server: STAGEHAND_URL"]
+fn screenshots_of_a_running_server() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    let url = std::env::var("STAGEHAND_URL").expect("STAGEHAND_URL: the server's address (with ?token= if it has one)");
+    let dir = std::env::var("STAGEHAND_SHOTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/screenshots"));
+    std::fs::create_dir_all(&dir).expect("the screenshot folder");
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+    driver.open(&url);
+    let state = |f: &HashMap<String, String>| f.get("connection").cloned().unwrap_or_default();
+    let f = driver.wait_for("a run or a replay", |f| {
+        matches!(state(f).as_str(), "paused" | "replaying") || f.get("events-applied").is_some_and(|n| n != "0")
+    });
+    if matches!(state(&f).as_str(), "paused" | "replaying") {
+        driver.script("document.getElementById('rp-play').click(); return true;");
+        driver.wait_for("the replay a few steps in", |f| f.get("step").and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s >= 8));
+        driver.script("document.getElementById('rp-play').click(); return true;");
+        std::thread::sleep(Duration::from_millis(500));
+        std::fs::write(dir.join("replay.png"), driver.full_page_screenshot()).expect("saved");
+        return;
+    }
+    if f.get("connection").map(String::as_str) == Some("live") {
+        driver.wait_for("a few steps", |f| f.get("step").and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s >= 5));
+        std::fs::write(dir.join("dashboard-live.png"), driver.full_page_screenshot()).expect("saved");
+    }
+    driver.wait_for("the end of the run", |f| f.get("connection").map(String::as_str) == Some("ended"));
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::write(dir.join("dashboard-ended.png"), driver.full_page_screenshot()).expect("saved");
 }

@@ -55,7 +55,9 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
     let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
     let addr = server.addr();
     assert!(addr.ip().is_loopback());
+    assert_eq!(server.stream_clients(), 0);
     let mut sse = http::Sse::open(addr);
+    assert_eq!(server.stream_clients(), 1, "subscribed before the answer's headers");
 
     let (bus, publisher) = publish(&hub, 5);
 
@@ -134,5 +136,51 @@ fn websocket_stream_follows_a_run_from_snapshot_to_its_end() {
     assert_eq!(api.steps.len(), 4);
 
     socket.close(None).expect("closes");
+    server.shutdown().expect("shuts down");
+}
+
+/// The page's stream: views computed by the server, throttled, each with the log lines since
+/// the last, to the end of the run.
+#[test]
+fn view_stream_follows_a_run_with_server_computed_views() {
+    let hub = Arc::new(stagehand::events::Hub::new());
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
+    let addr = server.addr();
+    let mut sse = http::Sse::open_path(addr, "/api/view/stream", "");
+    let (bus, publisher) = publish(&hub, 5);
+    let (mut views, mut last_i, mut lines, mut gaps) = (0u64, None::<u64>, 0u64, 0u64);
+    let mut last = serde_json::Value::Null;
+    while let Some((name, data)) = sse.next() {
+        if name == "comment" {
+            continue;
+        }
+        assert_eq!(name, "view");
+        let msg: serde_json::Value = serde_json::from_str(&data).expect("a view message");
+        views += 1;
+        if msg["log"]["reset"] == true {
+            last_i = None;
+        }
+        for l in msg["log"]["lines"].as_array().expect("lines") {
+            let i = l["i"].as_u64().expect("a position");
+            if let Some(prev) = last_i {
+                assert!(i > prev, "lines move forward: {prev} then {i}");
+                gaps += u64::from(i > prev + 1);
+            }
+            last_i = Some(i);
+            lines += 1;
+        }
+        let ended = msg["view"]["header"]["ended"] == true;
+        last = msg;
+        if ended {
+            break;
+        }
+    }
+    publisher.join().expect("publisher");
+    bus.flush();
+    let api: Snapshot = serde_json::from_slice(&http::request(addr, "GET", "/api/snapshot", None).body).expect("a snapshot");
+    assert_eq!(last["view"]["header"]["events_applied"], api.events_applied);
+    assert_eq!(last["log"]["lines"].as_array().and_then(|l| l.last()).map(|l| l["kind"].clone()), Some("run_ended".into()));
+    assert!(views >= 1 && views * 10 < api.events_applied, "{views} views for {} events: throttled, not one per event", api.events_applied);
+    assert!(lines > 0, "{lines} log lines, {gaps} gaps");
     server.shutdown().expect("shuts down");
 }

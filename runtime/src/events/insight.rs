@@ -12,6 +12,7 @@ use super::snapshot::{Snapshot, StepRecord};
 use serde::{Deserialize, Serialize};
 
 /// How much a finding matters.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Severity {
@@ -24,6 +25,7 @@ pub enum Severity {
 }
 
 /// One finding: what is off, by how much, and the knob that fixes it.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Finding {
     /// Stable identifier ("weights_thrashing", "prefetch_late", ...), for tests and filters.

@@ -45,15 +45,27 @@ fn read_head(r: &mut impl BufRead) -> (u16, Vec<(String, String)>) {
 }
 
 pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Response {
+    let host = addr.to_string();
+    request_with(addr, method, path, &[("host", &host), ("content-type", "application/json")], body)
+}
+
+/// A request with exactly these headers (plus `connection: close` and the body's length).
+pub fn request_with(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> Response {
     let mut s = TcpStream::connect(addr).expect("connects");
     s.set_read_timeout(Some(Duration::from_secs(90))).expect("timeout");
     let body = body.unwrap_or("");
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("sends");
+    let mut head = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\ncontent-length: {}\r\n", body.len());
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    // A server that turns the connection away may answer and close before it has read the
+    // request: the answer still counts.
+    let _ = write!(s, "{head}\r\n{body}");
+    read_response(s)
+}
+
+/// Reads one response from a stream.
+pub fn read_response(s: TcpStream) -> Response {
     let mut r = BufReader::new(s);
     let (status, headers) = read_head(&mut r);
     let chunked = headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
@@ -115,9 +127,14 @@ pub struct Sse {
 
 impl Sse {
     pub fn open(addr: SocketAddr) -> Sse {
+        Sse::open_path(addr, "/api/stream", "")
+    }
+
+    /// Opens `path` with `extra` header lines (each ending in `\r\n`).
+    pub fn open_path(addr: SocketAddr, path: &str, extra: &str) -> Sse {
         let mut s = TcpStream::connect(addr).expect("connects");
         s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-        write!(s, "GET /api/stream HTTP/1.1\r\nhost: {addr}\r\naccept: text/event-stream\r\n\r\n").expect("sends");
+        write!(s, "GET {path} HTTP/1.1\r\nhost: {addr}\r\naccept: text/event-stream\r\n{extra}\r\n").expect("sends");
         let mut r = BufReader::new(s);
         let (status, headers) = read_head(&mut r);
         assert_eq!(status, 200);

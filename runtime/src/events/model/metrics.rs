@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// Weight runtime metrics of one step. Field names match the original Python Stagehand's
 /// `StepMetrics`, so that its users' tools read our files.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightStepMetrics {
     pub h2d_bytes: u64,
@@ -34,6 +35,7 @@ pub struct WeightStepMetrics {
 }
 
 /// Activation runtime metrics of one step (field names kept from the original, as above).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ActivationStepMetrics {
     pub activations_saved: u64,
@@ -63,6 +65,7 @@ pub struct ActivationStepMetrics {
 }
 
 /// Conductor metrics of one step (field names kept from the original, as above).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ConductorStepMetrics {
     pub vram_allocated_mb: f64,
@@ -97,6 +100,7 @@ pub struct ConductorStepMetrics {
 }
 
 /// Seconds spent in each phase of one step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct PhaseDurations {
     pub forward: f64,
@@ -105,6 +109,7 @@ pub struct PhaseDurations {
 }
 
 /// What the trainer reports at the end of each step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct TrainStepMetrics {
     pub loss: f64,
@@ -122,6 +127,7 @@ pub struct TrainStepMetrics {
 /// on a copy, a timed event is recorded on it, and the time from that event to the copy's own
 /// completion event is how long the compute stream sat idle for the copy (0 when the copy had
 /// landed first). On the host device copies are synchronous and those waits are host stalls.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct StepTimeBreakdown {
     /// Wall time of the whole step.
@@ -143,6 +149,7 @@ pub struct StepTimeBreakdown {
 }
 
 /// Copies of one direction in one step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct CopyStats {
     /// Copies completed.
@@ -155,6 +162,7 @@ pub struct CopyStats {
 }
 
 /// Copies of one step, both directions ([`EventKind::TransferStep`](super::EventKind::TransferStep)).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct TransferStepMetrics {
     pub h2d: CopyStats,
@@ -163,6 +171,7 @@ pub struct TransferStepMetrics {
 
 /// Device memory by owner at one moment. `other_bytes` is what the allocator holds beyond the
 /// runtimes' own figures (the model's unmanaged tensors, workspaces, gradients, fragmentation).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct VramByOwner {
     pub allocated_bytes: u64,

@@ -73,6 +73,7 @@ impl Refusal {
 }
 
 /// The picture of a run after some prefix of its events.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Snapshot {
     pub run: Option<RunInfo>,
@@ -88,6 +89,7 @@ pub struct Snapshot {
     pub phase: Phase,
     pub phase_started_ns: u64,
     pub vram: Option<VramReading>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<VramReading>))]
     pub vram_history: VecDeque<VramReading>,
     /// Each owner's limits, as last published.
     #[serde(default)]
@@ -97,12 +99,14 @@ pub struct Snapshot {
     pub vram_owners: Option<OwnersReading>,
     /// Readings by owner, for the chart of where VRAM went over recent steps.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<OwnersReading>))]
     pub vram_owners_history: VecDeque<OwnersReading>,
     /// Times the itinerary was traced again because a step ran another order.
     #[serde(default)]
     pub itinerary_changes: u64,
     /// Device allocations that failed.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<OomRecord>))]
     pub out_of_memory: VecDeque<OomRecord>,
     /// Non-finite values seen (by what held them: output, gradient, loss).
     #[serde(default)]
@@ -112,6 +116,7 @@ pub struct Snapshot {
     pub first_non_finite_block: Option<BlockId>,
     /// Flight-recorder files written (newest last).
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
     pub flight_records: VecDeque<String>,
     /// Events the telemetry sinks failed to write (a full disk, a closed pipe).
     #[serde(default)]
@@ -132,8 +137,11 @@ pub struct Snapshot {
     pub weights: WeightTotals,
     pub activations: ActivationTotals,
     pub conductor: ConductorView,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<PhaseSpan>))]
     pub phase_spans: VecDeque<PhaseSpan>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<StepRecord>))]
     pub steps: VecDeque<StepRecord>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<WarningRecord>))]
     pub warnings: VecDeque<WarningRecord>,
     pub event_counts: BTreeMap<String, u64>,
     /// Events whose content the reducer refused, by [`Refusal`] name.

@@ -18,6 +18,7 @@ pub trait StepSum: Default + Clone {
 }
 
 /// One domain's totals: finished steps plus the step in progress.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Tally<T> {
     /// Sum of the steps already closed.
@@ -57,6 +58,7 @@ impl<T: StepSum> Tally<T> {
 }
 
 /// Weight runtime counts (the summable part of [`WeightStepMetrics`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightCounts {
     pub prefetch_hits: u64,
@@ -95,6 +97,7 @@ impl From<&WeightStepMetrics> for WeightCounts {
 }
 
 /// Activation runtime counts (the summable part of [`ActivationStepMetrics`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ActivationCounts {
     pub saved: u64,
@@ -148,6 +151,7 @@ impl From<&ActivationStepMetrics> for ActivationCounts {
 }
 
 /// Conductor counts (the summable part of [`ConductorStepMetrics`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ConductorCounts {
     pub grants: u64,
@@ -229,6 +233,7 @@ impl TransferStepMetrics {
 }
 
 /// The tallies of every domain whose totals have a per-step aggregate.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Tallies {
     pub weights: Tally<WeightCounts>,

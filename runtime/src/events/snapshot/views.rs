@@ -22,6 +22,7 @@ pub const OWNERS_HISTORY: usize = 256;
 pub const RECENT_INCIDENTS: usize = 16;
 
 /// What the `run_started` event said.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct RunInfo {
     pub run_id: String,
@@ -33,6 +34,7 @@ pub struct RunInfo {
 }
 
 /// One reading of device memory.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct VramReading {
     pub t_ns: u64,
@@ -42,6 +44,7 @@ pub struct VramReading {
 }
 
 /// The limits one owner published ([`EventKind::LimitsSet`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct OwnerLimits {
     pub budget_bytes: u64,
@@ -50,6 +53,7 @@ pub struct OwnerLimits {
 }
 
 /// Device memory by owner at one moment of a step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct OwnersReading {
     pub t_ns: u64,
@@ -59,6 +63,7 @@ pub struct OwnersReading {
 }
 
 /// A device allocation that failed, as reported.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OomRecord {
     pub seq: u64,
@@ -71,6 +76,7 @@ pub struct OomRecord {
 }
 
 /// One managed weight block.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct BlockView {
     pub id: BlockId,
@@ -90,6 +96,7 @@ pub struct BlockView {
 }
 
 /// Where the weight scheduler is in its itinerary.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ItineraryView {
     pub order: Vec<BlockId>,
@@ -99,6 +106,7 @@ pub struct ItineraryView {
 }
 
 /// One size class of a pool (the weight pool has one).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ClassView {
     pub slab_bytes: u64,
@@ -110,6 +118,7 @@ pub struct ClassView {
 }
 
 /// A pinned pool.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct PoolView {
     pub pinned: bool,
@@ -135,6 +144,7 @@ impl PoolView {
 }
 
 /// One direction of PCIe traffic.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct DirectionView {
     pub inflight: u32,
@@ -158,6 +168,7 @@ impl DirectionView {
 }
 
 /// A completed copy.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TransferRecord {
     pub seq: u64,
@@ -170,10 +181,12 @@ pub struct TransferRecord {
 }
 
 /// Copies in both directions.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct TransfersView {
     pub h2d: DirectionView,
     pub d2h: DirectionView,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<TransferRecord>))]
     pub recent: VecDeque<TransferRecord>,
 }
 
@@ -194,6 +207,7 @@ impl TransfersView {
 }
 
 /// Weight runtime totals over the run.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightTotals {
     pub prefetch_hits: u64,
@@ -221,6 +235,7 @@ impl WeightTotals {
 }
 
 /// Activation runtime totals over the run.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ActivationTotals {
     pub saved: u64,
@@ -243,6 +258,7 @@ pub struct ActivationTotals {
 }
 
 /// A denial, for the Conductor view.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DenialRecord {
     pub seq: u64,
@@ -254,6 +270,7 @@ pub struct DenialRecord {
 }
 
 /// The Conductor's state.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ConductorView {
     pub hints: Hints,
@@ -272,11 +289,13 @@ pub struct ConductorView {
     pub slot_denials: u64,
     pub h2d_inflight: u32,
     pub d2h_inflight: u32,
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<DenialRecord>))]
     pub recent_denials: VecDeque<DenialRecord>,
     pub last_step: Option<ConductorStepMetrics>,
 }
 
 /// A phase of a step, with its span.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PhaseSpan {
     pub step: u64,
@@ -286,6 +305,7 @@ pub struct PhaseSpan {
 }
 
 /// Everything known about one step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct StepRecord {
     pub step: u64,
@@ -304,6 +324,7 @@ pub struct StepRecord {
 }
 
 /// A warning, for the log.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WarningRecord {
     pub seq: u64,

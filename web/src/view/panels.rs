@@ -1,0 +1,399 @@
+//! The page's panels of state: the run header, VRAM against its limits, residency, pools,
+//! copies, activations and the Conductor. Each is built from the snapshot, bounded, rounded.
+
+use super::figures::{bytes_axis, decimal_axis, ms, round, Axis};
+use serde::Serialize;
+use stagehand::events::snapshot::PoolView;
+use stagehand::events::{wire_name, BlockState, Direction, Owner, Phase, Snapshot};
+
+/// Points of the VRAM chart at most (the snapshot keeps more; peaks survive the thinning).
+pub const VRAM_POINTS: usize = 300;
+/// Blocks shown in the residency grid at most.
+pub const MAX_BLOCKS: usize = 1024;
+/// Size classes shown per pool at most.
+const MAX_CLASSES: usize = 64;
+/// Characters of a name kept.
+const MAX_NAME: usize = 80;
+/// Denials listed.
+const DENIALS: usize = 6;
+/// Steps laid end to end in the phase timeline.
+const TIMELINE_STEPS: usize = 3;
+
+fn name(s: &str) -> String {
+    s.chars().take(MAX_NAME).collect()
+}
+
+/// What is running, and where the stream is.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Header {
+    pub run_id: Option<String>,
+    pub model: Option<String>,
+    pub device: Option<String>,
+    pub host_simulated: bool,
+    pub ended: bool,
+    pub step: u64,
+    pub phase: Phase,
+    pub last_seq: u64,
+    pub events_applied: u64,
+    pub dropped_events: u64,
+    pub telemetry_lost: u64,
+}
+
+pub(crate) fn header(s: &Snapshot) -> Header {
+    Header {
+        run_id: s.run.as_ref().map(|r| name(&r.run_id)),
+        model: s.run.as_ref().map(|r| name(&r.model)),
+        device: s.run.as_ref().map(|r| name(&r.device.name)),
+        host_simulated: s.run.as_ref().is_some_and(|r| r.device.host_simulated()),
+        ended: s.ended,
+        step: s.step,
+        phase: s.phase,
+        last_seq: s.last_seq,
+        events_applied: s.events_applied,
+        dropped_events: s.dropped_events,
+        telemetry_lost: s.telemetry_lost,
+    }
+}
+
+/// Device memory against its limits, with its recent history.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct VramPanel {
+    pub allocated_bytes: Option<u64>,
+    pub reserved_bytes: Option<u64>,
+    pub peak_allocated_bytes: Option<u64>,
+    pub high_watermark_bytes: Option<u64>,
+    pub low_watermark_bytes: Option<u64>,
+    pub budget_bytes: Option<u64>,
+    /// Seconds since the run started.
+    pub t_s: Vec<f64>,
+    pub allocated: Vec<u64>,
+    pub reserved: Vec<u64>,
+    pub axis: Axis,
+}
+
+pub(crate) fn vram(s: &Snapshot) -> VramPanel {
+    let (high, low) = s.spill_watermarks().unzip();
+    let budget = s.vram_budget_bytes();
+    let h = &s.vram_history;
+    let bucket = h.len().div_ceil(VRAM_POINTS).max(1);
+    let (mut t_s, mut allocated, mut reserved) = (Vec::new(), Vec::new(), Vec::new());
+    for i in (0..h.len()).step_by(bucket) {
+        let part = h.range(i..(i + bucket).min(h.len()));
+        let (mut t, mut a, mut r) = (0, 0, 0);
+        for p in part {
+            t = p.t_ns;
+            a = a.max(p.allocated_bytes);
+            r = r.max(p.reserved_bytes);
+        }
+        t_s.push(round(t as f64 / 1e9, 3));
+        allocated.push(a);
+        reserved.push(r);
+    }
+    let top = [
+        allocated.iter().max().copied().unwrap_or(0),
+        reserved.iter().max().copied().unwrap_or(0),
+        high.unwrap_or(0),
+        budget.unwrap_or(0),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    VramPanel {
+        allocated_bytes: s.vram.map(|v| v.allocated_bytes),
+        reserved_bytes: s.vram.map(|v| v.reserved_bytes),
+        peak_allocated_bytes: s.vram.map(|v| v.peak_allocated_bytes),
+        high_watermark_bytes: high,
+        low_watermark_bytes: low,
+        budget_bytes: budget,
+        t_s,
+        allocated,
+        reserved,
+        axis: bytes_axis(top),
+    }
+}
+
+/// One weight block in the grid.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct BlockCell {
+    pub id: u32,
+    pub name: String,
+    pub state: BlockState,
+    pub bytes: u64,
+    pub loads: u64,
+    pub evictions: u64,
+    pub protected: bool,
+}
+
+/// How many blocks are in one residency state.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct StateCount {
+    pub state: BlockState,
+    pub blocks: u32,
+}
+
+/// Weight blocks by residency state, and how the prefetcher does.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ResidencyPanel {
+    pub blocks: Vec<BlockCell>,
+    /// Blocks beyond [`MAX_BLOCKS`], not in `blocks`.
+    pub more_blocks: usize,
+    pub counts: Vec<StateCount>,
+    pub prefetch_hits: u64,
+    pub prefetch_misses: u64,
+    /// Percent, once there was a hit or a miss.
+    pub hit_rate: Option<f64>,
+    pub evictions: u64,
+}
+
+pub(crate) fn residency(s: &Snapshot) -> ResidencyPanel {
+    let counts = s.residency_counts();
+    let w = &s.weights;
+    let n = w.prefetch_hits + w.prefetch_misses;
+    ResidencyPanel {
+        blocks: s
+            .blocks
+            .iter()
+            .take(MAX_BLOCKS)
+            .map(|b| BlockCell {
+                id: b.id.0,
+                name: name(&b.name),
+                state: b.state,
+                bytes: b.bytes,
+                loads: b.loads,
+                evictions: b.evictions,
+                protected: b.protected,
+            })
+            .collect(),
+        more_blocks: s.blocks.len().saturating_sub(MAX_BLOCKS),
+        counts: BlockState::ALL
+            .iter()
+            .map(|st| StateCount {
+                state: *st,
+                blocks: counts.get(st).copied().unwrap_or(0),
+            })
+            .collect(),
+        prefetch_hits: w.prefetch_hits,
+        prefetch_misses: w.prefetch_misses,
+        hit_rate: (n > 0).then(|| round(100.0 * w.prefetch_hits as f64 / n as f64, 1)),
+        evictions: w.evictions,
+    }
+}
+
+/// One size class of a pinned pool.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ClassFigures {
+    pub slab_bytes: u64,
+    pub slabs: u32,
+    pub in_use: u32,
+    pub peak_in_use: u32,
+}
+
+/// A pinned pool's slabs in use.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct PoolPanel {
+    pub name: &'static str,
+    pub pinned: bool,
+    pub classes: Vec<ClassFigures>,
+    pub pageable_fallbacks: u64,
+}
+
+pub(crate) fn pools(s: &Snapshot) -> Vec<PoolPanel> {
+    let panel = |name, p: &PoolView| PoolPanel {
+        name,
+        pinned: p.pinned,
+        classes: p
+            .classes
+            .iter()
+            .take(MAX_CLASSES)
+            .map(|c| ClassFigures {
+                slab_bytes: c.slab_bytes,
+                slabs: c.slabs,
+                in_use: c.in_use,
+                peak_in_use: c.peak_in_use,
+            })
+            .collect(),
+        pageable_fallbacks: p.pageable_fallbacks,
+    };
+    [("weights", &s.weight_pool), ("activations", &s.activation_pool)]
+        .into_iter()
+        .filter_map(|(n, p)| p.as_ref().map(|p| panel(n, p)))
+        .collect()
+}
+
+/// One direction of PCIe traffic.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct DirectionFigures {
+    pub inflight: u32,
+    pub count: u64,
+    pub bytes: u64,
+    /// GB/s over every completed copy, once there is one.
+    pub mean_gbps: Option<f64>,
+    pub last_gbps: Option<f64>,
+}
+
+/// Copies both ways, recent throughput, and the Conductor's transfer slots.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct TransfersPanel {
+    pub h2d: DirectionFigures,
+    pub d2h: DirectionFigures,
+    /// Recent copies: when they completed (s), and their GB/s in their direction.
+    pub t_s: Vec<f64>,
+    pub h2d_gbps: Vec<Option<f64>>,
+    pub d2h_gbps: Vec<Option<f64>>,
+    pub axis: Axis,
+    pub slot_grants: u64,
+    pub slot_denials: u64,
+    pub conductor_h2d_inflight: u32,
+    pub conductor_d2h_inflight: u32,
+}
+
+pub(crate) fn transfers(s: &Snapshot) -> TransfersPanel {
+    let t = &s.transfers;
+    let dir = |d: Direction| {
+        let v = t.dir(d);
+        DirectionFigures {
+            inflight: v.inflight,
+            count: v.count,
+            bytes: v.bytes,
+            mean_gbps: (v.busy_ms > 0.0).then(|| round(v.mean_gbps(), 2)),
+            last_gbps: (v.last_gbps > 0.0).then(|| round(v.last_gbps, 2)),
+        }
+    };
+    let timed: Vec<_> = t.recent.iter().filter(|r| r.duration_ms > 0.0).collect();
+    let gbps = |r: &&stagehand::events::snapshot::TransferRecord, d| {
+        (r.dir == d).then(|| round(r.bytes as f64 / (r.duration_ms * 1e6), 2))
+    };
+    let h2d_gbps: Vec<_> = timed.iter().map(|r| gbps(r, Direction::H2d)).collect();
+    let d2h_gbps: Vec<_> = timed.iter().map(|r| gbps(r, Direction::D2h)).collect();
+    let top = h2d_gbps.iter().chain(&d2h_gbps).flatten().copied().fold(0.0, f64::max);
+    let c = &s.conductor;
+    TransfersPanel {
+        h2d: dir(Direction::H2d),
+        d2h: dir(Direction::D2h),
+        t_s: timed.iter().map(|r| round(r.t_ns as f64 / 1e9, 3)).collect(),
+        h2d_gbps,
+        d2h_gbps,
+        axis: decimal_axis(top, "GB/s"),
+        slot_grants: c.slot_grants,
+        slot_denials: c.slot_denials,
+        conductor_h2d_inflight: c.h2d_inflight,
+        conductor_d2h_inflight: c.d2h_inflight,
+    }
+}
+
+/// Saved tensors: kept, spilled, restored.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ActivationsPanel {
+    pub saved: u64,
+    pub kept: u64,
+    pub spilled: u64,
+    pub restored: u64,
+    pub predicted: u64,
+    pub spill_bytes: u64,
+    pub restore_bytes: u64,
+    pub stall_ms: f64,
+    pub spilling: bool,
+}
+
+pub(crate) fn activations(s: &Snapshot) -> ActivationsPanel {
+    let a = &s.activations;
+    ActivationsPanel {
+        saved: a.saved,
+        kept: a.kept,
+        spilled: a.spilled,
+        restored: a.restored,
+        predicted: a.predicted,
+        spill_bytes: a.spill_bytes,
+        restore_bytes: a.restore_bytes,
+        stall_ms: ms(a.stall_time_ms),
+        spilling: a.spilling,
+    }
+}
+
+/// One phase of a recent step.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct PhaseSlice {
+    pub step: u64,
+    pub phase: Phase,
+    pub ms: f64,
+}
+
+/// A refusal of the Conductor's.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct DenialLine {
+    pub step: u64,
+    pub phase: Phase,
+    pub owner: Owner,
+    pub what: String,
+    pub reason: String,
+}
+
+/// Reservations, hints, phases and denials.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ConductorPanel {
+    pub grants: u64,
+    pub partials: u64,
+    pub denials: u64,
+    pub active_reservations: u64,
+    pub active_bytes: u64,
+    /// The hints in force, in words ("none" when there are none).
+    pub hints: String,
+    /// The last steps' phases, oldest first.
+    pub timeline: Vec<PhaseSlice>,
+    pub recent_denials: Vec<DenialLine>,
+}
+
+pub(crate) fn conductor(s: &Snapshot) -> ConductorPanel {
+    let c = &s.conductor;
+    let h = &c.hints;
+    let mut hints: Vec<String> = [
+        h.max_inflight_h2d.map(|n| format!("H2D <= {n}")),
+        h.max_inflight_d2h.map(|n| format!("D2H <= {n}")),
+        h.prefetch_window_cap.map(|n| format!("window <= {n}")),
+        h.suppress_speculative.then(|| "no speculative copies".to_owned()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if hints.is_empty() {
+        hints.push("none".into());
+    }
+    let mut text = hints.join(", ");
+    if let Some(rule) = c.hints_rule {
+        text.push_str(&format!(" (rule {})", wire_name(&rule)));
+    }
+    let mut steps: Vec<u64> = s.phase_spans.iter().map(|p| p.step).collect();
+    steps.dedup();
+    let keep = &steps[steps.len().saturating_sub(TIMELINE_STEPS)..];
+    ConductorPanel {
+        grants: c.grants,
+        partials: c.partials,
+        denials: c.denials,
+        active_reservations: c.active_reservations,
+        active_bytes: c.active_bytes,
+        hints: text,
+        timeline: s
+            .phase_spans
+            .iter()
+            .filter(|p| keep.contains(&p.step))
+            .map(|p| PhaseSlice {
+                step: p.step,
+                phase: p.phase,
+                ms: ms(p.end_ns.saturating_sub(p.start_ns) as f64 / 1e6),
+            })
+            .collect(),
+        recent_denials: c
+            .recent_denials
+            .iter()
+            .rev()
+            .take(DENIALS)
+            .map(|d| DenialLine {
+                step: d.step,
+                phase: d.phase,
+                owner: d.owner,
+                what: name(&d.what),
+                reason: d.reason.as_str().to_owned(),
+            })
+            .collect(),
+    }
+}
