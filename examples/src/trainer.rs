@@ -98,6 +98,8 @@ pub struct Summary {
     /// Bytes it spilled.
     pub spill_bytes: u64,
     pub peak_bytes: u64,
+    /// Each step's peak allocated device memory.
+    pub step_peaks: Vec<u64>,
     /// The memory plan (Stagehand only).
     pub plan: Option<Plan>,
 }
@@ -170,6 +172,7 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         activations_spilled: 0,
         spill_bytes: 0,
         peak_bytes: 0,
+        step_peaks: Vec::new(),
         plan: None,
     };
     for step in 1..=cfg.steps {
@@ -201,6 +204,7 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
             vram_peak_bytes: mem.peak,
         }));
         s.peak_bytes = s.peak_bytes.max(mem.peak);
+        s.step_peaks.push(mem.peak);
         s.losses.push(loss_v);
         s.step_times.push(dt);
         on_step(step, loss_v, dt);
@@ -240,6 +244,7 @@ pub fn train_stagehand(
         activations_spilled: 0,
         spill_bytes: 0,
         peak_bytes: 0,
+        step_peaks: Vec::new(),
         plan: None,
     };
     for step in 1..=cfg.steps {
@@ -250,6 +255,7 @@ pub fn train_stagehand(
             s.spill_bytes += m.spill_bytes;
         }
         s.peak_bytes = s.peak_bytes.max(r.vram_peak_bytes);
+        s.step_peaks.push(r.vram_peak_bytes);
         s.losses.push(r.loss);
         s.step_times.push(r.step_ms / 1e3);
         s.breakdowns.push(r.time);

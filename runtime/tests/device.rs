@@ -73,3 +73,27 @@ fn device_reports_memory_and_identity() {
         println!("cuda device: {}", dev.info().name);
     }
 }
+
+#[test]
+fn a_host_wait_costs_idle_time_only_once_the_gpu_has_run_dry() {
+    let Some(dev) = cuda() else { return };
+    let a = Tensor::randn([4096, 4096], (Kind::Float, dev.tch_device()));
+    // Queue some hundreds of ms of matmuls; a short host wait behind them costs the GPU nothing.
+    let mut x = a.shallow_clone();
+    for _ in 0..200 {
+        x = x.matmul(&a).tanh();
+    }
+    let probe = dev.idle_probe().expect("probe");
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let busy = probe.end(&dev).expect("end");
+    // Now the GPU has nothing queued: a wait of 50 ms leaves it idle about as long.
+    dev.synchronize().expect("sync");
+    let probe = dev.idle_probe().expect("probe");
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let dry = probe.end(&dev).expect("end");
+    let _ = x.sum(Kind::Float).double_value(&[]);
+    let busy = busy.idle_ms_blocking().expect("read");
+    let dry = dry.idle_ms_blocking().expect("read");
+    assert!(busy < 1.0, "a wait while the GPU was busy is not idle: {busy} ms");
+    assert!((45.0..500.0).contains(&dry), "a wait on an empty queue is idle: {dry} ms");
+}

@@ -66,6 +66,25 @@ impl SpillPolicy {
         self.spilled_bytes = 0;
     }
 
+    /// The watermarks, high then low.
+    pub fn watermarks(&self) -> (u64, u64) {
+        (self.high, self.low)
+    }
+
+    /// Moves both watermarks down by `by` bytes, keeping their gap, with the high one no lower
+    /// than `floor`. Returns the new watermarks, or `None` when the high one already sits at
+    /// the floor.
+    pub fn lower(&mut self, by: u64, floor: u64) -> Option<(u64, u64)> {
+        let gap = self.high - self.low;
+        let high = self.high.saturating_sub(by).max(floor).max(gap + 1);
+        if high >= self.high {
+            return None;
+        }
+        self.high = high;
+        self.low = high - gap;
+        Some((self.high, self.low))
+    }
+
     /// Whether the hysteresis flag is on.
     pub fn is_spilling(&self) -> bool {
         self.spilling
@@ -197,5 +216,14 @@ mod tests {
         assert!(region_matches("blocks.3.attn", "blocks.3.attn"));
         assert!(!region_matches("lock", "blocks.3.mlp"));
         assert!(!region_matches("blocks.3.attn.q", "blocks.3.attn"));
+    }
+
+    #[test]
+    fn lowering_keeps_the_gap_and_stops_at_the_floor() {
+        let mut p = SpillPolicy::new(1000, 800, 1, 1.0);
+        assert_eq!(p.lower(100, 500), Some((900, 700)));
+        assert_eq!(p.lower(1000, 500), Some((500, 300)), "not below the floor");
+        assert_eq!(p.lower(10, 500), None, "at the floor already");
+        assert_eq!(p.watermarks(), (500, 300));
     }
 }

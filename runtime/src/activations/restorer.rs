@@ -236,7 +236,7 @@ impl Restorer {
         conductor: &Conductor,
         device: &Device,
         bus: &Bus,
-        mut finalize: impl FnMut(&mut Records, usize) -> Result<()>,
+        mut finalize: impl FnMut(&mut Records, usize) -> Result<bool>,
     ) -> Result<u64> {
         if ahead.lookahead == 0 {
             return Ok(0);
@@ -254,7 +254,11 @@ impl Restorer {
                     if self.inflight.len() >= ahead.cap || self.predicted_bytes + bytes > ahead.allowance {
                         break;
                     }
-                    let state = rec.state;
+                    // A spill still landing ends the prediction (`finalize` says whether it
+                    // could finalize without waiting).
+                    if rec.state == RecordState::Spilling && !finalize(records, j)? {
+                        break;
+                    }
                     let priority = if n == 0 { Priority::Required } else { Priority::Speculative };
                     // Device memory for a restore ahead of need is asked of the Conductor first
                     // (released once the restore holds it, when the allocator counts it);
@@ -272,9 +276,6 @@ impl Restorer {
                         }
                         break;
                     };
-                    if state == RecordState::Spilling {
-                        finalize(records, j)?;
-                    }
                     let issued_ok = self.issue(records, j, true, Some(slot), device, bus);
                     if let Some(id) = decision.id {
                         conductor.release(id);

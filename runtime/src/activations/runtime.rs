@@ -108,6 +108,7 @@ impl ActivationRuntime {
             sizes: SizeProfile::default(),
             pool_traced: false,
             auto_region: None,
+            d2h_waits: Default::default(),
         };
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {
@@ -252,6 +253,25 @@ impl ActivationRuntime {
     /// Metrics of the last ended step.
     pub fn last_step_metrics(&self) -> Option<ActivationStepMetrics> {
         self.shared.lock().last.clone()
+    }
+
+    /// Lowers both spill watermarks by `by` bytes (the high one no lower than `floor`) and
+    /// publishes the new limits; `None` when the high one is at the floor already. The handle
+    /// does this after a step whose peak went over the budget.
+    pub fn lower_watermarks(&self, by: u64, floor: u64) -> Option<(u64, u64)> {
+        let lowered = self.shared.lock().policy.lower(by, floor)?;
+        self.shared.bus.publish(EventKind::LimitsSet {
+            owner: Owner::Activations,
+            budget_bytes: self.shared.device.info().total_bytes,
+            high_watermark_bytes: Some(lowered.0),
+            low_watermark_bytes: Some(lowered.1),
+        });
+        Some(lowered)
+    }
+
+    /// The spill watermarks in force, high then low.
+    pub fn watermarks(&self) -> (u64, u64) {
+        self.shared.lock().policy.watermarks()
     }
 
     /// The region groups learned from the first step (empty before).

@@ -48,13 +48,16 @@ impl SizeProfile {
 
     /// Pool classes and slab counts that hold every peak at once, in at most `max_classes`
     /// classes: when there are more sizes, the smallest are served by the next larger class.
+    /// Each class gets an eighth more (at least one slab): the traced step is usually the first,
+    /// whose memory differs from later steps', so a later step may spill a little more; a slab
+    /// too few costs a pageable copy and a rebuild of the whole pool.
     pub(super) fn plan(&self, max_classes: usize) -> (Vec<u64>, Vec<u32>) {
         let mut v: Vec<(u64, u32)> = self.peak.iter().map(|(&b, &n)| (b, n)).collect();
         while v.len() > max_classes.max(1) {
             let (_, n) = v.remove(0);
             v[0].1 += n;
         }
-        v.into_iter().unzip()
+        v.into_iter().map(|(b, n)| (b, n.saturating_add(n.div_ceil(8).max(1)))).unzip()
     }
 }
 
@@ -74,8 +77,14 @@ mod tests {
         p.clear_step();
         p.spilled(1 << 20);
         p.spilled(1 << 20);
-        assert_eq!(p.plan(8), (vec![12_288, 1 << 20], vec![3, 2]));
-        // One class only: the small spills take slabs of the larger size.
-        assert_eq!(p.plan(1), (vec![1 << 20], vec![5]));
+        // The peaks (3 and 2) with an eighth more, at least one.
+        assert_eq!(p.plan(8), (vec![12_288, 1 << 20], vec![4, 3]));
+        // One class only: the small spills take slabs of the larger size (5, and one more).
+        assert_eq!(p.plan(1), (vec![1 << 20], vec![6]));
+        let mut big = SizeProfile::default();
+        for _ in 0..80 {
+            big.spilled(4096);
+        }
+        assert_eq!(big.plan(8).1, vec![90]);
     }
 }

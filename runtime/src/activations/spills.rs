@@ -4,12 +4,14 @@
 //!
 //! The training thread never waits for a spill in the steady state: completed copies are
 //! finalized whenever the runtime looks (every pack, every unpack), and it waits only when more
-//! copies are in flight than the `max_inflight_d2h` knob allows (the oldest first), or when
-//! backward begins (every spill must have landed before its restore).
+//! copies (or bytes) are in flight than the knobs allow (the oldest first), when backward needs a
+//! tensor whose spill is still landing, and at the step's end. Each wait is measured as the
+//! compute stream's idle time during it ([`crate::device::idle`]): that, not the host's wait, is
+//! what the step loses.
 
 use super::record::{RecordState, Records};
 use crate::conductor::SlotToken;
-use crate::device::{Device, Order};
+use crate::device::{Device, IdleSpan, Order};
 use crate::error::{Error, Result};
 use crate::events::{Bus, EventKind, TensorId};
 use crate::pinned::Lease;
@@ -18,11 +20,11 @@ use std::collections::VecDeque;
 use tch::Tensor;
 
 /// What finalizing spills did.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 pub(super) struct Finalized {
     pub count: u64,
-    /// Milliseconds the host waited for copies.
-    pub waited_ms: f64,
+    /// The host's waits for copies, whose cost is the compute stream's idle time during them.
+    pub waits: Vec<IdleSpan>,
 }
 
 /// The D2H stream and the records spilling on it, oldest first.
@@ -92,9 +94,9 @@ impl SpillQueue {
         };
         while self.inflight.len() > cap || (self.inflight.len() > 1 && held(records, &self.inflight) > cap_bytes) {
             let Some(idx) = self.inflight.pop_front() else { break };
-            let t0 = std::time::Instant::now();
+            let probe = device.idle_probe()?;
             self.finalize_one(records, idx, device, bus, true)?;
-            done.waited_ms += t0.elapsed().as_secs_f64() * 1e3;
+            done.waits.push(probe.end(device)?);
             done.count += 1;
         }
         Ok(done)
@@ -102,20 +104,36 @@ impl SpillQueue {
 
     /// Waits for every spill in flight (backward begins, or the step ends).
     pub(super) fn drain(&mut self, records: &mut Records, device: &Device, bus: &Bus) -> Result<Finalized> {
-        let t0 = std::time::Instant::now();
         let mut done = Finalized::default();
+        if self.inflight.is_empty() {
+            return Ok(done);
+        }
+        let probe = device.idle_probe()?;
         while let Some(idx) = self.inflight.pop_front() {
             self.finalize_one(records, idx, device, bus, true)?;
             done.count += 1;
         }
-        done.waited_ms = t0.elapsed().as_secs_f64() * 1e3;
+        done.waits.push(probe.end(device)?);
         Ok(done)
     }
 
     /// Waits for one record's spill (its unpack came before the spill was seen complete).
-    pub(super) fn finalize(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<()> {
+    pub(super) fn finalize(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<IdleSpan> {
         self.inflight.retain(|&i| i != idx);
-        self.finalize_one(records, idx, device, bus, true)
+        let probe = device.idle_probe()?;
+        self.finalize_one(records, idx, device, bus, true)?;
+        probe.end(device)
+    }
+
+    /// Finalizes one record's spill if its copy has landed; false (nothing done) while it is
+    /// still in flight.
+    pub(super) fn finalize_if_landed(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<bool> {
+        let landed = records.get(idx).and_then(|r| r.spill.as_ref()).is_none_or(|t| t.is_complete());
+        if landed {
+            self.inflight.retain(|&i| i != idx);
+            self.finalize_one(records, idx, device, bus, false)?;
+        }
+        Ok(landed)
     }
 
     fn finalize_one(&self, records: &mut Records, idx: usize, device: &Device, bus: &Bus, inline: bool) -> Result<()> {

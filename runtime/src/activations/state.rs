@@ -13,7 +13,7 @@ use super::sizing::SizeProfile;
 use super::spills::SpillQueue;
 use super::GroupProfile;
 use crate::conductor::{Conductor, Knobs};
-use crate::device::Device;
+use crate::device::{Device, IdleSpans};
 use crate::error::{Error, Result};
 use crate::events::{
     ActivationStepMetrics, Bus, Direction, EventKind, KeepReason, Owner, PackDecision, PoolKind, Priority, TensorId,
@@ -55,6 +55,8 @@ pub(super) struct State {
     pub pool_traced: bool,
     /// The region the weight runtime said the forward was in at the last pack.
     pub auto_region: Option<Arc<str>>,
+    /// This step's host waits for spills, read as the compute stream's idle time at its end.
+    pub d2h_waits: IdleSpans,
 }
 
 /// Everything the store and the runtime share.
@@ -114,10 +116,15 @@ impl Shared {
     fn poll_spills(&self, g: &mut State) -> Result<()> {
         let cap = self.knobs.max_inflight_d2h().max(1) as usize;
         let cap_bytes = self.config.max_inflight_spill_bytes.unwrap_or(u64::MAX);
-        let State { records, spills, metrics, .. } = g;
+        let State { records, spills, d2h_waits, .. } = g;
         let f = spills.poll(records, &self.device, &self.bus, cap, cap_bytes)?;
-        metrics.d2h_wait_ms += f.waited_ms;
+        f.waits.into_iter().for_each(|w| d2h_waits.push(w));
         Ok(())
+    }
+
+    /// Adds host time spent in a hook call to the step's metrics.
+    pub(super) fn add_host_ms(&self, ms: f64) {
+        self.lock().metrics.host_ms += ms;
     }
 
     // ---- pack -----------------------------------------------------------------------------
@@ -367,12 +374,12 @@ impl Shared {
             )
         })?;
         if !g.in_backward {
-            // Backward has begun: no spill is worth leaving in flight any longer.
+            // Backward has begun. Spills still landing are not waited for here (that would stop
+            // the host until the GPU has finished the whole forward): they are finalized as they
+            // land, and a tensor backward needs first is waited for on its own.
             g.in_backward = true;
-            let State { records, spills, metrics, .. } = &mut *g;
-            let f = spills.drain(records, &self.device, &self.bus)?;
-            metrics.d2h_wait_ms += f.waited_ms;
         }
+        self.poll_spills(&mut g)?;
         let state = g
             .records
             .get(idx)
@@ -383,8 +390,8 @@ impl Shared {
             RecordState::Kept => g.records.get(idx).and_then(|r| r.tensor.as_ref()).map(|t| t.shallow_clone()),
             RecordState::Spilling | RecordState::Spilled | RecordState::Restoring | RecordState::Restored => {
                 if state == RecordState::Spilling {
-                    let State { records, spills, .. } = &mut *g;
-                    spills.finalize(records, idx, &self.device, &self.bus)?;
+                    let State { records, spills, d2h_waits, .. } = &mut *g;
+                    d2h_waits.push(spills.finalize(records, idx, &self.device, &self.bus)?);
                 }
                 if matches!(state, RecordState::Spilling | RecordState::Spilled) {
                     let slot = g.conductor.acquire_slot(Direction::H2d, Owner::Activations, Priority::Required).ok();
@@ -451,8 +458,10 @@ impl Shared {
         } = g;
         let device = &self.device;
         let bus = &self.bus;
+        // A prediction never waits for a spill still landing: it stops there, and the next
+        // unpack predicts again.
         let issued = restorer.predict_from(records, idx, ahead, conductor, device, bus, |records, j| {
-            spills.finalize(records, j, device, bus)
+            spills.finalize_if_landed(records, j, device, bus)
         })?;
         metrics.activations_predicted += issued;
         Ok(())
@@ -485,9 +494,10 @@ impl Shared {
     pub(super) fn retire(&self, g: &mut State, idx: usize) -> Option<WeightSave> {
         let state = g.records.get(idx).map(|r| r.state);
         if state == Some(RecordState::Spilling) {
-            let State { records, spills, .. } = &mut *g;
-            if let Err(e) = spills.finalize(records, idx, &self.device, &self.bus) {
-                self.warn(format!("finalizing a spill at release: {e}"));
+            let State { records, spills, d2h_waits, .. } = &mut *g;
+            match spills.finalize(records, idx, &self.device, &self.bus) {
+                Ok(w) => d2h_waits.push(w),
+                Err(e) => self.warn(format!("finalizing a spill at release: {e}")),
             }
         }
         if state == Some(RecordState::Restoring) || g.records.get(idx).is_some_and(|r| r.restore.is_some()) {
@@ -519,14 +529,19 @@ impl Shared {
     /// release, and the first error met.
     pub(super) fn end_step(&self, g: &mut State) -> (ActivationStepMetrics, Vec<WeightSave>, Result<()>) {
         let mut result = {
-            let State { records, spills, metrics, .. } = &mut *g;
-            spills.drain(records, &self.device, &self.bus).map(|f| metrics.d2h_wait_ms += f.waited_ms)
+            let State { records, spills, d2h_waits, .. } = &mut *g;
+            spills.drain(records, &self.device, &self.bus).map(|f| f.waits.into_iter().for_each(|w| d2h_waits.push(w)))
         };
         if result.is_ok() {
             result = self.reap_restores(g, true);
         }
         let saves = self.retire_all(g);
         g.metrics.h2d_wait_ms += g.restorer.take_wait_ms();
+        match g.d2h_waits.take_ms() {
+            Ok(ms) => g.metrics.d2h_wait_ms += ms,
+            Err(e) if result.is_ok() => result = Err(e),
+            Err(_) => {}
+        }
         g.metrics.vram_peak_mb = self.device.memory().peak as f64 / MB as f64;
         if !g.learning.is_empty() {
             if !g.profile.is_empty() && g.profile.len() != g.learning.len() {

@@ -4,6 +4,7 @@
 use super::state::Shared;
 use crate::torch::SavedTensorStore;
 use std::sync::Arc;
+use std::time::Instant;
 use tch::Tensor;
 
 /// Where autograd's saved tensors go.
@@ -24,16 +25,24 @@ impl ActivationStore {
     }
 }
 
+/// Runs one hook call, adding its host time to the step's `host_ms`.
+fn timed<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
+    let t0 = Instant::now();
+    let r = f();
+    shared.add_host_ms(t0.elapsed().as_secs_f64() * 1e3);
+    r
+}
+
 impl SavedTensorStore for ActivationStore {
     fn pack(&self, tensor: Tensor) -> std::result::Result<u64, String> {
-        self.shared.pack(tensor).map_err(|e| e.to_string())
+        timed(&self.shared, || self.shared.pack(tensor)).map_err(|e| e.to_string())
     }
 
     fn unpack(&self, handle: u64) -> std::result::Result<Tensor, String> {
-        self.shared.unpack(handle).map_err(|e| e.to_string())
+        timed(&self.shared, || self.shared.unpack(handle)).map_err(|e| e.to_string())
     }
 
     fn release(&self, handle: u64) {
-        self.shared.release(handle);
+        timed(&self.shared, || self.shared.release(handle));
     }
 }

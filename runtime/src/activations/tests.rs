@@ -50,7 +50,8 @@ fn base() -> ActivationConfigBuilder {
 #[test]
 fn landed_spills_are_finalized_without_waiting_whatever_the_cap() {
     // Host copies land at once: each spill is finalized by the next pack without a wait, and
-    // only the last one, still unseen when backward begins, is finalized there (inline).
+    // the last one, still unseen when backward begins, by the first unpack's look (backward
+    // does not wait for spills in flight: it finalizes those that landed).
     for cap in [1u32, 64] {
         let (rt, bus, seen) = setup(base().max_inflight(cap, 1).build().expect("config"));
         let store = rt.store();
@@ -73,7 +74,7 @@ fn landed_spills_are_finalized_without_waiting_whatever_the_cap() {
             })
             .collect();
         assert_eq!(fin.len(), 10, "every spill finalized once");
-        assert_eq!(fin.iter().filter(|i| **i).count(), 1, "cap {cap}: only the last spill was waited for");
+        assert_eq!(fin.iter().filter(|i| **i).count(), 0, "cap {cap}: no spill was waited for");
     }
 }
 
@@ -184,10 +185,11 @@ fn exhausted_pool_falls_back_then_is_sized_from_the_step() {
     // The first pool is provisional (a traced step sizes the real one): no warning for it.
     assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::Warning { .. })).count(), 0);
     rt.step_end().expect("step end");
-    // The step held three spills of this size at once: the pool now holds three slabs of it,
-    // and the same step again finds a slab for each.
+    // The step held three spills of this size at once: the pool now holds three slabs of it
+    // and one more (an eighth, at least one, for later steps that spill a little more), and the
+    // same step again finds a slab for each.
     let s = rt.pool_stats();
-    assert_eq!((s.total.clone(), s.free.clone(), s.fallbacks), (vec![3], vec![3], 0));
+    assert_eq!((s.total.clone(), s.free.clone(), s.fallbacks), (vec![4], vec![4], 0));
     rt.step_begin(2);
     let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
     let m = rt.metrics();

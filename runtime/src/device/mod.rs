@@ -22,9 +22,11 @@ mod buffer;
 mod copy;
 mod cuda;
 mod host;
+pub mod idle;
 
 pub use buffer::{HostBuffer, HostMemory, HostTarget};
 pub use copy::{CopyStream, Failed, Order, Pending, WaitProbe};
+pub use idle::{IdleProbe, IdleSpan, IdleSpans};
 
 use crate::error::{Error, Result};
 use crate::events::{DeviceInfo, TransferId};

@@ -33,6 +33,7 @@
 //! and at the end of the step its time breakdown and VRAM by owner are published.
 
 pub mod plan;
+mod adapt;
 mod step;
 
 pub use plan::{Machine, ModelFacts, Plan};
@@ -401,7 +402,9 @@ impl Stagehand {
             None
         };
         let conductor = if self.conductor_on {
-            let mib = |b: u64| (b >> 20).max(1);
+            // The Conductor counts in MiB: caps round up, so a cap never falls below what the
+            // plan allows (a budget of 65.2 MiB is not a cap of 65).
+            let mib = |b: u64| b.div_ceil(1 << 20).max(1);
             let dev = self.device.clone();
             let c = Conductor::new(
                 ConductorConfig::builder()
@@ -410,7 +413,12 @@ impl Stagehand {
                     .h2d_slots(plan.h2d_slots)
                     .d2h_slots(plan.d2h_slots)
                     .priority_reserve_mb((mib(plan.budget_bytes) / 64).max(1))
-                    .backward_pressure_fraction(0.95)
+                    // The plan fills the budget by design (activations are kept up to the
+                    // watermarks, restores reserve their memory first), so backward runs near
+                    // it every step: pressure means over the budget, not near it. At 95% the
+                    // rule fired every step and cut the prefetch window to 1 and restores to
+                    // one ahead, serializing backward's copies.
+                    .backward_pressure_fraction(1.0)
                     .build()?,
                 self.bus.clone(),
                 move || dev.memory().allocated,
@@ -423,6 +431,8 @@ impl Stagehand {
         } else {
             Conductor::disabled()
         };
+        // The room is made now, against the baseline the plan measured.
+        weights.make_room()?;
         if self.conductor_on {
             self.bus.publish(EventKind::LimitsSet {
                 owner: Owner::Conductor,

@@ -12,8 +12,10 @@
 //!    window and about a quarter of the rest, plus room for the gradients of the block backward
 //!    is leaving;
 //! 5. **activations**: what is left. Spilling starts when allocated memory reaches the high
-//!    watermark (four fifths of it kept) and stops a quarter of that lower; the last fifth is for
-//!    restores ahead of backward, which begin when memory is at its highest.
+//!    watermark (two thirds of it kept) and stops a quarter of that lower; a fifth is for spills
+//!    still landing and for restores ahead of backward, which begin when memory is at its
+//!    highest, and the rest for the temporaries of the ops running then. A step that still
+//!    peaks over the budget moves the watermarks down for the next (`session::adapt`).
 //!
 //! The Conductor gets the budget as its soft cap (a tenth more as its hard cap) and as many
 //! transfer slots as the runtimes' copies in flight. Host memory is checked too: the host copies
@@ -79,6 +81,9 @@ pub struct Plan {
     pub gradient_bytes: u64,
     pub spill_high_bytes: u64,
     pub spill_low_bytes: u64,
+    /// The lowest the high watermark may be moved to when steps go over the budget: what the
+    /// device holds before any activation is kept.
+    pub spill_floor_bytes: u64,
     pub restore_allowance_bytes: u64,
     pub prefetch_window: u32,
     pub max_inflight_h2d: u32,
@@ -210,14 +215,18 @@ impl Plan {
                 mib(MIB.min(usable / 8))
             )));
         }
-        // Activations kept through the forward fill four fifths; the last fifth is for restores
-        // ahead of backward (which start when memory is at its high point). Watermarks compare
-        // with all allocated memory, which includes the reserve's users and the unmanaged
-        // variables.
-        let kept = activations / 5 * 4;
+        // Activations kept through the forward fill two thirds; a fifth is for spills still
+        // landing at the high point of the forward and, in backward, for restores ahead of
+        // need; the rest (2/15) is for the temporaries of the ops running at that point beyond
+        // the reserve (measured on an H100: GPT layers of d=1024 and d=2048 peak about 0.7 of
+        // the activations' room above the kept level). Watermarks compare with all allocated
+        // memory, which includes the reserve's users and the unmanaged variables. The handle
+        // lowers them after a step that still goes over the budget.
+        let kept = activations / 3 * 2;
         p.spill_high_bytes = model.baseline_bytes + p.reserve_bytes / 2 + p.unmanaged_bytes + weights + kept;
         p.spill_low_bytes = p.spill_high_bytes - kept / 4;
-        p.restore_allowance_bytes = activations - kept;
+        p.spill_floor_bytes = p.spill_high_bytes - kept;
+        p.restore_allowance_bytes = activations / 5;
         p.reasons.push(format!(
             "activations spill above {} until under {}; restores ahead of backward may hold {}",
             mib(p.spill_high_bytes),

@@ -25,6 +25,8 @@ pub(super) struct Run {
     /// Optimizer state per trainable byte, from the optimizer made (Adam's 2 until then).
     pub optimizer_state_factor: u64,
     pub tokens: u64,
+    /// Said once: the spill watermarks cannot go lower and steps still exceed the budget.
+    pub warned_floor: bool,
 }
 
 impl Default for Run {
@@ -34,6 +36,7 @@ impl Default for Run {
             step: 0,
             optimizer_state_factor: 2,
             tokens: 0,
+            warned_floor: false,
         }
     }
 }
@@ -91,12 +94,12 @@ impl Stagehand {
     /// `zero_grad`, backward and the optimizer's step (tch's `backward_step`). Returns the loss
     /// and where the step's time went.
     pub fn train_step(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
-        let (acts, conductor, step, tokens) = {
+        let (acts, conductor, step, tokens, floor) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
             run.step += 1;
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
-            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens)
+            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, r.plan.spill_floor_bytes)
         };
         let weights = self.weights();
         let t0 = Instant::now();
@@ -181,6 +184,9 @@ impl Stagehand {
             vram_peak_bytes: mem.peak,
         }));
         self.bus.publish(EventKind::StepTime(time));
+        if let Some(a) = &acts {
+            self.keep_under_budget(a, step, mem.peak, floor);
+        }
         Ok(StepReport {
             step,
             loss: loss_value,

@@ -173,6 +173,12 @@ impl WeightRuntime {
         self.lock().end_step()
     }
 
+    /// Allocates the device room for streamed blocks now instead of at the first load (the
+    /// handle does this once its plan is made).
+    pub fn make_room(&self) -> Result<()> {
+        self.lock().make_room()
+    }
+
     /// Makes `id` resident (a prefetch hit or a counted stall), holds it, prefetches ahead.
     pub fn before_block(&self, id: BlockId) -> Result<()> {
         let name = {

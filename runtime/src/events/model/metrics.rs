@@ -24,14 +24,18 @@ pub struct WeightStepMetrics {
     /// Milliseconds the compute stream waited for weight copies still landing (GPU-measured).
     #[serde(default)]
     pub h2d_wait_ms: f64,
-    /// Milliseconds the training thread waited for the host optimizer to finish a block it
-    /// needed.
+    /// Milliseconds the compute stream sat idle while the training thread waited for the host
+    /// optimizer to finish a block it needed (GPU-measured; on the host device, the waits).
     #[serde(default)]
     pub update_wait_ms: f64,
     /// Bytes a scheduler that knew the whole step in advance would have had to copy in (the
     /// Belady minimum for the step's itinerary and room), to compare with `h2d_bytes`.
     #[serde(default)]
     pub min_h2d_bytes: u64,
+    /// Milliseconds the training thread spent in the weight runtime's hooks (block entry and
+    /// exit, backward uses): what streaming costs the thread that queues the kernels.
+    #[serde(default)]
+    pub host_ms: f64,
 }
 
 /// Activation runtime metrics of one step (field names kept from the original, as above).
@@ -55,13 +59,18 @@ pub struct ActivationStepMetrics {
     /// Milliseconds the compute stream waited for restores still landing (GPU-measured).
     #[serde(default)]
     pub h2d_wait_ms: f64,
-    /// Milliseconds the training thread waited for spills to land (over the in-flight cap, or
-    /// at the turn to backward).
+    /// Milliseconds the compute stream sat idle while the training thread waited for spills to
+    /// land (over the in-flight caps, a tensor backward needed, the step's end); GPU-measured,
+    /// on the host device the waits themselves.
     #[serde(default)]
     pub d2h_wait_ms: f64,
     /// Bytes spilled through pageable memory because no pinned slab was free.
     #[serde(default)]
     pub pageable_bytes: u64,
+    /// Milliseconds the training thread spent in the saved-tensor hooks (pack, unpack,
+    /// release).
+    #[serde(default)]
+    pub host_ms: f64,
 }
 
 /// Conductor metrics of one step (field names kept from the original, as above).

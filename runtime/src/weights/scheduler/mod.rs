@@ -26,7 +26,8 @@ use super::route::{Learned, Route};
 use super::slots::Slots;
 use super::WeightConfig;
 use crate::conductor::{Conductor, KnobValues, Knobs};
-use crate::device::Device;
+use crate::device::{Device, IdleSpans};
+use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::events::{
     BlockId, BlockState, Bus, EventKind, Owner, Phase, WeightStepMetrics,
@@ -112,6 +113,8 @@ pub(crate) struct Scheduler {
     step: u64,
     metrics: WeightStepMetrics,
     last_metrics: WeightStepMetrics,
+    /// This step's waits for the host optimizer, read as the compute stream's idle time.
+    update_waits: IdleSpans,
 }
 
 impl Drop for Scheduler {
@@ -166,6 +169,7 @@ impl Scheduler {
             step: 0,
             metrics: WeightStepMetrics::default(),
             last_metrics: WeightStepMetrics::default(),
+            update_waits: IdleSpans::default(),
         })
     }
 
@@ -360,6 +364,17 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Makes the device room now (else the first load makes it), while the device holds what the
+    /// plan counted: allocations that come later (a library's workspace on the first forward)
+    /// then cannot take the room's place.
+    pub(crate) fn make_room(&mut self) -> Result<()> {
+        self.check_live()?;
+        if self.blocks.iter().any(|b| !b.resident) {
+            self.room()?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn end_step(&mut self) -> Result<()> {
         self.check_live()?;
         if self.state == StepState::Closed {
@@ -379,12 +394,14 @@ impl Scheduler {
         let mem = self.device.memory();
         let min = self.min_h2d_bytes();
         let wait = self.loads.take_wait_ms(false);
+        let update_idle = self.update_waits.take_ms()?;
         let m = &mut self.metrics;
         let seen = m.prefetch_hits + m.prefetch_misses;
         m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
         m.vram_used_mb = mem.allocated as f64 / (1u64 << 20) as f64;
         m.vram_reserved_mb = mem.reserved as f64 / (1u64 << 20) as f64;
         m.h2d_wait_ms += wait;
+        m.update_wait_ms += update_idle;
         m.min_h2d_bytes = min;
         if let Some(p) = &self.staging {
             let s = p.stats();
@@ -427,6 +444,19 @@ impl Scheduler {
     /// A forward use of `id`: resident (a hit or a counted miss), held until `leave`, with the
     /// blocks ahead prefetched.
     pub(crate) fn enter(&mut self, id: BlockId) -> Result<()> {
+        self.timed(|s| s.enter_inner(id))
+    }
+
+    /// Runs one of the training thread's calls into the scheduler, adding its host time to the
+    /// step's `host_ms` (what the runtime itself costs the thread that queues the kernels).
+    fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let t0 = Instant::now();
+        let r = f(self);
+        self.metrics.host_ms += t0.elapsed().as_secs_f64() * 1e3;
+        r
+    }
+
+    fn enter_inner(&mut self, id: BlockId) -> Result<()> {
         self.check_live()?;
         self.block(id)?;
         if self.auto_step {
@@ -457,9 +487,11 @@ impl Scheduler {
 
     /// The end of a forward use of `id`.
     pub(crate) fn leave(&mut self, id: BlockId) -> Result<()> {
-        self.block(id)?;
-        self.residency.release(id)?;
-        self.mark_used(id)
+        self.timed(|s| {
+            s.block(id)?;
+            s.residency.release(id)?;
+            s.mark_used(id)
+        })
     }
 
     /// Records the end of a use of `id` on the compute stream (see `Block::last_use`).
@@ -473,6 +505,10 @@ impl Scheduler {
     /// A backward use (a saved weight of `id` being unpacked): resident, the blocks backward
     /// needs next prefetched, and the block backward just left sends its gradients home.
     pub(crate) fn backward_use(&mut self, id: BlockId) -> Result<()> {
+        self.timed(|s| s.backward_use_inner(id))
+    }
+
+    fn backward_use_inner(&mut self, id: BlockId) -> Result<()> {
         self.check_live()?;
         self.block(id)?;
         if let StepState::Open { backward } = &mut self.state {

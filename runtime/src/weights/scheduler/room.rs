@@ -27,7 +27,7 @@ const MAX_EVICTIONS_PER_LOAD: usize = 4096;
 impl Scheduler {
     /// The room for streamed blocks, made on first use from the registered blocks: slots of the
     /// largest streamed block, as many as the weights' budget holds after resident blocks.
-    fn room(&mut self) -> Result<&mut Slots> {
+    pub(super) fn room(&mut self) -> Result<&mut Slots> {
         if self.slots.is_none() {
             let streamed = || self.blocks.iter().filter(|b| !b.resident);
             let largest = streamed().map(|b| b.spec.bytes).max().unwrap_or(0).max(1);
@@ -164,8 +164,10 @@ impl Scheduler {
                 if !demand {
                     return Ok(false);
                 }
-                let waited = s.wait(id)?;
-                self.metrics.update_wait_ms += waited.as_secs_f64() * 1e3;
+                // What the wait costs is the compute stream's idle time during it.
+                let probe = self.device.idle_probe()?;
+                s.wait(id)?;
+                self.update_waits.push(probe.end(&self.device)?);
             }
         }
         if self.blocks[id.0 as usize].resident {

@@ -1,0 +1,94 @@
+//! How long the compute stream sits idle while the training thread waits on the host.
+//!
+//! A host wait (for a spill to land, for a block's optimizer step) costs step time only when
+//! the GPU runs out of queued work during it; while the host was ahead, the GPU goes on
+//! computing and nothing is lost. A timed event is recorded on the compute stream as the wait
+//! begins and another as it ends, with nothing queued between them: the GPU reaches the second
+//! at `max(when it finished the queued work, when the host resumed)`, so the time between the
+//! two is exactly the idle the wait caused. On the host device compute is synchronous, and the
+//! span is the wait itself.
+
+use super::{Device, Event};
+use crate::error::Result;
+
+/// A wait in progress: the compute stream's position as it began.
+#[derive(Debug)]
+pub struct IdleProbe {
+    begin: Event,
+}
+
+/// A finished wait; its idle time is known once the compute stream has passed its end.
+#[derive(Debug)]
+pub struct IdleSpan {
+    begin: Event,
+    end: Event,
+}
+
+impl Device {
+    /// Marks the start of a host wait (see the [module](self)).
+    pub fn idle_probe(&self) -> Result<IdleProbe> {
+        Ok(IdleProbe { begin: self.record_compute()? })
+    }
+}
+
+impl IdleProbe {
+    /// Marks the end of the wait on `device`'s compute stream.
+    pub fn end(self, device: &Device) -> Result<IdleSpan> {
+        Ok(IdleSpan { begin: self.begin, end: device.record_compute()? })
+    }
+}
+
+impl IdleSpan {
+    /// Milliseconds the compute stream sat idle, once the stream has passed the wait's end
+    /// (`None` before).
+    pub fn idle_ms(&self) -> Option<f64> {
+        self.begin.elapsed_ms(&self.end).map(|ms| ms.max(0.0))
+    }
+
+    /// Like [`idle_ms`](Self::idle_ms), blocking until the stream has passed the wait's end
+    /// (at a step's end, where nothing is queued after it any more).
+    pub fn idle_ms_blocking(&self) -> Result<f64> {
+        self.end.synchronize()?;
+        Ok(self.idle_ms().unwrap_or(0.0))
+    }
+}
+
+/// Idle spans of one step, summed at its end.
+#[derive(Debug, Default)]
+pub struct IdleSpans {
+    spans: Vec<IdleSpan>,
+}
+
+impl IdleSpans {
+    /// Keeps a finished wait.
+    pub fn push(&mut self, span: IdleSpan) {
+        self.spans.push(span);
+    }
+
+    /// The idle milliseconds of every wait kept, emptying the list. Blocks until the compute
+    /// stream has passed the last wait's end.
+    pub fn take_ms(&mut self) -> Result<f64> {
+        let mut ms = 0.0;
+        for s in self.spans.drain(..) {
+            ms += s.idle_ms_blocking()?;
+        }
+        Ok(ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_the_host_device_a_wait_is_all_idle() {
+        let d = Device::host(1 << 20);
+        let mut spans = IdleSpans::default();
+        let p = d.idle_probe().expect("probe");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        spans.push(p.end(&d).expect("end"));
+        let ms = spans.take_ms().expect("read");
+        assert!(ms >= 5.0, "{ms}");
+        assert_eq!(spans.take_ms().expect("read again"), 0.0, "taken once");
+    }
+}
