@@ -528,6 +528,8 @@ impl Shared {
     /// Ends the step's copies and learning; returns the step's metrics, the weight saves to
     /// release, and the first error met.
     pub(super) fn end_step(&self, g: &mut State) -> (ActivationStepMetrics, Vec<WeightSave>, Result<()>) {
+        // Hook time less the hooks' own waits for copies: what the hooks cost the thread.
+        g.metrics.host_ms = (g.metrics.host_ms - g.d2h_waits.host_ms()).max(0.0);
         let mut result = {
             let State { records, spills, d2h_waits, .. } = &mut *g;
             spills.drain(records, &self.device, &self.bus).map(|f| f.waits.into_iter().for_each(|w| d2h_waits.push(w)))

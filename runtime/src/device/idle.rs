@@ -10,11 +10,13 @@
 
 use super::{Device, Event};
 use crate::error::Result;
+use std::time::Instant;
 
 /// A wait in progress: the compute stream's position as it began.
 #[derive(Debug)]
 pub struct IdleProbe {
     begin: Event,
+    started: Instant,
 }
 
 /// A finished wait; its idle time is known once the compute stream has passed its end.
@@ -22,23 +24,34 @@ pub struct IdleProbe {
 pub struct IdleSpan {
     begin: Event,
     end: Event,
+    /// How long the host waited.
+    host_ms: f64,
 }
 
 impl Device {
     /// Marks the start of a host wait (see the [module](self)).
     pub fn idle_probe(&self) -> Result<IdleProbe> {
-        Ok(IdleProbe { begin: self.record_compute()? })
+        Ok(IdleProbe { begin: self.record_compute()?, started: Instant::now() })
     }
 }
 
 impl IdleProbe {
     /// Marks the end of the wait on `device`'s compute stream.
     pub fn end(self, device: &Device) -> Result<IdleSpan> {
-        Ok(IdleSpan { begin: self.begin, end: device.record_compute()? })
+        Ok(IdleSpan {
+            begin: self.begin,
+            end: device.record_compute()?,
+            host_ms: self.started.elapsed().as_secs_f64() * 1e3,
+        })
     }
 }
 
 impl IdleSpan {
+    /// Milliseconds the host waited.
+    pub fn host_ms(&self) -> f64 {
+        self.host_ms
+    }
+
     /// Milliseconds the compute stream sat idle, once the stream has passed the wait's end
     /// (`None` before).
     pub fn idle_ms(&self) -> Option<f64> {
@@ -57,17 +70,25 @@ impl IdleSpan {
 #[derive(Debug, Default)]
 pub struct IdleSpans {
     spans: Vec<IdleSpan>,
+    host_ms: f64,
 }
 
 impl IdleSpans {
     /// Keeps a finished wait.
     pub fn push(&mut self, span: IdleSpan) {
+        self.host_ms += span.host_ms;
         self.spans.push(span);
+    }
+
+    /// Milliseconds the host waited in the spans kept since the last [`take_ms`](Self::take_ms).
+    pub fn host_ms(&self) -> f64 {
+        self.host_ms
     }
 
     /// The idle milliseconds of every wait kept, emptying the list. Blocks until the compute
     /// stream has passed the last wait's end.
     pub fn take_ms(&mut self) -> Result<f64> {
+        self.host_ms = 0.0;
         let mut ms = 0.0;
         for s in self.spans.drain(..) {
             ms += s.idle_ms_blocking()?;
@@ -87,8 +108,10 @@ mod tests {
         let p = d.idle_probe().expect("probe");
         std::thread::sleep(std::time::Duration::from_millis(5));
         spans.push(p.end(&d).expect("end"));
+        assert!(spans.host_ms() >= 5.0, "{}", spans.host_ms());
         let ms = spans.take_ms().expect("read");
         assert!(ms >= 5.0, "{ms}");
+        assert_eq!(spans.host_ms(), 0.0, "taken with the spans");
         assert_eq!(spans.take_ms().expect("read again"), 0.0, "taken once");
     }
 }

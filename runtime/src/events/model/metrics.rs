@@ -33,7 +33,8 @@ pub struct WeightStepMetrics {
     #[serde(default)]
     pub min_h2d_bytes: u64,
     /// Milliseconds the training thread spent in the weight runtime's hooks (block entry and
-    /// exit, backward uses): what streaming costs the thread that queues the kernels.
+    /// exit, backward uses), less its waits for the host optimizer: what streaming costs the
+    /// thread that queues the kernels.
     #[serde(default)]
     pub host_ms: f64,
 }
@@ -68,7 +69,7 @@ pub struct ActivationStepMetrics {
     #[serde(default)]
     pub pageable_bytes: u64,
     /// Milliseconds the training thread spent in the saved-tensor hooks (pack, unpack,
-    /// release).
+    /// release), less their waits for spills to land.
     #[serde(default)]
     pub host_ms: f64,
 }

@@ -394,6 +394,7 @@ impl Scheduler {
         let mem = self.device.memory();
         let min = self.min_h2d_bytes();
         let wait = self.loads.take_wait_ms(false);
+        let update_host_ms = self.update_waits.host_ms();
         let update_idle = self.update_waits.take_ms()?;
         let m = &mut self.metrics;
         let seen = m.prefetch_hits + m.prefetch_misses;
@@ -402,6 +403,7 @@ impl Scheduler {
         m.vram_reserved_mb = mem.reserved as f64 / (1u64 << 20) as f64;
         m.h2d_wait_ms += wait;
         m.update_wait_ms += update_idle;
+        m.host_ms = (m.host_ms - update_host_ms).max(0.0);
         m.min_h2d_bytes = min;
         if let Some(p) = &self.staging {
             let s = p.stats();
