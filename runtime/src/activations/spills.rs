@@ -75,25 +75,24 @@ impl SpillQueue {
         cap_bytes: u64,
     ) -> Result<Finalized> {
         let mut done = Finalized::default();
-        let mut keep = VecDeque::with_capacity(self.inflight.len());
-        while let Some(idx) = self.inflight.pop_front() {
+        // The copies run in order on one stream: the first still in flight ends the look (a
+        // query per copy in flight at every pack cost more host time than the copies' issue).
+        while let Some(&idx) = self.inflight.front() {
             let complete = records
                 .get(idx)
                 .and_then(|r| r.spill.as_ref())
                 .is_none_or(|t| t.is_complete());
-            if complete {
-                self.finalize_one(records, idx, device, bus, false)?;
-                done.count += 1;
-            } else {
-                keep.push_back(idx);
+            if !complete {
+                break;
             }
+            self.inflight.pop_front();
+            self.finalize_one(records, idx, device, bus, false)?;
+            done.count += 1;
         }
-        self.inflight = keep;
-        let held = |records: &Records, q: &VecDeque<usize>| -> u64 {
-            q.iter().filter_map(|&i| records.get(i)).map(|r| r.bytes).sum()
-        };
-        while self.inflight.len() > cap || (self.inflight.len() > 1 && held(records, &self.inflight) > cap_bytes) {
+        let mut held: u64 = self.inflight.iter().filter_map(|&i| records.get(i)).map(|r| r.bytes).sum();
+        while self.inflight.len() > cap || (self.inflight.len() > 1 && held > cap_bytes) {
             let Some(idx) = self.inflight.pop_front() else { break };
+            held = held.saturating_sub(records.get(idx).map_or(0, |r| r.bytes));
             let probe = device.idle_probe()?;
             self.finalize_one(records, idx, device, bus, true)?;
             done.waits.push(probe.end(device)?);
