@@ -3,12 +3,14 @@
 //!
 //! Outside a run the layer's variables point at placeholders, so the layer itself is private:
 //! [`Managed::run`] hands it out with the block resident (tied weights, custom use), and
-//! [`Managed::variables`] gives the real values.
+//! [`Managed::variables`] gives the real values. In block mode, [`Managed::in_block`] makes any
+//! layer over a registered block a `Module` that runs in it.
 
 use super::store::Table;
 use crate::error::{Error, Result};
 use crate::events::BlockId;
 use crate::torch::SavedTensorHooks;
+use crate::weights::WeightRuntime;
 use std::cell::RefCell;
 use std::sync::Arc;
 use tch::nn::{Module, ModuleT};
@@ -35,6 +37,8 @@ pub fn release_hooks() {
 enum State {
     /// Layer `index` of the table, whose block it runs in.
     Layer { table: Arc<Table>, index: usize, hooks: bool },
+    /// A block-mode block (registered by the user).
+    Block { rt: WeightRuntime, id: BlockId, hooks: bool },
     /// A layer with no variables: nothing to manage.
     Plain,
     /// It could not be registered; why.
@@ -56,6 +60,14 @@ impl Binding {
         }
     }
 
+    pub(crate) fn in_block(rt: &WeightRuntime, id: BlockId, hooks: bool) -> Result<Binding> {
+        let name = rt.blocks().get(id.0 as usize).map(|b| b.name.clone()).ok_or_else(|| Error::UnknownBlock(id.to_string()))?;
+        Ok(Binding {
+            name,
+            state: State::Block { rt: rt.clone(), id, hooks },
+        })
+    }
+
     pub(crate) fn plain(name: String) -> Binding {
         Binding { name, state: State::Plain }
     }
@@ -67,6 +79,7 @@ impl Binding {
     fn block(&self) -> Result<BlockId> {
         match &self.state {
             State::Layer { table, index, .. } => table.block_of(*index),
+            State::Block { id, .. } => Ok(*id),
             State::Plain => Err(Error::misuse(
                 format!("the block of layer '{}'", self.name),
                 "a layer with variables (this one has none, so nothing streams)",
@@ -77,13 +90,13 @@ impl Binding {
 
     /// Runs `f` with the layer's block resident (and the saved-tensor hooks on).
     fn run<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
-        let (table, hooks) = match &self.state {
+        let (rt, hooks) = match &self.state {
             State::Plain => return Ok(f()),
             State::Failed(why) => return Err(Error::misuse(format!("using layer '{}'", self.name), why.clone())),
-            State::Layer { table, hooks, .. } => (table, *hooks),
+            State::Layer { table, hooks, .. } => (table.runtime(), *hooks),
+            State::Block { rt, hooks, .. } => (rt, *hooks),
         };
         let block = self.block()?;
-        let rt = table.runtime();
         if hooks {
             let key = rt.identity();
             HOOKS.with(|h| -> Result<()> {
@@ -103,6 +116,10 @@ impl Binding {
     fn values(&self) -> Result<Vec<(String, Tensor)>> {
         match &self.state {
             State::Layer { table, index, .. } => table.values(*index),
+            State::Block { rt, id, .. } => {
+                let spec = rt.blocks().into_iter().nth(id.0 as usize).ok_or_else(|| Error::UnknownBlock(id.to_string()))?;
+                spec.params.iter().enumerate().map(|(i, p)| Ok((p.name.clone(), rt.host_param(*id, i)?))).collect()
+            }
             State::Plain => Ok(Vec::new()),
             State::Failed(why) => Err(Error::misuse(format!("reading layer '{}'", self.name), why.clone())),
         }
@@ -126,6 +143,14 @@ macro_rules! wrapper {
         impl<M> $name<M> {
             pub(crate) fn new(inner: M, binding: Binding) -> Self {
                 $name { inner, binding }
+            }
+
+            /// Block mode: `inner`, whose variables are block `id` of `rt`, run with that block
+            /// resident and the saved-tensor hooks on, so a block-mode model is a plain tch
+            /// `Module` (with `rt.set_auto_step(true)`, steps begin and end by themselves: no
+            /// `begin_step`, `run_block` or `end_step` by hand).
+            pub fn in_block(rt: &WeightRuntime, id: BlockId, inner: M) -> Result<Self> {
+                Ok($name { inner, binding: Binding::in_block(rt, id, true)? })
             }
 
             /// The layer's name (its path; tch's `__N` suffix when the path was taken).

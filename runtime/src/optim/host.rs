@@ -36,8 +36,7 @@ pub(crate) struct BlockOptimizer {
     exact: Option<TorchOptimizer>,
     fused: Option<Fused>,
     algorithm: Algorithm,
-    groups: Arc<Mutex<Groups>>,
-    /// The version of `groups` the exact optimizer's options were last copied from.
+    /// The version of the group options the exact optimizer's were last copied from.
     applied: u64,
 }
 
@@ -46,13 +45,13 @@ pub(crate) fn lock_groups(g: &Mutex<Groups>) -> MutexGuard<'_, Groups> {
 }
 
 impl BlockOptimizer {
-    pub(crate) fn new(params: Vec<HostParam>, algorithm: Algorithm, kernel: Kernel, groups: Arc<Mutex<Groups>>) -> Result<BlockOptimizer> {
+    /// The optimizer of `params`; their groups' options are copied in at each step.
+    pub(crate) fn new(params: Vec<HostParam>, algorithm: Algorithm, kernel: Kernel) -> Result<BlockOptimizer> {
         let mut o = BlockOptimizer {
             params,
             exact: None,
             fused: None,
             algorithm,
-            groups,
             applied: 0,
         };
         match (kernel, algorithm.fused()) {
@@ -71,7 +70,8 @@ impl BlockOptimizer {
             }
             (Kernel::Fused, None) => return Err(algorithm.no_fused_kernel()),
             (Kernel::Exact, _) => {
-                let mut opt = TorchOptimizer::new(&algorithm, lock_groups(&o.groups).get(0).lr)?;
+                // The learning rate is a placeholder: every group's options are set before a step.
+                let mut opt = TorchOptimizer::new(&algorithm, 0.0)?;
                 for p in &mut o.params {
                     // libtorch's optimizers step leaves that require grad.
                     p.value = p.value.set_requires_grad(true);
@@ -88,10 +88,10 @@ impl BlockOptimizer {
         &self.params
     }
 
-    /// Steps the parameters whose gradient arrived (`received[i]`); the others are left alone,
-    /// as libtorch does for a parameter without a gradient.
-    pub(crate) fn step(&mut self, received: &[bool]) -> Result<()> {
-        let groups = lock_groups(&self.groups).clone();
+    /// Steps the parameters whose gradient arrived (`received[i]`) with the group options
+    /// `groups` (those in effect when the step was asked for); the others are left alone, as
+    /// libtorch does for a parameter without a gradient.
+    pub(crate) fn step(&mut self, received: &[bool], groups: &Groups) -> Result<()> {
         if let Some(opt) = &mut self.exact {
             if self.applied != groups.version() {
                 for g in 0..opt.groups() {
@@ -171,6 +171,9 @@ impl BlockOptimizer {
 pub(crate) struct BlockJob {
     pub(crate) state: Arc<Mutex<BlockOptimizer>>,
     pub(crate) received: Vec<bool>,
+    /// The group options when the step was queued: a later `set_lr` is for later steps, even
+    /// though this one runs on the worker after it.
+    pub(crate) groups: Groups,
     /// Copies that must complete before the step touches the block's host memory (its
     /// gradients landing, a load still reading its weights).
     pub(crate) ready: Vec<crate::device::Event>,
@@ -181,7 +184,7 @@ impl Job for BlockJob {
         for e in &self.ready {
             e.synchronize()?;
         }
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).step(&self.received)
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).step(&self.received, &self.groups)
     }
 }
 

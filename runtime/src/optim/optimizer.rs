@@ -23,8 +23,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
-/// The maker of host steps the weight runtime calls, over the blocks' optimizer states.
-fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>) -> stepper::JobMaker {
+/// The maker of host steps the weight runtime calls (on the training thread, when a block's
+/// step is queued), over the blocks' optimizer states and the group options of that moment.
+fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>, groups: Arc<Mutex<Groups>>) -> stepper::JobMaker {
     Box::new(move |id, received, ready| {
         let state = host
             .get(&id.0)
@@ -32,6 +33,7 @@ fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>) -> stepper::Jo
         Ok(Box::new(BlockJob {
             state: state.clone(),
             received: received.to_vec(),
+            groups: lock_groups(&groups).clone(),
             ready,
         }) as Box<dyn stepper::Job>)
     })
@@ -214,7 +216,7 @@ impl Optimizer {
             if let Some(g) = params.iter().map(|p| p.group).max() {
                 lock_groups(&self.groups).ensure(g);
             }
-            let mut state = BlockOptimizer::new(params, self.algorithm, self.kernel, self.groups.clone())?;
+            let mut state = BlockOptimizer::new(params, self.algorithm, self.kernel)?;
             for i in 0..state.params().len() {
                 if let Some(st) = self.pending.remove(&state.params()[i].name) {
                     let st = fit_state(&self.algorithm, &state.params()[i].name, &st, &state.params()[i].value)?;
@@ -336,7 +338,7 @@ impl Optimizer {
         if let Some(d) = &mut self.device {
             d.step()?;
         }
-        let mut make = job_maker(self.host.clone());
+        let mut make = job_maker(self.host.clone(), self.groups.clone());
         self.rt.lock().submit_updates(|id, received, ready| make(id, received, ready))
     }
 
@@ -349,7 +351,7 @@ impl Optimizer {
             return Ok(());
         }
         self.ensure_built()?;
-        self.rt.lock().arm_updates(job_maker(self.host.clone()))
+        self.rt.lock().arm_updates(job_maker(self.host.clone(), self.groups.clone()))
     }
 
     /// `zero_grad`, `backward` of `loss`, `step` (tch's `backward_step`), with the host steps

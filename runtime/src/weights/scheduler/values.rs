@@ -13,9 +13,8 @@ use tch::Tensor;
 impl Scheduler {
     /// The canonical value of parameter `i` of `id`, after any pending host optimizer step of
     /// the block, sharing memory where it can (see `Block::value`). Valid until the next step
-    /// or load.
+    /// or load. Also after shutdown (the host copy then holds every block's final values).
     pub(crate) fn param_value(&self, id: BlockId, i: usize) -> Result<Tensor> {
-        self.check_live()?;
         if let Some(s) = &self.stepper {
             s.wait(id)?;
         }
