@@ -257,10 +257,39 @@ fn a_run_resumed_from_model_and_optimizer_checkpoints_equals_an_uninterrupted_on
             assert!(e.to_string().contains(algorithm.name()) && e.to_string().contains("AdamW"), "{e}");
         }
     }
+    // The fused host kernel resumes exactly too, and reads the exact kernel's files.
+    let adamw: stagehand::optim::Algorithm = nn::AdamW::default().into();
+    let fused = |sh: &Stagehand| {
+        stagehand::optim::Optimizer::for_var_store(sh.weights(), adamw, 1e-2, stagehand::optim::Kernel::Fused).expect("fused")
+    };
+    let (sh, net) = managed_model(21, &device, STREAMED);
+    let want = run(&sh, &net, &mut fused(&sh), 0, 6);
+    let (sh1, net1) = managed_model(21, &device, STREAMED);
+    let mut opt1 = fused(&sh1);
+    let mut got = run(&sh1, &net1, &mut opt1, 0, 3);
+    let (model, state) = (dir.path().join("fused.safetensors"), dir.path().join("fused.optimizer.safetensors"));
+    sh1.save(&model).expect("save model");
+    opt1.save_state(&state).expect("save optimizer");
+    let (sh2, net2) = managed_model(77, &device, STREAMED);
+    let mut opt2 = fused(&sh2);
+    sh2.load(&model).expect("load model");
+    opt2.load_state(&state).expect("load optimizer");
+    got.extend(run(&sh2, &net2, &mut opt2, 3, 3));
+    assert_losses(&got, &want, cuda);
+    let (sh3, net3) = managed_model(77, &device, STREAMED);
+    let mut exact = sh3.optimizer(adamw, 1e-2).expect("exact");
+    sh3.load(&model).expect("load model");
+    exact.load_state(&state).expect("the exact kernel reads the fused kernel's state");
+    let resumed = run(&sh3, &net3, &mut exact, 3, 3);
+    for (a, b) in resumed.iter().zip(&want[3..]) {
+        assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "exact from fused state: {resumed:?} vs {want:?}");
+    }
+
     // The sidecar says what it is.
     let meta = safetensors_metadata(&dir.path().join("model.optimizer.safetensors"));
     assert_eq!(meta["format"], stagehand::optim::state::FORMAT);
     assert_eq!(meta["algorithm"], "RMSprop");
+    assert!(meta["variables"].contains("blocks.0.fc.weight") && meta["variables"].contains("ln.weight"), "{meta:?}");
 }
 
 fn safetensors_metadata(path: &std::path::Path) -> HashMap<String, String> {

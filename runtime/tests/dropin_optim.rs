@@ -178,6 +178,67 @@ fn every_tch_optimizer_trains_bit_identically_with_the_loop_unchanged() {
 }
 
 #[test]
+fn the_fused_kernel_keeps_weight_decay_groups_and_learning_rate_changes() {
+    // libtorch's fused AdamW agrees with the unfused one within float rounding; a group's decay
+    // or a learning-rate change missed would differ far more.
+    let device = common::device();
+    let dev = device.tch_device();
+    let lr = 1e-2;
+    let (vs, net) = {
+        let _g = rng();
+        tch::manual_seed(23);
+        let mut vs = nn::VarStore::new(tch::Device::Cpu);
+        let net = build!(vs.root(), nn, ln_f);
+        vs.set_device(dev);
+        (vs, net)
+    };
+    let ms = layer_store(&device, 16 << 10);
+    let snet = {
+        let _g = rng();
+        tch::manual_seed(23);
+        build!(ms.root(), snn, ln_f)
+    };
+    let adamw = nn::AdamW { wd: 0.0, ..Default::default() };
+    let mut popt = adamw.build(&vs, lr).expect("adamw");
+    let mut opt = stagehand::optim::Optimizer::for_var_store(ms.runtime(), adamw, lr, stagehand::optim::Kernel::Fused).expect("fused");
+    popt.set_weight_decay_group(1, 0.5);
+    opt.set_weight_decay_group(1, 0.5).expect("group 1");
+    for s in 0..STEPS {
+        if s == STEPS / 2 {
+            popt.set_lr(lr * 3.0);
+            opt.set_lr(lr * 3.0).expect("lr");
+        }
+        let x = ids(s, dev);
+        popt.backward_step(&net.loss(&x));
+        opt.backward_step(&snet.loss(&x)).expect("step");
+    }
+    let (got, want) = (cpu(ms.var_store().expect("snapshot").variables()), values(&vs));
+    for (n, t) in &want {
+        let diff = (&got[n] - t).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "{n}: fused and unfused differ by {diff}");
+    }
+    // The control: without group 1's decay the weights end far further apart than rounding.
+    let (vs2, net2) = {
+        let _g = rng();
+        tch::manual_seed(23);
+        let mut vs = nn::VarStore::new(tch::Device::Cpu);
+        let net = build!(vs.root(), nn, ln_f);
+        vs.set_device(dev);
+        (vs, net)
+    };
+    let mut popt2 = adamw.build(&vs2, lr).expect("adamw");
+    for s in 0..STEPS {
+        if s == STEPS / 2 {
+            popt2.set_lr(lr * 3.0);
+        }
+        popt2.backward_step(&net2.loss(&ids(s, dev)));
+    }
+    let control = values(&vs2);
+    let gap = (&control["blocks.1.fc.weight"] - &want["blocks.1.fc.weight"]).abs().max().double_value(&[]);
+    assert!(gap > 1e-3, "the decay makes a difference of {gap}");
+}
+
+#[test]
 fn the_misuses_of_a_port_are_errors_that_say_what_to_do() {
     let device = common::device();
     // Layers draw from libtorch's global generator: keep other tests' draws out of theirs.

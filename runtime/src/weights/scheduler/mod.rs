@@ -451,7 +451,7 @@ impl Scheduler {
         if self.state == StepState::Closed {
             return Err(Error::misuse(
                 format!("block '{}' used outside a step", self.blocks[id.0 as usize].spec.name),
-                "call begin_step first",
+                "a forward inside a step: run it in Stagehand::train_step (with the handle), or after WeightRuntime::begin_step (block mode), or turn on automatic steps (WeightRuntime::set_auto_step)",
             ));
         }
         self.first_entered.get_or_insert(id);
