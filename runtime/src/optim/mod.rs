@@ -18,6 +18,7 @@
 //! The optimizer's state (moments, momentum buffers, step counts) and group options save to a
 //! safetensors sidecar file ([`Optimizer::save_state`], format in [`state`]).
 
+mod clip;
 pub(crate) mod groups;
 mod host;
 mod optimizer;

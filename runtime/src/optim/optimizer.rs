@@ -14,7 +14,6 @@ use super::state::fit_state;
 use super::stepper::{self, Stepper};
 use super::{Algorithm, GradClip, Kernel};
 use crate::error::{Error, Result};
-use crate::events::BlockId;
 use crate::torch::optim::set_grad;
 use crate::torch::{ParamState, TorchOptimizer, VariableId};
 use crate::weights::runtime::Origin;
@@ -98,6 +97,11 @@ pub struct Optimizer {
     cover: Cover,
     pub(super) origin: Option<Origin>,
     clip: Option<GradClip>,
+    /// What the optimizers were last built for: (trainable variables of the VarStore, streamed
+    /// trained blocks, resident trained variables); nothing to do while it is unchanged.
+    built: Option<(usize, usize, usize)>,
+    /// The `built` key the coverage was last checked for.
+    checked: Option<(usize, usize, usize)>,
     /// Loaded state of parameters whose optimizer is not made yet, by name.
     pub(super) pending: HashMap<String, ParamState>,
     pub(super) rt: WeightRuntime,
@@ -169,6 +173,8 @@ impl Optimizer {
             cover,
             origin,
             clip: None,
+            built: None,
+            checked: None,
             pending: HashMap::new(),
             rt: rt.clone(),
         })
@@ -191,12 +197,16 @@ impl Optimizer {
         if let Some(o) = &self.origin {
             o.seal()?;
         }
+        let (streamed, resident) = self.rt.lock().trained();
+        let key = (self.trainable_count(), streamed.len(), resident.len());
+        if self.built == Some(key) {
+            return Ok(());
+        }
         let all = self.origin.as_ref().map(trainable).unwrap_or_default();
         let group_by_id: HashMap<VariableId, usize> = all.iter().map(|t| (t.id, t.group)).collect();
         let name_by_id: HashMap<VariableId, &str> = all.iter().map(|t| (t.id, t.name.as_str())).collect();
         let group_by_name: HashMap<&str, usize> = all.iter().map(|t| (t.name.as_str(), t.group)).collect();
         let specs = self.rt.blocks();
-        let (streamed, resident) = self.rt.lock().trained();
         for id in streamed {
             if self.host.contains_key(&id.0) {
                 continue;
@@ -238,7 +248,9 @@ impl Optimizer {
         let have: HashSet<VariableId> = self.device_params.iter().map(|p| p.id).collect();
         for var in want {
             let id = VariableId::of(&var);
-            if have.contains(&id) || self.device_params.iter().any(|p| p.id == id) || !var.requires_grad() {
+            // Frozen variables join too, as in tch (libtorch skips a parameter without a
+            // gradient), so unfreezing one later trains it.
+            if have.contains(&id) || self.device_params.iter().any(|p| p.id == id) {
                 continue;
             }
             let group = group_by_id.get(&id).copied().unwrap_or(0);
@@ -256,7 +268,15 @@ impl Optimizer {
             self.device_applied = 0;
             self.device_params.push(DeviceParam { id, var, name });
         }
+        self.built = Some(key);
         Ok(())
+    }
+
+    /// How many trainable variables the runtime's VarStore has (0 without one).
+    fn trainable_count(&self) -> usize {
+        self.origin
+            .as_ref()
+            .map_or(0, |o| o.vars.lock().unwrap_or_else(|p| p.into_inner()).trainable_variables.len())
     }
 
     /// The variables given to [`Optimizer::new`] (`None` when it covers the whole VarStore).
@@ -268,10 +288,13 @@ impl Optimizer {
     }
 
     /// A trainable variable of the runtime's VarStore that nothing steps is an error.
-    fn check_coverage(&self) -> Result<()> {
+    fn check_coverage(&mut self) -> Result<()> {
         let (Cover::Given(_), Some(origin)) = (&self.cover, &self.origin) else {
             return Ok(());
         };
+        if self.checked.is_some() && self.checked == self.built {
+            return Ok(());
+        }
         let managed: HashSet<String> = self.rt.blocks().into_iter().flat_map(|b| b.params.into_iter().map(|p| p.name)).collect();
         let stepped: HashSet<VariableId> = self.device_params.iter().map(|p| p.id).collect();
         for t in trainable(origin) {
@@ -282,6 +305,7 @@ impl Optimizer {
                 ));
             }
         }
+        self.checked = self.built;
         Ok(())
     }
 
@@ -307,6 +331,9 @@ impl Optimizer {
             d.zero_grad()?;
         }
         // Variables no optimizer holds yet (before the first step, or made since).
+        if self.built.is_some_and(|(n, _, _)| n == self.trainable_count()) {
+            return self.rt.zero_grads();
+        }
         let vars: Vec<Tensor> = match (&self.cover, &self.origin) {
             (Cover::Given(list), _) => list.iter().map(|t| t.shallow_clone()).collect(),
             (Cover::All, Some(o)) => trainable(o).into_iter().map(|t| t.var).collect(),
@@ -382,76 +409,6 @@ impl Optimizer {
         self.rt.after_backward()?;
         self.clip_grad_norm(max)?;
         self.step()
-    }
-
-    /// Every gradient of this accumulation window, in the VarStore's order of trainable
-    /// variables (the order tch's clipping adds norms in), streamed parameters' host gradients
-    /// included. Waits for streamed gradients to reach the host.
-    fn gradients(&mut self) -> Result<Vec<Tensor>> {
-        self.ensure_built()?;
-        self.rt.collect_grads()?;
-        let specs = self.rt.blocks();
-        let mut host: Vec<(String, Tensor)> = Vec::new();
-        let mut blocks: Vec<u32> = self.host.keys().copied().collect();
-        blocks.sort_unstable();
-        for b in blocks {
-            for (i, g) in self.rt.received_grads(BlockId(b))? {
-                let name = specs.get(b as usize).and_then(|s| s.params.get(i)).map(|p| p.name.clone()).unwrap_or_default();
-                host.push((name, g));
-            }
-        }
-        let mut out = Vec::new();
-        let mut seen = HashSet::new();
-        for t in self.origin.as_ref().map(trainable).unwrap_or_default() {
-            seen.insert(t.id);
-            if let Some(i) = host.iter().position(|(n, _)| *n == t.name) {
-                out.push(host.swap_remove(i).1);
-                continue;
-            }
-            let g = t.var.grad();
-            if g.defined() {
-                out.push(g);
-            }
-        }
-        for p in &self.device_params {
-            let g = p.var.grad();
-            if !seen.contains(&p.id) && g.defined() {
-                out.push(g);
-            }
-        }
-        out.extend(host.into_iter().map(|(_, g)| g));
-        Ok(out)
-    }
-
-    /// Clamps every gradient element to `[-max, max]` (tch's `clip_grad_value`).
-    pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
-        for g in self.gradients()? {
-            let _ = tch::no_grad(|| g.shallow_clone().f_clamp_(-max, max))?;
-        }
-        Ok(())
-    }
-
-    /// Scales every gradient so that their total 2-norm is at most `max`, computed as tch does
-    /// (the norm of the stacked per-gradient norms); returns the norm before clipping.
-    pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
-        let grads = self.gradients()?;
-        if grads.is_empty() {
-            return Ok(0.0);
-        }
-        tch::no_grad(|| -> Result<f64> {
-            let norms = grads
-                .iter()
-                .map(|g| Ok(g.f_norm()?.f_to_device(tch::Device::Cpu)?))
-                .collect::<Result<Vec<_>>>()?;
-            let total = Tensor::f_stack(&norms, 0)?.f_norm()?.f_double_value(&[])?;
-            let coef = max / (total + 1e-6);
-            if coef < 1.0 {
-                for g in &grads {
-                    let _ = g.shallow_clone().f_mul_scalar_(coef)?;
-                }
-            }
-            Ok(total)
-        })
     }
 
     /// Sets the learning rate of every group (and of groups made later).
