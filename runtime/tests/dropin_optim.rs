@@ -266,6 +266,13 @@ fn the_misuses_of_a_port_are_errors_that_say_what_to_do() {
     let e = late.try_forward(&x).expect_err("made late");
     assert!(e.to_string().contains("made after the model first ran") && e.to_string().contains("before the first forward"), "{e}");
 
+    // A managed variable asked for by name: where its value is, not a placeholder's zeros.
+    let e = (&r / "a").get("weight").expect_err("managed");
+    assert!(e.to_string().contains("'a.weight'") && e.to_string().contains("Managed::variables"), "{e}");
+    let _ln = nn::layer_norm(&r / "ln", vec![4], Default::default());
+    assert!((&r / "ln").get("weight").expect("unmanaged").is_some());
+    assert!((&r / "ln").get("nothing").expect("absent").is_none());
+
     // A custom layer whose constructor made nothing on the path.
     let e = r.manage(|_| ()).expect_err("no variables");
     assert!(e.to_string().contains("makes its variables on the path"), "{e}");

@@ -72,6 +72,21 @@ impl<'a> Path<'a> {
         self.store.device()
     }
 
+    /// The variable `name` under this path (tch's `get`), for a variable Stagehand does not
+    /// manage. A managed variable points at a placeholder between uses, so asking for one is an
+    /// error that says where its value is instead (never a tensor of zeros).
+    pub fn get(&self, name: &str) -> Result<Option<tch::Tensor>> {
+        let Some(t) = self.inner.get(name) else { return Ok(None) };
+        let full = self.inner.path(name);
+        if self.store.managed_names().contains(&full) {
+            return Err(Error::misuse(
+                format!("reading managed variable '{full}' outside its layer"),
+                "its value through Managed::variables, ManagedVarStore::var_store or Stagehand::var_store, or the variable itself inside Managed::run",
+            ));
+        }
+        Ok(Some(t))
+    }
+
     /// The store.
     pub fn store(&self) -> &'a ManagedVarStore {
         self.store
