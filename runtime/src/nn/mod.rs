@@ -99,6 +99,10 @@ pub struct LayerOptions {
     /// Steps begin and end by themselves (off when something else, such as the `Stagehand`
     /// handle, runs the steps).
     pub auto_step: bool,
+    /// Move the variables Stagehand does not manage to the runtime's device when the layers are
+    /// registered (off when something else places them: the `Stagehand` handle measures the
+    /// device first, for its plan).
+    pub place_unmanaged: bool,
 }
 
 impl Default for LayerOptions {
@@ -115,6 +119,7 @@ impl Default for LayerOptions {
             install_hooks: true,
             grouping: Grouping::Repeated,
             auto_step: true,
+            place_unmanaged: true,
         }
     }
 }

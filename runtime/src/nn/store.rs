@@ -33,6 +33,8 @@ pub(crate) struct Table {
     grouping: Grouping,
     layers: Mutex<Layers>,
     vars: Arc<Mutex<tch::nn::Variables>>,
+    /// Whether sealing places unmanaged variables on the device.
+    place: bool,
 }
 
 impl std::fmt::Debug for Table {
@@ -124,6 +126,9 @@ impl Table {
     /// Moves every variable not in `managed` to the compute device (the VarStore may be on the
     /// CPU, where tch's constructors initialise them).
     fn place_unmanaged(&self, managed: &HashSet<VariableId>) -> Result<()> {
+        if !self.place {
+            return Ok(());
+        }
         let dev = self.rt.device().tch_device();
         let vars = self.vars.lock().unwrap_or_else(|p| p.into_inner());
         for t in vars.named_variables.values() {
@@ -219,6 +224,7 @@ impl ManagedVarStore {
             grouping: opts.grouping.clone(),
             layers: Mutex::new(Layers::default()),
             vars: vs.variables_.clone(),
+            place: opts.place_unmanaged,
         });
         // Weak: the runtime must not keep its own table alive (the table holds the runtime).
         let weak: Weak<Table> = Arc::downgrade(&table);

@@ -84,6 +84,22 @@ impl Groups {
         Ok(())
     }
 
+    /// Checks options read from a file: as many groups as `expected`, every value finite, rates
+    /// and decays not negative.
+    pub(crate) fn check_loaded(&self, expected: usize) -> std::result::Result<(), String> {
+        if self.groups.len() != expected {
+            return Err(format!("{} parameter groups, but this optimizer has {expected}", self.groups.len()));
+        }
+        for (i, o) in std::iter::once(&self.defaults).chain(&self.groups).enumerate() {
+            let ok = [o.lr, o.weight_decay, o.momentum].iter().all(|v| v.is_finite()) && o.lr >= 0.0 && o.weight_decay >= 0.0;
+            if !ok {
+                let which = if i == 0 { "the defaults".to_string() } else { format!("group {}", i - 1) };
+                return Err(format!("{which} has options {o:?}; expected finite values, lr and weight_decay at or above 0"));
+            }
+        }
+        Ok(())
+    }
+
     /// Replaces every option (a loaded optimizer state), keeping the version moving.
     pub(crate) fn replace(&mut self, other: &Groups) {
         self.defaults = other.defaults;
@@ -112,5 +128,17 @@ mod tests {
         assert_eq!(g.get(3), GroupOptions { lr: 0.5, ..D }, "a new group takes the defaults, not group 1's decay");
         let e = g.set(7, "set_lr_group", |o| o.lr = 1.0).expect_err("no group 7");
         assert!(e.to_string().contains("set_lr_group: group 7") && e.to_string().contains("0..4"), "{e}");
+    }
+
+    #[test]
+    fn options_read_from_a_file_are_checked() {
+        let mut g = Groups::new(D, 2);
+        assert!(g.check_loaded(2).is_ok());
+        assert!(g.check_loaded(3).expect_err("count").contains("2 parameter groups"));
+        g.set(1, "set_lr_group", |o| o.lr = f64::NAN).expect("group 1");
+        assert!(g.check_loaded(2).expect_err("nan").contains("group 1"));
+        let mut g = Groups::new(D, 1);
+        g.set_all(|o| o.weight_decay = -1.0);
+        assert!(g.check_loaded(1).expect_err("negative").contains("the defaults"));
     }
 }

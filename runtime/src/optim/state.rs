@@ -178,6 +178,7 @@ impl Optimizer {
             ));
         }
         let groups: Groups = serde_json::from_str(get("groups")?).map_err(|e| bad(format!("groups: {e}")))?;
+        groups.check_loaded(lock_groups(&self.groups).len()).map_err(|e| bad(format!("groups: {e}")))?;
         let listed: BTreeSet<String> = serde_json::from_str(get("variables")?).map_err(|e| bad(format!("variables: {e}")))?;
         let covered = self.covered()?;
         if let Some(n) = listed.difference(&covered).next() {

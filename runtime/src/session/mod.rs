@@ -196,6 +196,8 @@ impl StagehandBuilder {
                 install_hooks: false,
                 grouping: self.grouping,
                 auto_step: false,
+                // The plan measures the device before it places them.
+                place_unmanaged: false,
                 ..LayerOptions::default()
             },
         )?;
