@@ -11,6 +11,9 @@
 //    across the FFI boundary.
 // 2. Device allocator statistics (allocated/reserved/active, current and peak), peak reset,
 //    empty cache, and free/total memory: the VRAM signal for watermarks.
+// 3. libtorch's optimizers (SGD, Adam, AdamW, RMSprop) made as tch makes them, with what tch
+//    does not expose: the options of each parameter group, and each parameter's state (read
+//    for checkpoints, written when one is loaded).
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
@@ -19,6 +22,10 @@
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_fused_sgd.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
 #include <vector>
 
 #include <atomic>
@@ -226,6 +233,239 @@ int stagehand_fused_adam(int kind, at::Tensor** params, at::Tensor** grads, at::
     } else {
       at::_fused_adam_(p, g, m, v, max_sq, s, lr, beta1, beta2, weight_decay, eps, false, false);
     }
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+// A variable's identity: its TensorImpl, shared by every handle (shallow clone) of it and kept
+// when its data is replaced (`set_data`). libtorch's optimizers key their state by it.
+const void* stagehand_tensor_impl(const at::Tensor* t) {
+  return t->defined() ? static_cast<const void*>(t->unsafeGetTensorImpl()) : nullptr;
+}
+
+// ---- libtorch optimizers -----------------------------------------------------------------
+//
+// Made exactly as tch's `ato_adam` & co. make them (same classes, same options, parameters
+// added to groups the same way), so a step is bit-identical with tch's optimizer.
+
+struct StagehandOptimConfig {
+  int algorithm;  // 0 SGD, 1 Adam, 2 AdamW, 3 RMSprop
+  double lr;
+  double momentum;
+  double dampening;
+  double weight_decay;
+  double beta1;
+  double beta2;
+  double eps;
+  double alpha;
+  int nesterov;
+  int amsgrad;
+  int centered;
+};
+
+void* stagehand_optim_new(const StagehandOptimConfig* c, char* err, size_t err_len) {
+  try {
+    std::vector<at::Tensor> none;
+    switch (c->algorithm) {
+      case 0:
+        return new torch::optim::SGD(none, torch::optim::SGDOptions(c->lr)
+                                               .momentum(c->momentum)
+                                               .dampening(c->dampening)
+                                               .weight_decay(c->weight_decay)
+                                               .nesterov(c->nesterov != 0));
+      case 1:
+        return new torch::optim::Adam(none, torch::optim::AdamOptions(c->lr)
+                                                .betas(std::tuple<double, double>(c->beta1, c->beta2))
+                                                .weight_decay(c->weight_decay)
+                                                .eps(c->eps)
+                                                .amsgrad(c->amsgrad != 0));
+      case 2:
+        return new torch::optim::AdamW(none, torch::optim::AdamWOptions(c->lr)
+                                                 .betas(std::tuple<double, double>(c->beta1, c->beta2))
+                                                 .weight_decay(c->weight_decay)
+                                                 .eps(c->eps)
+                                                 .amsgrad(c->amsgrad != 0));
+      case 3:
+        return new torch::optim::RMSprop(none, torch::optim::RMSpropOptions(c->lr)
+                                                   .alpha(c->alpha)
+                                                   .eps(c->eps)
+                                                   .weight_decay(c->weight_decay)
+                                                   .momentum(c->momentum)
+                                                   .centered(c->centered != 0));
+      default:
+        write_err(err, err_len, "unknown optimizer algorithm");
+        return nullptr;
+    }
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return nullptr;
+  }
+}
+
+void stagehand_optim_free(void* o) { delete static_cast<torch::optim::Optimizer*>(o); }
+
+// Adds `t` to parameter group `group`, making the groups up to it from the defaults (as tch).
+int stagehand_optim_add(void* o, const at::Tensor* t, size_t group, char* err, size_t err_len) {
+  try {
+    auto* opt = static_cast<torch::optim::Optimizer*>(o);
+    auto& groups = opt->param_groups();
+    while (groups.size() <= group) {
+      groups.push_back(torch::optim::OptimizerParamGroup({}, opt->defaults().clone()));
+    }
+    groups[group].params().push_back(*t);
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+size_t stagehand_optim_groups(void* o) { return static_cast<torch::optim::Optimizer*>(o)->param_groups().size(); }
+
+// Sets the learning rate, weight decay and momentum (Adam's beta1) of one group.
+int stagehand_optim_set_group(void* o, size_t group, double lr, double weight_decay, double momentum,
+                              char* err, size_t err_len) {
+  try {
+    auto* opt = static_cast<torch::optim::Optimizer*>(o);
+    auto* d = &opt->param_groups().at(group).options();
+    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(d)) {
+      a->lr(lr).weight_decay(weight_decay).betas(std::tuple<double, double>(momentum, std::get<1>(a->betas())));
+    } else if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(d)) {
+      w->lr(lr).weight_decay(weight_decay).betas(std::tuple<double, double>(momentum, std::get<1>(w->betas())));
+    } else if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(d)) {
+      r->lr(lr).weight_decay(weight_decay).momentum(momentum);
+    } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(d)) {
+      s->lr(lr).weight_decay(weight_decay).momentum(momentum);
+    } else {
+      TORCH_CHECK(false, "unexpected optimizer options");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+int stagehand_optim_step(void* o, char* err, size_t err_len) {
+  try {
+    static_cast<torch::optim::Optimizer*>(o)->step();
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+// libtorch's zero_grad(set_to_none = true), as tch's.
+int stagehand_optim_zero_grad(void* o, char* err, size_t err_len) {
+  try {
+    static_cast<torch::optim::Optimizer*>(o)->zero_grad();
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+static bool holds(torch::optim::Optimizer* opt, const at::Tensor& p) {
+  for (auto& g : opt->param_groups()) {
+    for (auto& q : g.params()) {
+      if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return true;
+    }
+  }
+  return false;
+}
+
+static at::Tensor* out_tensor(const at::Tensor& t) { return t.defined() ? new at::Tensor(t) : nullptr; }
+
+// The state of parameter `p`: `*present` is 0 when it has none yet (never stepped). Otherwise
+// `*step` is its step count (Adam, AdamW, RMSprop) and `out` (3 slots) holds new handles to its
+// state tensors, null where undefined, in this order:
+//   Adam, AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq;  SGD: momentum_buffer;
+//   RMSprop: square_avg, momentum_buffer, grad_avg.
+int stagehand_optim_state_get(void* o, const at::Tensor* p, int* present, int64_t* step, at::Tensor** out,
+                              char* err, size_t err_len) {
+  try {
+    auto* opt = static_cast<torch::optim::Optimizer*>(o);
+    out[0] = out[1] = out[2] = nullptr;
+    *step = 0;
+    auto& state = opt->state();
+    auto it = state.find(p->unsafeGetTensorImpl());
+    if (it == state.end()) {
+      *present = 0;
+      return 0;
+    }
+    *present = 1;
+    auto* s = it->second.get();
+    if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s)) {
+      *step = a->step();
+      out[0] = out_tensor(a->exp_avg());
+      out[1] = out_tensor(a->exp_avg_sq());
+      out[2] = out_tensor(a->max_exp_avg_sq());
+    } else if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(s)) {
+      *step = w->step();
+      out[0] = out_tensor(w->exp_avg());
+      out[1] = out_tensor(w->exp_avg_sq());
+      out[2] = out_tensor(w->max_exp_avg_sq());
+    } else if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(s)) {
+      out[0] = out_tensor(g->momentum_buffer());
+    } else if (auto* r = dynamic_cast<torch::optim::RMSpropParamState*>(s)) {
+      *step = r->step();
+      out[0] = out_tensor(r->square_avg());
+      out[1] = out_tensor(r->momentum_buffer());
+      out[2] = out_tensor(r->grad_avg());
+    } else {
+      TORCH_CHECK(false, "unexpected optimizer state");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+// Replaces the state of parameter `p` (which must be one of the optimizer's): `in` holds 3
+// tensors in the order of stagehand_optim_state_get, null where absent. The tensors are used as
+// they are (the caller makes them contiguous copies on the parameter's device).
+int stagehand_optim_state_set(void* o, const at::Tensor* p, int64_t step, at::Tensor** in, char* err,
+                              size_t err_len) {
+  try {
+    auto* opt = static_cast<torch::optim::Optimizer*>(o);
+    TORCH_CHECK(holds(opt, *p), "the tensor is not a parameter of this optimizer");
+    auto get = [&](int i) { return in[i] == nullptr ? at::Tensor() : *in[i]; };
+    auto* d = &opt->defaults();
+    std::unique_ptr<torch::optim::OptimizerParamState> st;
+    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(d)) {
+      TORCH_CHECK(in[0] && in[1], "Adam state needs exp_avg and exp_avg_sq");
+      TORCH_CHECK(!a->amsgrad() || in[2], "Adam with amsgrad needs max_exp_avg_sq");
+      auto s = std::make_unique<torch::optim::AdamParamState>();
+      s->step(step).exp_avg(get(0)).exp_avg_sq(get(1)).max_exp_avg_sq(get(2));
+      st = std::move(s);
+    } else if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(d)) {
+      TORCH_CHECK(in[0] && in[1], "AdamW state needs exp_avg and exp_avg_sq");
+      TORCH_CHECK(!w->amsgrad() || in[2], "AdamW with amsgrad needs max_exp_avg_sq");
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(step).exp_avg(get(0)).exp_avg_sq(get(1)).max_exp_avg_sq(get(2));
+      st = std::move(s);
+    } else if (auto* g = dynamic_cast<torch::optim::SGDOptions*>(d)) {
+      TORCH_CHECK(g->momentum() == 0 || in[0], "SGD with momentum needs momentum_buffer");
+      auto s = std::make_unique<torch::optim::SGDParamState>();
+      s->momentum_buffer(get(0));
+      st = std::move(s);
+    } else if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(d)) {
+      TORCH_CHECK(in[0], "RMSprop state needs square_avg");
+      TORCH_CHECK(r->momentum() <= 0 || in[1], "RMSprop with momentum needs momentum_buffer");
+      TORCH_CHECK(!r->centered() || in[2], "centered RMSprop needs grad_avg");
+      auto s = std::make_unique<torch::optim::RMSpropParamState>();
+      s->step(step).square_avg(get(0)).momentum_buffer(get(1)).grad_avg(get(2));
+      st = std::move(s);
+    } else {
+      TORCH_CHECK(false, "unexpected optimizer options");
+    }
+    opt->state()[p->unsafeGetTensorImpl()] = std::move(st);
     return 0;
   } catch (const std::exception& e) {
     write_err(err, err_len, e.what());

@@ -39,7 +39,7 @@ pub enum Error {
     #[error("unknown block '{0}'")]
     UnknownBlock(String),
     /// A request larger than what can ever satisfy it.
-    #[error("'{what}' needs {needed} bytes but {limit}")]
+    #[error("{what} needs {needed} bytes, but {limit}")]
     TooLarge {
         what: String,
         needed: u64,

@@ -1,5 +1,7 @@
 #![doc = include_str!("../README.md")]
 
+#[cfg(feature = "torch")]
+pub mod checkpoint;
 pub mod conductor;
 #[cfg(feature = "torch")]
 pub mod device;

@@ -174,7 +174,7 @@ fn training_through_the_handle_equals_plain_tch() {
 
     // Every parameter equals plain tch's, and every one of them was trained.
     opt.wait().expect("host steps done");
-    let ln = sh.store().var_store().variables();
+    let ln = sh.var_store().expect("snapshot").variables();
     sh.shutdown().expect("shutdown");
     let want_vars = vs.variables();
     let init: std::collections::HashMap<_, _> = initial.into_iter().collect();

@@ -32,6 +32,7 @@
 //! saved-tensor hooks are on during the forward, the block being run is the activation region,
 //! and at the end of the step its time breakdown and VRAM by owner are published.
 
+mod checkpoint;
 pub mod plan;
 mod adapt;
 mod step;
@@ -196,6 +197,8 @@ impl StagehandBuilder {
                 install_hooks: false,
                 grouping: self.grouping,
                 auto_step: false,
+                // The plan measures the device before it places them.
+                place_unmanaged: false,
                 ..LayerOptions::default()
             },
         )?;
@@ -305,13 +308,13 @@ impl Stagehand {
         self.run().ready.as_ref().map(|r| r.conductor.clone())
     }
 
-    /// An optimizer over every trainable variable of the model (`tch::nn::AdamW::default()` and
-    /// the other tch configs convert into an [`Algorithm`]).
+    /// An optimizer over every trainable variable of the model, managed or not, including
+    /// variables made later (`tch::nn::AdamW::default()` and the other tch configs convert into
+    /// an [`Algorithm`]).
     pub fn optimizer(&self, algorithm: impl Into<Algorithm>, lr: f64) -> Result<Optimizer> {
         let algorithm = algorithm.into();
         let kernel = self.kernel.unwrap_or_else(|| Kernel::auto(&algorithm, self.device.is_cuda()));
-        let unmanaged = self.store.unmanaged_trainable().into_iter().map(|(_, t)| t).collect();
-        let opt = Optimizer::new(self.weights(), unmanaged, algorithm, lr, kernel)?;
+        let opt = Optimizer::for_var_store(self.weights(), algorithm, lr, kernel)?;
         self.run().optimizer_state_factor = match algorithm {
             Algorithm::Adam { .. } | Algorithm::AdamW { .. } => 2,
             Algorithm::Sgd { momentum, .. } if momentum > 0.0 => 1,
@@ -344,7 +347,7 @@ impl Stagehand {
         let dev = self.device.tch_device();
         let managed = self.store.managed_names();
         let mut unmanaged = (0u64, 0u64);
-        for (name, mut t) in self.store.var_store().variables() {
+        for (name, mut t) in self.store.raw_var_store().variables() {
             if managed.contains(&name) {
                 continue;
             }

@@ -24,6 +24,28 @@ pub(crate) struct AllocStats {
     pub num_alloc_retries: i64,
 }
 
+/// A libtorch optimizer made by the shim (`torch::optim::Optimizer*`).
+pub(crate) type COptim = c_void;
+
+/// The options of a new libtorch optimizer (mirrors `StagehandOptimConfig` in the shim).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct OptimConfig {
+    /// 0 SGD, 1 Adam, 2 AdamW, 3 RMSprop.
+    pub algorithm: c_int,
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub alpha: f64,
+    pub nesterov: c_int,
+    pub amsgrad: c_int,
+    pub centered: c_int,
+}
+
 extern "C" {
     pub(crate) fn stagehand_hooks_install(
         pack: PackFn,
@@ -74,6 +96,45 @@ extern "C" {
         weight_decay: f64,
         eps: f64,
         amsgrad: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_tensor_impl(t: *const C_tensor) -> *const c_void;
+    pub(crate) fn stagehand_optim_new(c: *const OptimConfig, err: *mut c_char, err_len: usize) -> *mut COptim;
+    pub(crate) fn stagehand_optim_free(o: *mut COptim);
+    pub(crate) fn stagehand_optim_add(
+        o: *mut COptim,
+        t: *const C_tensor,
+        group: usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_optim_groups(o: *mut COptim) -> usize;
+    pub(crate) fn stagehand_optim_set_group(
+        o: *mut COptim,
+        group: usize,
+        lr: f64,
+        weight_decay: f64,
+        momentum: f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_optim_step(o: *mut COptim, err: *mut c_char, err_len: usize) -> c_int;
+    pub(crate) fn stagehand_optim_zero_grad(o: *mut COptim, err: *mut c_char, err_len: usize) -> c_int;
+    pub(crate) fn stagehand_optim_state_get(
+        o: *mut COptim,
+        p: *const C_tensor,
+        present: *mut c_int,
+        step: *mut i64,
+        out: *mut *mut C_tensor,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_optim_state_set(
+        o: *mut COptim,
+        p: *const C_tensor,
+        step: i64,
+        input: *const *mut C_tensor,
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;

@@ -1,12 +1,16 @@
 //! Safe wrappers over the C++ shim and libtorch: start-up (CUDA visibility), saved-tensor hooks,
-//! and the device allocator's statistics.
+//! the device allocator's statistics, and libtorch's optimizers with their groups and state.
 
 pub mod alloc;
 pub(crate) mod ffi;
 pub mod hooks;
 mod init;
 pub mod optim;
+pub mod optimizer;
+mod variable;
 
 pub use alloc::{AllocatorStats, MemoryInfo};
 pub use hooks::{SavedTensorHooks, SavedTensorStore, StorageWatch, TensorIdentity};
 pub use init::{cuda_available, cuda_load_error, init};
+pub use optimizer::{ParamState, TorchOptimizer};
+pub use variable::VariableId;

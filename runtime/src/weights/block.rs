@@ -145,17 +145,30 @@ impl Block {
         Ok(())
     }
 
-    /// The canonical value of parameter `i` as a fresh CPU tensor.
-    pub(crate) fn host_param(&self, i: usize) -> Result<Tensor> {
+    /// The canonical value of parameter `i`, sharing memory where it can: a resident block on
+    /// the device trains there, so its device variable; a streamed block's host copy (never the
+    /// placeholder or a slot, which may be stale or reused); a file-backed block's file (read).
+    pub(crate) fn value(&self, i: usize) -> Result<Tensor> {
         let p = self
             .spec
             .params
             .get(i)
             .ok_or_else(|| Error::UnknownBlock(format!("{} parameter {i}", self.spec.name)))?;
+        if matches!(self.placement, Some(Placement::Own(_))) {
+            return Ok(self.vars[i].detach());
+        }
         match &self.source {
-            Source::Host(h) => Ok(tch::no_grad(|| h.views[i].f_detach_copy())?),
+            Source::Host(h) => Ok(h.views[i].detach()),
             Source::File(f) => f.read_param(i, p),
         }
+    }
+
+    /// The canonical value of parameter `i` as a fresh CPU tensor.
+    pub(crate) fn host_param(&self, i: usize) -> Result<Tensor> {
+        let v = self.value(i)?;
+        let out = Tensor::f_empty(v.size().as_slice(), (v.kind(), tch::Device::Cpu))?;
+        tch::no_grad(|| out.detach().f_copy_(&v))?;
+        Ok(out)
     }
 }
 

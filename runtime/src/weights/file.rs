@@ -21,7 +21,8 @@ impl std::fmt::Debug for FileSource {
     }
 }
 
-fn kind_of(d: Dtype) -> Option<Kind> {
+/// The libtorch dtype of a safetensors dtype (`None` for those libtorch lacks).
+pub(crate) fn kind_of(d: Dtype) -> Option<Kind> {
     Some(match d {
         Dtype::F32 => Kind::Float,
         Dtype::F16 => Kind::Half,
@@ -37,7 +38,29 @@ fn kind_of(d: Dtype) -> Option<Kind> {
     })
 }
 
+/// The safetensors dtype of a libtorch dtype (`None` for those safetensors lacks).
+pub(crate) fn dtype_of(k: Kind) -> Option<Dtype> {
+    Some(match k {
+        Kind::Float => Dtype::F32,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Double => Dtype::F64,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int8 => Dtype::I8,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Bool => Dtype::BOOL,
+        _ => return None,
+    })
+}
+
 impl FileSource {
+    /// The file's path, as shown in messages.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
     /// Maps `path` and finds `key_prefix + name` for every parameter of `spec`, checking dtype
     /// and shape. Errors name the file, the key and what differs.
     pub fn open(path: &std::path::Path, spec: &BlockSpec, key_prefix: &str) -> Result<FileSource> {

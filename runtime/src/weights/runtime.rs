@@ -16,8 +16,28 @@ use regex::Regex;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
+/// The VarStore a runtime's blocks came from, so that optimizers and checkpoints see the whole
+/// model (the variables the runtime does not manage, each variable's name and group).
+#[derive(Clone)]
+pub(crate) struct Origin {
+    pub vars: Arc<Mutex<tch::nn::Variables>>,
+    /// Registers blocks still pending (layer mode registers them when the model first runs).
+    pub seal: Option<Arc<dyn Fn() -> Result<()> + Send + Sync>>,
+}
+
+impl Origin {
+    /// Registers pending blocks, if any.
+    pub(crate) fn seal(&self) -> Result<()> {
+        match &self.seal {
+            Some(f) => f(),
+            None => Ok(()),
+        }
+    }
+}
+
 pub(crate) struct Inner {
     sched: Mutex<Scheduler>,
+    origin: Mutex<Option<Origin>>,
     /// The block the forward runs now (read by the activation store on every pack, so it
     /// sits outside the scheduler's lock).
     current: Mutex<Option<Arc<str>>>,
@@ -73,6 +93,7 @@ impl WeightRuntime {
         Ok(WeightRuntime {
             inner: Arc::new(Inner {
                 sched: Mutex::new(sched),
+                origin: Mutex::new(None),
                 current: Mutex::new(None),
                 index,
                 knobs,
@@ -116,7 +137,18 @@ impl WeightRuntime {
         for (name, params) in blocks {
             rt.register_block(&name, params)?;
         }
+        rt.set_origin(Origin { vars: vs.variables_.clone(), seal: None });
         Ok(rt)
+    }
+
+    /// Records the VarStore the blocks come from.
+    pub(crate) fn set_origin(&self, origin: Origin) {
+        *self.inner.origin.lock().unwrap_or_else(|p| p.into_inner()) = Some(origin);
+    }
+
+    /// The VarStore the blocks come from, when the runtime was made from one.
+    pub(crate) fn origin(&self) -> Option<Origin> {
+        self.inner.origin.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// A number that identifies this runtime (shared by its clones).
@@ -387,10 +419,30 @@ impl WeightRuntime {
         self.lock().zero_grads()
     }
 
-    /// The canonical value of parameter `param` of `id` (a fresh CPU tensor; for checks and
-    /// saving).
+    /// The canonical value of parameter `param` of `id` as a fresh CPU tensor, after any pending
+    /// host optimizer step: the host copy of a streamed block, the device copy of a resident one
+    /// (which trains there), the file of a file-backed one. Never a placeholder.
     pub fn host_param(&self, id: BlockId, param: usize) -> Result<Tensor> {
         self.lock().host_param(id, param)
+    }
+
+    /// The canonical value of parameter `param` of `id` sharing the runtime's memory where it
+    /// can (the host copy of a streamed block, the device copy of a resident one); valid until
+    /// the next step or load. For checkpoints.
+    pub(crate) fn param_value(&self, id: BlockId, param: usize) -> Result<Tensor> {
+        self.lock().param_value(id, param)
+    }
+
+    /// Makes `value` the value of parameter `param` of `id` (loading a checkpoint): only between
+    /// steps, with the parameter's dtype and shape. Fails for a file-backed block unless the
+    /// value is the file's.
+    pub fn set_param(&self, id: BlockId, param: usize, value: &Tensor) -> Result<()> {
+        self.lock().set_param(id, param, value)
+    }
+
+    /// Views of the host gradients of `id` that arrived in this accumulation window.
+    pub(crate) fn received_grads(&self, id: BlockId) -> Result<Vec<(usize, Tensor)>> {
+        self.lock().received_grads(id)
     }
 
     /// The host gradient of parameter `param` of `id` as of the last gradient copy (a fresh CPU

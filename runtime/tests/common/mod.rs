@@ -90,3 +90,77 @@ pub mod blocks {
         a(D * H) + a(H) + a(H * D) + a(D)
     }
 }
+
+/// What the drop-in tests share: handles, value maps and comparisons that are exact on the host
+/// device and within float tolerance on CUDA.
+pub mod dropin {
+    use stagehand::device::Device;
+    use stagehand::optim::Kernel;
+    use stagehand::Stagehand;
+    use std::collections::HashMap;
+    use tch::Tensor;
+
+    /// A handle with `budget` bytes of device memory: on CUDA on top of what the device holds
+    /// already (reference models, library workspaces), else the host device with that budget.
+    /// The exact host kernel, so the host device is bit-identical with plain tch.
+    pub fn handle(device: &Device, budget: u64) -> Stagehand {
+        let cuda = device.is_cuda();
+        let budget = budget + if cuda { device.memory().allocated } else { 0 };
+        Stagehand::builder()
+            .budget_bytes(budget)
+            .device(if cuda { device.clone() } else { Device::host(budget) })
+            .kernel(Kernel::Exact)
+            .build()
+            .expect("handle")
+    }
+
+    /// CPU copies of every variable of `vs`.
+    pub fn values(vs: &tch::nn::VarStore) -> HashMap<String, Tensor> {
+        vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).copy())).collect()
+    }
+
+    /// CPU copies of a name -> tensor map.
+    pub fn cpu(m: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+        m.into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).copy())).collect()
+    }
+
+    /// Losses step for step: bit-identical on the host device, close on CUDA.
+    pub fn assert_losses(got: &[f64], want: &[f64], cuda: bool) {
+        assert_eq!(got.len(), want.len());
+        if cuda {
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() < 1e-3 * b.abs().max(1.0), "losses {got:?} vs {want:?}");
+            }
+        } else {
+            assert_eq!(got, want, "losses step for step");
+        }
+    }
+
+    /// The same names with equal values (bit-identical on the host device, close on CUDA).
+    pub fn assert_same(got: &HashMap<String, Tensor>, want: &HashMap<String, Tensor>, cuda: bool, what: &str) {
+        let mut a: Vec<&String> = got.keys().collect();
+        let mut b: Vec<&String> = want.keys().collect();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{what}: the same variables");
+        for (name, t) in got {
+            let w = &want[name];
+            assert_eq!(t.size(), w.size(), "{what}: {name} shape");
+            if cuda {
+                assert!(t.allclose(w, 1e-3, 1e-4, false), "{what}: {name} differs");
+            } else {
+                assert!(t.equal(w), "{what}: {name} differs");
+            }
+        }
+    }
+
+    /// Every variable changed from `before` (each one trained).
+    pub fn assert_all_changed(after: &HashMap<String, Tensor>, before: &HashMap<String, Tensor>, skip: &[&str]) {
+        for (name, t) in after {
+            if skip.iter().any(|s| name.contains(s)) {
+                continue;
+            }
+            assert!(!t.equal(&before[name]), "{name} was never trained");
+        }
+    }
+}

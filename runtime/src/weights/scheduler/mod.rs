@@ -5,7 +5,8 @@
 //! - [`room`]: the device room: loads into slots, prefetch along the itinerary, finalisation,
 //!   eviction;
 //! - [`train`]: trainable streamed blocks: gradients sent to the host as backward leaves each
-//!   block, host optimizer steps gating loads of the blocks they change.
+//!   block, host optimizer steps gating loads of the blocks they change;
+//! - [`values`]: parameters' values outside a step (checkpoints, snapshots, write-back).
 //!
 //! Cross-stream memory safety: a load copies into a slot the runtime owns, after the event
 //! recorded on the compute stream when the slot's previous block was evicted; the compute stream
@@ -14,6 +15,7 @@
 
 mod room;
 mod train;
+mod values;
 
 use super::block::{Block, Source};
 use super::file::FileSource;
@@ -282,7 +284,11 @@ impl Scheduler {
             return Err(Error::TooLarge {
                 what: format!("block '{name}'"),
                 needed: spec.bytes as u64,
-                limit: format!("the weights' device room is {room} bytes ({})", self.cfg.room_source()),
+                limit: format!(
+                    "the weights' device room is {room} bytes ({}): every block must fit in it, so give the weights at least {} bytes",
+                    self.cfg.room_source(),
+                    spec.bytes
+                ),
             });
         }
         let trainable = spec.trainable();
@@ -477,7 +483,7 @@ impl Scheduler {
         if self.state == StepState::Closed {
             return Err(Error::misuse(
                 format!("block '{}' used outside a step", self.blocks[id.0 as usize].spec.name),
-                "call begin_step first",
+                "a forward inside a step: run it in Stagehand::train_step (with the handle), or after WeightRuntime::begin_step (block mode), or turn on automatic steps (WeightRuntime::set_auto_step)",
             ));
         }
         self.first_entered.get_or_insert(id);

@@ -352,6 +352,8 @@ impl Scheduler {
             Some(e) => e,
             None => self.device.record_compute()?,
         };
+        // A resident block trained on the device: its values go home before its memory does.
+        self.write_back(id)?;
         let dev = self.device.tch_device();
         let b = &mut self.blocks[id.0 as usize];
         b.point_away(dev)?;

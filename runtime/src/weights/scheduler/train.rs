@@ -102,18 +102,6 @@ impl Scheduler {
         Ok(HostParams { params })
     }
 
-    /// The host gradients that arrived in this accumulation window (all landed: call after
-    /// `collect_grads`).
-    pub(crate) fn received_host_grads(&self) -> Vec<Tensor> {
-        self.blocks
-            .iter()
-            .filter(|b| !b.resident)
-            .flat_map(|b| b.grads.iter())
-            .filter(|g| g.received && g.buf.is_some())
-            .map(|g| g.view.shallow_clone())
-            .collect()
-    }
-
     /// Trained blocks stepped on the host (streamed) and trained parameters kept on the device
     /// (resident blocks), as (streamed ids, device variables).
     pub(crate) fn trained(&self) -> (Vec<BlockId>, Vec<Tensor>) {

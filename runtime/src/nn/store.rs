@@ -1,0 +1,389 @@
+//! [`ManagedVarStore`]: a `VarStore` whose layers stream through a [`WeightRuntime`], and the
+//! table of layers made so far, registered as blocks when the model first runs (sealing).
+
+use super::managed::Binding;
+use super::path::Path;
+use super::{group_layers, Grouping, LayerOptions};
+use crate::checkpoint::Snapshot;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::events::BlockId;
+use crate::optim::{Algorithm, Kernel, Optimizer};
+use crate::torch::VariableId;
+use crate::weights::runtime::Origin;
+use crate::weights::{WeightConfig, WeightRuntime};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use tch::Tensor;
+
+/// Layers made so far.
+#[derive(Debug, Default)]
+struct Layers {
+    /// Each layer's name and (VarStore name, variable) parameters, in the order made.
+    pending: Vec<(String, Vec<(String, Tensor)>)>,
+    /// Each layer's block, once sealed.
+    blocks: Option<Vec<BlockId>>,
+    /// Layers that could not be registered, with why (reported when the model is sealed).
+    failed: Vec<String>,
+}
+
+/// The layer table shared by a store and its layers.
+pub(crate) struct Table {
+    rt: WeightRuntime,
+    grouping: Grouping,
+    layers: Mutex<Layers>,
+    vars: Arc<Mutex<tch::nn::Variables>>,
+    /// Whether sealing places unmanaged variables on the device.
+    place: bool,
+}
+
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table").field("layers", &self.lock().pending.len()).finish_non_exhaustive()
+    }
+}
+
+impl Table {
+    fn lock(&self) -> MutexGuard<'_, Layers> {
+        self.layers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn runtime(&self) -> &WeightRuntime {
+        &self.rt
+    }
+
+    /// Adds a layer: `Ok(index)`, or `Err(why)` when it cannot be registered (the model has run).
+    /// A name already used (two layers on one path, as tch allows) gets tch's `__N` suffix.
+    fn add(&self, name: String, params: Vec<(String, Tensor)>) -> std::result::Result<usize, String> {
+        let mut l = self.lock();
+        if l.blocks.is_some() {
+            let why = format!(
+                "layer '{name}' was made after the model first ran: make every layer before the first forward (the weights' device room is sized from them)"
+            );
+            l.failed.push(why.clone());
+            return Err(why);
+        }
+        let taken = |n: &str| l.pending.iter().any(|(m, _)| m == n);
+        let name = if name.is_empty() {
+            // A layer on the root path: named after its first variable, as tch names that.
+            params.first().map(|(n, _)| n.clone()).unwrap_or_default()
+        } else {
+            name
+        };
+        let name = if taken(&name) { format!("{name}__{}", l.pending.len()) } else { name };
+        l.pending.push((name, params));
+        Ok(l.pending.len() - 1)
+    }
+
+    /// Records a layer that failed to be made (reported by `seal`).
+    pub(crate) fn fail(&self, why: String) {
+        self.lock().failed.push(why);
+    }
+
+    /// Registers every layer's block (once), places the variables the runtime does not manage
+    /// on its device, and reports layers that failed.
+    pub(crate) fn seal(&self) -> Result<()> {
+        let mut l = self.lock();
+        if let Some(why) = l.failed.first() {
+            return Err(Error::misuse(format!("{} layer(s) could not be made", l.failed.len()), why.clone()));
+        }
+        if l.blocks.is_some() {
+            return Ok(());
+        }
+        if l.pending.is_empty() {
+            // Nothing to register yet: layers may still come.
+            drop(l);
+            return self.place_unmanaged(&HashSet::new());
+        }
+        let paths: Vec<String> = l.pending.iter().map(|(n, _)| n.clone()).collect();
+        let names = group_layers(&paths, &self.grouping);
+        let managed: HashSet<VariableId> =
+            l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(_, t)| VariableId::of(t))).collect();
+        let mut grouped: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
+        for (name, (_, params)) in names.iter().zip(&l.pending) {
+            let params: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+            match grouped.iter_mut().find(|(n, _)| n == name) {
+                Some((_, ps)) => ps.extend(params),
+                None => grouped.push((name.clone(), params)),
+            }
+        }
+        let mut ids = BTreeMap::new();
+        for (name, params) in grouped {
+            match self.rt.register_block(&name, params) {
+                Ok(id) => ids.insert(name.clone(), id),
+                Err(e) => {
+                    // Reported again by every later seal (blocks before it are registered).
+                    l.failed.push(e.to_string());
+                    return Err(e);
+                }
+            };
+        }
+        l.blocks = Some(names.iter().map(|n| ids[n]).collect());
+        drop(l);
+        self.place_unmanaged(&managed)
+    }
+
+    /// Moves every variable not in `managed` to the compute device (the VarStore may be on the
+    /// CPU, where tch's constructors initialise them).
+    fn place_unmanaged(&self, managed: &HashSet<VariableId>) -> Result<()> {
+        if !self.place {
+            return Ok(());
+        }
+        let dev = self.rt.device().tch_device();
+        let vars = self.vars.lock().unwrap_or_else(|p| p.into_inner());
+        for t in vars.named_variables.values() {
+            if !managed.contains(&VariableId::of(t)) && t.device() != dev {
+                let moved = t.f_to_device(dev)?;
+                t.shallow_clone().set_data(&moved);
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `i`'s block, sealing first.
+    pub(crate) fn block_of(&self, i: usize) -> Result<BlockId> {
+        self.seal()?;
+        self.lock()
+            .blocks
+            .as_ref()
+            .and_then(|b| b.get(i).copied())
+            .ok_or_else(|| Error::internal(format!("layer {i} has no block")))
+    }
+
+    /// Whether the layers are registered.
+    fn sealed(&self) -> bool {
+        self.lock().blocks.is_some()
+    }
+
+    /// Layer `i`'s name.
+    pub(crate) fn layer_name(&self, i: usize) -> String {
+        self.lock().pending.get(i).map(|(n, _)| n.clone()).unwrap_or_default()
+    }
+
+    /// Canonical values of layer `i`'s parameters (fresh CPU tensors).
+    pub(crate) fn values(&self, i: usize) -> Result<Vec<(String, Tensor)>> {
+        let params: Vec<(String, Tensor)> = self
+            .lock()
+            .pending
+            .get(i)
+            .map(|(_, ps)| ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect())
+            .unwrap_or_default();
+        if !self.sealed() {
+            return params
+                .into_iter()
+                .map(|(n, t)| Ok((n, tch::no_grad(|| t.f_to_device(tch::Device::Cpu)?.f_detach_copy())?)))
+                .collect();
+        }
+        let mut at: HashMap<String, (BlockId, usize)> = HashMap::new();
+        for b in self.rt.blocks() {
+            for (j, p) in b.params.iter().enumerate() {
+                at.insert(p.name.clone(), (b.id, j));
+            }
+        }
+        params
+            .into_iter()
+            .map(|(n, _)| {
+                let (b, j) = at.get(&n).copied().ok_or_else(|| Error::UnknownBlock(n.clone()))?;
+                Ok((n, self.rt.host_param(b, j)?))
+            })
+            .collect()
+    }
+}
+
+/// A `VarStore` whose weight layers stream through a [`WeightRuntime`].
+#[derive(Debug)]
+pub struct ManagedVarStore {
+    vs: tch::nn::VarStore,
+    rt: WeightRuntime,
+    opts: LayerOptions,
+    table: Arc<Table>,
+}
+
+impl ManagedVarStore {
+    /// Wraps `vs`. Create it on the CPU for models larger than VRAM (layers are initialised
+    /// there, then held in host memory); the variables Stagehand does not manage move to the
+    /// runtime's device when the model first runs.
+    pub fn new(vs: tch::nn::VarStore, opts: LayerOptions) -> Result<ManagedVarStore> {
+        let device = match (&opts.device, vs.device()) {
+            (Some(d), _) => d.clone(),
+            (None, tch::Device::Cuda(i)) => Device::cuda(i)?,
+            (None, _) => Device::host(opts.vram_budget.unwrap_or(u64::MAX / 4)),
+        };
+        let total = device.is_cuda().then(|| device.info().total_bytes);
+        let mut cfg = WeightConfig::layer_auto(1, opts.prefetch_k, opts.vram_budget, opts.ram_budget, total);
+        cfg.inference_mode = opts.inference_mode;
+        if let Some(room) = opts.weight_room {
+            cfg.weight_budget_bytes = Some(room);
+        } else if let Some(b) = opts.vram_budget {
+            cfg.room_origin = format!("80% of the {b}-byte vram_budget, the high watermark");
+        }
+        let rt = WeightRuntime::new(device, cfg, opts.telemetry.clone())?;
+        rt.set_auto_step(opts.auto_step);
+        let table = Arc::new(Table {
+            rt: rt.clone(),
+            grouping: opts.grouping.clone(),
+            layers: Mutex::new(Layers::default()),
+            vars: vs.variables_.clone(),
+            place: opts.place_unmanaged,
+        });
+        // Weak: the runtime must not keep its own table alive (the table holds the runtime).
+        let weak: Weak<Table> = Arc::downgrade(&table);
+        rt.set_origin(Origin {
+            vars: vs.variables_.clone(),
+            seal: Some(Arc::new(move || weak.upgrade().map_or(Ok(()), |t| t.seal()))),
+        });
+        Ok(ManagedVarStore { vs, rt, opts, table })
+    }
+
+    /// The root path, for the drop-in constructors (and tch's own).
+    pub fn root(&self) -> Path<'_> {
+        Path::new(self.vs.root(), self)
+    }
+
+    /// The runtime (for metrics, the optimizer, shutdown).
+    pub fn runtime(&self) -> &WeightRuntime {
+        &self.rt
+    }
+
+    /// The device the model computes on (where variables Stagehand does not manage live once
+    /// the model has run, and where inputs belong).
+    pub fn device(&self) -> tch::Device {
+        self.rt.device().tch_device()
+    }
+
+    /// A copy of every variable with its real value, in a plain `tch::nn::VarStore` (same names,
+    /// trainability, groups): for inspection and tch APIs that read a VarStore. The model's own
+    /// managed variables point at placeholders between uses, so the store itself is never handed
+    /// out; save and load with [`save`](Self::save) and [`load`](Self::load).
+    pub fn var_store(&self) -> Result<Snapshot> {
+        Snapshot::take(&self.vs.variables_, Some(&self.rt))
+    }
+
+    /// The wrapped VarStore itself, whose managed variables are placeholders between uses.
+    pub(crate) fn raw_var_store(&self) -> &tch::nn::VarStore {
+        &self.vs
+    }
+
+    /// Registers every layer made so far as blocks now (otherwise this happens when the model
+    /// first runs); returns the blocks in registration order. Fails with the reason when a
+    /// layer could not be made or a block does not fit the weights' room.
+    pub fn seal(&self) -> Result<Vec<BlockId>> {
+        self.table.seal()?;
+        Ok(self.rt.blocks().iter().map(|b| b.id).collect())
+    }
+
+    /// The VarStore paths of every managed parameter (of layers made so far).
+    pub fn managed_names(&self) -> HashSet<String> {
+        let l = self.table.lock();
+        let mut names: HashSet<String> = l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(n, _)| n.clone())).collect();
+        drop(l);
+        for b in self.rt.blocks() {
+            names.extend(b.params.into_iter().map(|p| p.name));
+        }
+        names
+    }
+
+    /// The trainable variables the runtime does not manage (layer norms, custom parameters).
+    pub fn unmanaged_trainable(&self) -> Vec<(String, Tensor)> {
+        let managed = self.managed_names();
+        let mut v: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(n, t)| !managed.contains(n) && t.requires_grad())
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// One optimizer over every trainable variable, managed or not, from one of tch's configs
+    /// (`tch::nn::AdamW::default()`, ...); streamed blocks step on the host with the exact kernel
+    /// on the host device and the fused one on CUDA.
+    pub fn optimizer(&self, algorithm: impl Into<Algorithm>, lr: f64) -> Result<Optimizer> {
+        let algorithm = algorithm.into();
+        let kernel = Kernel::auto(&algorithm, self.rt.device().is_cuda());
+        Optimizer::for_var_store(&self.rt, algorithm, lr, kernel)
+    }
+
+    /// Saves every variable to `path` with tch's names, in tch's format for the extension
+    /// (`.safetensors`, else libtorch's archive), atomically: real values, never placeholders
+    /// (see [`crate::checkpoint`]). Plain tch's `VarStore::load` reads it.
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        crate::checkpoint::save_vars(path.as_ref(), &self.vs.variables_, Some(&self.rt))
+    }
+
+    /// Loads every variable from `path` (a checkpoint of this model from Stagehand or plain
+    /// tch); checks every name, shape and dtype before it changes anything. In layer mode the
+    /// step in progress ends first (steps end by themselves).
+    pub fn load(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.load_inner(path.as_ref(), false).map(|_| ())
+    }
+
+    /// Loads the variables `path` has; returns the names it lacks (tch's `load_partial`).
+    pub fn load_partial(&self, path: impl AsRef<std::path::Path>) -> Result<Vec<String>> {
+        self.load_inner(path.as_ref(), true)
+    }
+
+    fn load_inner(&self, path: &std::path::Path, partial: bool) -> Result<Vec<String>> {
+        if self.opts.auto_step {
+            self.rt.finish()?;
+        }
+        crate::checkpoint::load_vars(path, &self.vs.variables_, Some(&self.rt), partial)
+    }
+
+    /// Registers a layer made of `params` (VarStore name, variable), casting them to the
+    /// storage dtype when one is set.
+    pub(crate) fn register(&self, name: String, mut params: Vec<(String, Tensor)>) -> Binding {
+        if params.is_empty() {
+            return Binding::plain(name);
+        }
+        if let Some(kind) = self.opts.dtype {
+            for (n, t) in &mut params {
+                if t.is_floating_point() && t.kind() != kind {
+                    match tch::no_grad(|| t.f_to_kind(kind)) {
+                        Ok(cast) => t.set_data(&cast),
+                        Err(e) => {
+                            let why = format!("casting '{n}' to {kind:?}: {e}");
+                            self.table.fail(why.clone());
+                            return Binding::failed(name, why);
+                        }
+                    }
+                }
+            }
+        }
+        let hooks = self.opts.install_hooks && !self.opts.inference_mode;
+        match self.table.add(name.clone(), params) {
+            Ok(index) => Binding::layer(self.table.clone(), index, hooks),
+            Err(why) => Binding::failed(name, why),
+        }
+    }
+
+    /// The VarStore names of the variables among `tensors` (by identity), in their order.
+    pub(crate) fn names_of(&self, tensors: &[&Tensor]) -> Vec<(String, Tensor)> {
+        let vars = self.vs.variables_.lock().unwrap_or_else(|p| p.into_inner());
+        let by_id: HashMap<VariableId, &String> = vars.named_variables.iter().map(|(n, t)| (VariableId::of(t), n)).collect();
+        tensors
+            .iter()
+            .filter_map(|t| by_id.get(&VariableId::of(t)).map(|n| ((*n).clone(), t.shallow_clone())))
+            .collect()
+    }
+
+    /// The identities of every variable now (to find the ones a constructor adds).
+    pub(crate) fn variable_ids(&self) -> HashSet<VariableId> {
+        let vars = self.vs.variables_.lock().unwrap_or_else(|p| p.into_inner());
+        vars.named_variables.values().map(VariableId::of).collect()
+    }
+
+    /// The variables not in `before`, sorted by name.
+    pub(crate) fn added_since(&self, before: &HashSet<VariableId>) -> Vec<(String, Tensor)> {
+        let vars = self.vs.variables_.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v: Vec<(String, Tensor)> = vars
+            .named_variables
+            .iter()
+            .filter(|(_, t)| !before.contains(&VariableId::of(t)))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+}

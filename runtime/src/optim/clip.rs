@@ -1,0 +1,81 @@
+//! Gradient clipping as tch computes it, over every gradient of the model: device variables'
+//! gradients and streamed parameters' host gradients, in the VarStore's order of trainable
+//! variables (the order tch adds per-gradient norms in, which decides the float result).
+
+use super::optimizer::{trainable, Optimizer};
+use crate::error::Result;
+use crate::events::BlockId;
+use std::collections::HashSet;
+use tch::Tensor;
+
+impl Optimizer {
+    /// Every gradient of this accumulation window, in the VarStore's order of trainable
+    /// variables (the order tch's clipping adds norms in), streamed parameters' host gradients
+    /// included. Waits for streamed gradients to reach the host.
+    fn gradients(&mut self) -> Result<Vec<Tensor>> {
+        self.ensure_built()?;
+        self.rt.collect_grads()?;
+        let specs = self.rt.blocks();
+        let mut host: Vec<(String, Tensor)> = Vec::new();
+        let mut blocks: Vec<u32> = self.host.keys().copied().collect();
+        blocks.sort_unstable();
+        for b in blocks {
+            for (i, g) in self.rt.received_grads(BlockId(b))? {
+                let name = specs.get(b as usize).and_then(|s| s.params.get(i)).map(|p| p.name.clone()).unwrap_or_default();
+                host.push((name, g));
+            }
+        }
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        for t in self.origin.as_ref().map(trainable).unwrap_or_default() {
+            seen.insert(t.id);
+            if let Some(i) = host.iter().position(|(n, _)| *n == t.name) {
+                out.push(host.swap_remove(i).1);
+                continue;
+            }
+            let g = t.var.grad();
+            if g.defined() {
+                out.push(g);
+            }
+        }
+        for p in &self.device_params {
+            let g = p.var.grad();
+            if !seen.contains(&p.id) && g.defined() {
+                out.push(g);
+            }
+        }
+        out.extend(host.into_iter().map(|(_, g)| g));
+        Ok(out)
+    }
+
+    /// Clamps every gradient element to `[-max, max]` (tch's `clip_grad_value`).
+    pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
+        for g in self.gradients()? {
+            let _ = tch::no_grad(|| g.shallow_clone().f_clamp_(-max, max))?;
+        }
+        Ok(())
+    }
+
+    /// Scales every gradient so that their total 2-norm is at most `max`, computed as tch does
+    /// (the norm of the stacked per-gradient norms); returns the norm before clipping.
+    pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
+        let grads = self.gradients()?;
+        if grads.is_empty() {
+            return Ok(0.0);
+        }
+        tch::no_grad(|| -> Result<f64> {
+            let norms = grads
+                .iter()
+                .map(|g| Ok(g.f_norm()?.f_to_device(tch::Device::Cpu)?))
+                .collect::<Result<Vec<_>>>()?;
+            let total = Tensor::f_stack(&norms, 0)?.f_norm()?.f_double_value(&[])?;
+            let coef = max / (total + 1e-6);
+            if coef < 1.0 {
+                for g in &grads {
+                    let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+                }
+            }
+            Ok(total)
+        })
+    }
+}

@@ -1,0 +1,462 @@
+//! [`Optimizer`]: one optimizer over a model's streamed blocks (stepped on the host) and its
+//! other trainable variables (stepped on their device), with tch's surface and groups.
+//!
+//! Made from a runtime that knows its VarStore ([`Optimizer::for_var_store`], what
+//! `Stagehand::optimizer` does), it covers every trainable variable of that store, and adds
+//! variables made later at the next step, as tch's optimizer does. Made from an explicit list
+//! ([`Optimizer::new`]), it covers the runtime's blocks and that list; a trainable variable of
+//! the runtime's VarStore that neither covers is an error at the first step, never a silent
+//! freeze.
+
+use super::groups::Groups;
+use super::host::{lock_groups, BlockJob, BlockOptimizer, HostParam};
+use super::state::fit_state;
+use super::stepper::{self, Stepper};
+use super::{Algorithm, GradClip, Kernel};
+use crate::error::{Error, Result};
+use crate::torch::optim::set_grad;
+use crate::torch::{ParamState, TorchOptimizer, VariableId};
+use crate::weights::runtime::Origin;
+use crate::weights::WeightRuntime;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use tch::Tensor;
+
+/// The maker of host steps the weight runtime calls (on the training thread, when a block's
+/// step is queued), over the blocks' optimizer states and the group options of that moment.
+fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>, groups: Arc<Mutex<Groups>>) -> stepper::JobMaker {
+    Box::new(move |id, received, ready| {
+        let state = host
+            .get(&id.0)
+            .ok_or_else(|| Error::internal(format!("block {id} trains but has no host optimizer")))?;
+        Ok(Box::new(BlockJob {
+            state: state.clone(),
+            received: received.to_vec(),
+            groups: lock_groups(&groups).clone(),
+            ready,
+        }) as Box<dyn stepper::Job>)
+    })
+}
+
+/// Which variables the optimizer covers besides the runtime's streamed blocks.
+enum Cover {
+    /// Every trainable variable of the runtime's VarStore.
+    All,
+    /// Exactly these.
+    Given(Vec<Tensor>),
+}
+
+/// A variable stepped on the device.
+pub(super) struct DeviceParam {
+    pub id: VariableId,
+    pub var: Tensor,
+    pub name: Option<String>,
+}
+
+/// A trainable variable of the origin VarStore, in the store's order (tch's optimizer order).
+pub(super) struct Trainable {
+    pub id: VariableId,
+    pub name: String,
+    pub group: usize,
+    pub var: Tensor,
+}
+
+/// The origin's trainable variables with their names and groups.
+pub(super) fn trainable(origin: &Origin) -> Vec<Trainable> {
+    let v = origin.vars.lock().unwrap_or_else(|p| p.into_inner());
+    let names: HashMap<VariableId, &String> = v.named_variables.iter().map(|(n, t)| (VariableId::of(t), n)).collect();
+    v.trainable_variables
+        .iter()
+        .filter_map(|var| {
+            let id = VariableId::of(&var.tensor);
+            names.get(&id).map(|n| Trainable {
+                id,
+                name: (*n).clone(),
+                group: var.group,
+                var: var.tensor.shallow_clone(),
+            })
+        })
+        .collect()
+}
+
+/// The optimizer over a model's streamed and unstreamed trainable variables.
+///
+/// Blocks registered after it was made (layer mode registers blocks when the model first runs)
+/// get their host optimizer at the first step that sees them; device variables join the device
+/// optimizer at the first step that sees them.
+pub struct Optimizer {
+    // Field order: host state (which views the runtime's host memory) drops before the runtime.
+    pub(super) host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>,
+    pub(super) device: Option<TorchOptimizer>,
+    pub(super) device_params: Vec<DeviceParam>,
+    device_applied: u64,
+    stepper: Arc<Stepper>,
+    pub(super) groups: Arc<Mutex<Groups>>,
+    pub(super) algorithm: Algorithm,
+    kernel: Kernel,
+    cover: Cover,
+    pub(super) origin: Option<Origin>,
+    clip: Option<GradClip>,
+    /// What the optimizers were last built for: (trainable variables of the VarStore, streamed
+    /// trained blocks, resident trained variables); nothing to do while it is unchanged.
+    built: Option<(usize, usize, usize)>,
+    /// The `built` key the coverage was last checked for.
+    checked: Option<(usize, usize, usize)>,
+    /// Loaded state of parameters whose optimizer is not made yet, by name.
+    pub(super) pending: HashMap<String, ParamState>,
+    pub(super) rt: WeightRuntime,
+}
+
+impl std::fmt::Debug for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Optimizer")
+            .field("algorithm", &self.algorithm)
+            .field("host_blocks", &self.host.len())
+            .field("device_params", &self.device_params.len())
+            .field("clip", &self.clip)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Optimizer {
+    /// An optimizer over `rt`'s trained blocks and the trainable variables in `unmanaged` (those
+    /// the runtime does not stream, e.g. layer norms). When `rt` knows its VarStore, a trainable
+    /// variable of it that is neither managed nor in `unmanaged` is an error at the first step.
+    pub fn new(
+        rt: &WeightRuntime,
+        unmanaged: Vec<Tensor>,
+        algorithm: impl Into<Algorithm>,
+        lr: f64,
+        kernel: Kernel,
+    ) -> Result<Optimizer> {
+        Optimizer::make(rt, Cover::Given(unmanaged), algorithm.into(), lr, kernel)
+    }
+
+    /// An optimizer over every trainable variable of the VarStore `rt` was made from
+    /// ([`WeightRuntime::from_var_store`], a `ManagedVarStore`), managed or not, including
+    /// variables made later (as tch's `OptimizerConfig::build`).
+    pub fn for_var_store(rt: &WeightRuntime, algorithm: impl Into<Algorithm>, lr: f64, kernel: Kernel) -> Result<Optimizer> {
+        if rt.origin().is_none() {
+            return Err(Error::misuse(
+                "an optimizer for the runtime's VarStore",
+                "a runtime made from a VarStore (WeightRuntime::from_var_store or a ManagedVarStore); for a runtime built block by block, use Optimizer::new with the variables it does not manage",
+            ));
+        }
+        Optimizer::make(rt, Cover::All, algorithm.into(), lr, kernel)
+    }
+
+    fn make(rt: &WeightRuntime, cover: Cover, algorithm: Algorithm, lr: f64, kernel: Kernel) -> Result<Optimizer> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(Error::Config {
+                field: "lr",
+                value: lr.to_string(),
+                expected: "a finite learning rate at or above 0".into(),
+            });
+        }
+        if kernel == Kernel::Fused && algorithm.fused().is_none() {
+            return Err(algorithm.no_fused_kernel());
+        }
+        let origin = rt.origin();
+        // tch makes a group for every group number its variables use when the optimizer is built.
+        let count = origin.as_ref().map_or(1, |o| trainable(o).iter().map(|t| t.group + 1).max().unwrap_or(1));
+        let stepper = Arc::new(Stepper::new()?);
+        rt.lock().attach_stepper(stepper.clone())?;
+        Ok(Optimizer {
+            host: Arc::new(HashMap::new()),
+            device: None,
+            device_params: Vec::new(),
+            device_applied: 0,
+            stepper,
+            groups: Arc::new(Mutex::new(Groups::new(algorithm.group_defaults(lr), count))),
+            algorithm,
+            kernel,
+            cover,
+            origin,
+            clip: None,
+            built: None,
+            checked: None,
+            pending: HashMap::new(),
+            rt: rt.clone(),
+        })
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Clips gradients in every [`step`](Self::step) from now on (`None`: no clipping). Steps
+    /// that clip start the host steps of streamed blocks after backward instead of during it.
+    pub fn set_grad_clip(&mut self, clip: Option<GradClip>) {
+        self.clip = clip;
+    }
+
+    /// Makes the host optimizers of trained blocks that have none yet, and adds device
+    /// variables the device optimizer does not hold yet.
+    pub(super) fn ensure_built(&mut self) -> Result<()> {
+        if let Some(o) = &self.origin {
+            o.seal()?;
+        }
+        let (streamed, resident) = self.rt.lock().trained();
+        let key = (self.trainable_count(), streamed.len(), resident.len());
+        if self.built == Some(key) {
+            return Ok(());
+        }
+        let all = self.origin.as_ref().map(trainable).unwrap_or_default();
+        let group_by_id: HashMap<VariableId, usize> = all.iter().map(|t| (t.id, t.group)).collect();
+        let name_by_id: HashMap<VariableId, &str> = all.iter().map(|t| (t.id, t.name.as_str())).collect();
+        let group_by_name: HashMap<&str, usize> = all.iter().map(|t| (t.name.as_str(), t.group)).collect();
+        let specs = self.rt.blocks();
+        for id in streamed {
+            if self.host.contains_key(&id.0) {
+                continue;
+            }
+            let hp = self.rt.lock().host_params(id)?;
+            let spec = specs.get(id.0 as usize).ok_or_else(|| Error::UnknownBlock(id.to_string()))?;
+            let params = hp
+                .params
+                .into_iter()
+                .map(|(i, value, grad)| {
+                    let name = spec.params[i].name.clone();
+                    let group = group_by_name.get(name.as_str()).copied().unwrap_or(0);
+                    let grad = grad.ok_or_else(|| Error::internal("a trained parameter without a host gradient"))?;
+                    Ok(HostParam { name, value, grad, group })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if let Some(g) = params.iter().map(|p| p.group).max() {
+                lock_groups(&self.groups).ensure(g);
+            }
+            let mut state = BlockOptimizer::new(params, self.algorithm, self.kernel)?;
+            for i in 0..state.params().len() {
+                if let Some(st) = self.pending.remove(&state.params()[i].name) {
+                    let st = fit_state(&self.algorithm, &state.params()[i].name, &st, &state.params()[i].value)?;
+                    state.set_state(i, &st)?;
+                }
+            }
+            Arc::make_mut(&mut self.host).insert(id.0, Arc::new(Mutex::new(state)));
+        }
+        let managed: HashSet<&str> = specs.iter().flat_map(|b| b.params.iter().map(|p| p.name.as_str())).collect();
+        let mut want: Vec<Tensor> = resident;
+        match &self.cover {
+            Cover::All => want.extend(
+                all.iter()
+                    .filter(|t| !managed.contains(t.name.as_str()))
+                    .map(|t| t.var.shallow_clone()),
+            ),
+            Cover::Given(list) => want.extend(list.iter().map(|t| t.shallow_clone())),
+        }
+        let have: HashSet<VariableId> = self.device_params.iter().map(|p| p.id).collect();
+        for var in want {
+            let id = VariableId::of(&var);
+            // Frozen variables join too, as in tch (libtorch skips a parameter without a
+            // gradient), so unfreezing one later trains it.
+            if have.contains(&id) || self.device_params.iter().any(|p| p.id == id) {
+                continue;
+            }
+            let group = group_by_id.get(&id).copied().unwrap_or(0);
+            lock_groups(&self.groups).ensure(group);
+            let opt = match &mut self.device {
+                Some(o) => o,
+                None => self.device.insert(TorchOptimizer::new(&self.algorithm, lock_groups(&self.groups).get(0).lr)?),
+            };
+            opt.add(&var, group)?;
+            let name = name_by_id.get(&id).map(|n| n.to_string());
+            if let Some(st) = name.as_ref().and_then(|n| self.pending.remove(n)) {
+                let st = fit_state(&self.algorithm, name.as_deref().unwrap_or("?"), &st, &var)?;
+                opt.set_state(&var, &st)?;
+            }
+            self.device_applied = 0;
+            self.device_params.push(DeviceParam { id, var, name });
+        }
+        self.built = Some(key);
+        Ok(())
+    }
+
+    /// How many trainable variables the runtime's VarStore has (0 without one).
+    fn trainable_count(&self) -> usize {
+        self.origin
+            .as_ref()
+            .map_or(0, |o| o.vars.lock().unwrap_or_else(|p| p.into_inner()).trainable_variables.len())
+    }
+
+    /// The variables given to [`Optimizer::new`] (`None` when it covers the whole VarStore).
+    pub(super) fn given_ids(&self) -> Option<HashSet<VariableId>> {
+        match &self.cover {
+            Cover::All => None,
+            Cover::Given(list) => Some(list.iter().map(VariableId::of).collect()),
+        }
+    }
+
+    /// A trainable variable of the runtime's VarStore that nothing steps is an error.
+    fn check_coverage(&mut self) -> Result<()> {
+        let (Cover::Given(_), Some(origin)) = (&self.cover, &self.origin) else {
+            return Ok(());
+        };
+        if self.checked.is_some() && self.checked == self.built {
+            return Ok(());
+        }
+        let managed: HashSet<String> = self.rt.blocks().into_iter().flat_map(|b| b.params.into_iter().map(|p| p.name)).collect();
+        let stepped: HashSet<VariableId> = self.device_params.iter().map(|p| p.id).collect();
+        for t in trainable(origin) {
+            if t.var.requires_grad() && !managed.contains(&t.name) && !stepped.contains(&t.id) {
+                return Err(Error::misuse(
+                    format!("variable '{}' is trainable but no optimizer steps it", t.name),
+                    "an optimizer that covers it: make it with Stagehand::optimizer, ManagedVarStore::optimizer or Optimizer::for_var_store (they cover every trainable variable), or pass it to Optimizer::new in `unmanaged`",
+                ));
+            }
+        }
+        self.checked = self.built;
+        Ok(())
+    }
+
+    /// Copies changed group options into the device optimizer.
+    fn apply_groups(&mut self) -> Result<()> {
+        let groups = lock_groups(&self.groups).clone();
+        if let Some(d) = &mut self.device {
+            if self.device_applied != groups.version() {
+                for g in 0..d.groups() {
+                    let o = groups.get(g);
+                    d.set_group(g, o.lr, o.weight_decay, o.momentum)?;
+                }
+                self.device_applied = groups.version();
+            }
+        }
+        Ok(())
+    }
+
+    /// Clears every gradient (libtorch's `zero_grad(set_to_none)`): device gradients go, the next
+    /// gradient of a streamed parameter replaces its host gradient. Never evicts a block.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        if let Some(d) = &mut self.device {
+            d.zero_grad()?;
+        }
+        // Variables no optimizer holds yet (before the first step, or made since).
+        if self.built.is_some_and(|(n, _, _)| n == self.trainable_count()) {
+            return self.rt.zero_grads();
+        }
+        let vars: Vec<Tensor> = match (&self.cover, &self.origin) {
+            (Cover::Given(list), _) => list.iter().map(|t| t.shallow_clone()).collect(),
+            (Cover::All, Some(o)) => trainable(o).into_iter().map(|t| t.var).collect(),
+            (Cover::All, None) => Vec::new(),
+        };
+        for v in &vars {
+            if v.grad().defined() {
+                set_grad(v, None)?;
+            }
+        }
+        self.rt.zero_grads()
+    }
+
+    /// Steps every trainable variable: device ones now, streamed blocks on the host worker in
+    /// the order the next forward needs them (it returns before they finish; a block is not
+    /// loaded before its step has run). Clips first when [`set_grad_clip`](Self::set_grad_clip)
+    /// asked for it.
+    pub fn step(&mut self) -> Result<()> {
+        self.ensure_built()?;
+        self.check_coverage()?;
+        self.apply_groups()?;
+        match self.clip {
+            Some(GradClip::Value(max)) => self.clip_grad_value(max)?,
+            Some(GradClip::Norm(max)) => {
+                self.clip_grad_norm(max)?;
+            }
+            None => {}
+        }
+        if let Some(d) = &mut self.device {
+            d.step()?;
+        }
+        let mut make = job_maker(self.host.clone(), self.groups.clone());
+        self.rt.lock().submit_updates(|id, received, ready| make(id, received, ready))
+    }
+
+    /// Declares that an optimizer step follows the next backward: the host steps of streamed
+    /// blocks then start while backward is still running (each as soon as backward has left
+    /// its block), instead of when [`step`](Self::step) is called. `step` must follow. A no-op
+    /// while gradients are clipped (clipping needs every gradient first).
+    pub fn overlap_next_backward(&mut self) -> Result<()> {
+        if self.clip.is_some() {
+            return Ok(());
+        }
+        self.ensure_built()?;
+        self.rt.lock().arm_updates(job_maker(self.host.clone(), self.groups.clone()))
+    }
+
+    /// `zero_grad`, `backward` of `loss`, `step` (tch's `backward_step`), with the host steps
+    /// overlapping the backward.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        self.zero_grad()?;
+        self.overlap_next_backward()?;
+        loss.f_backward()?;
+        self.rt.after_backward()?;
+        self.step()
+    }
+
+    /// `zero_grad`, `backward`, every gradient element clamped to `[-max, max]`, `step` (tch's
+    /// `backward_step_clip`).
+    pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<()> {
+        self.zero_grad()?;
+        loss.f_backward()?;
+        self.rt.after_backward()?;
+        self.clip_grad_value(max)?;
+        self.step()
+    }
+
+    /// `zero_grad`, `backward`, gradients scaled to a total norm of at most `max`, `step` (tch's
+    /// `backward_step_clip_norm`).
+    pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<()> {
+        self.zero_grad()?;
+        loss.f_backward()?;
+        self.rt.after_backward()?;
+        self.clip_grad_norm(max)?;
+        self.step()
+    }
+
+    /// Sets the learning rate of every group (and of groups made later).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        lock_groups(&self.groups).set_all(|o| o.lr = lr);
+        Ok(())
+    }
+
+    /// Sets the learning rate of one group.
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
+        lock_groups(&self.groups).set(group, "set_lr_group", |o| o.lr = lr)
+    }
+
+    /// Sets the momentum of every group (Adam's `beta1`, as tch's `set_momentum`).
+    pub fn set_momentum(&mut self, momentum: f64) -> Result<()> {
+        lock_groups(&self.groups).set_all(|o| o.momentum = momentum);
+        Ok(())
+    }
+
+    /// Sets the momentum of one group.
+    pub fn set_momentum_group(&mut self, group: usize, momentum: f64) -> Result<()> {
+        lock_groups(&self.groups).set(group, "set_momentum_group", |o| o.momentum = momentum)
+    }
+
+    /// Sets the weight decay of every group.
+    pub fn set_weight_decay(&mut self, weight_decay: f64) -> Result<()> {
+        lock_groups(&self.groups).set_all(|o| o.weight_decay = weight_decay);
+        Ok(())
+    }
+
+    /// Sets the weight decay of one group (tch's `set_weight_decay_group`, for the groups made
+    /// with `Path::set_group`).
+    pub fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) -> Result<()> {
+        lock_groups(&self.groups).set(group, "set_weight_decay_group", |o| o.weight_decay = weight_decay)
+    }
+
+    /// The options of `group` now.
+    pub fn group_options(&self, group: usize) -> super::GroupOptions {
+        lock_groups(&self.groups).get(group)
+    }
+
+    /// Waits until every host step has run (for reading weights back, or timing).
+    pub fn wait(&self) -> Result<std::time::Duration> {
+        self.stepper.wait_all()
+    }
+
+    /// Time the host worker spent stepping since the last call.
+    pub fn take_host_busy(&self) -> std::time::Duration {
+        self.stepper.take_busy()
+    }
+}

@@ -1,0 +1,133 @@
+//! Managed parameters' values outside a step: read for checkpoints and snapshots (never a
+//! placeholder), written when a checkpoint is loaded, and written back from the device before a
+//! resident block's device copy goes (a resident block trains on the device, so its device copy
+//! is the canonical one while it is there).
+
+use super::super::block::{Placement, Source};
+use super::{Scheduler, StepState};
+use crate::error::{Error, Result};
+use crate::events::{BlockId, BlockState, EvictionReason};
+use std::sync::Arc;
+use tch::Tensor;
+
+impl Scheduler {
+    /// The canonical value of parameter `i` of `id`, after any pending host optimizer step of
+    /// the block, sharing memory where it can (see `Block::value`). Valid until the next step
+    /// or load. Also after shutdown (the host copy then holds every block's final values).
+    pub(crate) fn param_value(&self, id: BlockId, i: usize) -> Result<Tensor> {
+        if let Some(s) = &self.stepper {
+            s.wait(id)?;
+        }
+        self.block(id)?.value(i)
+    }
+
+    /// Makes `value` the canonical value of parameter `i` of `id` (a checkpoint being loaded).
+    /// Only between steps. The shape and dtype must be the parameter's. A streamed block's host
+    /// copy is written (a copy of it on the device is dropped first); a resident block on the
+    /// device is written there and in its host copy; a file-backed block is frozen and its file
+    /// is its value, so a different value is refused.
+    pub(crate) fn set_param(&mut self, id: BlockId, i: usize, value: &Tensor) -> Result<()> {
+        self.check_live()?;
+        let name = {
+            let b = self.block(id)?;
+            let p = b
+                .spec
+                .params
+                .get(i)
+                .ok_or_else(|| Error::UnknownBlock(format!("{} parameter {i}", b.spec.name)))?;
+            if value.size() != p.shape || value.kind() != p.kind {
+                return Err(Error::misuse(
+                    format!("loading '{}' as {:?} {:?}", p.name, value.kind(), value.size()),
+                    format!("the parameter's dtype and shape, {:?} {:?}", p.kind, p.shape),
+                ));
+            }
+            p.name.clone()
+        };
+        if matches!(self.state, StepState::Open { .. }) {
+            return Err(Error::misuse(
+                format!("loading '{name}' during step {}", self.step + 1),
+                "load a checkpoint between steps",
+            ));
+        }
+        if let Some(s) = &self.stepper {
+            s.wait(id)?;
+        }
+        let on_device = matches!(self.blocks[id.0 as usize].placement, Some(Placement::Own(_)));
+        if let Source::File(f) = &self.blocks[id.0 as usize].source {
+            let p = &self.blocks[id.0 as usize].spec.params[i];
+            if f.read_param(i, p)?.equal(value) {
+                return Ok(());
+            }
+            return Err(Error::misuse(
+                format!("loading a new value into '{name}'"),
+                format!(
+                    "its value in the file it streams from ({}): a file-backed block is frozen; load a checkpoint with the file's values for it, or do not back that block with a file",
+                    f.path()
+                ),
+            ));
+        }
+        if on_device {
+            let var = self.blocks[id.0 as usize].vars[i].shallow_clone();
+            tch::no_grad(|| var.detach().f_copy_(value))?;
+        } else {
+            match self.residency.state(id)? {
+                BlockState::Unloaded => {}
+                BlockState::Prefetching => {
+                    self.finalize(id, false)?;
+                    self.evict(id, EvictionReason::Explicit, 0.0)?;
+                }
+                BlockState::GpuReady if self.residency.can_evict(id) => self.evict(id, EvictionReason::Explicit, 0.0)?,
+                s => {
+                    return Err(Error::misuse(
+                        format!("loading '{name}' while its block is '{s}'"),
+                        "load a checkpoint while the model is not running",
+                    ))
+                }
+            }
+        }
+        self.loads.reap(&self.loader);
+        let busy = matches!(&self.blocks[id.0 as usize].source, Source::Host(h) if Arc::strong_count(&h.buf) != 1);
+        if busy {
+            // A copy still reads the host weights: let every load finish first.
+            self.loads.drain(&self.loader)?;
+        }
+        let Source::Host(h) = &self.blocks[id.0 as usize].source else {
+            return Err(Error::internal(format!("block {id} has neither a file nor a host copy")));
+        };
+        if Arc::strong_count(&h.buf) != 1 {
+            return Err(Error::internal(format!("block {id}: a copy still reads its host weights")));
+        }
+        let view = h.views[i].shallow_clone();
+        tch::no_grad(|| view.detach().f_copy_(value))?;
+        Ok(())
+    }
+
+    /// Copies a resident block's device values into its host copy, before its device copy goes
+    /// (a trainable resident block trains on the device; without this its training is lost).
+    pub(super) fn write_back(&mut self, id: BlockId) -> Result<()> {
+        let b = &self.blocks[id.0 as usize];
+        if !b.trainable() || !matches!(b.placement, Some(Placement::Own(_))) {
+            return Ok(());
+        }
+        let Source::Host(h) = &b.source else {
+            return Err(Error::internal(format!("resident block {id} has no host copy")));
+        };
+        tch::no_grad(|| -> Result<()> {
+            for (view, var) in h.views.iter().zip(&b.vars) {
+                view.detach().f_copy_(var)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The host gradients of `id` that arrived in this accumulation window, by parameter index
+    /// (views of the host buffers; complete after `collect_grads`).
+    pub(crate) fn received_grads(&self, id: BlockId) -> Result<Vec<(usize, Tensor)>> {
+        let b = self.block(id)?;
+        Ok(b.grads
+            .iter()
+            .filter(|g| g.received && g.buf.is_some() && !b.resident)
+            .map(|g| (g.param, g.view.shallow_clone()))
+            .collect())
+    }
+}
