@@ -361,7 +361,7 @@ impl Layer {
         self.table.block_of(self.index)
     }
 
-    fn try_run<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+    fn try_run(&self, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
         let block = self.block()?;
         let rt = &self.table.rt;
         if self.hooks {
@@ -376,11 +376,12 @@ impl Layer {
         }
         rt.before_block(block)?;
         let out = f();
+        crate::guards::observe_output(rt.device(), block, &out);
         rt.after_block(block)?;
         Ok(out)
     }
 
-    fn run<T>(&self, f: impl FnOnce() -> T) -> T {
+    fn run(&self, f: impl FnOnce() -> Tensor) -> Tensor {
         // `Module::forward` cannot return an error; like tch's own layers, a failure panics.
         self.try_run(f)
             .unwrap_or_else(|e| panic!("stagehand layer {}: {e}", self.index))

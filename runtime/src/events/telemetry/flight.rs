@@ -196,8 +196,11 @@ impl FlightRecorder {
             sink.on_event(e);
             n += 1;
         }
-        for e in &self.ring {
-            sink.on_event(e);
+        let last = self.ring.len().saturating_sub(1);
+        for (i, e) in self.ring.iter().enumerate() {
+            // The out-of-memory that triggered this dump names it, as the file keeps it too.
+            let named = (i == last && reason == "out_of_memory").then(|| naming_dump(e, &path)).flatten();
+            sink.on_event(named.as_ref().unwrap_or(e));
             n += 1;
         }
         sink.flush();
@@ -215,6 +218,20 @@ impl FlightRecorder {
     /// True when the ring is empty.
     pub fn is_empty(&self) -> bool {
         self.ring.is_empty()
+    }
+}
+
+/// `e` with `dump` set to `path` when it is an out-of-memory report that names no dump yet.
+pub fn naming_dump(e: &Event, path: &Path) -> Option<Event> {
+    match &e.kind {
+        EventKind::OutOfMemory { dump: None, .. } => {
+            let mut named = e.clone();
+            if let EventKind::OutOfMemory { dump, .. } = &mut named.kind {
+                *dump = Some(path.display().to_string());
+            }
+            Some(named)
+        }
+        _ => None,
     }
 }
 
