@@ -21,7 +21,10 @@ const BUDGET: u64 = 1 << 20;
 /// Small enough that no block stays resident.
 const STREAMING_BUDGET: u64 = 12 << 10;
 
-struct Collect(Arc<Mutex<Vec<(Option<BlockId>, String)>>>);
+/// The `non_finite` events seen: block and tensor.
+type Seen = Arc<Mutex<Vec<(Option<BlockId>, String)>>>;
+
+struct Collect(Seen);
 
 impl stagehand::events::EventSink for Collect {
     fn on_event(&mut self, e: &stagehand::events::Event) {
@@ -33,7 +36,7 @@ impl stagehand::events::EventSink for Collect {
 
 struct Run {
     sh: Stagehand,
-    seen: Arc<Mutex<Vec<(Option<BlockId>, String)>>>,
+    seen: Seen,
     layers: Vec<snn::Linear>,
     opt: stagehand::optim::Optimizer,
     _dir: tempfile::TempDir,

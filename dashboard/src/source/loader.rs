@@ -11,7 +11,7 @@ use stagehand::events::jsonl::{Follower, JsonlError, ReadReport, Restart, SkipRe
 use stagehand::events::Event;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,11 +62,8 @@ impl Loader {
     /// The batches that are ready, without waiting.
     pub fn try_batches(&mut self) -> Vec<Batch> {
         let mut out = Vec::new();
-        loop {
-            match self.rx.try_recv() {
-                Ok(b) => out.push(b),
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-            }
+        while let Ok(b) = self.rx.try_recv() {
+            out.push(b);
         }
         out
     }

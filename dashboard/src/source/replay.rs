@@ -17,7 +17,7 @@ use std::time::Instant;
 #[derive(Debug)]
 enum Playback {
     /// Events in memory: `--demo`, tests, and a followed file (appended as it grows).
-    Memory(Replay),
+    Memory(Box<Replay>),
     /// A finished file, read on demand.
     File(Box<FileReplay>),
 }
@@ -62,7 +62,7 @@ impl ReplaySource {
         let (playback, follower) = if follow {
             let mut replay = Replay::new(Vec::new());
             replay.set_following(true);
-            (Playback::Memory(replay), Some(Loader::follow(path)?))
+            (Playback::Memory(Box::new(replay)), Some(Loader::follow(path)?))
         } else {
             (Playback::File(Box::new(FileReplay::open(path)?)), None)
         };
@@ -75,7 +75,7 @@ impl ReplaySource {
         let mut refused = ReadReport::default();
         let n = events.len() as u64;
         let events = vet(events, &mut refused);
-        let mut src = ReplaySource::with(Playback::Memory(Replay::new(events)), PathBuf::from(label), None, None, 0);
+        let mut src = ReplaySource::with(Playback::Memory(Box::new(Replay::new(events))), PathBuf::from(label), None, None, 0);
         src.report = ReadReport { lines: n, events: n, ..Default::default() };
         src.refused = refused;
         src
@@ -185,7 +185,7 @@ impl ReplaySource {
         let Playback::Memory(replay) = &mut self.playback else { return };
         if let Some(why) = b.restarted {
             let (speed, paused) = (replay.speed(), replay.paused());
-            *replay = Replay::new(Vec::new());
+            **replay = Replay::new(Vec::new());
             replay.set_following(true);
             replay.set_speed(speed);
             replay.set_paused(paused);
