@@ -13,18 +13,19 @@ use std::time::{Duration, Instant};
 
 const DEMO: &str = env!("CARGO_BIN_EXE_stagehand-demo");
 
-/// GET `url` (http://HOST:PORT/PATH?QUERY): status and body.
-fn get(url: &str) -> (u16, String) {
+/// GET `url` (http://HOST:PORT/PATH?QUERY), with the token when there is one: status and the
+/// whole answer (head and body).
+fn get(url: &str, token: Option<&str>) -> (u16, String) {
     let rest = url.strip_prefix("http://").expect("an http URL");
     let (host, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(h, p)| (h, format!("/{p}")));
     let mut s = TcpStream::connect(host).expect("connects");
     s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
-    write!(s, "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n").expect("sends");
+    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n").expect("sends");
     let mut text = String::new();
     s.read_to_string(&mut text).expect("reads");
     let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    (status, body)
+    (status, text)
 }
 
 /// The command printed after `label`, split into words.
@@ -93,10 +94,20 @@ fn tui_shows(words: &[String], cwd: &Path, text: &str) {
 
 #[test]
 fn every_printed_command_runs_as_printed() {
+    printed_commands_run(&[]);
+}
+
+#[test]
+fn with_a_token_the_printed_addresses_carry_it() {
+    printed_commands_run(&["--random-token"]);
+}
+
+fn printed_commands_run(extra: &[&str]) {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut demo = Command::new(DEMO)
         .args(["--steps", "4", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2"])
         .args(["--budget-mib", "4", "--cpu", "--addr", "127.0.0.1:0", "--compress", "--keep-serving"])
+        .args(extra)
         .current_dir(dir.path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -111,14 +122,30 @@ fn every_printed_command_runs_as_printed() {
 
     // While it serves: the addresses answer, and the live TUI shows the finished run.
     let dashboard = command(&lines, "dashboard");
-    assert_eq!(get(&dashboard[0]).0, 200, "{dashboard:?}");
+    // The page's address works as printed: the page, or with a token, the browser's cookie and
+    // the way to the page without the token in its address.
+    let token = dashboard[0].split_once("?token=").map(|(_, t)| t.to_owned());
+    assert_eq!(token.is_some(), !extra.is_empty(), "{dashboard:?}");
+    let (status, page) = get(&dashboard[0], None);
+    match &token {
+        None => assert_eq!(status, 200, "{page}"),
+        Some(t) => {
+            assert_eq!(status, 303, "{page}");
+            assert!(page.to_ascii_lowercase().contains(&format!("={t}; path=/")), "{page}");
+        }
+    }
     let metrics = command(&lines, "metrics");
-    let (status, body) = get(&metrics[0]);
+    if let Some(t) = &token {
+        assert!(metrics.join(" ").contains(&format!("'Authorization: Bearer {t}'")), "{metrics:?}");
+        assert_eq!(get(&metrics[0], None).0, 401, "the token is needed");
+    }
+    let (status, body) = get(&metrics[0], token.as_deref());
     let step = body.lines().find(|l| l.starts_with("stagehand_step{")).and_then(|l| l.rsplit(' ').next());
     assert_eq!((status, step), (200, Some("4")), "{body}");
     let base = metrics[0].trim_end_matches("/metrics");
-    let (_, run) = get(&format!("{base}/api/run"));
-    let run: serde_json::Value = serde_json::from_str(&run).expect("/api/run is JSON");
+    let (_, run) = get(&format!("{base}/api/run"), token.as_deref());
+    let run = run.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let run: serde_json::Value = serde_json::from_str(run).expect("/api/run is JSON");
     let memory = &run["run"]["config"]["memory"];
     assert!(memory.is_object() && memory["mode"] == "stagehand", "structured: {run}");
     assert_eq!(run["run"]["config"]["telemetry"]["level"], "summary", "{run}");

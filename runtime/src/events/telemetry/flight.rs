@@ -24,6 +24,8 @@ pub const DEFAULT_MAX_EVENTS: usize = 100_000;
 pub const DEFAULT_STALL_MS: f64 = 100.0;
 /// Least run time between two dumps of the same reason.
 pub const DEFAULT_MIN_INTERVAL_S: f64 = 300.0;
+/// Taken dump numbers passed over at most before giving up (the open then says why).
+const MAX_NAME_TRIES: u32 = 1000;
 /// The rate-limit key shared by every dump on request.
 const REQUEST: &str = " request";
 
@@ -185,10 +187,18 @@ impl FlightRecorder {
     /// Writes the ring (after the preamble) to a new file.
     pub fn dump(&mut self, reason: &str) -> Result<Dump, JsonlError> {
         let reason = sanitize_reason(reason);
-        self.dumps += 1;
-        let path = self
-            .dir
-            .join(format!("{}.flight-{:04}-{reason}.jsonl", self.stem, self.dumps));
+        // Numbers already taken (an earlier run under the same name) are passed over: a dump
+        // never overwrites, and never fails for a name it could have avoided.
+        let mut path;
+        let mut tries = 0;
+        loop {
+            self.dumps += 1;
+            path = self.dir.join(format!("{}.flight-{:04}-{reason}.jsonl", self.stem, self.dumps));
+            tries += 1;
+            if !path.exists() || tries >= MAX_NAME_TRIES {
+                break;
+            }
+        }
         let mut sink = JsonlSink::open(&path, OpenMode::CreateNew)?;
         let first = self.ring.front().map_or(u64::MAX, |e| e.seq);
         let mut n = 0;
