@@ -37,8 +37,12 @@ fn command(lines: &[String], label: &str) -> Vec<String> {
     line.trim_start()[label.len()..].split_whitespace().map(str::to_owned).collect()
 }
 
-/// Whether a printed program can run here: a path that exists, or a name found on PATH.
+/// Whether a printed program can run here at once: a path that exists, or a name found on PATH
+/// (not `cargo run`, which the demo prints when the program is not built: it would build it).
 fn runnable(program: &str) -> bool {
+    if program == "cargo" {
+        return false;
+    }
     if program.contains('/') {
         return Path::new(program).exists();
     }

@@ -73,17 +73,23 @@ fn parse_level(s: &str) -> Result<Level, String> {
 }
 
 /// How to run a sibling binary as printed: its path when it was built beside this one (as
-/// `scripts/demo` does), else its name (installed on PATH).
-fn sibling(name: &str) -> String {
-    std::env::current_exe()
+/// `scripts/demo` does), its name when it is installed on PATH, else the cargo command that
+/// builds and runs it from the repository (where `scripts/demo` runs).
+fn sibling(name: &str, package: &str) -> String {
+    let beside = std::env::current_exe()
         .ok()
         .and_then(|p| p.parent().map(|d| d.join(name)))
-        .filter(|p| p.exists())
-        .map(|p| {
-            let cwd = std::env::current_dir().unwrap_or_default();
-            p.strip_prefix(&cwd).map(Path::to_path_buf).unwrap_or(p).display().to_string()
-        })
-        .unwrap_or_else(|| name.to_owned())
+        .filter(|p| p.exists());
+    if let Some(p) = beside {
+        let cwd = std::env::current_dir().unwrap_or_default();
+        return p.strip_prefix(&cwd).map(Path::to_path_buf).unwrap_or(p).display().to_string();
+    }
+    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()));
+    if on_path {
+        name.to_owned()
+    } else {
+        format!("cargo run --release -q -p {package} --bin {name} --")
+    }
 }
 
 fn main() -> Result<()> {
@@ -156,7 +162,7 @@ fn main() -> Result<()> {
                 None => url.clone(),
                 Some(t) => format!("{url}/api/stream?token={t}"),
             };
-            println!("  live TUI   {} --connect {connect}", sibling("stagehand-top"));
+            println!("  live TUI   {} --connect {connect}", sibling("stagehand-top", "stagehand-dashboard"));
         }
     }
     if writes_file {
@@ -174,8 +180,8 @@ fn main() -> Result<()> {
         println!("  otlp       metrics and step spans to the OTEL_EXPORTER_OTLP_* endpoint");
     }
     if writes_file {
-        println!("  replay it  {} --replay {}", sibling("stagehand-top"), out.display());
-        println!("  trace it   {} {}", sibling("stagehand-trace"), out.display());
+        println!("  replay it  {} --replay {}", sibling("stagehand-top", "stagehand-dashboard"), out.display());
+        println!("  trace it   {} {}", sibling("stagehand-trace", "stagehand-exporter"), out.display());
     }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     match cfg.memory {
