@@ -101,7 +101,7 @@ fn main() {
     let t = Instant::now();
     let mut src = ReplaySource::open_in_background(&path, false).expect("opens");
     let mut out = Vec::new();
-    while src.replay().is_empty() {
+    while src.is_empty() {
         src.poll(Instant::now(), &mut out);
     }
     let first = t.elapsed();
@@ -110,7 +110,7 @@ fn main() {
     println!(
         "replay of a {:.0} MB file ({} events): first events after {:.1?}, all after {:.2?} ({:.0} MB/s)",
         text.len() as f64 / 1e6,
-        src.replay().len(),
+        src.len(),
         first,
         all,
         text.len() as f64 / 1e6 / all.as_secs_f64()

@@ -120,8 +120,9 @@ impl Summary {
     }
 }
 
-/// Publishes `run_started` for this run on `bus`, with its configuration as structured JSON.
-pub fn announce(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str) {
+/// The run's configuration as structured JSON: the training settings, the model, and how its
+/// memory is managed (`memory.mode`, the budget, the Conductor).
+pub fn run_config(cfg: &TrainConfig) -> serde_json::Value {
     let mut config = serde_json::to_value(cfg).unwrap_or_default();
     if let Some(o) = config.as_object_mut() {
         let m = &cfg.model;
@@ -132,6 +133,31 @@ pub fn announce(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str) {
                 "seq": m.block_size, "vocab": m.vocab, "parameters": m.parameters(),
             }),
         );
+        let streamed = cfg.memory == Memory::Stagehand;
+        o.insert(
+            "memory".into(),
+            serde_json::json!({
+                "mode": cfg.memory,
+                "budget_bytes": cfg.budget_bytes,
+                "streams_weights": streamed,
+                "spills_activations": streamed,
+                "conductor": streamed && cfg.conductor,
+            }),
+        );
+    }
+    config
+}
+
+/// Publishes `run_started` for this run on `bus`, with its configuration as structured JSON.
+pub fn announce(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str) {
+    announce_with(bus, cfg, device, run_id, serde_json::Value::Null);
+}
+
+/// [`announce`], with `extra`'s fields (an object) added to the configuration.
+pub fn announce_with(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str, extra: serde_json::Value) {
+    let mut config = run_config(cfg);
+    if let (Some(o), serde_json::Value::Object(extra)) = (config.as_object_mut(), extra) {
+        o.extend(extra);
     }
     bus.publish(EventKind::RunStarted {
         run_id: run_id.to_owned(),
@@ -265,4 +291,22 @@ pub fn train_stagehand(
     s.plan = sh.plan();
     sh.finish()?;
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configuration_is_structured_json() {
+        let c = run_config(&TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20));
+        assert_eq!(c["memory"]["mode"], "stagehand");
+        assert_eq!(c["memory"]["budget_bytes"], 16u64 << 20);
+        assert_eq!(c["memory"]["conductor"], true);
+        assert_eq!(c["model"]["layers"], 2);
+        let mut r = TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20);
+        r.memory = Memory::Resident;
+        let c = run_config(&r);
+        assert_eq!((c["memory"]["mode"].as_str(), c["memory"]["conductor"].as_bool()), (Some("resident"), Some(false)));
+    }
 }

@@ -72,6 +72,24 @@ pub enum Error {
     /// The Conductor refused a call (a phase out of order, an adapter registered twice).
     #[error("conductor: {0}")]
     Conductor(#[from] crate::conductor::Error),
+    /// A device allocation of the runtime's own did not fit: on the host device, the simulated
+    /// VRAM budget is spent (a CUDA device reports its own out-of-memory through libtorch).
+    #[error("device out of memory: {what} needs {requested_bytes} bytes but {allocated_bytes} of {budget_bytes} bytes are in use")]
+    DeviceFull {
+        what: String,
+        requested_bytes: u64,
+        allocated_bytes: u64,
+        budget_bytes: u64,
+    },
+    /// A step ran out of device memory: what held the device at that moment, what the runtime
+    /// was about to do, and the flight record written for it (see
+    /// [`OomReport`](crate::session::OomReport)).
+    #[cfg(feature = "torch")]
+    #[error("{0}")]
+    OutOfMemory(Box<crate::session::OomReport>),
+    /// Attaching the telemetry file or the flight recorder failed.
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] crate::events::telemetry::TelemetryError),
 }
 
 impl Error {

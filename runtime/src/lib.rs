@@ -8,6 +8,8 @@ pub mod device;
 pub mod error;
 pub mod events;
 #[cfg(feature = "torch")]
+pub mod guards;
+#[cfg(feature = "torch")]
 pub mod activations;
 #[cfg(feature = "torch")]
 pub mod nn;
@@ -28,4 +30,4 @@ pub mod weights;
 
 pub use error::{Error, Result};
 #[cfg(feature = "torch")]
-pub use session::{Plan, Stagehand, StagehandBuilder, StepReport};
+pub use session::{OomReport, Plan, Stagehand, StagehandBuilder, StepReport};

@@ -1,133 +1,207 @@
-//! A telemetry file played through the runtime's [`Replay`] controller, read in the background
-//! (and followed as it grows, with `--follow`).
+//! A telemetry file played through the runtime's replays: a finished file through
+//! [`FileReplay`] (indexed in the background, bounded memory, the first screen at once and seeks
+//! from the nearest checkpoint), a file still being written (`--follow`) through [`Replay`] fed
+//! by the runtime's [`Follower`](stagehand::events::jsonl::Follower), and events already in
+//! memory (`--demo`, tests) through [`Replay`].
 
-use super::loader::{Batch, Input, Loader};
+use super::loader::{vet, with_refusals, Batch, Loader};
 use super::{Error, Source};
 use crate::app::{Control, Loading, ReplayInfo, SourceStatus, Update, RECENT_EVENTS};
-use stagehand::events::jsonl::{JsonlError, ReadReport};
-use stagehand::events::replay::Change;
-use stagehand::events::{Event, Replay, Snapshot};
-use std::io::Read;
+use stagehand::events::jsonl::{JsonlError, ReadReport, Restart};
+use stagehand::events::replay::{Change, FileReplay, Played};
+use stagehand::events::{Event, Replay, ReplayStatus, Snapshot};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// A telemetry file played through [`Replay`], optionally followed as it grows.
+/// What plays the events.
+#[derive(Debug)]
+enum Playback {
+    /// Events in memory: `--demo`, tests, and a followed file (appended as it grows).
+    Memory(Box<Replay>),
+    /// A finished file, read on demand.
+    File(Box<FileReplay>),
+}
+
+/// A telemetry file (or events in memory) played for the state.
 #[derive(Debug)]
 pub struct ReplaySource {
-    replay: Replay,
+    playback: Playback,
     path: PathBuf,
+    /// What reading found (the follower's report; the file replay's is read from its index).
     report: ReadReport,
-    loader: Option<Loader>,
-    /// While the initial read goes on: how far it is.
+    /// Events refused as implausible, counted into the report.
+    refused: ReadReport,
+    /// The highest sequence number vetted so far: a seek back plays events again, and their
+    /// refusals are counted once.
+    vetted_seq: Option<u64>,
+    follower: Option<Loader>,
+    /// While a followed file's existing content is read: how far.
     loading: Option<Loading>,
+    /// The size of the file when it was opened.
+    total_bytes: u64,
+    restarts: Vec<Restart>,
     error: Option<String>,
 }
 
 impl ReplaySource {
     /// Reads `path` to its end (following it afterwards when `follow`), ready to play from the
-    /// start. For a large file, [`ReplaySource::open_in_background`] shows the first events
-    /// sooner.
+    /// start. [`ReplaySource::open_in_background`] shows the first events sooner.
     pub fn open(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
         let mut src = ReplaySource::open_in_background(path, follow)?;
         src.finish_loading();
         Ok(src)
     }
 
-    /// Starts reading `path` in the background (following it when `follow`), ready to play
-    /// from the start: events come in as they are read, with the progress in the status. Fails
-    /// at once when the file cannot be opened.
+    /// Opens `path` (plain or zstd), ready to play from the start while the rest is read in the
+    /// background, with the progress in the status; with `follow`, keeps reading as the file
+    /// grows (across rotated segments). Fails at once when the file cannot be opened.
     pub fn open_in_background(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
-        let io = |source| Error::Jsonl(JsonlError::Io { path: path.to_path_buf(), source });
-        let file = std::fs::File::open(path).map_err(io)?;
-        let total = file.metadata().map_err(io)?.len();
-        let loader = Loader::start(Input::File { file, follow }).map_err(io)?;
-        Ok(ReplaySource::loading(loader, path.to_path_buf(), total, follow))
-    }
-
-    /// Reads events from `reader` in the background, as from a file of `total_bytes` (tests,
-    /// and readers other than files).
-    pub fn from_reader(reader: impl Read + Send + 'static, total_bytes: u64, label: &str) -> Result<ReplaySource, Error> {
-        let loader = Loader::start(Input::Reader(Box::new(reader)))
-            .map_err(|source| Error::Jsonl(JsonlError::Io { path: PathBuf::from(label), source }))?;
-        Ok(ReplaySource::loading(loader, PathBuf::from(label), total_bytes, false))
-    }
-
-    fn loading(loader: Loader, path: PathBuf, total_bytes: u64, follow: bool) -> ReplaySource {
-        let mut replay = Replay::new(Vec::new());
-        replay.set_following(follow);
-        ReplaySource {
-            replay,
-            path,
-            report: ReadReport::default(),
-            loader: Some(loader),
-            loading: Some(Loading { bytes_read: 0, total_bytes, events: 0 }),
-            error: None,
-        }
+        let total_bytes = std::fs::metadata(path)
+            .map_err(|source| Error::Jsonl(JsonlError::Io { path: path.to_path_buf(), source }))?
+            .len();
+        let (playback, follower) = if follow {
+            let mut replay = Replay::new(Vec::new());
+            replay.set_following(true);
+            (Playback::Memory(Box::new(replay)), Some(Loader::follow(path)?))
+        } else {
+            (Playback::File(Box::new(FileReplay::open(path)?)), None)
+        };
+        let loading = follow.then_some(Loading { bytes_read: 0, total_bytes, events: 0 });
+        Ok(ReplaySource::with(playback, path.to_path_buf(), follower, loading, total_bytes))
     }
 
     /// A replay of events already in memory (tests, benchmarks, `--demo`).
     pub fn from_events(events: Vec<Event>, label: &str) -> ReplaySource {
-        let report = ReadReport {
-            lines: events.len() as u64,
-            events: events.len() as u64,
-            ..Default::default()
-        };
+        let mut refused = ReadReport::default();
+        let n = events.len() as u64;
+        let events = vet(events, &mut refused);
+        let mut src = ReplaySource::with(Playback::Memory(Box::new(Replay::new(events))), PathBuf::from(label), None, None, 0);
+        src.report = ReadReport { lines: n, events: n, ..Default::default() };
+        src.refused = refused;
+        src
+    }
+
+    fn with(
+        playback: Playback,
+        path: PathBuf,
+        follower: Option<Loader>,
+        loading: Option<Loading>,
+        total_bytes: u64,
+    ) -> ReplaySource {
         ReplaySource {
-            replay: Replay::new(events),
-            path: PathBuf::from(label),
-            report,
-            loader: None,
-            loading: None,
+            playback,
+            path,
+            report: ReadReport::default(),
+            refused: ReadReport::default(),
+            vetted_seq: None,
+            follower,
+            loading,
+            total_bytes,
+            restarts: Vec::new(),
             error: None,
         }
     }
 
     /// Sets the playback speed and whether to start paused.
     pub fn configure(&mut self, speed: f64, paused: bool) {
-        self.replay.set_speed(speed);
-        self.replay.set_paused(paused);
-    }
-
-    /// The replay controller.
-    pub fn replay(&self) -> &Replay {
-        &self.replay
-    }
-
-    /// What reading the file found so far.
-    pub fn report(&self) -> &ReadReport {
-        &self.report
-    }
-
-    /// Whether the initial read is still going on.
-    pub fn is_loading(&self) -> bool {
-        self.loading.is_some()
-    }
-
-    /// Blocks until the initial read has reached the end of the file (tests, and callers that
-    /// want the whole file before they start).
-    pub fn finish_loading(&mut self) {
-        while self.loading.is_some() {
-            let Some(loader) = &mut self.loader else { break };
-            match loader.wait_batch() {
-                Some(b) => self.take(b),
-                None => {
-                    self.loading = None;
-                    self.loader = None;
-                }
+        match &mut self.playback {
+            Playback::Memory(r) => {
+                r.set_speed(speed);
+                r.set_paused(paused);
+            }
+            Playback::File(r) => {
+                r.set_speed(speed);
+                r.set_paused(paused);
             }
         }
     }
 
-    fn take(&mut self, b: Batch) {
+    /// Where the replay is.
+    pub fn replay_status(&self) -> ReplayStatus {
+        match &self.playback {
+            Playback::Memory(r) => r.status(),
+            Playback::File(r) => r.status(),
+        }
+    }
+
+    /// Events known so far.
+    pub fn len(&self) -> usize {
+        self.replay_status().total
+    }
+
+    /// True when no event is known yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Events applied so far.
+    pub fn position(&self) -> usize {
+        self.replay_status().position
+    }
+
+    /// The state after the events applied so far.
+    pub fn snapshot(&self) -> &Snapshot {
+        match &self.playback {
+            Playback::Memory(r) => r.snapshot(),
+            Playback::File(r) => r.snapshot(),
+        }
+    }
+
+    /// What reading the file found so far, refused events included.
+    pub fn report(&self) -> ReadReport {
+        let read = match &self.playback {
+            Playback::File(r) => r.report().0,
+            Playback::Memory(_) => self.report.clone(),
+        };
+        with_refusals(&read, &self.refused)
+    }
+
+    /// Whether the file is still being read for the first time.
+    pub fn is_loading(&self) -> bool {
+        match &self.playback {
+            Playback::File(r) => !r.indexed(),
+            Playback::Memory(_) => self.loading.is_some(),
+        }
+    }
+
+    /// Blocks until the file has been read to its end once (tests, and callers that want the
+    /// whole file before they start).
+    pub fn finish_loading(&mut self) {
+        if let Playback::File(r) = &self.playback {
+            r.wait_indexed();
+            return;
+        }
+        while self.loading.is_some() {
+            let Some(loader) = &mut self.follower else { break };
+            match loader.wait_batch() {
+                Some(b) => self.take(b, &mut Vec::new()),
+                None => self.loading = None,
+            }
+        }
+    }
+
+    /// Takes a followed file's batch; a restart resets the state to the new run's start.
+    fn take(&mut self, b: Batch, out: &mut Vec<Update>) {
+        let Playback::Memory(replay) = &mut self.playback else { return };
+        if let Some(why) = b.restarted {
+            let (speed, paused) = (replay.speed(), replay.paused());
+            **replay = Replay::new(Vec::new());
+            replay.set_following(true);
+            replay.set_speed(speed);
+            replay.set_paused(paused);
+            self.restarts.push(why);
+            out.push(Update::Reset { snapshot: Box::new(Snapshot::new()), history: Some(Vec::new()) });
+        }
         if !b.events.is_empty() {
-            self.replay.append(b.events);
+            replay.append(b.events);
         }
         self.report = b.report;
         if let Some(l) = &mut self.loading {
             l.bytes_read = b.bytes_read;
+            l.total_bytes = l.total_bytes.max(b.bytes_read);
             l.events = self.report.events;
         }
-        if b.done {
+        if b.caught_up {
             self.loading = None;
         }
         if let Some(e) = b.error {
@@ -136,247 +210,185 @@ impl ReplaySource {
         }
     }
 
-    fn push_change(&self, change: Change, out: &mut Vec<Update>) {
-        let events = self.replay.events();
+    /// The events of a replayed range as updates, vetted (a file is as untrusted as a server).
+    fn push_events(&mut self, events: Vec<Event>, out: &mut Vec<Update>) {
+        for e in events {
+            let seq = e.seq;
+            match super::live::vet_event(&e) {
+                Ok(()) => out.push(Update::Event(Box::new(e))),
+                Err(why) if self.vetted_seq.is_none_or(|s| seq > s) => {
+                    self.refused.skip(0, stagehand::events::jsonl::SkipReason::InvalidValue, format!("implausible: {why}"));
+                }
+                Err(_) => {}
+            }
+            self.vetted_seq = Some(self.vetted_seq.map_or(seq, |s| s.max(seq)));
+        }
+    }
+
+    /// A resync from the replay's snapshot and its recent events.
+    fn push_reset(&mut self, out: &mut Vec<Update>) {
+        let (snapshot, history): (Snapshot, Vec<Event>) = match &self.playback {
+            Playback::Memory(r) => {
+                let pos = r.position();
+                (r.snapshot().clone(), r.events()[pos.saturating_sub(RECENT_EVENTS)..pos].to_vec())
+            }
+            Playback::File(r) => {
+                let skip = r.recent().len().saturating_sub(RECENT_EVENTS);
+                (r.snapshot().clone(), r.recent().iter().skip(skip).cloned().collect())
+            }
+        };
+        if let Err(why) = super::live::vet_snapshot(&snapshot) {
+            self.error = Some(format!("refused an implausible state: {why}"));
+            return;
+        }
+        let history = history.into_iter().filter(|e| super::live::vet_event(e).is_ok()).collect();
+        out.push(Update::Reset { snapshot: Box::new(snapshot), history: Some(history) });
+    }
+
+    fn push_change(&mut self, change: Change, out: &mut Vec<Update>) {
         match change {
             Change::None => {}
             // A long jump forward resyncs from the replay's snapshot rather than re-applying.
             Change::Advanced(r) if r.len() <= RECENT_EVENTS => {
-                out.extend(events[r].iter().map(|e| Update::Event(Box::new(e.clone()))));
+                let Playback::Memory(replay) = &self.playback else { return };
+                let events = replay.events()[r].to_vec();
+                self.push_events(events, out);
             }
-            Change::Advanced(_) | Change::Reset => {
-                let pos = self.replay.position();
-                out.push(Update::Reset {
-                    snapshot: Box::new(self.replay.snapshot().clone()),
-                    history: Some(events[pos.saturating_sub(RECENT_EVENTS)..pos].to_vec()),
-                });
-            }
+            Change::Advanced(_) | Change::Reset => self.push_reset(out),
+        }
+    }
+
+    fn push_played(&mut self, played: Result<Played, JsonlError>, out: &mut Vec<Update>) {
+        match played {
+            Ok(Played::None) => {}
+            Ok(Played::Advanced(events)) => self.push_events(events, out),
+            Ok(Played::Reset) => self.push_reset(out),
+            Err(e) => self.error = Some(e.to_string()),
         }
     }
 }
 
 impl Source for ReplaySource {
     fn poll(&mut self, now: Instant, out: &mut Vec<Update>) {
-        if let Some(loader) = &mut self.loader {
+        if let Some(loader) = &mut self.follower {
             for b in loader.try_batches() {
-                self.take(b);
+                self.take(b, out);
             }
         }
-        let change = self.replay.tick(now);
-        self.push_change(change, out);
+        match &mut self.playback {
+            Playback::Memory(r) => {
+                let change = r.tick(now);
+                self.push_change(change, out);
+            }
+            Playback::File(r) => {
+                let played = r.tick(now);
+                self.push_played(played, out);
+            }
+        }
     }
 
     fn control(&mut self, c: Control, out: &mut Vec<Update>) {
-        let r = &mut self.replay;
-        let change = match c {
-            Control::TogglePause => {
-                r.toggle_pause();
-                Change::None
+        match &mut self.playback {
+            Playback::Memory(r) => {
+                let change = match c {
+                    Control::TogglePause => {
+                        r.toggle_pause();
+                        Change::None
+                    }
+                    Control::StepEvents(n) => r.step_events(n),
+                    Control::StepTraining(n) => r.step_training(n),
+                    Control::SeekFraction(d) => {
+                        let at = if r.is_empty() { 0.0 } else { r.position() as f64 / r.len() as f64 };
+                        r.seek_fraction(at + d)
+                    }
+                    Control::Faster => {
+                        r.faster();
+                        Change::None
+                    }
+                    Control::Slower => {
+                        r.slower();
+                        Change::None
+                    }
+                    Control::ToStart => r.to_start(),
+                    Control::ToEnd => r.to_end(),
+                };
+                self.push_change(change, out);
             }
-            Control::StepEvents(n) => r.step_events(n),
-            Control::StepTraining(n) => r.step_training(n),
-            Control::SeekFraction(d) => {
-                let at = if r.is_empty() { 0.0 } else { r.position() as f64 / r.len() as f64 };
-                r.seek_fraction(at + d)
+            Playback::File(r) => {
+                let played = match c {
+                    Control::TogglePause => {
+                        r.toggle_pause();
+                        Ok(Played::None)
+                    }
+                    Control::StepEvents(n) => r.step_events(n),
+                    Control::StepTraining(n) => r.step_training(n),
+                    Control::SeekFraction(d) => {
+                        let at = if r.is_empty() { 0.0 } else { r.position() as f64 / r.len() as f64 };
+                        r.seek_fraction(at + d)
+                    }
+                    Control::Faster => {
+                        r.faster();
+                        Ok(Played::None)
+                    }
+                    Control::Slower => {
+                        r.slower();
+                        Ok(Played::None)
+                    }
+                    Control::ToStart => r.to_start(),
+                    Control::ToEnd => r.to_end(),
+                };
+                self.push_played(played, out);
             }
-            Control::Faster => {
-                r.faster();
-                Change::None
-            }
-            Control::Slower => {
-                r.slower();
-                Change::None
-            }
-            Control::ToStart => r.to_start(),
-            Control::ToEnd => r.to_end(),
-        };
-        self.push_change(change, out);
+        }
     }
 
     fn status(&self) -> SourceStatus {
-        let mut report = self.report.summary();
-        if let Some(e) = &self.error {
-            report.push_str(&format!("; {e}"));
+        let report = self.report();
+        let mut line = report.summary();
+        for why in &self.restarts {
+            line.push_str(match why {
+                Restart::Truncated => "; the file was truncated and written again: started over",
+                Restart::Replaced => "; the file was replaced: started over",
+            });
         }
+        let index_error = match &self.playback {
+            Playback::File(r) => r.report().1,
+            Playback::Memory(_) => None,
+        };
+        for e in self.error.iter().chain(index_error.iter()) {
+            line.push_str(&format!("; {e}"));
+        }
+        let loading = match &self.playback {
+            Playback::File(r) if !r.indexed() => Some(Loading {
+                bytes_read: r.indexed_bytes().min(self.total_bytes),
+                total_bytes: self.total_bytes,
+                events: r.len() as u64,
+            }),
+            Playback::File(_) => None,
+            Playback::Memory(_) => self.loading,
+        };
         SourceStatus::Replay(ReplayInfo {
             path: self.path.display().to_string(),
-            status: self.replay.status(),
-            report,
-            skipped: self.report.skipped_total,
-            loading: self.loading,
+            status: self.replay_status(),
+            report: line,
+            skipped: report.skipped_total,
+            loading,
         })
     }
 
     fn paused(&self) -> bool {
-        self.replay.paused()
+        match &self.playback {
+            Playback::Memory(r) => r.paused(),
+            Playback::File(r) => r.paused(),
+        }
     }
 }
 
-/// The state a replay source shows after `n` events, for tests: the replay's own snapshot.
+/// The state a replay source shows after the events applied so far, for tests: the replay's
+/// own snapshot.
 pub fn replay_snapshot(src: &ReplaySource) -> &Snapshot {
-    src.replay.snapshot()
+    src.snapshot()
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::app::State;
-    use stagehand::events::synthetic::{events, jsonl, SyntheticRun};
-    use std::sync::mpsc::{channel, Receiver};
-    use std::time::Duration;
-
-    fn drive(src: &mut ReplaySource, c: Control, state: &mut State) {
-        let mut out = Vec::new();
-        src.control(c, &mut out);
-        for u in out {
-            state.ingest(u);
-        }
-        assert_eq!(&state.snapshot, replay_snapshot(src), "after {c:?}");
-    }
-
-    #[test]
-    fn replay_controls_keep_the_state_equal_to_the_replay() {
-        let ev = events(SyntheticRun::default());
-        let mut src = ReplaySource::from_events(ev.clone(), "mem");
-        let mut state = State::new();
-        drive(&mut src, Control::StepTraining(1), &mut state);
-        assert_eq!(state.snapshot.step, 1);
-        drive(&mut src, Control::StepEvents(5), &mut state);
-        drive(&mut src, Control::StepEvents(-3), &mut state);
-        assert_eq!(state.recent.back().map(|e| e.seq), Some(src.replay().position() as u64));
-        drive(&mut src, Control::StepTraining(1), &mut state);
-        assert_eq!(state.snapshot.step, 2);
-        drive(&mut src, Control::StepTraining(-1), &mut state);
-        assert_eq!(state.snapshot.step, 1);
-        drive(&mut src, Control::SeekFraction(0.5), &mut state);
-        drive(&mut src, Control::ToEnd, &mut state);
-        assert_eq!(state.snapshot, Snapshot::from_events(&ev));
-        drive(&mut src, Control::ToStart, &mut state);
-        assert_eq!(state.snapshot.events_applied, 0);
-        assert!(state.recent.is_empty());
-        assert!(src.paused());
-        drive(&mut src, Control::Faster, &mut state);
-        assert_eq!(src.replay().speed(), 2.0);
-        drive(&mut src, Control::Slower, &mut state);
-        drive(&mut src, Control::Slower, &mut state);
-        assert_eq!(src.replay().speed(), 0.5);
-        drive(&mut src, Control::TogglePause, &mut state);
-        assert!(!src.paused());
-    }
-
-    #[test]
-    fn replay_plays_over_time() {
-        let ev = events(SyntheticRun::default());
-        let mut src = ReplaySource::from_events(ev.clone(), "mem");
-        let mut state = State::new();
-        let t0 = Instant::now();
-        let mut out = Vec::new();
-        src.poll(t0, &mut out);
-        // The whole synthetic run lasts well under a minute of recorded time.
-        src.poll(t0 + Duration::from_secs(60), &mut out);
-        for u in out {
-            state.ingest(u);
-        }
-        assert_eq!(state.snapshot, Snapshot::from_events(&ev));
-        match src.status() {
-            SourceStatus::Replay(info) => {
-                assert_eq!(info.status.position, ev.len());
-                assert_eq!(info.skipped, 0);
-                assert_eq!(info.loading, None);
-            }
-            other => panic!("not a replay status: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn a_file_with_implausible_ids_is_skipped_line_by_line() {
-        use stagehand::events::{BlockId, EventKind, Phase};
-        let mut text = jsonl(SyntheticRun::default());
-        let huge = Event::new(9_999, 0, 0, Phase::Idle, EventKind::BlockRegistered {
-            block: BlockId(u32::MAX),
-            name: "huge".into(),
-            bytes: 1,
-            exec_order: 0,
-            file_backed: false,
-            trainable: false,
-        });
-        text.push_str(&serde_json::to_string(&huge).expect("json"));
-        text.push('\n');
-        let total = text.len() as u64;
-        let mut src = ReplaySource::from_reader(std::io::Cursor::new(text.into_bytes()), total, "hostile.jsonl").expect("starts");
-        src.finish_loading();
-        assert_eq!(src.report().skipped_total, 1);
-        assert!(src.report().skipped[0].detail.contains("implausible: block id"), "{:?}", src.report());
-        let mut out = Vec::new();
-        src.control(Control::ToEnd, &mut out);
-        let mut state = State::new();
-        for u in out {
-            state.ingest(u);
-        }
-        assert_eq!(state.snapshot.blocks.len(), 8);
-    }
-
-    /// A reader that hands out its text in parts, each when the test says so.
-    struct Gated {
-        parts: Receiver<Vec<u8>>,
-        current: std::io::Cursor<Vec<u8>>,
-    }
-
-    impl Read for Gated {
-        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            loop {
-                let n = self.current.read(buf)?;
-                if n > 0 {
-                    return Ok(n);
-                }
-                match self.parts.recv() {
-                    Ok(next) => self.current = std::io::Cursor::new(next),
-                    Err(_) => return Ok(0), // no more parts: the end
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn the_first_events_show_while_the_rest_is_still_loading() {
-        let text = jsonl(SyntheticRun::finished(20));
-        let total = text.len() as u64;
-        let lines: Vec<&str> = text.lines().collect();
-        let head: String = lines[..600].iter().map(|l| format!("{l}\n")).collect();
-        let tail: String = lines[600..].iter().map(|l| format!("{l}\n")).collect();
-        let (tx, rx) = channel();
-        tx.send(head.clone().into_bytes()).expect("sends");
-        let gated = Gated { parts: rx, current: std::io::Cursor::new(Vec::new()) };
-        let mut src = ReplaySource::from_reader(gated, total, "big.jsonl").expect("starts");
-        src.configure(1.0, true);
-
-        // Until the rest is released, the loader is stuck after the head: poll until the
-        // first batch (at least the first-batch size) is in.
-        let limit = Instant::now() + Duration::from_secs(30);
-        let mut out = Vec::new();
-        while src.replay().len() < 256 {
-            assert!(Instant::now() < limit, "the first batch never came");
-            src.poll(Instant::now(), &mut out);
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let SourceStatus::Replay(info) = src.status() else { panic!("a replay") };
-        let loading = info.loading.expect("still loading");
-        assert!(loading.bytes_read > 0 && loading.bytes_read <= head.len() as u64, "{loading:?}");
-        assert_eq!(loading.total_bytes, total);
-        src.control(Control::ToEnd, &mut out);
-        let mut state = State::new();
-        for u in out.drain(..) {
-            state.ingest(u);
-        }
-        assert!(state.snapshot.run.is_some(), "the first screen has the run");
-
-        tx.send(tail.into_bytes()).expect("sends");
-        drop(tx);
-        src.finish_loading();
-        assert!(!src.is_loading());
-        assert_eq!(src.replay().len(), lines.len());
-        assert_eq!(src.report().skipped_total, 0);
-        let SourceStatus::Replay(info) = src.status() else { panic!("a replay") };
-        assert_eq!(info.loading, None);
-    }
-}
+mod tests;

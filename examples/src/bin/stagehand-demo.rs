@@ -6,8 +6,10 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
+use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce, train, train_stagehand, Memory, TrainConfig};
+use stagehand_examples::trainer::{announce_with, train, train_stagehand, Memory, TrainConfig};
+use stagehand_web::cli::ServeArgs;
 use std::path::{Path, PathBuf};
 
 /// Train a GPT-style model under Stagehand and watch it live.
@@ -33,17 +35,27 @@ struct Args {
     /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it.
     #[arg(long, default_value_t = 16)]
     budget_mib: u64,
-    /// Telemetry file (JSONL); never overwritten. Default: runs/stagehand-<time>.jsonl
+    /// Telemetry file; never overwritten. Default: runs/stagehand-<time>.jsonl (.jsonl.zst with
+    /// --compress). Flight records of incidents are written beside it.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// What the telemetry file keeps: off (no file; incidents still leave flight records),
+    /// summary (per-step figures, warnings and incidents, a few KB a step) or full (every event).
+    #[arg(long, value_name = "LEVEL", default_value = "summary", value_parser = parse_level)]
+    telemetry_level: Level,
+    /// Compress the telemetry file with zstd.
+    #[arg(long)]
+    compress: bool,
+    /// Check block outputs, gradients and the loss for NaN and infinity (one device read a step).
+    #[arg(long)]
+    guards: bool,
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
-    /// Address of the HTTP API, web dashboard and /metrics (loopback by default).
-    #[arg(long, default_value = stagehand_web::DEFAULT_SERVER_ADDR)]
-    addr: String,
+    #[command(flatten)]
+    serve: ServeArgs,
     /// Do not serve the API and dashboards.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "keep_serving")]
     no_serve: bool,
     /// Train with plain tch (everything resident), to compare.
     #[arg(long)]
@@ -56,18 +68,28 @@ struct Args {
     keep_serving: bool,
 }
 
+fn parse_level(s: &str) -> Result<Level, String> {
+    s.parse()
+}
+
 /// How to run a sibling binary as printed: its path when it was built beside this one (as
-/// `scripts/demo` does), else its name (installed on PATH).
-fn sibling(name: &str) -> String {
-    std::env::current_exe()
+/// `scripts/demo` does), its name when it is installed on PATH, else the cargo command that
+/// builds and runs it from the repository (where `scripts/demo` runs).
+fn sibling(name: &str, package: &str) -> String {
+    let beside = std::env::current_exe()
         .ok()
         .and_then(|p| p.parent().map(|d| d.join(name)))
-        .filter(|p| p.exists())
-        .map(|p| {
-            let cwd = std::env::current_dir().unwrap_or_default();
-            p.strip_prefix(&cwd).map(Path::to_path_buf).unwrap_or(p).display().to_string()
-        })
-        .unwrap_or_else(|| name.to_owned())
+        .filter(|p| p.exists());
+    if let Some(p) = beside {
+        let cwd = std::env::current_dir().unwrap_or_default();
+        return p.strip_prefix(&cwd).map(Path::to_path_buf).unwrap_or(p).display().to_string();
+    }
+    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()));
+    if on_path {
+        name.to_owned()
+    } else {
+        format!("cargo run --release -q -p {package} --bin {name} --")
+    }
 }
 
 fn main() -> Result<()> {
@@ -82,11 +104,19 @@ fn main() -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        PathBuf::from(format!("runs/stagehand-{secs}.jsonl"))
+        PathBuf::from(format!("runs/stagehand-{secs}.jsonl{}", if args.compress { ".zst" } else { "" }))
     });
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    // The file's name also names the flight records, so it is given at every level.
+    let tcfg = TelemetryConfig {
+        level: args.telemetry_level,
+        path: Some(out.clone()),
+        compress: args.compress,
+        ..TelemetryConfig::default()
+    };
+    let writes_file = args.telemetry_level != Level::Off;
     let bus = Bus::new();
     let hub = bus.hub().context("the bus is enabled")?.clone();
     // The server binds before the telemetry file is made, so a port clash leaves no empty file
@@ -94,12 +124,12 @@ fn main() -> Result<()> {
     let server = if args.no_serve {
         None
     } else {
-        Some(stagehand_web::Server::live(hub.clone(), &args.addr).with_context(|| format!("serving on {}", args.addr))?)
+        let config = args.serve.config(stagehand_web::DEFAULT_SERVER_ADDR);
+        let metrics = stagehand_exporter::Metrics::new();
+        hub.add_sink(Box::new(metrics.clone()));
+        let state = stagehand_web::AppState::live(hub.clone(), metrics);
+        Some(stagehand_web::Server::start(&config, state).with_context(|| format!("serving on {}", config.addr))?)
     };
-    hub.add_sink(Box::new(
-        stagehand::events::JsonlSink::open(&out, stagehand::events::OpenMode::CreateNew)
-            .with_context(|| format!("opening the telemetry file {}", out.display()))?,
-    ));
     // OTLP whenever the standard OTEL_* variables ask for it.
     let otlp = stagehand_exporter::otlp::attach_from_env(&hub).context("the OTLP exporter (OTEL_* variables)")?;
 
@@ -108,8 +138,11 @@ fn main() -> Result<()> {
         cfg.memory = Memory::Resident;
     }
     cfg.conductor = !args.no_conductor;
-    let run_id = out.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    announce(&bus, &cfg, &device, &run_id);
+    let run_id = out
+        .file_name()
+        .map(|s| s.to_string_lossy().split(".jsonl").next().unwrap_or_default().to_owned())
+        .unwrap_or_default();
+    let described = serde_json::json!({ "telemetry": &tcfg, "guards": args.guards });
 
     println!("stagehand demo: {}", cfg.describe());
     println!(
@@ -119,16 +152,37 @@ fn main() -> Result<()> {
     );
     if let Some(server) = &server {
         let url = server.url();
-        println!("  dashboard  {url}/");
-        println!("  metrics    {url}/metrics");
-        println!("  live TUI   {} --connect {url}", sibling("stagehand-top"));
+        println!("  dashboard  {}", server.login_url());
+        match server.token() {
+            None => println!("  metrics    {url}/metrics"),
+            Some(t) => println!("  metrics    {url}/metrics (send 'Authorization: Bearer {t}')"),
+        }
+        if url.starts_with("http://") {
+            let connect = match server.token() {
+                None => url.clone(),
+                Some(t) => format!("{url}/api/stream?token={t}"),
+            };
+            println!("  live TUI   {} --connect {connect}", sibling("stagehand-top", "stagehand-dashboard"));
+        }
     }
-    println!("  telemetry  {}", out.display());
+    if writes_file {
+        println!("  telemetry  {} ({} level)", out.display(), args.telemetry_level.as_str());
+    } else {
+        println!("  telemetry  off (--telemetry-level off): no file; incidents still leave flight records");
+    }
+    let (dir, stem) = flight::dump_location(Some(&out));
+    println!(
+        "  flight     stalls, exhausted pools, pageable copies, out-of-memory{} dump the last steps in full to {}",
+        if args.guards { " and NaNs" } else { "" },
+        dir.join(format!("{stem}.flight-NNNN-REASON.jsonl")).display()
+    );
     if otlp {
         println!("  otlp       metrics and step spans to the OTEL_EXPORTER_OTLP_* endpoint");
     }
-    println!("  replay it  {} --replay {}", sibling("stagehand-top"), out.display());
-    println!("  trace it   {} {}", sibling("stagehand-trace"), out.display());
+    if writes_file {
+        println!("  replay it  {} --replay {}", sibling("stagehand-top", "stagehand-dashboard"), out.display());
+        println!("  trace it   {} {}", sibling("stagehand-trace", "stagehand-exporter"), out.display());
+    }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     match cfg.memory {
         Memory::Resident => println!("  memory     resident: plain tch, no streaming, no spilling (--resident)"),
@@ -155,8 +209,23 @@ fn main() -> Result<()> {
         }
     };
     let summary = match cfg.memory {
-        Memory::Resident => train(&cfg, &device, &bus, on_step)?,
-        Memory::Stagehand => train_stagehand(&cfg, &device, &bus, on_step, |b| b)?,
+        Memory::Resident => {
+            // No handle: the telemetry is attached to the bus directly.
+            let _t = telemetry::attach(&bus, tcfg).context("attaching the telemetry")?;
+            announce_with(&bus, &cfg, &device, &run_id, described);
+            train(&cfg, &device, &bus, on_step)?
+        }
+        Memory::Stagehand => {
+            let (b, c, d) = (bus.clone(), cfg.clone(), device.clone());
+            train_stagehand(&cfg, &device, &bus, on_step, move |builder| {
+                // The handle attaches the telemetry first; `run_started` follows, before the
+                // handle publishes anything of its own.
+                builder.telemetry(tcfg).guards(args.guards).attach(move |_| {
+                    announce_with(&b, &c, &d, &run_id, described);
+                    Ok(Box::new(()))
+                })
+            })?
+        }
     };
     bar.finish();
     bus.flush();
@@ -213,10 +282,24 @@ fn main() -> Result<()> {
         }
     }
     println!("  events     {} recorded, {} dropped", snap.events_applied, snap.dropped_events);
-    println!("  telemetry  {}", out.display());
+    if writes_file {
+        let size = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
+        println!(
+            "  telemetry  {} ({:.1} KB, {:.1} KB a step)",
+            out.display(),
+            size as f64 / 1e3,
+            size as f64 / 1e3 / args.steps.max(1) as f64
+        );
+    }
+    if snap.flight_records.is_empty() {
+        println!("  flight     no incidents, no flight records");
+    }
+    for path in &snap.flight_records {
+        println!("  flight     {path}");
+    }
     if let Some(server) = server {
         if args.keep_serving {
-            println!("serving {} until Enter is pressed", server.url());
+            println!("serving {} until Enter is pressed", server.login_url());
             let mut line = String::new();
             let _ = std::io::stdin().read_line(&mut line);
         }

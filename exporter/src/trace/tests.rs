@@ -99,7 +99,7 @@ fn new_event_kinds_become_counters_and_instants() {
     let es = vec![
         ev(1, 1_000, 1, EventKind::VramOwners(VramByOwner { allocated_bytes: 10, weights_bytes: 6, other_bytes: 4, ..Default::default() })),
         ev(2, 2_000, 1, EventKind::StepTime(StepTimeBreakdown { step_ms: 10.0, compute_ms: 7.0, h2d_wait_ms: 1.5, ..Default::default() })),
-        ev(3, 3_000, 1, EventKind::OutOfMemory { requested_bytes: 1 << 30, owners: VramByOwner::default(), doing: "loading block 'blocks.3'".into(), dump: None }),
+        ev(3, 3_000, 1, EventKind::OutOfMemory { requested_bytes: 1 << 30, owners: VramByOwner::default(), doing: "loading block 'blocks.3'".into(), dump: None, held: None }),
         ev(4, 4_000, 1, EventKind::NonFinite { block: Some(BlockId(3)), tensor: "gradient".into() }),
         ev(5, 5_000, 1, EventKind::PrefetchMiss { block: BlockId(2), stall_ms: 3.4 }),
         ev(6, 6_000, 1, EventKind::LimitsSet { owner: Owner::Activations, budget_bytes: 100, high_watermark_bytes: Some(90), low_watermark_bytes: Some(70) }),

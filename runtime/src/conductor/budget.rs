@@ -10,7 +10,7 @@
 
 use super::config::ConductorConfig;
 use crate::events::model::{
-    DenyReason, Owner, Phase, Priority, ReservationId, ReservationMode, ReservationOutcome,
+    DenyReason, Owner, Phase, Priority, ReservationHolding, ReservationId, ReservationMode, ReservationOutcome,
     Resource,
 };
 
@@ -176,6 +176,19 @@ impl BudgetManager {
     /// Reservations still held.
     pub fn held_count(&self) -> usize {
         self.held.len()
+    }
+
+    /// Each reservation still held (for out-of-memory reports).
+    pub fn held(&self) -> Vec<ReservationHolding> {
+        self.held
+            .iter()
+            .map(|h| ReservationHolding {
+                id: h.id,
+                owner: h.owner,
+                resource: h.resource,
+                bytes: h.bytes,
+            })
+            .collect()
     }
 
     /// Headroom under the soft cap (the pinned cap for pinned memory).

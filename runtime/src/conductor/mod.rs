@@ -605,6 +605,11 @@ impl Conductor {
             .map_or_else(Hints::default, |i| i.lock().policy.hints())
     }
 
+    /// The reservations held now (none when disabled).
+    pub fn reservations(&self) -> Vec<crate::events::ReservationHolding> {
+        self.inner.as_ref().map_or_else(Vec::new, |i| i.lock().budget.held())
+    }
+
     /// The current step and phase (`(0, Idle)` when disabled).
     pub fn phase(&self) -> (u64, Phase) {
         self.inner.as_ref().map_or((0, Phase::Idle), |i| {

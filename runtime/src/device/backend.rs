@@ -15,6 +15,10 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     fn reset_peak(&self);
     /// Simulated VRAM bookkeeping (the host backend); a no-op where an allocator counts.
     fn account(&self, delta: i64);
+    /// Takes `bytes` of simulated VRAM for an allocation of the runtime's own, refusing what
+    /// the budget cannot hold (the host backend); a no-op where an allocator counts and fails
+    /// by itself. `what` names the allocation in the error.
+    fn claim(&self, bytes: u64, what: &dyn Fn() -> String) -> Result<()>;
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer>;
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>>;
     /// A timed event on the compute stream.

@@ -69,6 +69,11 @@ impl Backend for CudaBackend {
 
     fn account(&self, _delta: i64) {}
 
+    fn claim(&self, _bytes: u64, _what: &dyn Fn() -> String) -> Result<()> {
+        // libtorch's allocator refuses for itself, with its own out-of-memory error.
+        Ok(())
+    }
+
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // Flags 0: cacheable pinned memory. The cudarc default is write-combined, which is slow

@@ -4,7 +4,7 @@
 
 use super::backend::{Backend, EventBackend, StreamBackend};
 use super::{Event, HostBuffer, MemoryReading};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::events::{DeviceInfo, DeviceKind};
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -69,6 +69,27 @@ impl Backend for HostBackend {
             .unwrap_or(0);
         let now = if delta >= 0 { prev.saturating_add(d) } else { prev.saturating_sub(d) };
         self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn claim(&self, bytes: u64, what: &dyn Fn() -> String) -> Result<()> {
+        let mut cur = self.allocated.load(Ordering::Relaxed);
+        loop {
+            let Some(next) = cur.checked_add(bytes).filter(|n| *n <= self.budget) else {
+                return Err(Error::DeviceFull {
+                    what: what(),
+                    requested_bytes: bytes,
+                    allocated_bytes: cur,
+                    budget_bytes: self.budget,
+                });
+            };
+            match self.allocated.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::Relaxed);
+                    return Ok(());
+                }
+                Err(now) => cur = now,
+            }
+        }
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {

@@ -52,6 +52,8 @@ struct Shared {
     /// The one source of transfer ids of a run: every runtime on this device draws from it, so
     /// ids are unique across weights and activations.
     next_transfer: AtomicU64,
+    /// Numeric guards, armed by a handle built with them (see [`crate::guards`]).
+    guards: std::sync::OnceLock<Arc<crate::guards::Guards>>,
 }
 
 /// A compute device: a CUDA GPU, or the host device that simulates one. Cheap to clone.
@@ -66,6 +68,7 @@ impl Device {
             shared: Arc::new(Shared {
                 backend,
                 next_transfer: AtomicU64::new(0),
+                guards: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -137,11 +140,33 @@ impl Device {
     }
 
     /// A device tensor of `bytes` bytes (uint8) owned by the caller, for runtime-owned slabs. On
-    /// the host device it is accounted as simulated VRAM until [`Device::account`] gives it back.
+    /// the host device it is accounted as simulated VRAM until [`Device::account`] gives it back,
+    /// and refused with [`Error::DeviceFull`] when the budget cannot hold it.
     pub fn alloc_slab(&self, bytes: usize) -> Result<Tensor> {
-        let t = Tensor::f_empty([bytes as i64], (tch::Kind::Uint8, self.tch_device()))?;
-        self.account(bytes as i64);
-        Ok(t)
+        self.alloc_slab_for(bytes, || "a device slab".into())
+    }
+
+    /// [`alloc_slab`](Self::alloc_slab), naming what the slab is for in an out-of-memory error.
+    pub fn alloc_slab_for(&self, bytes: usize, what: impl Fn() -> String) -> Result<Tensor> {
+        self.backend().claim(bytes as u64, &what)?;
+        match Tensor::f_empty([bytes as i64], (tch::Kind::Uint8, self.tch_device())) {
+            Ok(t) => Ok(t),
+            Err(e) => {
+                self.backend().account(-(bytes as i64));
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The numeric guards armed on this device's runs, if any (see [`crate::guards`]). Reading
+    /// them is one atomic load, so the hooks cost nothing while guards are off.
+    pub fn guards(&self) -> Option<&Arc<crate::guards::Guards>> {
+        self.shared.guards.get()
+    }
+
+    /// Arms numeric guards on this device (once; later calls return the guards armed first).
+    pub fn arm_guards(&self, bus: &crate::events::Bus) -> Arc<crate::guards::Guards> {
+        self.shared.guards.get_or_init(|| Arc::new(crate::guards::Guards::new(bus.clone()))).clone()
     }
 
     /// A new non-blocking copy stream.

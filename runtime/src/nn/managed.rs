@@ -113,6 +113,19 @@ impl Binding {
         Ok(out)
     }
 
+    /// Hands a block's output to the numeric guards (nothing when they are off or the layer is
+    /// not bound to a runtime).
+    fn observe(&self, out: &Tensor) {
+        let rt = match &self.state {
+            State::Layer { table, .. } => table.runtime(),
+            State::Block { rt, .. } => rt,
+            State::Plain | State::Failed(_) => return,
+        };
+        if let Ok(block) = self.block() {
+            crate::guards::observe_output(rt.device(), block, out);
+        }
+    }
+
     fn values(&self) -> Result<Vec<(String, Tensor)>> {
         match &self.state {
             State::Layer { table, index, .. } => table.values(*index),
@@ -200,7 +213,9 @@ wrapper!(
 impl<M: Module> Managed<M> {
     /// `forward` with errors returned instead of panicking.
     pub fn try_forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.run(|m| m.forward(xs))
+        let out = self.run(|m| m.forward(xs))?;
+        self.binding.observe(&out);
+        Ok(out)
     }
 }
 
@@ -214,7 +229,9 @@ impl<M: Module> Module for Managed<M> {
 impl<M: ModuleT> ManagedT<M> {
     /// `forward_t` with errors returned instead of panicking.
     pub fn try_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        self.run(|m| m.forward_t(xs, train))
+        let out = self.run(|m| m.forward_t(xs, train))?;
+        self.binding.observe(&out);
+        Ok(out)
     }
 }
 

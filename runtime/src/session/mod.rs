@@ -33,10 +33,14 @@
 //! and at the end of the step its time breakdown and VRAM by owner are published.
 
 mod checkpoint;
+mod forensics;
+mod numerics;
 pub mod plan;
 mod adapt;
 mod step;
+mod telemetry;
 
+pub use forensics::OomReport;
 pub use plan::{Machine, ModelFacts, Plan};
 pub use step::StepReport;
 
@@ -68,6 +72,8 @@ pub struct StagehandBuilder {
     spill: bool,
     kernel: Option<Kernel>,
     attachments: Vec<Attach>,
+    telemetry: Option<crate::events::TelemetryConfig>,
+    guards: bool,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -77,6 +83,8 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("prefetch_window", &self.prefetch_window)
             .field("conductor", &self.conductor)
             .field("spill", &self.spill)
+            .field("telemetry", &self.telemetry)
+            .field("guards", &self.guards)
             .finish_non_exhaustive()
     }
 }
@@ -136,19 +144,6 @@ impl StagehandBuilder {
         self
     }
 
-    /// Writes every event to a new JSONL telemetry file at `path` (never overwritten).
-    pub fn telemetry_file(self, path: impl Into<std::path::PathBuf>) -> Self {
-        let path = path.into();
-        self.attach(move |hub| {
-            let sink = crate::events::JsonlSink::open(&path, crate::events::OpenMode::CreateNew).map_err(|e| Error::Io {
-                path: path.display().to_string(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
-            hub.add_sink(Box::new(sink));
-            Ok(Box::new(()))
-        })
-    }
-
     /// Attaches something to the run's event hub when the handle is built (the HTTP server and
     /// dashboards, an OTLP exporter); it lives as long as the handle.
     pub fn attach(mut self, f: impl FnOnce(&Arc<Hub>) -> Result<Attachment> + Send + 'static) -> Self {
@@ -175,6 +170,9 @@ impl StagehandBuilder {
             None => Device::auto(budget),
         };
         let bus = self.bus.unwrap_or_default();
+        // First, so the file and the flight recorder see the run from its first event.
+        let telemetry = self.telemetry.map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
+        let guards = self.guards.then(|| device.arm_guards(&bus));
         let mut attached = Vec::new();
         if let Some(hub) = bus.hub().cloned() {
             for a in self.attachments {
@@ -212,6 +210,8 @@ impl StagehandBuilder {
             spill: self.spill,
             kernel: self.kernel,
             state: Mutex::new(step::Run::default()),
+            telemetry,
+            guards,
             _attached: attached,
         })
     }
@@ -229,6 +229,8 @@ pub struct Stagehand {
     spill: bool,
     kernel: Option<Kernel>,
     state: Mutex<step::Run>,
+    telemetry: Option<crate::events::Telemetry>,
+    guards: Option<Arc<crate::guards::Guards>>,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
 }
@@ -255,6 +257,8 @@ impl Stagehand {
             spill: true,
             kernel: None,
             attachments: Vec::new(),
+            telemetry: None,
+            guards: false,
         }
     }
 

@@ -52,6 +52,8 @@ pub struct StepReport {
     pub time: StepTimeBreakdown,
     /// Peak device memory allocated during the step.
     pub vram_peak_bytes: u64,
+    /// The first NaN or infinity the numeric guards found in the step (guards on only).
+    pub non_finite: Option<crate::guards::Finding>,
 }
 
 impl Stagehand {
@@ -92,8 +94,14 @@ impl Stagehand {
 
     /// One training step: `forward` runs under the saved-tensor hooks and returns the loss; then
     /// `zero_grad`, backward and the optimizer's step (tch's `backward_step`). Returns the loss
-    /// and where the step's time went.
+    /// and where the step's time went. A step that runs out of device memory returns
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory): what held the device, what the runtime
+    /// was about to do, and the flight record written for it.
     pub fn train_step(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
+        self.step_inner(opt, forward).map_err(|e| self.explain_failure(e))
+    }
+
+    fn step_inner(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
         let (acts, conductor, step, tokens, floor) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
@@ -104,6 +112,7 @@ impl Stagehand {
         let weights = self.weights();
         let t0 = Instant::now();
         self.device.reset_peak();
+        self.guards_begin();
         self.enter(&conductor, step, Phase::StepBegin)?;
         weights.begin_step()?;
         if let Some(a) = &acts {
@@ -118,8 +127,9 @@ impl Stagehand {
                 Some(a) => Box::new(a.managed_forward()?),
                 None => Box::new(weights.hooks()?),
             };
-            forward()
+            super::forensics::catch_oom(forward)?
         };
+        self.guard_loss(&loss);
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
         self.enter(&conductor, step, Phase::Backward)?;
         opt.zero_grad()?;
@@ -127,6 +137,7 @@ impl Stagehand {
         opt.overlap_next_backward()?;
         loss.f_backward()?;
         weights.after_backward()?;
+        self.guard_gradients();
         let e2 = self.device.record_compute()?;
         let loss_value = loss.f_double_value(&[])?;
         drop(loss);
@@ -193,6 +204,7 @@ impl Stagehand {
             step_ms,
             time,
             vram_peak_bytes: mem.peak,
+            non_finite: self.guards_end()?,
         })
     }
 
@@ -204,6 +216,9 @@ impl Stagehand {
         }
         self.bus.enter_phase(run.step, Phase::Idle);
         self.bus.publish(EventKind::RunEnded { steps: run.step });
+        if let Some(t) = &self.telemetry {
+            t.flush();
+        }
         Ok(())
     }
 }

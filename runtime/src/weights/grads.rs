@@ -52,6 +52,7 @@ impl GradSink {
             if !g.defined() {
                 continue;
             }
+            crate::guards::observe_gradient(self.copier.device(), Some(id), &g);
             let g = if g.is_contiguous() { g } else { g.f_contiguous()? };
             let bytes = (g.numel() * g.kind().elt_size_in_bytes()) as u64;
             let fresh = !block.grads[gi].received;

@@ -41,6 +41,8 @@ pub(crate) struct Inner {
     /// The block the forward runs now (read by the activation store on every pack, so it
     /// sits outside the scheduler's lock).
     current: Mutex<Option<Arc<str>>>,
+    /// The block whose `before_block` failed last in this step (for out-of-memory reports).
+    failed: Mutex<Option<BlockId>>,
     index: PtrIndex,
     knobs: Arc<Knobs>,
     device: Device,
@@ -95,6 +97,7 @@ impl WeightRuntime {
                 sched: Mutex::new(sched),
                 origin: Mutex::new(None),
                 current: Mutex::new(None),
+                failed: Mutex::new(None),
                 index,
                 knobs,
                 device,
@@ -197,7 +200,14 @@ impl WeightRuntime {
 
     /// Starts a step (block mode).
     pub fn begin_step(&self) -> Result<()> {
+        *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.lock().begin_step()
+    }
+
+    /// The block that [`before_block`](Self::before_block) last failed to make resident in this
+    /// step, if any: what the runtime was about to do when an allocation failed.
+    pub fn failed_block(&self) -> Option<BlockId> {
+        *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.
@@ -215,7 +225,10 @@ impl WeightRuntime {
     pub fn before_block(&self, id: BlockId) -> Result<()> {
         let name = {
             let mut s = self.lock();
-            s.enter(id)?;
+            if let Err(e) = s.enter(id) {
+                *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
+                return Err(e);
+            }
             s.block_name(id)?
         };
         *self.inner.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(name);

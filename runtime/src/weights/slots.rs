@@ -33,7 +33,7 @@ impl Slots {
             limit: "the address space is smaller".into(),
         })?;
         Ok(Slots {
-            slab: device.alloc_slab(total)?,
+            slab: device.alloc_slab_for(total, || format!("the weights' streaming room ({count} slots of {slot_bytes} bytes)"))?,
             slot_bytes,
             owner: vec![None; count],
             last_use: vec![None; count],

@@ -60,6 +60,10 @@ pub struct Follower {
     /// Highest sequence number seen, to skip the preamble a continuation segment repeats.
     seen_seq: u64,
     skipping_preamble: bool,
+    /// Bytes of the segments finished before the current one.
+    done_bytes: u64,
+    /// Bytes the current poll may still read.
+    budget: u64,
 }
 
 fn identity(m: &std::fs::Metadata) -> Option<(u64, u64)> {
@@ -94,6 +98,8 @@ impl Follower {
             report: ReadReport::default(),
             seen_seq: 0,
             skipping_preamble: false,
+            done_bytes: 0,
+            budget: u64::MAX,
         })
     }
 
@@ -111,6 +117,17 @@ impl Follower {
     /// The file being read now (a later segment of a rotated run, after the first).
     pub fn current_path(&self) -> &Path {
         &self.path
+    }
+
+    /// Bytes read so far over every segment (since the last restart), for a progress line.
+    pub fn bytes_read(&self) -> u64 {
+        self.done_bytes.saturating_add(self.offset)
+    }
+
+    /// Whether everything written so far has been read (no later segment waits either).
+    pub fn caught_up(&self) -> bool {
+        let len = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        self.offset >= len && !segment_path(&self.base, self.segment + 1).exists()
     }
 
     fn start_over(&mut self, segment: u32) -> Result<(), JsonlError> {
@@ -150,11 +167,20 @@ impl Follower {
 
     /// Events from lines completed since the last poll, and whether the file started over.
     pub fn poll(&mut self) -> Result<Polled, JsonlError> {
+        self.poll_limited(u64::MAX)
+    }
+
+    /// Like [`poll`](Self::poll), reading at most about `max_bytes` (whole chunks) of the file,
+    /// so that a large file already on disk comes in parts; poll again until
+    /// [`caught_up`](Self::caught_up).
+    pub fn poll_limited(&mut self, max_bytes: u64) -> Result<Polled, JsonlError> {
+        self.budget = max_bytes.max(1);
         let mut out = Polled::default();
         let len = self.file.metadata().map_err(|e| JsonlError::io(&self.path, e))?.len();
         if let Some(why) = self.restart_needed(len)? {
             self.start_over(0)?;
             self.report = ReadReport::default();
+            self.done_bytes = 0;
             self.seen_seq = 0;
             self.skipping_preamble = false;
             out.restarted = Some(why);
@@ -167,12 +193,20 @@ impl Follower {
         loop {
             let len = self.file.metadata().map_err(|e| JsonlError::io(&self.path, e))?.len();
             self.read_to(len, &mut out.events)?;
+            if self.offset < len {
+                // This poll's share is read; the rest comes with the next.
+                return Ok(out);
+            }
             // A rotated run goes on in the next segment once it exists; this one is complete.
             let next = segment_path(&self.base, self.segment + 1);
             if next.exists() {
                 let len = self.file.metadata().map_err(|e| JsonlError::io(&self.path, e))?.len();
                 self.read_to(len, &mut out.events)?;
+                if self.offset < len {
+                    return Ok(out);
+                }
                 self.end_of_segment(&mut out.events);
+                self.done_bytes = self.done_bytes.saturating_add(self.offset);
                 self.start_over(self.segment + 1)?;
                 self.skipping_preamble = true;
                 continue;
@@ -196,7 +230,7 @@ impl Follower {
         let io_err = |path: &Path, e| JsonlError::io(path, e);
         self.file.seek(SeekFrom::Start(self.offset)).map_err(|e| io_err(&self.path, e))?;
         let mut chunk = vec![0u8; CHUNK];
-        while self.offset < len {
+        while self.offset < len && self.budget > 0 {
             let want = ((len - self.offset) as usize).min(CHUNK);
             let n = read_full(&mut self.file, &mut chunk[..want]).map_err(|e| io_err(&self.path, e))?;
             if n == 0 {
@@ -207,6 +241,7 @@ impl Follower {
                 self.head.extend_from_slice(&chunk[..n.min(room)]);
             }
             self.offset += n as u64;
+            self.budget = self.budget.saturating_sub(n as u64);
             let data = &chunk[..n];
             if self.compressed.is_none() && self.head.len() >= zst::MAGIC.len() {
                 self.compressed = Some(zst::is_zstd(&self.head));

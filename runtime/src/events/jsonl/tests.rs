@@ -309,6 +309,37 @@ fn rotated_segments_each_read_alone_and_follow_as_one_run() {
 }
 
 #[test]
+fn a_limited_poll_reads_a_rotated_compressed_run_in_parts() {
+    use crate::events::synthetic::{self, SyntheticRun};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("run.jsonl.zst");
+    let run = synthetic::events(SyntheticRun { blocks: 8, steps: 12, end_mid_step: false });
+    {
+        let mut sink = JsonlSink::open_with(&path, OpenMode::CreateNew, true, Some(4096)).expect("opens");
+        for (i, e) in run.iter().enumerate() {
+            sink.on_event(e);
+            if i % 50 == 0 {
+                sink.flush();
+            }
+        }
+    }
+    let total: u64 = sink::segments(&path).iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
+    let mut f = Follower::open(&path).expect("opens");
+    let (mut got, mut polls) = (Vec::new(), 0);
+    while !f.caught_up() {
+        let p = f.poll_limited(1).expect("poll");
+        assert_eq!(p.restarted, None);
+        got.extend(p.events);
+        polls += 1;
+        assert!(polls < 10_000, "never caught up");
+    }
+    assert!(polls > 3, "read in parts: {polls} polls");
+    assert_eq!(got, run, "the same events as one unlimited poll");
+    assert_eq!(f.bytes_read(), total, "every segment's bytes counted");
+    assert!(f.poll().expect("poll").events.is_empty());
+}
+
+#[test]
 fn a_bound_below_the_preamble_never_opens_segments_without_events() {
     use crate::events::synthetic::{self, SyntheticRun};
     let dir = tempfile::tempdir().expect("tempdir");

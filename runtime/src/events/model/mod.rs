@@ -3,8 +3,8 @@
 //! This module is the one place where the wire format is defined: the envelope and the kinds
 //! here, the value types in `values`, the per-step metrics in `metrics`. Each event is an [`Event`]
 //! envelope (schema version, sequence number, monotonic time, step, phase) around an
-//! [`EventKind`]. On the wire (JSONL, SSE, WebSocket) an event is one JSON object whose `kind`
-//! field names the variant, e.g.
+//! [`EventKind`]; what held the device at an out-of-memory is in `holdings`. On the wire (JSONL,
+//! SSE, WebSocket) an event is one JSON object whose `kind` field names the variant, e.g.
 //!
 //! ```json
 //! {"v":1,"seq":42,"t_ns":1200345,"step":3,"phase":"forward",
@@ -14,9 +14,11 @@
 //! `t_ns` counts nanoseconds on a monotonic clock from the run's start; the `run_started` event
 //! carries the wall-clock anchor (`wall_clock_unix_ms`) that turns it into a date.
 
+mod holdings;
 mod metrics;
 mod values;
 
+pub use holdings::*;
 pub use metrics::*;
 pub use values::*;
 
@@ -277,6 +279,10 @@ pub enum EventKind {
         /// The flight-recorder file written for it, if any.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         dump: Option<String>,
+        /// What held the device in detail: blocks and their states, activations, copies,
+        /// reservations, and the allocator's message (absent from older files).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        held: Option<Box<DeviceHoldings>>,
     },
 
     // ---- per-step metrics ----------------------------------------------------------------

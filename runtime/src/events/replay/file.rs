@@ -126,6 +126,11 @@ impl FileReplay {
         self.index.lock().done
     }
 
+    /// Bytes of the file indexed so far, for a progress line while a large file loads.
+    pub fn indexed_bytes(&self) -> u64 {
+        self.index.lock().bytes_read
+    }
+
     /// Snapshot checkpoints indexed so far (seeks start from the nearest one).
     pub fn checkpoints(&self) -> usize {
         self.index.lock().checkpoints.len()

@@ -49,6 +49,8 @@ pub struct IndexState {
     /// Positions just after each `phase_changed` to `step_begin`.
     pub step_starts: Vec<usize>,
     pub report: ReadReport,
+    /// Bytes of the file indexed so far (of a compressed file: up to the frame being read).
+    pub bytes_read: u64,
     pub done: bool,
     pub error: Option<String>,
 }
@@ -301,6 +303,7 @@ impl<'a> Indexer<'a> {
             st.checkpoints.append(&mut self.new_checkpoints);
             st.step_starts.append(&mut self.new_steps);
             st.report = self.report.clone();
+            st.bytes_read = st.bytes_read.max(self.next_at.raw);
             st.done = done;
             if error.is_some() {
                 st.error = error;

@@ -56,6 +56,7 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             owners,
             doing,
             dump,
+            ..
         } => push_bounded(
             &mut s.out_of_memory,
             OomRecord {

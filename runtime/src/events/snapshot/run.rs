@@ -70,7 +70,13 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 s.first_non_finite_block = *block;
             }
         }
-        EventKind::FlightRecorded { path, .. } => {
+        EventKind::FlightRecorded { path, reason, .. } => {
+            // The dump an out-of-memory triggered is announced after it: the report names it.
+            if reason == "out_of_memory" {
+                if let Some(o) = s.out_of_memory.back_mut().filter(|o| o.dump.is_none()) {
+                    o.dump = Some(clip(path));
+                }
+            }
             push_bounded(&mut s.flight_records, clip(path), RECENT_INCIDENTS);
         }
         _ => {}

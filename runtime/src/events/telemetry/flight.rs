@@ -24,6 +24,8 @@ pub const DEFAULT_MAX_EVENTS: usize = 100_000;
 pub const DEFAULT_STALL_MS: f64 = 100.0;
 /// Least run time between two dumps of the same reason.
 pub const DEFAULT_MIN_INTERVAL_S: f64 = 300.0;
+/// Taken dump numbers passed over at most before giving up (the open then says why).
+const MAX_NAME_TRIES: u32 = 1000;
 /// The rate-limit key shared by every dump on request.
 const REQUEST: &str = " request";
 
@@ -185,10 +187,18 @@ impl FlightRecorder {
     /// Writes the ring (after the preamble) to a new file.
     pub fn dump(&mut self, reason: &str) -> Result<Dump, JsonlError> {
         let reason = sanitize_reason(reason);
-        self.dumps += 1;
-        let path = self
-            .dir
-            .join(format!("{}.flight-{:04}-{reason}.jsonl", self.stem, self.dumps));
+        // Numbers already taken (an earlier run under the same name) are passed over: a dump
+        // never overwrites, and never fails for a name it could have avoided.
+        let mut path;
+        let mut tries = 0;
+        loop {
+            self.dumps += 1;
+            path = self.dir.join(format!("{}.flight-{:04}-{reason}.jsonl", self.stem, self.dumps));
+            tries += 1;
+            if !path.exists() || tries >= MAX_NAME_TRIES {
+                break;
+            }
+        }
         let mut sink = JsonlSink::open(&path, OpenMode::CreateNew)?;
         let first = self.ring.front().map_or(u64::MAX, |e| e.seq);
         let mut n = 0;
@@ -196,8 +206,11 @@ impl FlightRecorder {
             sink.on_event(e);
             n += 1;
         }
-        for e in &self.ring {
-            sink.on_event(e);
+        let last = self.ring.len().saturating_sub(1);
+        for (i, e) in self.ring.iter().enumerate() {
+            // The out-of-memory that triggered this dump names it, as the file keeps it too.
+            let named = (i == last && reason == "out_of_memory").then(|| naming_dump(e, &path)).flatten();
+            sink.on_event(named.as_ref().unwrap_or(e));
             n += 1;
         }
         sink.flush();
@@ -215,6 +228,20 @@ impl FlightRecorder {
     /// True when the ring is empty.
     pub fn is_empty(&self) -> bool {
         self.ring.is_empty()
+    }
+}
+
+/// `e` with `dump` set to `path` when it is an out-of-memory report that names no dump yet.
+pub fn naming_dump(e: &Event, path: &Path) -> Option<Event> {
+    match &e.kind {
+        EventKind::OutOfMemory { dump: None, .. } => {
+            let mut named = e.clone();
+            if let EventKind::OutOfMemory { dump, .. } = &mut named.kind {
+                *dump = Some(path.display().to_string());
+            }
+            Some(named)
+        }
+        _ => None,
     }
 }
 

@@ -23,7 +23,7 @@
 pub mod flight;
 pub mod level;
 
-pub use flight::{FlightConfig, FlightRecorder};
+pub use flight::{Dump, FlightConfig, FlightRecorder};
 pub use level::{Level, LevelFilter};
 
 use super::bus::{Bus, EventSink};
@@ -76,12 +76,20 @@ struct Shared {
     written: AtomicU64,
     paths: Mutex<Vec<PathBuf>>,
     recorder: Option<Mutex<FlightRecorder>>,
+    /// Dumps written so far, and the last one (the handle names it in an out-of-memory error).
+    dumps: AtomicU64,
+    last_dump: Mutex<Option<flight::Dump>>,
 }
 
 impl Shared {
     fn recorder(&self) -> Option<MutexGuard<'_, FlightRecorder>> {
         // A panic while holding the ring leaves it usable: it is plain data.
         self.recorder.as_ref().map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn written(&self, d: &flight::Dump) {
+        *self.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some(d.clone());
+        self.dumps.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -113,8 +121,13 @@ impl EventSink for TelemetrySink {
             let reason = r.record(event)?;
             Some(r.dump(&reason))
         });
+        let mut named = None;
         match due {
-            Some(Ok(d)) => self.notices.push(d.event()),
+            Some(Ok(d)) => {
+                self.shared.written(&d);
+                named = flight::naming_dump(event, &d.path);
+                self.notices.push(d.event());
+            }
             Some(Err(e)) => self.notices.push(EventKind::Warning {
                 source: super::model::Owner::Device,
                 message: format!("the flight recorder could not write its dump: {e}"),
@@ -123,7 +136,7 @@ impl EventSink for TelemetrySink {
         }
         if let Some(f) = &mut self.file {
             if self.filter.keeps(event) {
-                f.on_event(event);
+                f.on_event(named.as_ref().unwrap_or(event));
             }
         }
     }
@@ -235,8 +248,24 @@ impl Telemetry {
         }
         let d = r.dump(&reason)?;
         drop(r);
+        self.shared.written(&d);
         self.bus.publish(d.event());
         Ok(d.path)
+    }
+
+    /// Flight records written so far (on request and by triggers).
+    pub fn dumps_written(&self) -> u64 {
+        self.shared.dumps.load(Ordering::Relaxed)
+    }
+
+    /// The flight record written last, if any.
+    pub fn last_dump(&self) -> Option<flight::Dump> {
+        self.shared.last_dump.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether the flight recorder is on.
+    pub fn recording(&self) -> bool {
+        self.shared.recorder.is_some()
     }
 }
 

@@ -136,3 +136,18 @@ fn the_flight_recorder_dumps_recent_steps_once_per_reason_and_on_request() {
     bus.flush();
     assert_eq!(bus.hub().expect("enabled").snapshot().flight_records.len(), 4, "announced");
 }
+
+#[test]
+fn a_dump_passes_over_names_an_earlier_run_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("run.flight-0001-request.jsonl"), "kept\n").expect("writes");
+    let bus = Bus::new();
+    let t = attach(&bus, TelemetryConfig { level: Level::Off, path: Some(dir.path().join("run.jsonl")), ..Default::default() })
+        .expect("attach");
+    bus.enter_phase(1, crate::events::model::Phase::Forward);
+    let p = t.dump("request").expect("a dump");
+    assert!(p.ends_with("run.flight-0002-request.jsonl"), "{p:?}");
+    assert_eq!(std::fs::read_to_string(dir.path().join("run.flight-0001-request.jsonl")).expect("reads"), "kept\n");
+    assert_eq!(t.last_dump().map(|d| d.path), Some(p));
+    assert_eq!(t.dumps_written(), 1);
+}

@@ -1,0 +1,186 @@
+//! The demo's printed commands run as printed: the dashboard and metrics addresses answer, the
+//! live `stagehand-top --connect ...` shows the run, and after the run the `--replay` and
+//! `stagehand-trace` commands open the (compressed) telemetry file. The run's configuration is
+//! structured JSON on /api/run.
+
+use portable_pty::{native_pty_system, CommandBuilder, PtySize};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const DEMO: &str = env!("CARGO_BIN_EXE_stagehand-demo");
+
+/// GET `url` (http://HOST:PORT/PATH?QUERY), with the token when there is one: status and the
+/// whole answer (head and body).
+fn get(url: &str, token: Option<&str>) -> (u16, String) {
+    let rest = url.strip_prefix("http://").expect("an http URL");
+    let (host, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(h, p)| (h, format!("/{p}")));
+    let mut s = TcpStream::connect(host).expect("connects");
+    s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n").expect("sends");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("reads");
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, text)
+}
+
+/// The command printed after `label`, split into words.
+fn command(lines: &[String], label: &str) -> Vec<String> {
+    let line = lines
+        .iter()
+        .find(|l| l.trim_start().starts_with(label))
+        .unwrap_or_else(|| panic!("the demo printed no '{label}' line: {lines:#?}"));
+    line.trim_start()[label.len()..].split_whitespace().map(str::to_owned).collect()
+}
+
+/// Whether a printed program can run here at once: a path that exists, or a name found on PATH
+/// (not `cargo run`, which the demo prints when the program is not built: it would build it).
+fn runnable(program: &str) -> bool {
+    if program == "cargo" {
+        return false;
+    }
+    if program.contains('/') {
+        return Path::new(program).exists();
+    }
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).exists()))
+}
+
+/// Runs `words` in a pseudo-terminal until its screen shows `text`, then presses `q` and expects
+/// a clean exit.
+fn tui_shows(words: &[String], cwd: &Path, text: &str) {
+    let pair = native_pty_system()
+        .openpty(PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 })
+        .expect("opens a pty");
+    let mut cmd = CommandBuilder::new(&words[0]);
+    cmd.args(&words[1..]);
+    cmd.cwd(cwd);
+    cmd.env("TERM", "xterm-256color");
+    let mut child = pair.slave.spawn_command(cmd).expect("starts the program");
+    drop(pair.slave);
+    let mut reader = pair.master.try_clone_reader().expect("pty reader");
+    let mut writer = pair.master.take_writer().expect("pty writer");
+    let screen = Arc::new(Mutex::new(vt100::Parser::new(40, 120, 0)));
+    let s = screen.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8192];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            s.lock().expect("screen").process(&buf[..n]);
+        }
+    });
+    let limit = Instant::now() + Duration::from_secs(60);
+    loop {
+        let c = screen.lock().expect("screen").screen().contents();
+        if c.contains(text) {
+            break;
+        }
+        assert!(child.try_wait().expect("status").is_none(), "{words:?} exited early:\n{c}");
+        assert!(Instant::now() < limit, "{words:?} never showed '{text}':\n{c}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    writer.write_all(b"q").expect("presses q");
+    writer.flush().expect("flushes");
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("status") {
+            break s;
+        }
+        assert!(Instant::now() < limit, "{words:?} did not quit on q");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{words:?}: {status:?}");
+}
+
+#[test]
+fn every_printed_command_runs_as_printed() {
+    printed_commands_run(&[]);
+}
+
+#[test]
+fn with_a_token_the_printed_addresses_carry_it() {
+    printed_commands_run(&["--random-token"]);
+}
+
+fn printed_commands_run(extra: &[&str]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut demo = Command::new(DEMO)
+        .args(["--steps", "4", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2"])
+        .args(["--budget-mib", "4", "--cpu", "--addr", "127.0.0.1:0", "--compress", "--keep-serving"])
+        .args(extra)
+        .current_dir(dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the demo starts");
+    let mut lines = Vec::new();
+    let mut out = BufReader::new(demo.stdout.take().expect("stdout")).lines();
+    while !lines.last().is_some_and(|l: &String| l.starts_with("serving ")) {
+        lines.push(out.next().expect("the demo prints until it serves").expect("a line"));
+    }
+
+    // While it serves: the addresses answer, and the live TUI shows the finished run.
+    let dashboard = command(&lines, "dashboard");
+    // The page's address works as printed: the page, or with a token, the browser's cookie and
+    // the way to the page without the token in its address.
+    let token = dashboard[0].split_once("?token=").map(|(_, t)| t.to_owned());
+    assert_eq!(token.is_some(), !extra.is_empty(), "{dashboard:?}");
+    let (status, page) = get(&dashboard[0], None);
+    match &token {
+        None => assert_eq!(status, 200, "{page}"),
+        Some(t) => {
+            assert_eq!(status, 303, "{page}");
+            assert!(page.to_ascii_lowercase().contains(&format!("={t}; path=/")), "{page}");
+        }
+    }
+    let metrics = command(&lines, "metrics");
+    if let Some(t) = &token {
+        assert!(metrics.join(" ").contains(&format!("'Authorization: Bearer {t}'")), "{metrics:?}");
+        assert_eq!(get(&metrics[0], None).0, 401, "the token is needed");
+    }
+    let (status, body) = get(&metrics[0], token.as_deref());
+    let step = body.lines().find(|l| l.starts_with("stagehand_step{")).and_then(|l| l.rsplit(' ').next());
+    assert_eq!((status, step), (200, Some("4")), "{body}");
+    let base = metrics[0].trim_end_matches("/metrics");
+    let (_, run) = get(&format!("{base}/api/run"), token.as_deref());
+    let run = run.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let run: serde_json::Value = serde_json::from_str(run).expect("/api/run is JSON");
+    let memory = &run["run"]["config"]["memory"];
+    assert!(memory.is_object() && memory["mode"] == "stagehand", "structured: {run}");
+    assert_eq!(run["run"]["config"]["telemetry"]["level"], "summary", "{run}");
+    let live = command(&lines, "live TUI");
+    if runnable(&live[0]) {
+        tui_shows(&live, dir.path(), "(ended)");
+    } else {
+        eprintln!("skipping the live TUI command: '{}' is not built (cargo build -p stagehand-dashboard)", live[0]);
+    }
+    demo.stdin.take().expect("stdin").write_all(b"\n").expect("presses Enter");
+    let rest: Vec<String> = out.map(|l| l.expect("a line")).collect();
+    assert!(demo.wait().expect("exits").success(), "{lines:#?}\n{rest:#?}");
+
+    // After the run: the file commands open what it wrote.
+    let replay = command(&lines, "replay it");
+    let file = dir.path().join(replay.last().expect("a file"));
+    assert!(file.to_string_lossy().ends_with(".jsonl.zst") && file.exists(), "{replay:?}");
+    if runnable(&replay[0]) {
+        // It plays at recorded speed: the short run reaches its end at once.
+        tui_shows(&replay, dir.path(), "(ended)");
+    } else {
+        eprintln!("skipping the replay command: '{}' is not built (cargo build -p stagehand-dashboard)", replay[0]);
+    }
+    let trace = command(&lines, "trace it");
+    if runnable(&trace[0]) {
+        let o = Command::new(&trace[0]).args(&trace[1..]).current_dir(dir.path()).output().expect("runs");
+        assert!(o.status.success(), "{trace:?}: {}", String::from_utf8_lossy(&o.stderr));
+        let json = std::fs::read(format!("{}.trace.json", file.display())).expect("the trace is written");
+        let json: serde_json::Value = serde_json::from_slice(&json).expect("trace json");
+        stagehand_exporter::trace::validate(&json).expect("a valid trace");
+    } else {
+        eprintln!("skipping the trace command: '{}' is not built (cargo build -p stagehand-exporter)", trace[0]);
+    }
+}

@@ -1,0 +1,64 @@
+//! The handle's telemetry and numeric guards, chosen on the builder.
+//!
+//! Telemetry goes through [`crate::events::telemetry::attach`]: a file at a [`Level`] (plain or
+//! zstd, rotated by size) and the flight recorder, which keeps the last steps in full detail
+//! and writes them to a file of their own when a step stalls, a pool runs out, a copy falls back
+//! to pageable memory, the device runs out of memory or a guard finds a NaN. The default
+//! configuration (summary level, recorder on) keeps a long run small while the moments that need
+//! explaining keep every event.
+//!
+//! [`Level`]: crate::events::Level
+
+use super::{Stagehand, StagehandBuilder};
+use crate::events::telemetry::{Level, Telemetry, TelemetryConfig};
+
+impl StagehandBuilder {
+    /// Attaches telemetry when the handle is built, before anything is published: the file
+    /// `config` describes and the flight recorder. Building fails when the file cannot be made
+    /// (it exists, its folder is missing).
+    ///
+    /// ```no_run
+    /// use stagehand::events::{Level, TelemetryConfig};
+    /// # fn main() -> stagehand::Result<()> {
+    /// let sh = stagehand::Stagehand::builder()
+    ///     .budget_mib(4096)
+    ///     .telemetry(TelemetryConfig {
+    ///         level: Level::Summary,
+    ///         path: Some("runs/today.jsonl.zst".into()),
+    ///         compress: true,
+    ///         rotate_bytes: Some(1 << 30),
+    ///         ..Default::default()
+    ///     })
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn telemetry(mut self, config: TelemetryConfig) -> Self {
+        self.telemetry = Some(config);
+        self
+    }
+
+    /// Writes every event (level `full`) to a new JSONL file at `path`, never overwritten, with
+    /// the flight recorder on; [`telemetry`](Self::telemetry) chooses the level and the rest.
+    pub fn telemetry_file(self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.telemetry(TelemetryConfig {
+            level: Level::Full,
+            path: Some(path.into()),
+            ..TelemetryConfig::default()
+        })
+    }
+
+    /// Checks block outputs, gradients and the loss for NaN and infinity on the device, read
+    /// once per step, and publishes the first one found as `non_finite` (default off; see
+    /// [`crate::guards`]).
+    pub fn guards(mut self, on: bool) -> Self {
+        self.guards = on;
+        self
+    }
+}
+
+impl Stagehand {
+    /// The telemetry attached by the builder (its files, dumps on request, losses), if any.
+    pub fn telemetry(&self) -> Option<&Telemetry> {
+        self.telemetry.as_ref()
+    }
+}
