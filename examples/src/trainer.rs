@@ -42,6 +42,34 @@ pub struct TrainConfig {
     pub kernel: Option<Kernel>,
 }
 
+/// The demo's default shape: what `stagehand-demo` runs with no flags.
+#[derive(Debug, Clone, Copy)]
+pub struct DemoDefaults {
+    /// Training steps.
+    pub steps: u64,
+    /// Transformer blocks.
+    pub layers: i64,
+    /// Embedding width.
+    pub d_model: i64,
+    /// Sequence length.
+    pub seq: i64,
+    /// Sequences per batch.
+    pub batch: i64,
+    /// Device budget in MiB.
+    pub budget_mib: u64,
+}
+
+/// `stagehand-demo`'s defaults, shared with the test that checks they show the system working
+/// as designed (weights prefetched, nothing through pageable memory after the first step).
+pub const DEMO_DEFAULTS: DemoDefaults = DemoDefaults {
+    steps: 300,
+    layers: 8,
+    d_model: 128,
+    seq: 64,
+    batch: 16,
+    budget_mib: 16,
+};
+
 impl TrainConfig {
     /// The demo's defaults at a given size.
     pub fn demo(steps: u64, layers: i64, d_model: i64, seq: i64, batch: i64, budget_bytes: u64) -> TrainConfig {

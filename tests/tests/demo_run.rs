@@ -10,7 +10,7 @@ use stagehand::events::jsonl::{read_file, JsonlSink, OpenMode};
 use stagehand::events::{
     Bus, Direction, EventKind, Hub, Phase, PolicyRule, Snapshot, StreamMessage,
 };
-use stagehand_examples::trainer::{announce, train, TrainConfig};
+use stagehand_examples::trainer::{announce, train, TrainConfig, DEMO_DEFAULTS};
 use stagehand_web::Server;
 use std::io::{BufRead, BufReader};
 use std::sync::Arc;
@@ -241,4 +241,33 @@ fn demo_run_agrees_across_every_consumer() {
     }
     assert_eq!(tui_replay.snapshot, live);
     server.shutdown().expect("shutdown");
+}
+
+/// The demo with no flags is the first thing users see: after the traced first step every weight
+/// load is prefetched in time and no spill falls back to pageable memory (whose pinned pool is
+/// sized from what the first step held at once, whatever that is next to the device's room).
+#[test]
+fn the_demos_defaults_show_the_system_working_as_designed() {
+    stagehand::torch::init();
+    let d = DEMO_DEFAULTS;
+    let budget = d.budget_mib << 20;
+    let device = Device::auto(budget);
+    let hub = Arc::new(Hub::new());
+    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+    let cfg = TrainConfig::demo(4, d.layers, d.d_model, d.seq, d.batch, budget);
+    announce(&bus, &cfg, &device, "defaults");
+    let summary = train(&cfg, &device, &bus, |_, _, _| {}).expect("training runs");
+    bus.flush();
+    let live = hub.snapshot();
+    assert!(summary.activations_spilled > 0, "the defaults spill");
+    let steady: Vec<_> = live.steps.iter().filter(|r| r.step > 1).collect();
+    assert_eq!(steady.len(), 3, "{:?}", live.steps.iter().map(|r| r.step).collect::<Vec<_>>());
+    for r in steady {
+        let w = r.weights.as_ref().expect("weights streamed");
+        assert!(w.prefetch_hits >= 9 * w.prefetch_misses.max(1), "step {}: {w:?}", r.step);
+        let a = r.activations.as_ref().expect("activations");
+        assert!(a.activations_spilled > 0, "step {} spilled", r.step);
+        assert_eq!((a.pool_misses, a.pageable_bytes), (0, 0), "step {}: pageable spills {a:?}", r.step);
+    }
+    assert!(!live.warnings.iter().any(|w| w.message.contains("pinned limit")), "{:?}", live.warnings);
 }

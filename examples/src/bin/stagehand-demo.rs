@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
 use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce_with, train, train_stagehand, Memory, TrainConfig};
+use stagehand_examples::trainer::{announce_with, train, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand_web::cli::ServeArgs;
 use std::path::{Path, PathBuf};
 
@@ -17,23 +17,23 @@ use std::path::{Path, PathBuf};
 #[command(name = "stagehand-demo", version)]
 struct Args {
     /// Training steps.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = DEMO_DEFAULTS.steps)]
     steps: u64,
     /// Transformer blocks.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = DEMO_DEFAULTS.layers)]
     layers: i64,
     /// Embedding width.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = DEMO_DEFAULTS.d_model)]
     d_model: i64,
     /// Sequence length.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = DEMO_DEFAULTS.seq)]
     seq: i64,
     /// Sequences per batch.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = DEMO_DEFAULTS.batch)]
     batch: i64,
     /// Device memory budget in MiB (the simulated VRAM on the host device). Everything else (the
     /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = DEMO_DEFAULTS.budget_mib)]
     budget_mib: u64,
     /// Telemetry file; never overwritten. Default: runs/stagehand-<time>.jsonl (.jsonl.zst with
     /// --compress). Flight records of incidents are written beside it.

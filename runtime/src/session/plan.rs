@@ -247,7 +247,15 @@ impl Plan {
         let host_left = machine
             .host_available_bytes
             .saturating_sub(p.pinned_bytes + p.optimizer_state_bytes);
-        p.pool_limit_bytes = (host_left / 2).min(8 * activations.max(MIB));
+        // The activation pool is sized from what a traced step spills at once, which depends on
+        // the model's activations, not on the device's room: a model whose activations are many
+        // times the room needs that much pinned memory. The limit only keeps the pool within
+        // half the host memory left (or, where that cannot be read, 8x the device's room).
+        p.pool_limit_bytes = if machine.host_available_bytes > 0 {
+            host_left / 2
+        } else {
+            8 * activations.max(MIB)
+        };
         if machine.host_available_bytes > 0 && p.pinned_bytes + p.optimizer_state_bytes > machine.host_available_bytes {
             return Err(Error::Config {
                 field: "model",
@@ -343,5 +351,18 @@ mod tests {
         let small_host = Machine { device_bytes: 80 * GB, host_available_bytes: 2 * GB };
         let e = Plan::derive(8 * GB, &gpt(24, block), small_host, 2).expect_err("host too small");
         assert!(e.to_string().contains("host's available memory"), "{e}");
+    }
+
+    #[test]
+    fn the_activation_pool_may_hold_many_times_the_device_room() {
+        // Activations that spill ten times the device's room at once still fit in pinned memory:
+        // the pool's limit follows the host, not the budget.
+        let p = Plan::derive(16 * MIB, &gpt(8, 800 << 10), HOST, 2).expect("plan");
+        let room = p.budget_bytes - p.reserve_bytes - p.resident_bytes - p.weight_room_bytes;
+        assert!(p.pool_limit_bytes > 10 * room, "{p:?}");
+        assert!(p.pool_limit_bytes <= HOST.host_available_bytes / 2, "{p:?}");
+        let unknown = Machine { device_bytes: 80 * GB, host_available_bytes: 0 };
+        let p = Plan::derive(16 * MIB, &gpt(8, 800 << 10), unknown, 2).expect("plan");
+        assert!(p.pool_limit_bytes > 0 && p.pool_limit_bytes <= 8 * 16 * MIB, "{p:?}");
     }
 }
