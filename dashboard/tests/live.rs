@@ -98,10 +98,16 @@ fn pausing_stops_taking_updates_until_resumed() {
     src.control(stagehand_dashboard::app::Control::TogglePause, &mut out);
     assert!(src.paused());
     pump(&mut src, &mut state, |_, st| connected(st));
-    // Give the reader time to have queued the snapshot, then check nothing was taken.
-    std::thread::sleep(Duration::from_millis(100));
+    // Once the reader has queued the snapshot, a paused source takes nothing from the queue.
+    let limit = Instant::now() + Duration::from_secs(10);
+    while src.queued_bytes() == 0 {
+        assert!(Instant::now() < limit, "the reader never queued the snapshot");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let queued = src.queued_bytes();
     src.poll(Instant::now(), &mut out);
     assert!(out.is_empty());
+    assert_eq!(src.queued_bytes(), queued, "a paused source leaves the queue alone");
     src.control(stagehand_dashboard::app::Control::TogglePause, &mut out);
     pump(&mut src, &mut state, |s, _| s.resets == 1);
     assert_eq!(state.snapshot.last_seq, 10);

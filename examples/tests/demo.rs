@@ -184,3 +184,20 @@ fn printed_commands_run(extra: &[&str]) {
         eprintln!("skipping the trace command: '{}' is not built (cargo build -p stagehand-exporter)", trace[0]);
     }
 }
+
+#[test]
+fn telemetry_lost_to_a_full_disk_is_reported_and_fails_the_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let o = Command::new(DEMO)
+        .args(["--steps", "2", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2"])
+        .args(["--budget-mib", "4", "--cpu", "--no-serve", "--out", "/dev/full"])
+        .current_dir(dir.path())
+        .output()
+        .expect("the demo runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a run that lost its telemetry exits non-zero:\n{out}\n{err}");
+    assert!(err.contains("telemetry incomplete") && err.contains("/dev/full"), "{err}");
+    let lost = out.lines().find(|l| l.contains("lost writing the telemetry")).expect("the summary says what was lost");
+    assert!(!lost.contains(" 0 lost"), "{lost}");
+}

@@ -73,3 +73,25 @@ fn adapters_train_over_a_frozen_base_streamed_from_its_file() {
         .collect();
     assert!(evictions.iter().all(|e| *e > 0), "blocks stream from the file: {text}");
 }
+
+#[test]
+fn every_example_answers_help_with_its_usage() {
+    for bin in [
+        env!("CARGO_BIN_EXE_train-before"),
+        env!("CARGO_BIN_EXE_train-after"),
+        env!("CARGO_BIN_EXE_inference"),
+        env!("CARGO_BIN_EXE_adapter-finetune"),
+        env!("CARGO_BIN_EXE_replay"),
+        env!("CARGO_BIN_EXE_stagehand-demo"),
+    ] {
+        let o = std::process::Command::new(bin).arg("--help").output().expect("runs");
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success() && text.contains("Usage:"), "{bin} --help: {text}{}", String::from_utf8_lossy(&o.stderr));
+        let o = std::process::Command::new(bin).arg("not-a-number").output().expect("runs");
+        if !bin.ends_with("replay") {
+            assert!(!o.status.success(), "{bin} accepted a bad argument");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!err.contains("panicked") && !err.contains("backtrace"), "{bin}: {err}");
+        }
+    }
+}

@@ -12,7 +12,7 @@
 //!
 //! These are the names an OTLP-to-Prometheus bridge (the OpenTelemetry Collector's Prometheus
 //! exporter) derives from the OTel ones, so both paths land on the same series. No label carries
-//! a block or tensor id (design.md section 6).
+//! a block or tensor id: ids are unbounded, and a series per id would grow a scrape without limit.
 
 /// Buckets for copy durations, in seconds: 20 us to 2 s.
 pub const TRANSFER_BUCKETS: &[f64] = &[

@@ -141,7 +141,7 @@ fn run(dev: &Device, model: &Model, x: &Tensor, steps: usize, mode: Mode<'_>) ->
         let t0 = Instant::now();
         let rt = if let Mode::Spilled(rt) = mode { Some(rt) } else { None };
         if let Some(rt) = rt {
-            rt.step_begin(step as u64 + 1);
+            rt.begin_step(step as u64 + 1);
         }
         let loss = {
             let _hooks = match &mode {
@@ -161,7 +161,7 @@ fn run(dev: &Device, model: &Model, x: &Tensor, steps: usize, mode: Mode<'_>) ->
         loss.backward();
         drop(loss);
         if let Some(rt) = rt {
-            rt.step_end().expect("step end");
+            rt.end_step().expect("step end");
         }
         dev.synchronize().expect("sync");
         if step > 0 {

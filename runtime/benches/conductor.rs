@@ -190,7 +190,7 @@ fn main() -> anyhow::Result<()> {
         let t0 = Instant::now();
         c.begin_step(n)?;
         rt.begin_step()?;
-        acts.step_begin(n);
+        acts.begin_step(n);
         c.enter_forward()?;
         let y = {
             let _hooks = acts.managed_forward()?;
@@ -205,7 +205,7 @@ fn main() -> anyhow::Result<()> {
         c.enter_backward()?;
         y.to_kind(Kind::Float).mean(Kind::Float).backward();
         drop(y);
-        let am = acts.step_end()?;
+        let am = acts.end_step()?;
         if std::env::var("SH_VERBOSE").is_ok() {
             println!("  step {n}: {am:?}");
         }

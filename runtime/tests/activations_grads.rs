@@ -40,7 +40,7 @@ fn train_mlp(rt: Option<&ActivationRuntime>) -> (Vec<(String, Tensor)>, Vec<f64>
     let (mut losses, mut metrics) = (Vec::new(), Vec::new());
     for step in 1..=3 {
         if let Some(rt) = rt {
-            rt.step_begin(step);
+            rt.begin_step(step);
         }
         let loss = {
             let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
@@ -51,7 +51,7 @@ fn train_mlp(rt: Option<&ActivationRuntime>) -> (Vec<(String, Tensor)>, Vec<f64>
         losses.push(loss.double_value(&[]));
         drop(loss);
         if let Some(rt) = rt {
-            metrics.push(rt.step_end().expect("step end"));
+            metrics.push(rt.end_step().expect("step end"));
         }
         opt.step();
     }
@@ -134,7 +134,7 @@ fn train_transformer(rt: Option<&ActivationRuntime>) -> (Vec<(String, Tensor)>, 
     let mut opt = nn::Sgd::default().build(&vs, 1e-2).expect("optimizer");
     for step in 1..=3 {
         if let Some(rt) = rt {
-            rt.step_begin(step);
+            rt.begin_step(step);
         }
         let loss = {
             let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
@@ -149,7 +149,7 @@ fn train_transformer(rt: Option<&ActivationRuntime>) -> (Vec<(String, Tensor)>, 
         loss.backward();
         drop(loss);
         if let Some(rt) = rt {
-            metrics.push(rt.step_end().expect("step end"));
+            metrics.push(rt.end_step().expect("step end"));
         }
         opt.step();
     }
@@ -197,7 +197,7 @@ fn train_recomputed(rt: Option<&ActivationRuntime>) -> Vec<(String, Tensor)> {
     let b1 = nn::linear(vs.root() / "b1", 8, 32, Default::default());
     let x = Tensor::randn([16, 32], (Kind::Float, dev.tch_device()));
     if let Some(rt) = rt {
-        rt.step_begin(1);
+        rt.begin_step(1);
     }
     let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
     // Forward of block 0 without saving anything.
@@ -212,7 +212,7 @@ fn train_recomputed(rt: Option<&ActivationRuntime>) -> Vec<(String, Tensor)> {
     (&h2 * h_in.grad()).sum(Kind::Float).backward();
     drop(_hooks);
     if let Some(rt) = rt {
-        let m = rt.step_end().expect("step end");
+        let m = rt.end_step().expect("step end");
         assert!(m.activations_spilled > 0, "{m:?}");
         assert_eq!(m.activations_restored, m.activations_spilled);
     }
@@ -288,7 +288,7 @@ fn managed_weights_go_to_the_resolver_and_activations_spill() {
     let x = Tensor::randn([64, 32], (Kind::Float, dev.tch_device()));
     let y = Tensor::randn([64, 8], (Kind::Float, dev.tch_device()));
     for step in 1..=3 {
-        rt.step_begin(step);
+        rt.begin_step(step);
         let loss = {
             let _hooks = rt.managed_forward().expect("hooks");
             net.forward(&x).mse_loss(&y, tch::Reduction::Mean)
@@ -296,7 +296,7 @@ fn managed_weights_go_to_the_resolver_and_activations_spill() {
         opt.zero_grad();
         loss.backward();
         drop(loss);
-        let m = rt.step_end().expect("step end");
+        let m = rt.end_step().expect("step end");
         // The first linear needs no weight in backward (its input needs no gradient).
         assert_eq!(m.weight_handles, 2, "one W.t() per later linear: {m:?}");
         assert!(m.activations_spilled > 0);

@@ -291,7 +291,7 @@ fn train_mlp(device: &Device, rt: Option<&ActivationRuntime>, c: &Conductor) -> 
     for step in 1..=3 {
         c.begin_step(step).expect("begin");
         if let Some(rt) = rt {
-            rt.step_begin(step);
+            rt.begin_step(step);
         }
         c.enter_forward().expect("forward");
         let loss = {
@@ -303,7 +303,7 @@ fn train_mlp(device: &Device, rt: Option<&ActivationRuntime>, c: &Conductor) -> 
         loss.backward();
         drop(loss);
         if let Some(rt) = rt {
-            rt.step_end().expect("step end");
+            rt.end_step().expect("step end");
         }
         c.enter_optimizer().expect("optimizer");
         opt.step();

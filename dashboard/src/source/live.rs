@@ -180,6 +180,12 @@ impl LiveSource {
         }
         LiveSource { rx, shared, paused: false }
     }
+
+    /// Bytes of messages the reader has queued and the view has not taken yet (what a pause
+    /// holds back).
+    pub fn queued_bytes(&self) -> usize {
+        self.shared.queued.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for LiveSource {

@@ -85,7 +85,7 @@ fn draw_steps(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
                 format!("{} / {}", count(m.stall_count), ms(m.stall_time_ms)),
                 bytes(m.spill_bytes),
                 format!("{} / {}", count(m.pool_hits), count(m.pool_misses)),
-                // The seed's field is in MiB; shown in binary units like every size.
+                // The event carries this one figure in MiB (its wire name says so); shown in binary units like every size.
                 bytes((m.vram_peak_mb.max(0.0) * 1048576.0) as u64),
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())

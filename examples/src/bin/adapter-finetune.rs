@@ -7,6 +7,7 @@
 //!
 //! Run: `cargo run --release -p stagehand-examples --bin adapter-finetune -- 100`
 
+use clap::Parser;
 use stagehand::device::Device;
 use stagehand::events::Bus;
 use stagehand::weights::{WeightConfig, WeightRuntime};
@@ -17,8 +18,16 @@ const BLOCKS: i64 = 8;
 const D: i64 = 256;
 const RANK: i64 = 8;
 
+/// Frozen base blocks streamed from a safetensors file, trainable low-rank adapters.
+#[derive(Parser)]
+struct Args {
+    /// Training steps.
+    #[arg(default_value_t = 100)]
+    steps: u64,
+}
+
 fn main() -> anyhow::Result<()> {
-    let steps: u64 = std::env::args().nth(1).map_or(Ok(100), |s| s.parse())?;
+    let Args { steps } = Args::parse();
     stagehand::torch::init();
     let device = Device::auto(1 << 30);
     let dev = device.tch_device();

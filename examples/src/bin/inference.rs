@@ -3,13 +3,22 @@
 //!
 //! Run: `cargo run --release -p stagehand-examples --bin inference -- 8`
 
+use clap::Parser;
 use stagehand::nn::{LayerOptions, ManagedVarStore};
 use stagehand_examples::data::progression_batch;
 use stagehand_examples::gpt::{Gpt, GptConfig, StreamedLayers};
 use tch::nn::{self, Module};
 
+/// Inference with weights streamed through a budget a quarter of their size.
+#[derive(Parser)]
+struct Args {
+    /// Batches to run.
+    #[arg(default_value_t = 8)]
+    batches: u64,
+}
+
 fn main() -> anyhow::Result<()> {
-    let batches: u64 = std::env::args().nth(1).map_or(Ok(8), |s| s.parse())?;
+    let Args { batches } = Args::parse();
     stagehand::torch::init();
     let device = tch::Device::cuda_if_available();
     let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 8, n_head: 4, n_embd: 256 };

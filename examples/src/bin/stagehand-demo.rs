@@ -281,7 +281,10 @@ fn main() -> Result<()> {
             );
         }
     }
-    println!("  events     {} recorded, {} dropped", snap.events_applied, snap.dropped_events);
+    println!(
+        "  events     {} recorded, {} dropped, {} lost writing the telemetry",
+        snap.events_applied, snap.dropped_events, snap.telemetry_lost
+    );
     if writes_file {
         let size = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
         println!(
@@ -304,6 +307,15 @@ fn main() -> Result<()> {
             let _ = std::io::stdin().read_line(&mut line);
         }
         server.shutdown()?;
+    }
+    // A run whose record is incomplete must not look like a clean one to a script.
+    if snap.dropped_events > 0 || snap.telemetry_lost > 0 {
+        anyhow::bail!(
+            "telemetry incomplete: {} events dropped on the bus, {} lost writing {} (see the warnings above)",
+            snap.dropped_events,
+            snap.telemetry_lost,
+            out.display()
+        );
     }
     Ok(())
 }

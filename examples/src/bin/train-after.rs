@@ -7,14 +7,25 @@
 //! Run: `cargo run --release -p stagehand-examples --bin train-after -- 50 run.jsonl`
 //! then `stagehand-top --replay run.jsonl`.
 
+use clap::Parser;
 use stagehand::Stagehand;
 use stagehand_examples::data::progression_batch;
 use stagehand_examples::gpt::{Gpt, GptConfig, StreamedLayers};
 use tch::nn::{self, Module};
 
+/// The loop of train-before under Stagehand, with a telemetry file.
+#[derive(Parser)]
+struct Args {
+    /// Training steps.
+    #[arg(default_value_t = 50)]
+    steps: u64,
+    /// Telemetry file (never overwritten).
+    #[arg(default_value = "train-after.jsonl")]
+    out: String,
+}
+
 fn main() -> anyhow::Result<()> {
-    let steps: u64 = std::env::args().nth(1).map_or(Ok(50), |s| s.parse())?;
-    let out = std::env::args().nth(2).unwrap_or_else(|| "train-after.jsonl".into());
+    let Args { steps, out } = Args::parse();
     let device = tch::Device::cuda_if_available();
     let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
     tch::manual_seed(0);

@@ -3,12 +3,21 @@
 //!
 //! Run: `cargo run --release -p stagehand-examples --bin train-before -- 50`
 
+use clap::Parser;
 use stagehand_examples::data::progression_batch;
 use stagehand_examples::gpt::{Gpt, GptConfig, TchLayers};
 use tch::nn::{self, Module, OptimizerConfig};
 
+/// An ordinary tch training loop (compare with train-after).
+#[derive(Parser)]
+struct Args {
+    /// Training steps.
+    #[arg(default_value_t = 50)]
+    steps: u64,
+}
+
 fn main() -> anyhow::Result<()> {
-    let steps: u64 = std::env::args().nth(1).map_or(Ok(50), |s| s.parse())?;
+    let Args { steps } = Args::parse();
     let device = tch::Device::cuda_if_available();
     let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128 };
     tch::manual_seed(0);

@@ -26,14 +26,14 @@
 //! let config = ActivationConfig::builder().watermarks_mb(8_000, 6_000).build()?;
 //! let acts = ActivationRuntime::new(Device::auto(1 << 30), config, Bus::disabled(), None)?;
 //! # let (x, w) = (tch::Tensor::ones([4, 4], tch::kind::FLOAT_CPU), tch::Tensor::ones([4, 4], tch::kind::FLOAT_CPU).set_requires_grad(true));
-//! acts.step_begin(1);
+//! acts.begin_step(1);
 //! let loss = {
 //!     let _hooks = acts.managed_forward()?;
 //!     let _block = acts.region("blocks.0");
 //!     x.matmul(&w).relu().sum(tch::Kind::Float)
 //! };
 //! loss.backward();
-//! let metrics = acts.step_end()?;
+//! let metrics = acts.end_step()?;
 //! # let _ = metrics;
 //! # Ok(()) }
 //! ```
@@ -49,7 +49,8 @@ mod state;
 mod store;
 
 pub use config::{ActivationConfig, ActivationConfigBuilder};
-pub use runtime::{ActivationRuntime, GroupProfile, HeldBytes, ManagedForward, RegionGuard};
+pub use runtime::{ActivationRuntime, HeldBytes, ManagedForward, RegionGuard};
+pub use sizing::GroupProfile;
 pub use store::ActivationStore;
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use super::config::ActivationConfig;
 use super::policy::SpillPolicy;
 use super::record::Records;
 use super::restorer::Restorer;
-use super::sizing::SizeProfile;
+use super::sizing::{GroupProfile, SizeProfile};
 use super::spills::SpillQueue;
 use super::state::{Shared, State};
 use super::store::ActivationStore;
@@ -18,17 +18,6 @@ use crate::torch::{SavedTensorHooks, TensorIdentity};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
-
-/// What the first step learned about one region group of the forward.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupProfile {
-    /// The region that opened the group.
-    pub name: String,
-    /// Bytes of the tensors in the group that could be spilled.
-    pub bytes: u64,
-    /// How many such tensors.
-    pub tensors: u32,
-}
 
 /// Device bytes the runtime holds, by kind (for the VRAM-by-owner breakdown).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -172,7 +161,7 @@ impl ActivationRuntime {
     }
 
     /// Starts step `step`: counters to zero, spilling off, the device's peak restarted.
-    pub fn step_begin(&self, step: u64) {
+    pub fn begin_step(&self, step: u64) {
         let weights = {
             let mut g = self.shared.lock();
             // Records left by a step that never ended are released now.
@@ -233,7 +222,7 @@ impl ActivationRuntime {
     /// Ends the step: waits for copies, publishes `ActivationStep`, learns the group profile
     /// (and after a step that spilled, the pool's size), releases every record, and returns the
     /// step's metrics.
-    pub fn step_end(&self) -> Result<ActivationStepMetrics> {
+    pub fn end_step(&self) -> Result<ActivationStepMetrics> {
         let (metrics, weights, result) = {
             let mut g = self.shared.lock();
             self.shared.end_step(&mut g)

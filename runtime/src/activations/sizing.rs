@@ -1,7 +1,20 @@
-//! How much pinned memory the spills of a step hold at once, by size: the record from which the
-//! pool is rebuilt after a traced step, so that later steps find a slab for every spill.
+//! What a traced step teaches about the spills: how much pinned memory they hold at once, by
+//! size (the record from which the pool is rebuilt, so that later steps find a slab for every
+//! spill), and the forward's region groups with their spillable bytes.
 
 use std::collections::BTreeMap;
+
+/// What the first step learned about one region group of the forward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupProfile {
+    /// The region that opened the group.
+    pub name: String,
+    /// Bytes of the tensors in the group that could be spilled.
+    pub bytes: u64,
+    /// How many such tensors.
+    pub tensors: u32,
+}
+
 
 /// Sizes are rounded up to this (a page: slabs stay page-aligned for DMA).
 const ALIGN: u64 = 4096;

@@ -4,14 +4,16 @@
 //! Pack runs on the forward thread; unpack and release possibly on an autograd worker thread, so
 //! all of it sits behind one lock in [`Shared`]. The spill queue and the restorer own their copies
 //! in flight; the records own the tensors and host slabs.
+//!
+//! The file is long because pack, unpack, release and the step's end share that lock and its
+//! invariants; spreading them over files would hide which of them hold it.
 
 use super::config::{ActivationConfig, MB};
 use super::policy::{region_matches, PackFacts, SpillPolicy, Verdict};
 use super::record::{Record, RecordState, Records, TensorMeta};
 use super::restorer::{Ahead, Restorer};
-use super::sizing::SizeProfile;
+use super::sizing::{GroupProfile, SizeProfile};
 use super::spills::SpillQueue;
-use super::GroupProfile;
 use crate::conductor::{Conductor, Knobs};
 use crate::device::{Device, IdleSpans};
 use crate::error::{Error, Result};

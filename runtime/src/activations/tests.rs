@@ -55,7 +55,7 @@ fn landed_spills_are_finalized_without_waiting_whatever_the_cap() {
     for cap in [1u32, 64] {
         let (rt, bus, seen) = setup(base().max_inflight(cap, 1).build().expect("config"));
         let store = rt.store();
-        rt.step_begin(1);
+        rt.begin_step(1);
         let ts: Vec<Tensor> = (0..11).map(|i| tensor(i as f64)).collect();
         let handles: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
         let m = rt.metrics();
@@ -65,7 +65,7 @@ fn landed_spills_are_finalized_without_waiting_whatever_the_cap() {
             assert!(store.unpack(*h).expect("unpack").equal(t));
             store.release(*h);
         }
-        rt.step_end().expect("step end");
+        rt.end_step().expect("step end");
         let fin: Vec<bool> = events(&bus, &seen)
             .into_iter()
             .filter_map(|k| match k {
@@ -83,7 +83,7 @@ fn hysteresis_spills_from_high_until_under_low() {
     let cfg = base().watermarks_bytes(3 * N, 2 * N).max_inflight(1, 1).build().expect("config");
     let (rt, bus, seen) = setup(cfg);
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let kept: Vec<u64> = (0..3).map(|i| store.pack(tensor(i as f64)).expect("pack")).collect();
     assert!(!rt.is_spilling());
     assert_eq!(rt.device().memory().allocated, 3 * N);
@@ -110,7 +110,7 @@ fn hysteresis_spills_from_high_until_under_low() {
     for h in [s1, s2, k, kept[2]] {
         store.release(h);
     }
-    rt.step_end().expect("step end");
+    rt.end_step().expect("step end");
     assert_eq!(rt.device().memory().allocated, 0);
 }
 
@@ -118,7 +118,7 @@ fn hysteresis_spills_from_high_until_under_low() {
 fn checksums_catch_a_corrupted_host_buffer() {
     let (rt, bus, seen) = setup(base().debug_checksums(true).build().expect("config"));
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let _first = store.pack(tensor(1.0)).expect("kept");
     let h = store.pack(tensor(2.0)).expect("spilled");
     {
@@ -135,7 +135,7 @@ fn checksums_catch_a_corrupted_host_buffer() {
     assert!(events(&bus, &seen)
         .iter()
         .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("checksum"))));
-    rt.step_end().expect("step end");
+    rt.end_step().expect("step end");
     assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
 }
 
@@ -143,7 +143,7 @@ fn checksums_catch_a_corrupted_host_buffer() {
 fn duplicates_are_spilled_once_and_both_handles_restore() {
     let (rt, bus, seen) = setup(base().build().expect("config"));
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let _k = store.pack(tensor(1.0)).expect("kept");
     let t = tensor(3.0);
     let a = store.pack(t.shallow_clone()).expect("spill");
@@ -163,7 +163,7 @@ fn duplicates_are_spilled_once_and_both_handles_restore() {
     assert_eq!(rt.live_records(), 2, "one handle still holds the spilled record");
     store.release(b);
     assert_eq!(rt.live_records(), 1);
-    let m = rt.step_end().expect("step end");
+    let m = rt.end_step().expect("step end");
     assert_eq!(m.activations_restored, 1);
 }
 
@@ -172,7 +172,7 @@ fn exhausted_pool_falls_back_then_is_sized_from_the_step() {
     let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).build().expect("config");
     let (rt, bus, seen) = setup(cfg);
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
     let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
     let m = rt.metrics();
@@ -184,20 +184,20 @@ fn exhausted_pool_falls_back_then_is_sized_from_the_step() {
     assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::PageableFallback { .. })).count(), 2);
     // The first pool is provisional (a traced step sizes the real one): no warning for it.
     assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::Warning { .. })).count(), 0);
-    rt.step_end().expect("step end");
+    rt.end_step().expect("step end");
     // The step held three spills of this size at once: the pool now holds three slabs of it
     // and one more (an eighth, at least one, for later steps that spill a little more), and the
     // same step again finds a slab for each.
     let s = rt.pool_stats();
     assert_eq!((s.total.clone(), s.free.clone(), s.fallbacks), (vec![4], vec![4], 0));
-    rt.step_begin(2);
+    rt.begin_step(2);
     let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
     let m = rt.metrics();
     assert_eq!((m.activations_spilled, m.pool_hits, m.pool_misses), (3, 3, 0));
     for h in hs.iter().rev() {
         store.release(*h);
     }
-    rt.step_end().expect("step end");
+    rt.end_step().expect("step end");
 }
 
 #[test]
@@ -205,14 +205,14 @@ fn a_fixed_pool_warns_once_when_it_falls_back() {
     let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).size_pool_from_trace(false, None).build().expect("config");
     let (rt, bus, seen) = setup(cfg);
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let hs: Vec<u64> = (0..4).map(|i| store.pack(tensor(i as f64 + 1.0)).expect("pack")).collect();
     let ev = events(&bus, &seen);
     assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::Warning { .. })).count(), 1);
     for h in hs.iter().rev() {
         store.release(*h);
     }
-    rt.step_end().expect("step end");
+    rt.end_step().expect("step end");
     assert_eq!(rt.pool_stats().total, vec![1], "a fixed pool stays as configured");
 }
 
@@ -221,14 +221,14 @@ fn predictive_restorer_runs_ahead_so_only_the_first_unpack_stalls() {
     let cfg = base().restore_ahead(2, 8 * N).max_inflight(1, 1).build().expect("config");
     let (rt, bus, seen) = setup(cfg);
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let ts: Vec<Tensor> = (0..7).map(|i| tensor(i as f64 + 1.0)).collect();
     let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
     for (h, t) in hs.iter().zip(&ts).rev() {
         assert!(store.unpack(*h).expect("unpack").equal(t));
         store.release(*h);
     }
-    let m = rt.step_end().expect("step end");
+    let m = rt.end_step().expect("step end");
     assert_eq!(m.activations_spilled, 6);
     assert_eq!(m.stall_count, 1, "{m:?}");
     assert_eq!(m.activations_predicted, 5, "{m:?}");
@@ -247,11 +247,11 @@ fn predictive_restorer_runs_ahead_so_only_the_first_unpack_stalls() {
 fn nothing_is_left_after_the_step_even_without_backward() {
     let (rt, bus, seen) = setup(base().build().expect("config"));
     let store = rt.store();
-    rt.step_begin(1);
+    rt.begin_step(1);
     let hs: Vec<u64> = (0..5).map(|i| store.pack(tensor(i as f64)).expect("pack")).collect();
     let _ = store.unpack(hs[4]).expect("restore one");
     assert!(rt.device().memory().allocated > 0);
-    let m = rt.step_end().expect("step end");
+    let m = rt.end_step().expect("step end");
     assert_eq!(m.activations_saved, 5);
     assert_eq!(rt.live_records(), 0);
     assert_eq!(rt.device().memory().allocated, 0, "every accounted byte given back");

@@ -118,6 +118,10 @@
 //! release is an event; false: only slot grants over the limit, denials and everything
 //! else), `priority_reserve_mb`, `backward_pressure_fraction`, `contention_checks`,
 //! `default_prefetch_window`.
+//!
+//! The file is long because of this documentation (the whole policy, in one place a user reads)
+//! and the facade whose methods share one lock; budgets, phases, policy rules, adapters and
+//! transfers live in the sibling files.
 
 pub mod adapter;
 pub mod budget;

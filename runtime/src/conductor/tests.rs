@@ -1,4 +1,5 @@
 //! Tests of the facade: events on the bus, adapters, tokens, disabled mode.
+//! One file, as the facade is one type: each test drives it the way a runtime does.
 
 use super::*;
 use crate::events::model::{Event, ReservationMode};

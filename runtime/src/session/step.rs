@@ -116,7 +116,7 @@ impl Stagehand {
         self.enter(&conductor, step, Phase::StepBegin)?;
         weights.begin_step()?;
         if let Some(a) = &acts {
-            a.step_begin(step);
+            a.begin_step(step);
         }
         let e0 = self.device.record_compute()?;
         self.enter(&conductor, step, Phase::Forward)?;
@@ -142,7 +142,7 @@ impl Stagehand {
         let loss_value = loss.f_double_value(&[])?;
         drop(loss);
         let am = match &acts {
-            Some(a) => Some(a.step_end()?),
+            Some(a) => Some(a.end_step()?),
             None => None,
         };
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));

@@ -1,4 +1,7 @@
 //! `WeightRuntime`: the block-mode API (explicit blocks and steps) that layer mode builds on.
+//!
+//! The file is long because it is the documented public surface: one method per user action,
+//! each a thin call into the scheduler.
 
 use super::file::FileSource;
 use super::handles::WeightStore;
@@ -367,12 +370,12 @@ impl WeightRuntime {
     /// acts.attach_conductor(&conductor)?;
     /// for step in 1..=3 {
     ///     conductor.begin_step(step)?;
-    ///     acts.step_begin(step);
+    ///     acts.begin_step(step);
     ///     conductor.enter_forward()?;
     ///     // ... forward under `acts.managed_forward()`, blocks through `weights.block(id)`
     ///     conductor.enter_backward()?;
     ///     // ... backward
-    ///     acts.step_end()?;
+    ///     acts.end_step()?;
     ///     conductor.enter_optimizer()?;
     ///     // ... optimizer step
     ///     conductor.end_step()?;

@@ -19,6 +19,9 @@
 //! whatever the sinks report through [`EventSink::notices`] (a file sink's `telemetry_lost`, the
 //! flight recorder's `flight_recorded`), which a sink cannot publish itself while the hub is busy
 //! delivering to it.
+//!
+//! The file is long because the publish path and the hub's delivery share the queue's bounds and
+//! the drop accounting, which read best side by side.
 
 use super::model::{Event, EventKind, Phase, TransferStepMetrics};
 use super::snapshot::Snapshot;

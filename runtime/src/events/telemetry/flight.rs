@@ -248,7 +248,13 @@ pub fn naming_dump(e: &Event, path: &Path) -> Option<Event> {
 /// The folder and file stem dumps are named after, from the telemetry path.
 pub fn dump_location(path: Option<&Path>) -> (PathBuf, String) {
     let Some(p) = path else { return (PathBuf::from("."), "stagehand".into()) };
-    let dir = p.parent().filter(|d| !d.as_os_str().is_empty()).map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+    // Telemetry sent to a device (`/dev/null`, `/dev/full`) or a pipe: the records go to the
+    // working directory rather than beside it.
+    let special = std::fs::metadata(p).is_ok_and(|m| !m.is_file());
+    let dir = match p.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(d) if !special => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
     let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let stem = name.split(".jsonl").next().unwrap_or("stagehand").to_owned();
     (dir, if stem.is_empty() { "stagehand".into() } else { stem })

@@ -151,3 +151,11 @@ fn a_dump_passes_over_names_an_earlier_run_left() {
     assert_eq!(t.last_dump().map(|d| d.path), Some(p));
     assert_eq!(t.dumps_written(), 1);
 }
+
+#[test]
+fn flight_records_go_beside_a_file_but_not_beside_a_device() {
+    let (dir, stem) = super::flight::dump_location(Some(std::path::Path::new("runs/today.jsonl.zst")));
+    assert_eq!((dir, stem.as_str()), (std::path::PathBuf::from("runs"), "today"));
+    let (dir, stem) = super::flight::dump_location(Some(std::path::Path::new("/dev/null")));
+    assert_eq!((dir, stem.as_str()), (std::path::PathBuf::from("."), "null"));
+}

@@ -12,6 +12,10 @@
 //! recorded on the compute stream when the slot's previous block was evicted; the compute stream
 //! waits on the load's event before the block is used; the host memory a copy reads is owned by
 //! its transfer until the copy completed.
+//!
+//! The file is long because the step lifecycle (registration, step begin and end, a block's entry
+//! and exit) stays in one place, where its ordering rules read together; loading, eviction and
+//! gradients live in the sibling files.
 
 mod room;
 mod train;

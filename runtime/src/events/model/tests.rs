@@ -1,0 +1,121 @@
+use super::*;
+
+#[test]
+fn wire_format_is_flat_and_tagged() {
+    let e = Event::new(
+        42,
+        1_200_345,
+        3,
+        Phase::Forward,
+        EventKind::Residency {
+            block: BlockId(5),
+            from: BlockState::Prefetching,
+            to: BlockState::GpuReady,
+            refcount: 0,
+        },
+    );
+    let json = serde_json::to_value(&e).expect("serializes");
+    assert_eq!(json["kind"], "residency");
+    assert_eq!(json["to"], "gpu_ready");
+    assert_eq!(json["block"], 5);
+    assert_eq!(json["phase"], "forward");
+    let back: Event = serde_json::from_value(json).expect("round-trips");
+    assert_eq!(back, e);
+    assert_eq!(back.kind.name(), "residency");
+}
+
+#[test]
+fn per_step_metrics_keep_the_original_field_names() {
+    let e = EventKind::ActivationStep(ActivationStepMetrics {
+        activations_spilled: 7,
+        ..Default::default()
+    });
+    let json = serde_json::to_value(&e).expect("serializes");
+    for field in [
+        "activations_saved",
+        "activations_kept",
+        "activations_spilled",
+        "activations_restored",
+        "spill_bytes",
+        "restore_bytes",
+        "stall_time_ms",
+        "stall_count",
+        "pool_hits",
+        "pool_misses",
+        "vram_peak_mb",
+    ] {
+        assert!(json.get(field).is_some(), "missing {field}");
+    }
+    assert_eq!(json["kind"], "activation_step");
+}
+
+/// serde lists every tag it accepts when it meets an unknown one; the derived names must be
+/// exactly that list, in order, so a new kind can never get a name serde does not use.
+fn serde_tags() -> Vec<String> {
+    tags_of::<EventKind>(r#"{"kind":"~"}"#)
+}
+
+fn tags_of<T: serde::de::DeserializeOwned + std::fmt::Debug>(unknown: &str) -> Vec<String> {
+    let err = serde_json::from_str::<T>(unknown).expect_err("an unknown variant");
+    let msg = err.to_string();
+    // "expected `a`", "expected `a` or `b`", "expected one of `a`, `b`, `c`": the quoted
+    // names after "expected".
+    let list = msg.split("expected").nth(1).expect("serde lists the variants");
+    list.split('`').skip(1).step_by(2).map(str::to_owned).collect()
+}
+
+#[test]
+fn every_kind_name_matches_its_serde_tag() {
+    let tags = serde_tags();
+    assert_eq!(tags.len(), EventKind::names().len(), "{tags:?}");
+    assert_eq!(tags, EventKind::names(), "derived names differ from serde's tags");
+    // And the name of a value is its tag on the wire.
+    let k = EventKind::HintsChanged { hints: Hints::default(), rule: PolicyRule::Contention };
+    assert_eq!(serde_json::to_value(&k).expect("serializes")["kind"], k.name());
+    let k = EventKind::TransferStep(TransferStepMetrics::default());
+    assert_eq!(serde_json::to_value(&k).expect("serializes")["kind"], k.name());
+}
+
+#[test]
+fn every_value_name_is_its_serde_tag() {
+    fn check<T: serde::de::DeserializeOwned + std::fmt::Debug + strum::VariantNames>() {
+        assert_eq!(tags_of::<T>(r#""~""#), T::VARIANTS, "{}", std::any::type_name::<T>());
+    }
+    check::<Phase>();
+    check::<BlockState>();
+    check::<Direction>();
+    check::<Owner>();
+    check::<DeviceKind>();
+    check::<EvictionReason>();
+    check::<PoolKind>();
+    check::<PackDecision>();
+    check::<KeepReason>();
+    check::<ReservationMode>();
+    check::<Priority>();
+    check::<Resource>();
+    check::<ReservationOutcome>();
+    check::<DenyReason>();
+    check::<PolicyRule>();
+    for p in Phase::ALL {
+        assert_eq!(p.as_str(), wire_name(&p));
+    }
+    assert_eq!(DenyReason::H2dSlotsExhausted.as_str(), "h2d_slots_exhausted");
+}
+
+#[test]
+fn wire_names_are_serde_tags() {
+    assert_eq!(wire_name(&EvictionReason::Watermark), "watermark");
+    assert_eq!(wire_name(&KeepReason::TailOfForward), "tail_of_forward");
+    assert_eq!(wire_name(&42u32), "");
+}
+
+#[test]
+fn residency_has_exactly_eight_valid_edges() {
+    let valid = BlockState::ALL
+        .iter()
+        .flat_map(|a| BlockState::ALL.iter().map(move |b| (*a, *b)))
+        .filter(|(a, b)| a.can_transition_to(*b))
+        .count();
+    assert_eq!(valid, 8);
+    assert!(!BlockState::GpuReady.can_transition_to(BlockState::GpuReady));
+}
