@@ -70,6 +70,19 @@ pub const DEMO_DEFAULTS: DemoDefaults = DemoDefaults {
     budget_mib: 16,
 };
 
+/// The budget the demo's default stands for on `device`: `above` bytes as they are on the host
+/// device; on CUDA, `above` bytes beyond what libtorch holds for itself once work starts
+/// (cuBLAS's workspaces, tens of MiB, which a budget this small would otherwise not hold).
+/// `None` when no default is asked for.
+pub fn demo_budget(device: &Device, above: Option<u64>) -> anyhow::Result<Option<u64>> {
+    let Some(above) = above else { return Ok(None) };
+    if !device.is_cuda() {
+        return Ok(Some(above));
+    }
+    device.warm_up()?;
+    Ok(Some(above.saturating_add(device.memory().allocated)))
+}
+
 impl TrainConfig {
     /// The demo's defaults at a given size.
     pub fn demo(steps: u64, layers: i64, d_model: i64, seq: i64, batch: i64, budget_bytes: u64) -> TrainConfig {

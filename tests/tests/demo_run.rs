@@ -10,7 +10,7 @@ use stagehand::events::jsonl::{read_file, JsonlSink, OpenMode};
 use stagehand::events::{
     Bus, Direction, EventKind, Hub, Phase, PolicyRule, Snapshot, StreamMessage,
 };
-use stagehand_examples::trainer::{announce, train, TrainConfig, DEMO_DEFAULTS};
+use stagehand_examples::trainer::{announce, demo_budget, train, TrainConfig, DEMO_DEFAULTS};
 use stagehand_web::Server;
 use std::io::{BufRead, BufReader};
 use std::sync::Arc;
@@ -250,8 +250,8 @@ fn demo_run_agrees_across_every_consumer() {
 fn the_demos_defaults_show_the_system_working_as_designed() {
     stagehand::torch::init();
     let d = DEMO_DEFAULTS;
-    let budget = d.budget_mib << 20;
-    let device = Device::auto(budget);
+    let device = Device::auto(d.budget_mib << 20);
+    let budget = demo_budget(&device, Some(d.budget_mib << 20)).expect("budget").expect("a default");
     let hub = Arc::new(Hub::new());
     let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
     let cfg = TrainConfig::demo(4, d.layers, d.d_model, d.seq, d.batch, budget);

@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
 use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce_with, train, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
+use stagehand_examples::trainer::{announce_with, demo_budget, train, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand_web::cli::ServeArgs;
 use std::path::{Path, PathBuf};
 
@@ -32,9 +32,11 @@ struct Args {
     #[arg(long, default_value_t = DEMO_DEFAULTS.batch)]
     batch: i64,
     /// Device memory budget in MiB (the simulated VRAM on the host device). Everything else (the
-    /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it.
-    #[arg(long, default_value_t = DEMO_DEFAULTS.budget_mib)]
-    budget_mib: u64,
+    /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it. Default:
+    /// 16 MiB; on CUDA, 16 MiB above what libtorch holds for itself (cuBLAS's workspaces), so the
+    /// small model streams and spills there as it does on the host
+    #[arg(long)]
+    budget_mib: Option<u64>,
     /// Telemetry file; never overwritten. Default: runs/stagehand-<time>.jsonl (.jsonl.zst with
     /// --compress). Flight records of incidents are written beside it.
     #[arg(long)]
@@ -95,8 +97,10 @@ fn sibling(name: &str, package: &str) -> String {
 fn main() -> Result<()> {
     let args = Args::parse();
     stagehand::torch::init();
-    let budget = args.budget_mib.checked_mul(1 << 20).context("--budget-mib is too large")?;
-    let device = if args.cpu { Device::host(budget) } else { Device::auto(budget) };
+    let asked = args.budget_mib.unwrap_or(DEMO_DEFAULTS.budget_mib);
+    let asked = asked.checked_mul(1 << 20).context("--budget-mib is too large")?;
+    let device = if args.cpu { Device::host(asked) } else { Device::auto(asked) };
+    let budget = demo_budget(&device, args.budget_mib.is_none().then_some(asked))?.unwrap_or(asked);
     let info = device.info();
 
     let out = args.out.clone().unwrap_or_else(|| {

@@ -112,6 +112,22 @@ impl Device {
         self.backend().info()
     }
 
+    /// Makes libtorch allocate what it keeps for itself once work starts, so that a reading
+    /// taken afterwards counts it: on CUDA, cuBLAS's workspaces (tens of MiB on recent GPUs, one
+    /// per thread that runs matrix products: the forward's and autograd's) come from the same
+    /// allocator as tensors and stay allocated. Runs one small product forward and backward on
+    /// this thread and on autograd's; nothing on the host device.
+    pub fn warm_up(&self) -> crate::error::Result<()> {
+        if !self.is_cuda() {
+            return Ok(());
+        }
+        let dev = self.tch_device();
+        let a = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, dev))?.set_requires_grad(true);
+        let b = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, dev))?;
+        a.f_matmul(&b)?.f_sum(tch::Kind::Float)?.f_backward()?;
+        self.synchronize()
+    }
+
     /// Current, reserved and peak device memory.
     pub fn memory(&self) -> MemoryReading {
         self.backend().memory()

@@ -345,7 +345,9 @@ impl Stagehand {
         }
         self.store.seal()?;
         let weights = self.weights();
-        // What the device holds before the run's own memory (other models, workspaces).
+        // What the device holds before the run's own memory (other models, libtorch's
+        // workspaces, allocated first so the reading counts them).
+        self.device.warm_up()?;
         let baseline = self.device.memory().allocated;
         // Unmanaged variables live on the compute device.
         let dev = self.device.tch_device();

@@ -23,7 +23,10 @@ pub fn rng() -> std::sync::MutexGuard<'static, ()> {
 /// the device threads start once per process, for the first engine.
 pub fn device() -> Device {
     stagehand::torch::hooks::install().expect("hook engine");
-    Device::auto(1 << 30)
+    let d = Device::auto(1 << 30);
+    // cuBLAS's workspaces, allocated now, so budgets computed from a reading count them.
+    d.warm_up().expect("warm up");
+    d
 }
 
 /// Spill everything eligible: watermarks at the bottom, tiny minimum size, a roomy pool, no
