@@ -145,6 +145,12 @@ impl FlightRecorder {
         }
         self.ring.push_back(e.clone());
         let reason = self.trigger(&e.kind)?;
+        // The first step traces the run and sizes the pinned pools from what it held: its
+        // exhausted pools and pageable copies are expected, and a dump of them would only
+        // alarm. Later steps that still run out dump as usual.
+        if e.step <= 1 && matches!(e.kind, EventKind::PoolExhausted { .. } | EventKind::PageableFallback { .. }) {
+            return None;
+        }
         self.due(reason, e.t_ns).then(|| reason.to_owned())
     }
 

@@ -159,3 +159,25 @@ fn flight_records_go_beside_a_file_but_not_beside_a_device() {
     let (dir, stem) = super::flight::dump_location(Some(std::path::Path::new("/dev/null")));
     assert_eq!((dir, stem.as_str()), (std::path::PathBuf::from("."), "null"));
 }
+
+#[test]
+fn the_first_steps_pool_fallbacks_do_not_dump_but_later_ones_do() {
+    use crate::events::{Event, EventKind, Phase, PoolKind, SCHEMA_VERSION};
+    let mut rec = super::flight::FlightRecorder::new(super::flight::FlightConfig::default(), ".".into(), "t".into());
+    let at = |step: u64, kind: EventKind| Event {
+        v: SCHEMA_VERSION,
+        seq: step,
+        t_ns: step * 1_000_000_000_000,
+        step,
+        phase: Phase::Forward,
+        kind,
+    };
+    let fallback = || EventKind::PageableFallback { pool: PoolKind::Activations, bytes: 4096 };
+    let exhausted = || EventKind::PoolExhausted { pool: PoolKind::Activations, class: 0, requested_bytes: 4096 };
+    // Step 1 traces and sizes the pools: its fallbacks are expected.
+    assert_eq!(rec.record(&at(1, exhausted())), None);
+    assert_eq!(rec.record(&at(1, fallback())), None);
+    // A later step that still runs out is an incident.
+    assert_eq!(rec.record(&at(2, exhausted())).as_deref(), Some("pool_exhausted"));
+    assert_eq!(rec.record(&at(2, fallback())).as_deref(), Some("pageable_fallback"));
+}
