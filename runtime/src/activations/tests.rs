@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::device::Device;
-use crate::events::{Bus, Event, EventKind, EventSink, Hub, PackDecision};
+use crate::events::{Bus, Event, EventKind, EventSink, Hub, KeepReason, PackDecision};
 use crate::torch::SavedTensorStore;
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
@@ -214,6 +214,66 @@ fn a_fixed_pool_warns_once_when_it_falls_back() {
     }
     rt.step_end().expect("step end");
     assert_eq!(rt.pool_stats().total, vec![1], "a fixed pool stays as configured");
+}
+
+#[test]
+fn an_exhausted_pool_without_fallback_keeps_with_its_own_reason_and_warns_once() {
+    let cfg = base()
+        .classes_bytes(&[N])
+        .slabs_per_class(&[1])
+        .pageable_fallback(false)
+        .size_pool_from_trace(false, None)
+        .build()
+        .expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.step_begin(1);
+    // Kept (an empty device), spilled into the one slab, then two the full pool cannot take,
+    // then one larger than every slab.
+    let mut hs: Vec<u64> = (0..4).map(|i| store.pack(tensor(i as f64 + 1.0)).expect("pack")).collect();
+    let big = Tensor::zeros([(2 * N / 4) as i64], (Kind::Float, tch::Device::Cpu));
+    hs.push(store.pack(big).expect("pack"));
+    let ev = events(&bus, &seen);
+    let reasons: Vec<Option<KeepReason>> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::Pack { reason, .. } => Some(*reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            Some(KeepReason::UnderWatermark),
+            None,
+            Some(KeepReason::PoolExhausted),
+            Some(KeepReason::PoolExhausted),
+            Some(KeepReason::TooLarge),
+        ]
+    );
+    let warnings: Vec<&str> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::Warning { message, .. } => Some(message.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(warnings.len(), 2, "one warning per cause and step: {warnings:?}");
+    assert!(warnings[0].contains("no pinned slab is free") && warnings[0].contains("pageable fallback is off"), "{}", warnings[0]);
+    assert!(warnings[1].contains("larger than the largest pinned slab"), "{}", warnings[1]);
+    for h in hs.iter().rev() {
+        store.release(*h);
+    }
+    rt.step_end().expect("step end");
+    // A new step warns again.
+    rt.step_begin(2);
+    let hs: Vec<u64> = (0..3).map(|i| store.pack(tensor(i as f64 + 1.0)).expect("pack")).collect();
+    let again = events(&bus, &seen).iter().filter(|e| matches!(e, EventKind::Warning { .. })).count();
+    assert_eq!(again, 3);
+    for h in hs.iter().rev() {
+        store.release(*h);
+    }
+    rt.step_end().expect("step end");
 }
 
 #[test]
