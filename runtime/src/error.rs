@@ -59,6 +59,16 @@ pub enum Error {
     /// weights file changed under a running job).
     #[error("corrupted data: {0}")]
     Corrupt(String),
+    /// A spilled activation's bytes changed in host memory between its spill and its restore
+    /// (checksums on): the restore is refused rather than hand backward other values.
+    #[error("saved tensor {tensor}{} changed in host memory between its spill and its restore: checksum {spilled:08x} at the spill, {found:08x} now; the restore was refused rather than hand backward other values (faulty host memory, or something writing into the pinned pool)", in_region(.region))]
+    SpillCorrupted {
+        tensor: crate::events::TensorId,
+        /// The region it was saved in, if any.
+        region: Option<String>,
+        spilled: u32,
+        found: u32,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {
@@ -90,6 +100,11 @@ pub enum Error {
     /// Attaching the telemetry file or the flight recorder failed.
     #[error("telemetry: {0}")]
     Telemetry(#[from] crate::events::telemetry::TelemetryError),
+}
+
+/// " in region 'r'" for a message, or nothing.
+fn in_region(region: &Option<String>) -> String {
+    region.as_deref().map(|r| format!(" in region '{r}'")).unwrap_or_default()
 }
 
 impl Error {

@@ -298,6 +298,9 @@ impl Shared {
             strides: t.stride(),
             contiguous,
         });
+        if self.config.debug_checksums {
+            rec.region = region.clone();
+        }
         // A contiguous copy made here is not the saved storage: dedupe only against that one,
         // and only while it lives (the spill drops the record's reference to it).
         if contiguous {

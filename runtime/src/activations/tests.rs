@@ -2,6 +2,7 @@
 //! on the host device, with events captured from the bus.
 
 use super::*;
+use crate::error::Error;
 use crate::device::Device;
 use crate::events::{Bus, Event, EventKind, EventSink, Hub, KeepReason, PackDecision};
 use crate::torch::SavedTensorStore;
@@ -115,13 +116,21 @@ fn hysteresis_spills_from_high_until_under_low() {
 }
 
 #[test]
-fn checksums_catch_a_corrupted_host_buffer() {
+fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
     let (rt, bus, seen) = setup(base().debug_checksums(true).build().expect("config"));
     let store = rt.store();
     rt.step_begin(1);
-    let _first = store.pack(tensor(1.0)).expect("kept");
-    let h = store.pack(tensor(2.0)).expect("spilled");
-    {
+    let t = tensor(2.0);
+    let (h, id) = {
+        let _r = rt.region("blocks.3.mlp");
+        let _first = store.pack(tensor(1.0)).expect("kept");
+        let h = store.pack(t.shallow_clone()).expect("spilled");
+        let g = rt.shared().lock();
+        let id = g.records.index_of(h).and_then(|i| g.records.get(i)).map(|r| r.id);
+        (h, id)
+    };
+    // The test hook: one bit of the spilled slab flipped in host memory.
+    let flip = || {
         let shared = rt.shared();
         let mut g = shared.lock();
         let super::state::State { records, spills, .. } = &mut *g;
@@ -129,12 +138,25 @@ fn checksums_catch_a_corrupted_host_buffer() {
         let idx = records.index_of(h).expect("record");
         let lease = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
         lease.as_mut_slice()[17] ^= 0x40;
+    };
+    flip();
+    match rt.shared().unpack(h) {
+        Err(Error::SpillCorrupted { tensor, region, spilled, found }) => {
+            assert_eq!(Some(tensor), id);
+            assert_eq!(region.as_deref(), Some("blocks.3.mlp"));
+            assert_ne!(spilled, found);
+        }
+        other => panic!("expected a corrupted spill, got {other:?}"),
     }
-    let err = store.unpack(h).expect_err("corruption detected");
-    assert!(err.contains("checksum mismatch"), "{err}");
+    // Autograd sees the same message; the warning carries it too.
+    let err = store.unpack(h).expect_err("still refused");
+    assert!(err.contains("in region 'blocks.3.mlp' changed in host memory"), "{err}");
     assert!(events(&bus, &seen)
         .iter()
-        .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("checksum"))));
+        .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("changed in host memory"))));
+    // Refused before anything changed: with the bit flipped back the restore goes through.
+    flip();
+    assert!(store.unpack(h).expect("restored").equal(&t));
     rt.step_end().expect("step end");
     assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
 }
