@@ -9,7 +9,7 @@
 //! - the file's size and modification time, recorded when a block is backed by it, are checked
 //!   before and after every read of a block's bytes (a few microseconds);
 //! - bytes are read with `pread`, so a file truncated in the middle of a read is a short read,
-//!   an error, not the SIGBUS a memory map raises ([`watched`] says what that costs);
+//!   an error, not the SIGBUS a memory map raises (`watched.rs` says what that costs);
 //! - a checksum of each tensor's bytes, taken at its first read, is compared at every later
 //!   one, for rewrites that keep the size and the modification time (a rewrite within the
 //!   filesystem's timestamp granularity, or one that restores the time). It is a CRC32C of 16
