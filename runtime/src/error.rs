@@ -55,10 +55,24 @@ pub enum Error {
     /// An internal rule of the runtime was broken: a bug, reported rather than hidden.
     #[error("internal error: {0}")]
     Internal(String),
-    /// Bytes changed between being written and read back (a spilled activation's checksum, a
-    /// weights file changed under a running job).
+    /// Bytes changed between being written and read back (a spilled activation's checksum).
     #[error("corrupted data: {0}")]
     Corrupt(String),
+    /// A safetensors file that frozen blocks stream from changed under the running job
+    /// (shortened, rewritten, its bytes no longer those first read): its weights are no longer
+    /// the ones the run started with, so the run stops rather than train on others.
+    #[error("weights file '{path}' changed under the running job: {change}; file-backed blocks read it at every load, so it must stay as it was for the whole run: restore it and restart from the last checkpoint (to publish new weights, write a new file and rename it over this one: a running job keeps reading the file it opened)")]
+    WeightsFileChanged { path: String, change: String },
+    /// A spilled activation's bytes changed in host memory between its spill and its restore
+    /// (checksums on): the restore is refused rather than hand backward other values.
+    #[error("saved tensor {tensor}{} changed in host memory between its spill and its restore: checksum {spilled:08x} at the spill, {found:08x} now; the restore was refused rather than hand backward other values (faulty host memory, or something writing into the pinned pool)", in_region(.region))]
+    SpillCorrupted {
+        tensor: crate::events::TensorId,
+        /// The region it was saved in, if any.
+        region: Option<String>,
+        spilled: u32,
+        found: u32,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {
@@ -90,6 +104,11 @@ pub enum Error {
     /// Attaching the telemetry file or the flight recorder failed.
     #[error("telemetry: {0}")]
     Telemetry(#[from] crate::events::telemetry::TelemetryError),
+}
+
+/// " in region 'r'" for a message, or nothing.
+fn in_region(region: &Option<String>) -> String {
+    region.as_deref().map(|r| format!(" in region '{r}'")).unwrap_or_default()
 }
 
 impl Error {

@@ -126,7 +126,7 @@ fn training_through_the_handle_equals_plain_tch() {
     }
 
     // The same model through the handle: a budget that makes blocks stream and activations
-    // spill.
+    // spill, every spill checksummed and verified before its restore.
     let seen = Arc::new(Mutex::new(Vec::new()));
     let hub = Arc::new(Hub::new());
     hub.add_sink(Box::new(Collect(seen.clone())));
@@ -139,6 +139,7 @@ fn training_through_the_handle_equals_plain_tch() {
         .device(if cuda { device.clone() } else { Device::host(budget) })
         .bus(bus.clone())
         .kernel(Kernel::Exact)
+        .checksums(true)
         .build()
         .expect("handle");
     let net = {
@@ -168,7 +169,9 @@ fn training_through_the_handle_equals_plain_tch() {
     let wm = sh.weights().last_step_metrics();
     assert!(wm.evictions > 0 && wm.h2d_bytes > 0, "{wm:?}");
     assert!(wm.d2h_bytes > 0, "gradients went to the host: {wm:?}");
-    let am = sh.activations().expect("spilling").last_step_metrics().expect("a step");
+    let acts = sh.activations().expect("spilling");
+    assert!(acts.config().debug_checksums, "the builder's checksums reach the activation runtime");
+    let am = acts.last_step_metrics().expect("a step");
     assert!(am.activations_spilled > 0, "{am:?}");
     assert_eq!(am.pool_misses, 0, "the traced pool held every spill of the last step: {am:?}");
 

@@ -312,6 +312,121 @@ fn file_backed_blocks_stream_from_safetensors() {
     }
 }
 
+/// A file-backed run of `n` frozen blocks on the file `path` holds (keys `model.`), its weights
+/// dated an hour back so that a rewrite gets a later modification time even on filesystems
+/// with coarse timestamps.
+fn file_backed(n: usize, path: &std::path::Path) -> (Vec<Block>, Vec<Block>, WeightRuntime, Vec<BlockId>) {
+    let device = Device::auto(1 << 30);
+    let (_vr, r, vm, m) = pair(n, false);
+    let named: Vec<(String, Tensor)> = vm.variables().into_iter().map(|(k, v)| (format!("model.{k}"), v)).collect();
+    Tensor::write_safetensors(&named, path).expect("write");
+    let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::options().write(true).open(path).expect("open").set_modified(hour_ago).expect("date");
+    let rt = runtime(&vm, device, 2, 1, Bus::disabled(), false);
+    let ids = ids(&rt, n);
+    for id in &ids {
+        rt.back_with_file(*id, path, "model.").expect("file-backed");
+    }
+    (r, m, rt, ids)
+}
+
+/// One training step through the file-backed blocks: the output, or the first error (from the
+/// runtime, or from backward's weight reloads, which reach it through autograd as text).
+fn file_step(rt: &WeightRuntime, ids: &[BlockId], m: &[Block], x: &Tensor) -> Result<Tensor, String> {
+    rt.begin_step().map_err(|e| e.to_string())?;
+    let out = {
+        let _hooks = rt.hooks().map_err(|e| e.to_string())?;
+        let mut h = x.shallow_clone();
+        for (id, b) in ids.iter().zip(m) {
+            h = rt.run_block(*id, || block_fwd(b, &h)).map_err(|e| e.to_string())?;
+        }
+        h
+    };
+    out.sum(Kind::Float).f_backward().map_err(|e| e.to_string())?;
+    rt.end_step().map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// Runs steps until one fails (at most `steps`), returning the failure.
+fn first_failure(rt: &WeightRuntime, ids: &[BlockId], m: &[Block], steps: i64) -> Option<String> {
+    let dev = rt.device().tch_device();
+    (0..steps).find_map(|step| file_step(rt, ids, m, &input(dev, 500 + step).set_requires_grad(true)).err())
+}
+
+#[test]
+fn a_weights_file_truncated_between_steps_is_a_clear_error_not_a_crash() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.safetensors");
+    let (_r, m, rt, ids) = file_backed(3, &path);
+    assert_eq!(first_failure(&rt, &ids, &m, 2), None, "the file is intact");
+    let len = std::fs::metadata(&path).expect("size").len();
+    std::fs::File::options().write(true).open(&path).expect("open").set_len(len / 2).expect("truncate");
+    let e = first_failure(&rt, &ids, &m, 2).expect("a truncated file is an error, not SIGBUS");
+    assert!(e.contains("w.safetensors") && e.contains("changed under the running job"), "{e}");
+    assert!(e.contains(&format!("{} bytes", len / 2)) && e.contains(&format!("{len} when the run opened it")), "{e}");
+    assert!(e.contains("restore it"), "says what to do: {e}");
+}
+
+#[test]
+fn a_weights_file_rewritten_in_place_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.safetensors");
+    let (_r, m, rt, ids) = file_backed(3, &path);
+    assert_eq!(first_failure(&rt, &ids, &m, 2), None, "the file is intact");
+    // The same size, the tensors' bytes zeroed (what an export of other weights to the same
+    // path does), written now.
+    let bytes = std::fs::read(&path).expect("read");
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut zeroed = bytes.clone();
+    zeroed[header..].fill(0);
+    std::fs::write(&path, &zeroed).expect("rewrite");
+    let e = first_failure(&rt, &ids, &m, 2).expect("a rewritten file is an error, not other weights");
+    assert!(e.contains("w.safetensors") && e.contains("modified after the run opened it"), "{e}");
+}
+
+#[test]
+fn a_rewrite_that_keeps_size_and_modification_time_is_caught_by_the_checksum() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.safetensors");
+    let (_r, m, rt, ids) = file_backed(3, &path);
+    assert_eq!(first_failure(&rt, &ids, &m, 2), None, "the file is intact");
+    let when = std::fs::metadata(&path).expect("meta").modified().expect("mtime");
+    let bytes = std::fs::read(&path).expect("read");
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut zeroed = bytes.clone();
+    zeroed[header..].fill(0);
+    std::fs::write(&path, &zeroed).expect("rewrite");
+    std::fs::File::options().write(true).open(&path).expect("open").set_modified(when).expect("restore mtime");
+    let e = first_failure(&rt, &ids, &m, 2).expect("a rewritten file is an error, not other weights");
+    assert!(e.contains("w.safetensors") && e.contains("differ from their first read"), "{e}");
+}
+
+#[test]
+fn an_unchanged_or_replaced_weights_file_keeps_training_on_the_weights_it_opened() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.safetensors");
+    let (r, m, rt, ids) = file_backed(3, &path);
+    let dev = rt.device().tch_device();
+    for step in 0..5 {
+        // Halfway, other weights are published under the same name the safe way: a new file
+        // renamed over it. The run keeps reading the file it opened.
+        if step == 2 {
+            let other = dir.path().join("w.safetensors.new");
+            let zeros: Vec<(String, Tensor)> = Tensor::read_safetensors(&path)
+                .expect("read")
+                .into_iter()
+                .map(|(k, v)| (k, v.zeros_like()))
+                .collect();
+            Tensor::write_safetensors(&zeros, &other).expect("write");
+            std::fs::rename(&other, &path).expect("rename over");
+        }
+        let x = input(dev, 600 + step).set_requires_grad(true);
+        let want = r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h));
+        let got = file_step(&rt, &ids, &m, &x).expect("the file is as the run opened it");
+        assert!(got.equal(&want), "step {step}: outputs differ");
+    }
+}
+
 #[test]
 fn resolver_recognises_resident_weights_by_storage() {
     let device = Device::auto(1 << 30);

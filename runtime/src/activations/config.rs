@@ -30,7 +30,9 @@ pub const DEFAULT_KEEP_TAIL_GROUPS: u32 = 1;
 pub const DEFAULT_RESTORE_LOOKAHEAD: u32 = 4;
 /// Device bytes that restores issued ahead of need may occupy at once.
 pub const DEFAULT_RESTORE_ALLOWANCE_BYTES: u64 = 512 * MB;
-/// CRC32 of every spill, verified at restore (the Python original: off; a debugging aid).
+/// CRC32C of every spill, verified at restore (the Python original: off; a debugging aid: it
+/// reads every spilled byte twice more on the training thread, see
+/// [`crate::StagehandBuilder::checksums`] for what that costs).
 pub const DEFAULT_DEBUG_CHECKSUMS: bool = false;
 /// Publish events and per-step metrics (the Python original: on).
 pub const DEFAULT_TELEMETRY_ENABLED: bool = true;
@@ -78,7 +80,7 @@ pub struct ActivationConfig {
     pub restore_lookahead: u32,
     /// Device bytes restores ahead of need may hold at once.
     pub restore_allowance_bytes: u64,
-    /// CRC32 of every spill, verified before its restore.
+    /// CRC32C of every spill, verified before its restore.
     pub debug_checksums: bool,
     /// Publish events and per-step metrics.
     pub telemetry_enabled: bool,
@@ -259,7 +261,7 @@ impl ActivationConfigBuilder {
         self.cfg.restore_allowance_bytes = allowance_bytes;
         self
     }
-    /// CRC32 on spill, verified before restore.
+    /// CRC32C on spill, verified before restore.
     pub fn debug_checksums(mut self, on: bool) -> Self {
         self.cfg.debug_checksums = on;
         self

@@ -73,7 +73,10 @@ pub struct Record {
     pub spill: Option<Transfer<Lease>>,
     /// The restore's copy while it lands (it owns the lease).
     pub restore: Option<Transfer<Lease>>,
+    /// CRC32C of the spilled bytes once their copy landed (checksums on).
     pub crc: Option<u32>,
+    /// The region the tensor was saved in, kept with the checksum to name it in a mismatch.
+    pub region: Option<String>,
     /// Bytes this record adds to the device's accounted memory (host device).
     pub device_bytes: u64,
     /// Restored ahead of need and not yet unpacked (its bytes count against the allowance).
@@ -103,6 +106,7 @@ impl Record {
             spill: None,
             restore: None,
             crc: None,
+            region: None,
             device_bytes: 0,
             predicted: false,
             restored_ahead: false,

@@ -101,24 +101,26 @@ impl Restorer {
         bus: &Bus,
     ) -> Result<()> {
         let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("saved tensor record {idx} is gone")))?;
+        // Checked before anything changes: a refused restore leaves the record spilled.
+        if let (Some(spilled), Some(lease)) = (rec.crc, rec.host.as_ref()) {
+            let found = crc32c::crc32c(&lease.as_slice()[..rec.bytes as usize]);
+            if found != spilled {
+                let e = Error::SpillCorrupted {
+                    tensor: rec.id,
+                    region: rec.region.clone(),
+                    spilled,
+                    found,
+                };
+                bus.publish_with(|| EventKind::Warning {
+                    source: Owner::Activations,
+                    message: e.to_string(),
+                });
+                return Err(e);
+            }
+        }
         rec.transition(RecordState::Restoring)?;
         let meta = rec.meta.clone().ok_or_else(|| Error::internal(format!("spilled tensor {} has no metadata", rec.id)))?;
         let lease = rec.host.take().ok_or_else(|| Error::internal(format!("spilled tensor {} has no host bytes", rec.id)))?;
-        if let Some(expected) = rec.crc {
-            let found = crc32fast::hash(&lease.as_slice()[..rec.bytes as usize]);
-            if found != expected {
-                let msg = format!(
-                    "checksum mismatch restoring saved tensor {}: spilled {expected:08x}, host memory now {found:08x}",
-                    rec.id
-                );
-                bus.publish_with(|| EventKind::Warning {
-                    source: Owner::Activations,
-                    message: msg.clone(),
-                });
-                rec.host = Some(lease);
-                return Err(Error::Corrupt(msg));
-            }
-        }
         let started = Instant::now();
         let dst = Tensor::f_empty(&meta.sizes, (meta.kind, device.tch_device()))?;
         let id = rec.id;

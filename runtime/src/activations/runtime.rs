@@ -98,6 +98,7 @@ impl ActivationRuntime {
             pool_traced: false,
             auto_region: None,
             d2h_waits: Default::default(),
+            refusals_warned: Default::default(),
         };
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {
@@ -181,6 +182,7 @@ impl ActivationRuntime {
             g.restorer.reset();
             g.sizes.clear_step();
             g.auto_region = None;
+            g.refusals_warned.clear();
             saves
         };
         self.release_weights(weights);

@@ -142,7 +142,7 @@ impl SpillQueue {
         // device memory go back to the allocator (the copy held it until now).
         let (lease, _ms) = self.copier.wait(t)?;
         if self.checksums {
-            rec.crc = Some(crc32fast::hash(&lease.as_slice()[..rec.bytes as usize]));
+            rec.crc = Some(crc32c::crc32c(&lease.as_slice()[..rec.bytes as usize]));
         }
         rec.host = Some(lease);
         rec.set_device_bytes(0, device);

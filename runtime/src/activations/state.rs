@@ -59,6 +59,16 @@ pub(super) struct State {
     pub auto_region: Option<Arc<str>>,
     /// This step's host waits for spills, read as the compute stream's idle time at its end.
     pub d2h_waits: IdleSpans,
+    /// Reasons for refused spills already warned about in this step.
+    pub refusals_warned: HashSet<KeepReason>,
+}
+
+/// What became of a tensor the policy asked to spill.
+enum Spill {
+    /// Its copy started; the autograd handle.
+    Started(u64),
+    /// No host memory could take it; why it stays on the device.
+    Refused(KeepReason),
 }
 
 /// Everything the store and the runtime share.
@@ -231,13 +241,12 @@ impl Shared {
                 g.policy.spill_refused(bytes);
                 KeepReason::SpillsPaused
             }
-            Verdict::Spill => match self.spill(&mut g, &t, identity.clone(), bytes, id, region.clone()) {
-                Ok(Some(handle)) => return Ok(handle),
-                Ok(None) => {
+            Verdict::Spill => match self.spill(&mut g, &t, identity.clone(), bytes, id, region.clone())? {
+                Spill::Started(handle) => return Ok(handle),
+                Spill::Refused(reason) => {
                     g.policy.spill_refused(bytes);
-                    KeepReason::TooLarge
+                    reason
                 }
-                Err(e) => return Err(e),
             },
             Verdict::Keep(reason) => reason,
         };
@@ -262,8 +271,8 @@ impl Shared {
         Ok(handle)
     }
 
-    /// Starts the D2H copy of `t` into a pool slab and records it as spilling; `None` when no
-    /// host memory could take it (the pool is exhausted and the pageable fallback is off).
+    /// Starts the D2H copy of `t` into a pool slab and records it as spilling; refused when no
+    /// host memory could take it (the pageable fallback is off), with why.
     fn spill(
         &self,
         g: &mut State,
@@ -272,15 +281,10 @@ impl Shared {
         bytes: u64,
         id: TensorId,
         region: Option<String>,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Spill> {
         let (lease, hit) = match g.pool.acquire(bytes as usize) {
             Ok(l) => l,
-            Err(Error::TooLarge { .. }) => {
-                self.warn(format!(
-                    "saved tensor {id} ({bytes} bytes) stays on the device: no pinned slab is free and the pageable fallback is off"
-                ));
-                return Ok(None);
-            }
+            Err(Error::TooLarge { .. }) => return Ok(Spill::Refused(self.refuse(g, id, bytes))),
             Err(e) => return Err(e),
         };
         // Required: a spill the policy asked for relieves memory now, so it is never refused.
@@ -296,6 +300,9 @@ impl Shared {
             strides: t.stride(),
             contiguous,
         });
+        if self.config.debug_checksums {
+            rec.region = region.clone();
+        }
         // A contiguous copy made here is not the saved storage: dedupe only against that one,
         // and only while it lives (the spill drops the record's reference to it).
         if contiguous {
@@ -325,7 +332,25 @@ impl Shared {
             pool_hit: Some(hit),
             region,
         });
-        Ok(Some(handle))
+        Ok(Spill::Started(handle))
+    }
+
+    /// Why the pool (its fallback off) refused `bytes`, warned once per cause and step: a
+    /// tensor larger than every slab needs a larger class, an exhausted pool more slabs.
+    fn refuse(&self, g: &mut State, id: TensorId, bytes: u64) -> KeepReason {
+        let largest = g.pool.largest_slab() as u64;
+        let reason = if bytes > largest { KeepReason::TooLarge } else { KeepReason::PoolExhausted };
+        if g.refusals_warned.insert(reason) {
+            self.warn(match reason {
+                KeepReason::TooLarge => format!(
+                    "saved tensor {id} ({bytes} bytes) stays on the device: it is larger than the largest pinned slab ({largest} bytes) and the pageable fallback is off; add a larger size class or turn the fallback on (this step's later ones are counted as `too_large`, not warned)"
+                ),
+                _ => format!(
+                    "saved tensor {id} ({bytes} bytes) stays on the device: no pinned slab is free and the pageable fallback is off; give the pool more slabs or turn the fallback on (this step's later ones are counted as `pool_exhausted`, not warned)"
+                ),
+            });
+        }
+        reason
     }
 
     /// The first group of the learned tail: the last `keep_tail_groups` groups of the profile, as

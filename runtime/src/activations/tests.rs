@@ -2,8 +2,9 @@
 //! on the host device, with events captured from the bus.
 
 use super::*;
+use crate::error::Error;
 use crate::device::Device;
-use crate::events::{Bus, Event, EventKind, EventSink, Hub, PackDecision};
+use crate::events::{Bus, Event, EventKind, EventSink, Hub, KeepReason, PackDecision};
 use crate::torch::SavedTensorStore;
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
@@ -115,13 +116,21 @@ fn hysteresis_spills_from_high_until_under_low() {
 }
 
 #[test]
-fn checksums_catch_a_corrupted_host_buffer() {
+fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
     let (rt, bus, seen) = setup(base().debug_checksums(true).build().expect("config"));
     let store = rt.store();
     rt.begin_step(1);
-    let _first = store.pack(tensor(1.0)).expect("kept");
-    let h = store.pack(tensor(2.0)).expect("spilled");
-    {
+    let t = tensor(2.0);
+    let (h, id) = {
+        let _r = rt.region("blocks.3.mlp");
+        let _first = store.pack(tensor(1.0)).expect("kept");
+        let h = store.pack(t.shallow_clone()).expect("spilled");
+        let g = rt.shared().lock();
+        let id = g.records.index_of(h).and_then(|i| g.records.get(i)).map(|r| r.id);
+        (h, id)
+    };
+    // The test hook: one bit of the spilled slab flipped in host memory.
+    let flip = || {
         let shared = rt.shared();
         let mut g = shared.lock();
         let super::state::State { records, spills, .. } = &mut *g;
@@ -129,12 +138,25 @@ fn checksums_catch_a_corrupted_host_buffer() {
         let idx = records.index_of(h).expect("record");
         let lease = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
         lease.as_mut_slice()[17] ^= 0x40;
+    };
+    flip();
+    match rt.shared().unpack(h) {
+        Err(Error::SpillCorrupted { tensor, region, spilled, found }) => {
+            assert_eq!(Some(tensor), id);
+            assert_eq!(region.as_deref(), Some("blocks.3.mlp"));
+            assert_ne!(spilled, found);
+        }
+        other => panic!("expected a corrupted spill, got {other:?}"),
     }
-    let err = store.unpack(h).expect_err("corruption detected");
-    assert!(err.contains("checksum mismatch"), "{err}");
+    // Autograd sees the same message; the warning carries it too.
+    let err = store.unpack(h).expect_err("still refused");
+    assert!(err.contains("in region 'blocks.3.mlp' changed in host memory"), "{err}");
     assert!(events(&bus, &seen)
         .iter()
-        .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("checksum"))));
+        .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("changed in host memory"))));
+    // Refused before anything changed: with the bit flipped back the restore goes through.
+    flip();
+    assert!(store.unpack(h).expect("restored").equal(&t));
     rt.end_step().expect("step end");
     assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
 }
@@ -214,6 +236,66 @@ fn a_fixed_pool_warns_once_when_it_falls_back() {
     }
     rt.end_step().expect("step end");
     assert_eq!(rt.pool_stats().total, vec![1], "a fixed pool stays as configured");
+}
+
+#[test]
+fn an_exhausted_pool_without_fallback_keeps_with_its_own_reason_and_warns_once() {
+    let cfg = base()
+        .classes_bytes(&[N])
+        .slabs_per_class(&[1])
+        .pageable_fallback(false)
+        .size_pool_from_trace(false, None)
+        .build()
+        .expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.begin_step(1);
+    // Kept (an empty device), spilled into the one slab, then two the full pool cannot take,
+    // then one larger than every slab.
+    let mut hs: Vec<u64> = (0..4).map(|i| store.pack(tensor(i as f64 + 1.0)).expect("pack")).collect();
+    let big = Tensor::zeros([(2 * N / 4) as i64], (Kind::Float, tch::Device::Cpu));
+    hs.push(store.pack(big).expect("pack"));
+    let ev = events(&bus, &seen);
+    let reasons: Vec<Option<KeepReason>> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::Pack { reason, .. } => Some(*reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            Some(KeepReason::UnderWatermark),
+            None,
+            Some(KeepReason::PoolExhausted),
+            Some(KeepReason::PoolExhausted),
+            Some(KeepReason::TooLarge),
+        ]
+    );
+    let warnings: Vec<&str> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::Warning { message, .. } => Some(message.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(warnings.len(), 2, "one warning per cause and step: {warnings:?}");
+    assert!(warnings[0].contains("no pinned slab is free") && warnings[0].contains("pageable fallback is off"), "{}", warnings[0]);
+    assert!(warnings[1].contains("larger than the largest pinned slab"), "{}", warnings[1]);
+    for h in hs.iter().rev() {
+        store.release(*h);
+    }
+    rt.end_step().expect("step end");
+    // A new step warns again.
+    rt.begin_step(2);
+    let hs: Vec<u64> = (0..3).map(|i| store.pack(tensor(i as f64 + 1.0)).expect("pack")).collect();
+    let again = events(&bus, &seen).iter().filter(|e| matches!(e, EventKind::Warning { .. })).count();
+    assert_eq!(again, 3);
+    for h in hs.iter().rev() {
+        store.release(*h);
+    }
+    rt.end_step().expect("step end");
 }
 
 #[test]

@@ -74,6 +74,7 @@ pub struct StagehandBuilder {
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
     guards: bool,
+    checksums: bool,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -85,6 +86,7 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("spill", &self.spill)
             .field("telemetry", &self.telemetry)
             .field("guards", &self.guards)
+            .field("checksums", &self.checksums)
             .finish_non_exhaustive()
     }
 }
@@ -212,6 +214,7 @@ impl StagehandBuilder {
             state: Mutex::new(step::Run::default()),
             telemetry,
             guards,
+            checksums: self.checksums,
             _attached: attached,
         })
     }
@@ -231,6 +234,7 @@ pub struct Stagehand {
     state: Mutex<step::Run>,
     telemetry: Option<crate::events::Telemetry>,
     guards: Option<Arc<crate::guards::Guards>>,
+    checksums: bool,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
 }
@@ -259,6 +263,7 @@ impl Stagehand {
             attachments: Vec::new(),
             telemetry: None,
             guards: false,
+            checksums: crate::activations::config::DEFAULT_DEBUG_CHECKSUMS,
         }
     }
 
@@ -405,6 +410,7 @@ impl Stagehand {
                 // A small provisional pool: the first step that spills sizes the real one.
                 .classes_bytes(&[1 << 20])
                 .slabs_per_class(&[4])
+                .debug_checksums(self.checksums)
                 .build()?;
             Some(ActivationRuntime::new(self.device.clone(), cfg, self.bus.clone(), Some(weights.resolver()))?)
         } else {

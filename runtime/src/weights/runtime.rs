@@ -174,6 +174,11 @@ impl WeightRuntime {
 
     /// Makes an unloaded frozen block stream from a safetensors file: `key_prefix + path` of
     /// each parameter must be in the file with the same dtype and shape. The host copy is freed.
+    ///
+    /// The file is read at every load of the block, so it must stay as it is for the whole run:
+    /// a file shortened, rewritten or touched under the run makes the load fail with
+    /// [`Error::WeightsFileChanged`] (see [`file`](super::file) for what is checked). A new file
+    /// renamed over the path is safe: the run keeps reading the one it opened.
     pub fn back_with_file(&self, id: BlockId, path: &std::path::Path, key_prefix: &str) -> Result<()> {
         let mut s = self.lock();
         let spec = s.block(id)?.spec.clone();

@@ -246,6 +246,8 @@ pub enum KeepReason {
     Parameter,
     /// Larger than every size class and the pageable fallback is off.
     TooLarge,
+    /// Every pinned slab that fits it is in use and the pageable fallback is off.
+    PoolExhausted,
     /// Spilling is paused (`max_inflight_d2h` is 0, as the Conductor sets it in OPTIMIZER).
     SpillsPaused,
 }

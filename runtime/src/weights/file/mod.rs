@@ -1,0 +1,240 @@
+//! File-backed blocks: frozen weights stream from a safetensors file through a pinned slab to
+//! the device. Eviction just drops the device copy; the file is the canonical copy, so no host
+//! RAM holds the block between uses.
+//!
+//! The run reads the file at every load, so the file must not change while the run lasts.
+//! A change stops the run with [`Error::WeightsFileChanged`] (naming the file and what
+//! changed) instead of a crash or silently different weights:
+//!
+//! - the file's size and modification time, recorded when a block is backed by it, are checked
+//!   before and after every read of a block's bytes (a few microseconds);
+//! - bytes are read with `pread`, so a file truncated in the middle of a read is a short read,
+//!   an error, not the SIGBUS a memory map raises (`watched.rs` says what that costs);
+//! - a checksum of each tensor's bytes, taken at its first read, is compared at every later
+//!   one, for rewrites that keep the size and the modification time (a rewrite within the
+//!   filesystem's timestamp granularity, or one that restores the time). It is a CRC32C of 16
+//!   windows of 4 KiB spread over each larger tensor (smaller ones whole), a few microseconds:
+//!   one of every byte would cut the read's 6.8 GB/s to 4.5 GB/s on the development host
+//!   (`benches/integrity.rs`), so a rewrite of a few bytes between the windows that keeps the
+//!   modification time goes unseen.
+//!
+//! Touching the file (a new modification time, the same bytes) counts as a change. Replacing it
+//! (a new file renamed over the path) does not: the run keeps reading the file it opened.
+
+mod watched;
+
+use super::registry::{BlockSpec, ParamSpec};
+use crate::error::{Error, Result};
+use safetensors::tensor::Metadata;
+use safetensors::Dtype;
+use std::sync::OnceLock;
+use tch::{Kind, Tensor};
+use watched::WatchedFile;
+
+/// The largest header a safetensors file may have (the format's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// Bytes of each window the checksum of a tensor's bytes samples.
+const SAMPLE_WINDOW_BYTES: usize = 4096;
+/// Windows sampled per tensor; a tensor up to this many windows' bytes is summed whole.
+const SAMPLE_WINDOWS: usize = 16;
+
+/// One tensor of a block in the file.
+#[derive(Debug)]
+struct Span {
+    /// Its key in the file.
+    key: String,
+    /// Its first byte in the file.
+    start: u64,
+    len: usize,
+    /// The checksum of its sampled bytes at their first read.
+    sum: OnceLock<u32>,
+}
+
+/// A block's tensors inside one safetensors file.
+pub struct FileSource {
+    file: WatchedFile,
+    /// Each parameter's tensor, in block order.
+    spans: Vec<Span>,
+}
+
+impl std::fmt::Debug for FileSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileSource").field("path", &self.file.path()).finish_non_exhaustive()
+    }
+}
+
+/// The libtorch dtype of a safetensors dtype (`None` for those libtorch lacks).
+pub(crate) fn kind_of(d: Dtype) -> Option<Kind> {
+    Some(match d {
+        Dtype::F32 => Kind::Float,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F64 => Kind::Double,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I8 => Kind::Int8,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::BOOL => Kind::Bool,
+        _ => return None,
+    })
+}
+
+/// The safetensors dtype of a libtorch dtype (`None` for those safetensors lacks).
+pub(crate) fn dtype_of(k: Kind) -> Option<Dtype> {
+    Some(match k {
+        Kind::Float => Dtype::F32,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Double => Dtype::F64,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int8 => Dtype::I8,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Bool => Dtype::BOOL,
+        _ => return None,
+    })
+}
+
+impl FileSource {
+    /// The file's path, as shown in messages.
+    pub fn path(&self) -> &str {
+        self.file.path()
+    }
+
+    /// Opens `path` and finds `key_prefix + name` for every parameter of `spec`, checking dtype
+    /// and shape. Errors name the file, the key and what differs.
+    pub fn open(path: &std::path::Path, spec: &BlockSpec, key_prefix: &str) -> Result<FileSource> {
+        let file = WatchedFile::open(path)?;
+        let (data_start, header) = read_header(&file)?;
+        let mut spans = Vec::with_capacity(spec.params.len());
+        for p in &spec.params {
+            let key = format!("{key_prefix}{}", p.name);
+            let info = header.info(&key).ok_or_else(|| invalid(&file, format!("tensor '{key}' is not in the file")))?;
+            let kind = kind_of(info.dtype);
+            let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+            if kind != Some(p.kind) || shape != p.shape {
+                return Err(invalid(
+                    &file,
+                    format!(
+                        "tensor '{key}' is {:?} {:?}, expected {:?} {:?}",
+                        info.dtype, shape, p.kind, p.shape
+                    ),
+                ));
+            }
+            let (s, e) = info.data_offsets;
+            spans.push(Span {
+                key,
+                start: data_start + s as u64,
+                len: e - s,
+                sum: OnceLock::new(),
+            });
+        }
+        Ok(FileSource { file, spans })
+    }
+
+    /// Copies every parameter into `dst` at its offset in the block layout.
+    pub fn stage(&self, spec: &BlockSpec, dst: &mut [u8]) -> Result<()> {
+        self.file.check()?;
+        for (p, span) in spec.params.iter().zip(&self.spans) {
+            let d = dst.get_mut(p.offset..p.offset + span.len).ok_or_else(|| Error::TooLarge {
+                what: format!("parameter '{}'", p.name),
+                needed: (p.offset + span.len) as u64,
+                limit: "the staging slab is smaller".into(),
+            })?;
+            self.read(span, d)?;
+        }
+        // A change while the bytes were read (a rewrite racing them) shows here.
+        self.file.check()
+    }
+
+    /// Parameter `index` (described by `p`) as a new CPU tensor.
+    pub fn read_param(&self, index: usize, p: &ParamSpec) -> Result<Tensor> {
+        let span = self
+            .spans
+            .get(index)
+            .ok_or_else(|| Error::UnknownBlock(format!("{}: parameter {index}", self.file.path())))?;
+        let t = Tensor::f_empty(p.shape.as_slice(), (p.kind, tch::Device::Cpu))?;
+        if span.len > 0 {
+            // SAFETY: `t` is a fresh contiguous CPU tensor of exactly `span.len` bytes (dtype
+            // and shape were checked against the file in `open`), and nothing else refers to it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, span.len) };
+            self.file.check()?;
+            self.read(span, dst)?;
+            self.file.check()?;
+        }
+        Ok(t)
+    }
+
+    /// Reads one tensor's bytes into `dst` and compares their checksum with the first read's.
+    fn read(&self, span: &Span, dst: &mut [u8]) -> Result<()> {
+        self.file.read_at(dst, span.start, &format!("tensor '{}'", span.key))?;
+        let now = sampled_sum(dst);
+        let first = *span.sum.get_or_init(|| now);
+        if now != first {
+            return Err(self.file.changed(format!(
+                "the bytes of tensor '{}' differ from their first read (checksum {first:08x}, now {now:08x}), though its size and modification time are as they were",
+                span.key
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// An error for a file that is not a usable safetensors file.
+fn invalid(file: &WatchedFile, message: String) -> Error {
+    Error::Io {
+        path: file.path().to_owned(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, message),
+    }
+}
+
+/// The header of a safetensors file (8 bytes of length, then JSON) and where its data begins,
+/// read without mapping the file.
+fn read_header(file: &WatchedFile) -> Result<(u64, Metadata)> {
+    let not_safetensors = |why: String| invalid(file, format!("not a safetensors file: {why}"));
+    if file.len() < 8 {
+        return Err(not_safetensors(format!(
+            "{} bytes, too short for a header",
+            file.len()
+        )));
+    }
+    let mut n = [0u8; 8];
+    file.read_at(&mut n, 0, "the header's length")?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER_BYTES || 8 + n > file.len() {
+        return Err(not_safetensors(format!(
+            "a header of {n} bytes in a file of {} bytes",
+            file.len()
+        )));
+    }
+    let mut json = vec![0u8; n as usize];
+    file.read_at(&mut json, 8, "the header")?;
+    let header: Metadata =
+        serde_json::from_slice(&json).map_err(|e| not_safetensors(e.to_string()))?;
+    let end = 8 + n + header.data_len() as u64;
+    if end != file.len() {
+        return Err(not_safetensors(format!(
+            "its header describes {end} bytes, the file holds {}",
+            file.len()
+        )));
+    }
+    Ok((8 + n, header))
+}
+
+/// CRC32C of a tensor's bytes: whole up to `SAMPLE_WINDOWS` windows, else of that many windows
+/// spread evenly from its first byte to its last.
+fn sampled_sum(bytes: &[u8]) -> u32 {
+    if bytes.len() <= SAMPLE_WINDOW_BYTES * SAMPLE_WINDOWS {
+        return crc32c::crc32c(bytes);
+    }
+    let last = bytes.len() - SAMPLE_WINDOW_BYTES;
+    (0..SAMPLE_WINDOWS).fold(0, |sum, i| {
+        let at = last * i / (SAMPLE_WINDOWS - 1);
+        crc32c::crc32c_append(sum, &bytes[at..at + SAMPLE_WINDOW_BYTES])
+    })
+}
+
+#[cfg(test)]
+mod tests;
