@@ -195,6 +195,10 @@ impl Scheduler {
         if !demand && self.loads.landing_count() >= self.knobs.max_inflight_h2d().max(1) as usize {
             return Ok(false);
         }
+        // A prefetch that could not be given a slot of the room asks the Conductor for nothing.
+        if !demand && !self.may_free_slot(id, distance)? {
+            return Ok(false);
+        }
         // Refusals are published by the Conductor; a required request is never refused.
         let Ok(slot_token) = self.conductor.acquire_slot(Direction::H2d, Owner::Weights, why.priority()) else {
             return Ok(false);
@@ -271,6 +275,18 @@ impl Scheduler {
     /// A free slot for `id`, evicting the block used farthest ahead if needed. A prefetch only
     /// displaces a block needed later than itself; a demand load lets landed prefetches finish
     /// and takes what it must.
+    /// Whether a prefetch of `id` would find a slot of the room: one is free, or a loaded block
+    /// is used later than `id` (so evicting it for `id` never moves more bytes).
+    fn may_free_slot(&mut self, id: BlockId, distance: Option<usize>) -> Result<bool> {
+        if self.room()?.free().is_some() {
+            return Ok(true);
+        }
+        let candidates: Vec<BlockId> =
+            self.loaded.iter().copied().filter(|&b| b != id && self.residency.can_evict(b)).collect();
+        let incoming = distance.or(Some(self.route.distance(id)));
+        Ok(evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming).is_some())
+    }
+
     fn free_slot(&mut self, id: BlockId, demand: bool, distance: Option<usize>) -> Result<Option<usize>> {
         for _ in 0..MAX_EVICTIONS_PER_LOAD {
             if let Some(i) = self.room()?.free() {
