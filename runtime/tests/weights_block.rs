@@ -133,50 +133,6 @@ fn eviction_picks_the_farthest_next_use() {
 }
 
 #[test]
-fn the_next_load_starts_as_soon_as_a_slot_may_be_freed_for_it() {
-    // 6 frozen blocks through room for 3, prefetch 1, forward and backward. A step starts with
-    // blocks 0-2 on the device (the last backward ended there); the first load, block 3, may
-    // take block 0's slot once block 0 has run. The window counts loads, so it is issued on
-    // entering block 1, not only when block 3 is a position away (entering block 2).
-    let device = Device::host(1 << 30);
-    let n = 6;
-    let (_vr, _r, vm, m) = pair(n, false);
-    let bus = Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
-    let rt = runtime(&vm, device, 3, 1, bus.clone(), false);
-    let ids = ids(&rt, n);
-    for step in 0..3 {
-        let x = input(tch::Device::Cpu, step).set_requires_grad(true);
-        rt.begin_step().expect("begin");
-        managed_forward(&rt, &ids, &m, &x).sum(Kind::Float).backward();
-        rt.end_step().expect("end");
-    }
-    bus.flush();
-    // Block mode leaves step tags to its caller: the steps are told apart by their summaries.
-    let (mut last_step, mut ended) = (Vec::new(), 0);
-    while let Ok(u) = sub.rx.try_recv() {
-        if let Update::Event(e) = u {
-            match &e.kind {
-                EventKind::WeightStep(_) => ended += 1,
-                k if ended == 2 => last_step.push(k.clone()),
-                _ => {}
-            }
-        }
-    }
-    let first_load = last_step
-        .iter()
-        .position(|k| matches!(k, EventKind::TransferIssued { subject, .. } if subject.contains("blocks.3")))
-        .expect("block 3 is loaded");
-    let entered = |b: u32| {
-        last_step
-            .iter()
-            .position(|k| matches!(k, EventKind::PrefetchHit { block } if block.0 == b))
-            .unwrap_or_else(|| panic!("block {b} was on the device when entered: {last_step:#?}"))
-    };
-    assert!(entered(1) < first_load && first_load < entered(2), "block 3's load issued at {first_load}, blocks 1 and 2 entered at {} and {}", entered(1), entered(2));
-}
-
-#[test]
 fn keep_resident_blocks_are_never_evicted() {
     let device = Device::host(1 << 30);
     let n = 4;

@@ -56,8 +56,9 @@ fn demo_run_agrees_across_every_consumer() {
     let path = dir.path().join("run.jsonl");
     // Small enough that weights stream (an eighth of it for resident weights) and activations
     // spill (above half of it).
-    let budget = 4 << 20;
-    let device = Device::auto(budget);
+    let device = Device::auto(4 << 20);
+    // On CUDA, 4 MiB above what libtorch keeps for itself (cuBLAS's workspaces).
+    let budget = demo_budget(&device, Some(4 << 20)).expect("budget").expect("a budget");
 
     let hub = Arc::new(Hub::new());
     hub.add_sink(Box::new(JsonlSink::open(&path, OpenMode::CreateNew).expect("sink")));

@@ -34,7 +34,7 @@ struct Args {
     /// Device memory budget in MiB (the simulated VRAM on the host device). Everything else (the
     /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it. Default:
     /// 16 MiB; on CUDA, 16 MiB above what libtorch holds for itself (cuBLAS's workspaces), so the
-    /// small model streams and spills there as it does on the host
+    /// small model streams and spills there as it does on the host.
     #[arg(long)]
     budget_mib: Option<u64>,
     /// Telemetry file; never overwritten. Default: runs/stagehand-<time>.jsonl (.jsonl.zst with
@@ -51,6 +51,10 @@ struct Args {
     /// Check block outputs, gradients and the loss for NaN and infinity (one device read a step).
     #[arg(long)]
     guards: bool,
+    /// Checksum every spilled activation (CRC32C) and refuse a restore whose bytes changed in
+    /// host memory: a debugging aid that reads each spilled byte twice more on the host.
+    #[arg(long)]
+    checksums: bool,
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
@@ -146,7 +150,7 @@ fn main() -> Result<()> {
         .file_name()
         .map(|s| s.to_string_lossy().split(".jsonl").next().unwrap_or_default().to_owned())
         .unwrap_or_default();
-    let described = serde_json::json!({ "telemetry": &tcfg, "guards": args.guards });
+    let described = serde_json::json!({ "telemetry": &tcfg, "guards": args.guards, "checksums": args.checksums });
 
     println!("stagehand demo: {}", cfg.describe());
     println!(
@@ -224,7 +228,7 @@ fn main() -> Result<()> {
             train_stagehand(&cfg, &device, &bus, on_step, move |builder| {
                 // The handle attaches the telemetry first; `run_started` follows, before the
                 // handle publishes anything of its own.
-                builder.telemetry(tcfg).guards(args.guards).attach(move |_| {
+                builder.telemetry(tcfg).guards(args.guards).checksums(args.checksums).attach(move |_| {
                     announce_with(&b, &c, &d, &run_id, described);
                     Ok(Box::new(()))
                 })

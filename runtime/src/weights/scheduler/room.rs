@@ -116,32 +116,17 @@ impl Scheduler {
         self.bus.publish(EventKind::PrefetchHit { block: id });
     }
 
-    /// Issues loads for the next `prefetch_window` blocks ahead on the itinerary that are not on
-    /// the device. The window counts loads, not positions: blocks already on the device are
-    /// looked past (as far as the room holds), so the copy engine starts the next load as soon
-    /// as a slot may be freed for it, rather than when the cursor comes within k positions of
-    /// it (at a step's start, with the first blocks still on the device from the last
-    /// backward, that saved a block's compute of idle copy engine).
+    /// Issues loads for the blocks ahead on the itinerary that are not on the device. The window
+    /// counts positions: looking past blocks already on the device to start later loads
+    /// earlier was measured (forward only, room for 4 of 16 blocks) to evict the blocks a cyclic
+    /// itinerary keeps across steps, 15 loads a step instead of 14, with no gain forward and
+    /// backward (docs/benchmarks.md).
     pub(super) fn prefetch(&mut self) -> Result<()> {
         let k = self.knobs.prefetch_window() as usize;
         if k == 0 || self.route.itinerary().is_none() {
             return Ok(());
         }
-        let slots = self.slots.as_ref().map_or(0, |s| s.count());
-        let mut window = self.route.window(k + slots);
-        // Cut the window after its k-th block that needs (or is in) a load.
-        let mut loads = 0;
-        for i in 0..window.len() {
-            let b = window[i].0;
-            let ready = matches!(self.residency.state(b)?, BlockState::GpuReady | BlockState::HostStaged);
-            if !ready && !self.blocks[b.0 as usize].resident {
-                loads += 1;
-                if loads == k {
-                    window.truncate(i + 1);
-                    break;
-                }
-            }
-        }
+        let window = self.route.window(k);
         let (cursor, backward) = (self.route.pos().unwrap_or(0) as u32, self.route.backward());
         self.bus.publish_with(|| EventKind::PrefetchWindow {
             cursor,
