@@ -218,6 +218,9 @@ struct Shared {
     phase: AtomicU8,
     phase_since_ns: AtomicU64,
     stop: AtomicBool,
+    /// Set while the dispatcher delivers a batch (from taking its first event to publishing the
+    /// sinks' notices about it), so that a flush does not return in between.
+    busy: AtomicBool,
     hub: Arc<Hub>,
     wall_clock_unix_ms: u64,
 }
@@ -238,6 +241,13 @@ impl Shared {
     }
 
     fn dispatch_pending(&self, st: &mut DispatchState) -> usize {
+        self.busy.store(true, Ordering::SeqCst);
+        let n = self.dispatch_batch(st);
+        self.busy.store(false, Ordering::SeqCst);
+        n
+    }
+
+    fn dispatch_batch(&self, st: &mut DispatchState) -> usize {
         let mut n = 0;
         while let Some(e) = self.queue.pop() {
             let at = (e.t_ns, e.phase);
@@ -374,6 +384,7 @@ impl Bus {
             phase: AtomicU8::new(Phase::Idle.to_u8()),
             phase_since_ns: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
             hub,
             wall_clock_unix_ms,
         });
@@ -502,7 +513,9 @@ impl Bus {
         let target = d.shared.seq.load(Ordering::Relaxed);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if d.shared.queue.is_empty() {
+            // Queue empty and no batch under way: the last batch's notices (a flight record
+            // written, telemetry lost) are in too.
+            if d.shared.queue.is_empty() && !d.shared.busy.load(Ordering::SeqCst) {
                 let applied = d.shared.hub.with_snapshot(|s| s.last_seq);
                 let dropped = d.shared.dropped.load(Ordering::Relaxed);
                 if applied >= target || dropped > 0 {
