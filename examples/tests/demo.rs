@@ -52,6 +52,12 @@ fn runnable(program: &str) -> bool {
 /// Runs `words` in a pseudo-terminal until its screen shows `text`, then presses `q` and expects
 /// a clean exit.
 fn tui_shows(words: &[String], cwd: &Path, text: &str) {
+    tui_walk(words, cwd, &[(b"", text)]);
+}
+
+/// Runs `words` in a pseudo-terminal; for each step presses its keys and waits until the screen
+/// shows its text; then presses `q` and expects a clean exit.
+fn tui_walk(words: &[String], cwd: &Path, steps: &[(&[u8], &str)]) {
     let pair = native_pty_system()
         .openpty(PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 })
         .expect("opens a pty");
@@ -75,14 +81,18 @@ fn tui_shows(words: &[String], cwd: &Path, text: &str) {
         }
     });
     let limit = Instant::now() + Duration::from_secs(60);
-    loop {
-        let c = screen.lock().expect("screen").screen().contents();
-        if c.contains(text) {
-            break;
+    for (keys, text) in steps {
+        writer.write_all(keys).expect("presses keys");
+        writer.flush().expect("flushes");
+        loop {
+            let c = screen.lock().expect("screen").screen().contents();
+            if c.contains(text) {
+                break;
+            }
+            assert!(child.try_wait().expect("status").is_none(), "{words:?} exited early:\n{c}");
+            assert!(Instant::now() < limit, "{words:?} never showed '{text}':\n{c}");
+            std::thread::sleep(Duration::from_millis(50));
         }
-        assert!(child.try_wait().expect("status").is_none(), "{words:?} exited early:\n{c}");
-        assert!(Instant::now() < limit, "{words:?} never showed '{text}':\n{c}");
-        std::thread::sleep(Duration::from_millis(50));
     }
     writer.write_all(b"q").expect("presses q");
     writer.flush().expect("flushes");
@@ -155,7 +165,13 @@ fn printed_commands_run(extra: &[&str]) {
     assert_eq!(run["run"]["config"]["telemetry"]["level"], "summary", "{run}");
     let live = command(&lines, "live TUI");
     if runnable(&live[0]) {
-        tui_shows(&live, dir.path(), "(ended)");
+        // The run's end, then the two questions the screens answer: where each step's time went
+        // and who holds the VRAM.
+        tui_walk(
+            &live,
+            dir.path(),
+            &[(b"", "(ended)"), (b"2", "where the time went"), (b"2", "compute"), (b"3", "By owner"), (b"3", "kept acts")],
+        );
     } else {
         eprintln!("skipping the live TUI command: '{}' is not built (cargo build -p stagehand-dashboard)", live[0]);
     }
