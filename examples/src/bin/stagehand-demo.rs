@@ -236,9 +236,10 @@ fn main() -> Result<()> {
         }
     };
     bar.finish();
-    bus.flush();
-    let snap = hub.snapshot();
+    // Closing delivers everything, flushes the sinks and publishes what they report about it
+    // (telemetry lost to a failed write included) before the summary reads the snapshot.
     bus.close();
+    let snap = hub.snapshot();
 
     if let Some(plan) = &summary.plan {
         println!("plan");
