@@ -209,6 +209,15 @@ fn budgets_that_cannot_work_are_refused_with_the_reason() {
     assert!(e.to_string().contains("budget"), "{e}");
     let e = Stagehand::builder().budget_bytes(0).build().expect_err("zero");
     assert!(e.to_string().contains("above 0"), "{e}");
+    // The host device's "VRAM" is host memory: more than the host has is refused up front.
+    for budget in [u64::MAX, 1 << 50] {
+        let e = Stagehand::builder()
+            .budget_bytes(budget)
+            .device(Device::host(budget))
+            .build()
+            .expect_err("more than the host holds");
+        assert!(e.to_string().contains("host's available memory"), "{e}");
+    }
     let sh = Stagehand::builder()
         .budget_bytes(4 << 10)
         .device(Device::host(4 << 10))

@@ -171,6 +171,19 @@ impl StagehandBuilder {
             Some(d) => d,
             None => Device::auto(budget),
         };
+        // The host device keeps its "VRAM" in host memory: a budget the host cannot hold would
+        // only fail later, deep in an allocation.
+        let host = plan::host_available_bytes();
+        if !device.is_cuda() && host > 0 && budget > host {
+            return Err(Error::Config {
+                field: "budget",
+                value: format!("{budget} bytes ({} MiB)", budget >> 20),
+                expected: format!(
+                    "at most the host's available memory, {} MiB: the host device (no CUDA here) simulates VRAM in host memory",
+                    host >> 20
+                ),
+            });
+        }
         let bus = self.bus.unwrap_or_default();
         // First, so the file and the flight recorder see the run from its first event.
         let telemetry = self.telemetry.map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
