@@ -12,8 +12,10 @@
 //! On a GPU the default is the 1.21 B parameter model (24 layers, d=2048, seq 512, batch 8)
 //! under a 4 GiB budget; on the host device a small one. Override with `MJ_LAYERS`, `MJ_D`,
 //! `MJ_SEQ`, `MJ_BATCH`, `MJ_BUDGET_MIB`, `MJ_STEPS`, `MJ_THREADS` (libtorch's intra-op
-//! threads); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term). Telemetry goes to `$OUT/main_job.jsonl` (or a
-//! temporary file).
+//! threads); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
+//! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
+//! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
+//! event bus disabled and prints what the telemetry costs the step.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench main_job`.
 
@@ -225,5 +227,18 @@ fn main() -> anyhow::Result<()> {
     }
     println!("ratio to floor: {:.3} (target <= 1.25)", step_s / floor.max(1e-12));
     let _ = metrics.render();
+    if std::env::var_os("MJ_COMPARE_DISABLED").is_some() {
+        // The same run with no event bus: what every sink together (the full-level file and
+        // the metrics) costs the step.
+        device.synchronize()?;
+        let quiet = train_stagehand(&cfg, &device, &Bus::disabled(), |_, _, _| {}, |b| b)?;
+        let quiet_s = mean(steady(&quiet.step_times));
+        println!(
+            "telemetry cost: {:.1} ms/step with every event to the file and the metrics, {:.1} ms/step with the bus disabled: {:+.1}%",
+            step_s * 1e3,
+            quiet_s * 1e3,
+            100.0 * (step_s / quiet_s.max(1e-12) - 1.0)
+        );
+    }
     Ok(())
 }
