@@ -4,7 +4,7 @@
 //! norms included. Bit-identical on the host device; within float tolerance on CUDA.
 
 use stagehand::device::Device;
-use stagehand::events::{Bus, EventKind, Hub};
+use stagehand::events::{Bus, Direction, EventKind, Hub, Owner, Phase};
 use stagehand::nn as snn;
 use stagehand::optim::Kernel;
 use stagehand::Stagehand;
@@ -88,12 +88,13 @@ fn batch(seed: i64, dev: tch::Device) -> (Tensor, Tensor) {
     (ids, targets)
 }
 
-struct Collect(Arc<Mutex<Vec<EventKind>>>);
+/// Every event's step, phase and kind.
+struct Collect(Arc<Mutex<Vec<(u64, Phase, EventKind)>>>);
 
 impl stagehand::events::EventSink for Collect {
     fn on_event(&mut self, e: &stagehand::events::Event) {
         if let Ok(mut v) = self.0.lock() {
-            v.push(e.kind.clone());
+            v.push((e.step, e.phase, e.kind.clone()));
         }
     }
 }
@@ -196,7 +197,26 @@ fn training_through_the_handle_equals_plain_tch() {
     assert_eq!(checked, 2 + 2 * 2 * LAYERS + 1 + 2, "every variable compared");
 
     bus.flush();
-    let events = seen.lock().expect("events").clone();
+    let tagged = seen.lock().expect("events").clone();
+    // Layer mode tags the weights' work with the step and phase it belongs to: after the first
+    // step, loads in the forward and backward, gradient copies to the host in the backward,
+    // each under its own step, and none left at step 0 or idle.
+    let weights_copies = |dir: Direction| {
+        tagged
+            .iter()
+            .filter(move |(_, _, k)| matches!(k, EventKind::TransferIssued { owner: Owner::Weights, dir: d, .. } if *d == dir))
+    };
+    for step in 2..=steps as u64 {
+        let phases = |dir| weights_copies(dir).filter(|(s, _, _)| *s == step).map(|(_, p, _)| *p).collect::<Vec<_>>();
+        let loads = phases(Direction::H2d);
+        assert!(loads.contains(&Phase::Forward) && loads.contains(&Phase::Backward), "step {step} loads: {loads:?}");
+        let grads = phases(Direction::D2h);
+        assert!(grads.contains(&Phase::Backward), "step {step} gradient copies: {grads:?}");
+        assert!(grads.iter().all(|p| matches!(p, Phase::Backward | Phase::Optimizer)), "step {step} gradient copies: {grads:?}");
+    }
+    let untagged = weights_copies(Direction::H2d).chain(weights_copies(Direction::D2h)).filter(|(s, p, _)| *s == 0 || *p == Phase::Idle).count();
+    assert_eq!(untagged, 0, "weight copies outside any step");
+    let events: Vec<EventKind> = tagged.into_iter().map(|(_, _, k)| k).collect();
     let times = events.iter().filter(|e| matches!(e, EventKind::StepTime(_))).count();
     assert_eq!(times, steps as usize, "a time breakdown per step");
     assert!(events.iter().any(|e| matches!(e, EventKind::VramOwners(o) if o.weights_bytes > 0)));

@@ -249,13 +249,26 @@ fn file_backed_blocks_stream_from_safetensors() {
     let path = dir.path().join("w.safetensors");
     let named: Vec<(String, Tensor)> = vm.variables().into_iter().map(|(k, v)| (format!("model.{k}"), v)).collect();
     Tensor::write_safetensors(&named, &path).expect("write");
-    let rt = runtime(&vm, device, 2, 1, Bus::disabled(), false);
+    let bus = Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let rt = runtime(&vm, device, 2, 1, bus.clone(), false);
     let ids = ids(&rt, n);
     for id in &ids {
         rt.back_with_file(*id, &path, "model.").expect("file-backed");
     }
     let e = rt.back_with_file(ids[0], &path, "nope.").expect_err("missing keys");
     assert!(e.to_string().contains("nope.blocks.0"), "{e}");
+    // The registration that a block is backed by the file reaches the telemetry.
+    bus.flush();
+    let mut file_backed = std::collections::BTreeMap::new();
+    while let Ok(u) = sub.rx.try_recv() {
+        if let Update::Event(e) = u {
+            if let EventKind::BlockRegistered { block, file_backed: f, .. } = &e.kind {
+                file_backed.insert(block.0, *f);
+            }
+        }
+    }
+    assert_eq!(file_backed.values().filter(|f| **f).count(), n, "{file_backed:?}");
     for step in 0..3 {
         let x = input(dev, 400 + step).set_requires_grad(true);
         let want = r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h));
