@@ -97,13 +97,13 @@ struct NaiveCpuStore {
 }
 
 impl SavedTensorStore for NaiveCpuStore {
-    fn pack(&self, t: Tensor) -> Result<u64, String> {
+    fn pack(&self, t: Tensor) -> Result<u64, stagehand::torch::HookError> {
         let h = self.next.fetch_add(1, Ordering::Relaxed);
         let host = t.detach().to_device(tch::Device::Cpu);
         self.held.lock().map_err(|_| "poisoned")?.insert(h, host);
         Ok(h)
     }
-    fn unpack(&self, h: u64) -> Result<Tensor, String> {
+    fn unpack(&self, h: u64) -> Result<Tensor, stagehand::torch::HookError> {
         let held = self.held.lock().map_err(|_| "poisoned")?;
         Ok(held.get(&h).ok_or("unknown handle")?.to_device(self.device))
     }

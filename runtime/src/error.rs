@@ -80,9 +80,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// A saved-tensor hook or a weight resolver failed (the message of the failing side).
+    /// A saved-tensor hook or a weight resolver failed (the failing side's error).
     #[error("saved tensor: {0}")]
-    Saved(String),
+    Saved(#[source] crate::torch::HookError),
     /// The Conductor refused a call (a phase out of order, an adapter registered twice).
     #[error("conductor: {0}")]
     Conductor(#[from] crate::conductor::Error),

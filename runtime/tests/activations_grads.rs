@@ -251,7 +251,7 @@ impl WeightResolver for FakeWeights {
             bytes: (t.numel() * t.kind().elt_size_in_bytes()) as u64,
         })
     }
-    fn materialize(&self, save: &WeightSave) -> Result<Tensor, String> {
+    fn materialize(&self, save: &WeightSave) -> Result<Tensor, stagehand::torch::HookError> {
         self.materialized.fetch_add(1, Ordering::Relaxed);
         let params = self.params.lock().map_err(|_| "poisoned")?;
         let p = params.get(save.param as usize).ok_or("no such parameter")?;

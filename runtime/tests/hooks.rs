@@ -59,7 +59,7 @@ impl TestStore {
 }
 
 impl SavedTensorStore for TestStore {
-    fn pack(&self, tensor: Tensor) -> Result<u64, String> {
+    fn pack(&self, tensor: Tensor) -> Result<u64, stagehand::torch::HookError> {
         self.packs.fetch_add(1, Ordering::Relaxed);
         match self.mode {
             Mode::FailPack => return Err("store refused the tensor".into()),
@@ -80,10 +80,10 @@ impl SavedTensorStore for TestStore {
         Ok(h)
     }
 
-    fn unpack(&self, handle: u64) -> Result<Tensor, String> {
+    fn unpack(&self, handle: u64) -> Result<Tensor, stagehand::torch::HookError> {
         self.unpacks.fetch_add(1, Ordering::Relaxed);
         if self.mode == Mode::FailUnpack {
-            return Err(format!("handle {handle} is gone"));
+            return Err(format!("handle {handle} is gone").into());
         }
         let held = self.held.lock().expect("lock");
         let t = held

@@ -2,7 +2,7 @@
 //! is on: it hands each call to the runtime's state.
 
 use super::state::Shared;
-use crate::torch::SavedTensorStore;
+use crate::torch::{HookError, SavedTensorStore};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
@@ -34,12 +34,12 @@ fn timed<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
 }
 
 impl SavedTensorStore for ActivationStore {
-    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, String> {
-        timed(&self.shared, || self.shared.pack(tensor)).map_err(|e| e.to_string())
+    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, HookError> {
+        Ok(timed(&self.shared, || self.shared.pack(tensor))?)
     }
 
-    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, String> {
-        timed(&self.shared, || self.shared.unpack(handle)).map_err(|e| e.to_string())
+    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, HookError> {
+        Ok(timed(&self.shared, || self.shared.unpack(handle))?)
     }
 
     fn release(&self, handle: u64) {

@@ -150,7 +150,7 @@ fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
     }
     // Autograd sees the same message; the warning carries it too.
     let err = store.unpack(h).expect_err("still refused");
-    assert!(err.contains("in region 'blocks.3.mlp' changed in host memory"), "{err}");
+    assert!(err.to_string().contains("in region 'blocks.3.mlp' changed in host memory"), "{err}");
     assert!(events(&bus, &seen)
         .iter()
         .any(|e| matches!(e, EventKind::Warning { message, .. } if message.contains("changed in host memory"))));
@@ -341,7 +341,7 @@ fn nothing_is_left_after_the_step_even_without_backward() {
     // A release arriving after the step ended is ignored; an unpack is a clear error.
     store.release(hs[0]);
     let err = store.unpack(hs[1]).expect_err("cleared");
-    assert!(err.contains("already ended"), "{err}");
+    assert!(err.to_string().contains("already ended"), "{err}");
     let ev = events(&bus, &seen);
     let step = ev.iter().find_map(|e| match e {
         EventKind::ActivationStep(m) => Some(m.clone()),

@@ -28,12 +28,17 @@ use std::sync::Arc;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
+/// What a saved-tensor store or a weight resolver reports when it cannot do its part, with its
+/// sources. The hook engine turns it into the message libtorch raises from the autograd call
+/// (the only form that crosses into C++).
+pub type HookError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// Where saved tensors go between forward and backward.
 pub trait SavedTensorStore: Send + Sync + 'static {
     /// Takes a tensor autograd saves; returns a handle to give back in `unpack`/`release`.
-    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, String>;
+    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, HookError>;
     /// Returns the tensor saved under `handle`.
-    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, String>;
+    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, HookError>;
     /// The saved variable holding `handle` is gone. Must not fail.
     fn release(&self, handle: u64);
 }
@@ -105,14 +110,14 @@ impl Drop for StorageWatch {
 type Ctx = Arc<dyn SavedTensorStore>;
 
 /// Runs a callback with hooks off on this thread and grad mode off, catching panics.
-fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) -> std::result::Result<T, String> {
+fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, HookError>) -> std::result::Result<T, String> {
     // SAFETY: setting the thread-local context to null and restoring it is always valid.
     let prev = unsafe { ffi::stagehand_hooks_set_context(std::ptr::null_mut()) };
     let out = catch_unwind(AssertUnwindSafe(|| tch::no_grad(f)));
     // SAFETY: restores the value read above on the same thread.
     unsafe { ffi::stagehand_hooks_set_context(prev) };
     match out {
-        Ok(r) => r,
+        Ok(r) => r.map_err(|e| message(e.as_ref())),
         Err(p) => {
             let msg = p
                 .downcast_ref::<String>()
@@ -122,6 +127,21 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, String>) ->
             Err(format!("panic in {what}: {msg}"))
         }
     }
+}
+
+/// An error and its sources, as one line (libtorch gets text).
+fn message(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 unsafe extern "C" fn pack_cb(

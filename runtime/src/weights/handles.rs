@@ -3,7 +3,7 @@
 //! tensor, deduplicated by storage identity.
 
 use crate::saved::{WeightResolver, WeightSave};
-use crate::torch::{SavedTensorStore, TensorIdentity};
+use crate::torch::{HookError, SavedTensorStore, TensorIdentity};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -51,7 +51,7 @@ impl WeightStore {
 }
 
 impl SavedTensorStore for WeightStore {
-    fn pack(&self, tensor: Tensor) -> Result<u64, String> {
+    fn pack(&self, tensor: Tensor) -> Result<u64, HookError> {
         if let Some(save) = self.resolver.resolve(&tensor) {
             let h = self.next.fetch_add(1, Ordering::Relaxed);
             self.saved
@@ -83,13 +83,13 @@ impl SavedTensorStore for WeightStore {
         Ok(h)
     }
 
-    fn unpack(&self, handle: u64) -> Result<Tensor, String> {
+    fn unpack(&self, handle: u64) -> Result<Tensor, HookError> {
         let weight = {
             let saved = self.saved.lock().unwrap_or_else(|p| p.into_inner());
             match saved.get(&handle) {
                 Some(Saved::Kept { tensor, .. }) => return Ok(tensor.shallow_clone()),
                 Some(Saved::Weight(w)) => w.clone(),
-                None => return Err(format!("unknown saved-tensor handle {handle}")),
+                None => return Err(format!("unknown saved-tensor handle {handle}").into()),
             }
         };
         // Outside the store's lock: materialising may load blocks.

@@ -516,11 +516,10 @@ impl WeightResolver for WeightRuntime {
         })
     }
 
-    fn materialize(&self, save: &WeightSave) -> std::result::Result<Tensor, String> {
+    fn materialize(&self, save: &WeightSave) -> std::result::Result<Tensor, crate::torch::HookError> {
         let mut s = self.lock();
-        s.backward_use(save.block).map_err(|e| e.to_string())?;
-        s.param_view(save.block, save.param, save.storage_offset, &save.sizes, &save.strides)
-            .map_err(|e| e.to_string())
+        s.backward_use(save.block)?;
+        Ok(s.param_view(save.block, save.param, save.storage_offset, &save.sizes, &save.strides)?)
     }
 
     fn release(&self, _save: &WeightSave) {
