@@ -4,7 +4,7 @@
 //! directions), published as `transfer_issued` and `transfer_completed`.
 
 use crate::conductor::SlotToken;
-use crate::device::{CopyStream, Device, Event, Failed, HostMemory, HostTarget, Order, Pending};
+use crate::device::{CopyStream, Device, StreamEvent, Failed, HostMemory, HostTarget, Order, Pending};
 use crate::error::Result;
 use crate::events::{Bus, Direction, EventKind, Owner, TransferId};
 use std::time::Duration;
@@ -43,7 +43,7 @@ impl<H: HostMemory> Transfer<H> {
     }
 
     /// The copy's completion event (for the compute stream to wait on).
-    pub fn done(&self) -> &Event {
+    pub fn done(&self) -> &StreamEvent {
         self.pending.done()
     }
 

@@ -1,7 +1,7 @@
 //! What a device backend provides: the host backend and the CUDA backend implement these traits
-//! as peers, and [`super::Device`], [`super::CopyStream`] and [`super::Event`] dispatch to them.
+//! as peers, and [`super::Device`], [`super::CopyStream`] and [`super::StreamEvent`] dispatch to them.
 
-use super::{Event, HostBuffer, MemoryReading};
+use super::{StreamEvent, HostBuffer, MemoryReading};
 use crate::error::Result;
 use crate::events::DeviceInfo;
 use std::any::Any;
@@ -22,16 +22,16 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer>;
     fn new_stream(&self) -> Result<Box<dyn StreamBackend>>;
     /// A timed event on the compute stream.
-    fn record_compute(&self) -> Result<Event>;
-    fn compute_wait(&self, event: &Event) -> Result<()>;
+    fn record_compute(&self) -> Result<StreamEvent>;
+    fn compute_wait(&self, event: &StreamEvent) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
 }
 
 /// A copy stream.
 pub(crate) trait StreamBackend: Send + Sync + fmt::Debug {
-    fn wait(&self, event: &Event) -> Result<()>;
+    fn wait(&self, event: &StreamEvent) -> Result<()>;
     /// A timed event after the work queued so far.
-    fn record(&self) -> Result<Event>;
+    fn record(&self) -> Result<StreamEvent>;
     /// Copies `len` bytes from host `src` to device address `dst`.
     ///
     /// # Safety

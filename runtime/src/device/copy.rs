@@ -3,7 +3,7 @@
 //! nor read (for a device-to-host copy) while the DMA engine still works on it.
 
 use super::backend::StreamBackend;
-use super::{Device, Event, HostMemory, HostTarget};
+use super::{Device, StreamEvent, HostMemory, HostTarget};
 use crate::error::{Error, Result};
 use tch::Tensor;
 
@@ -15,7 +15,7 @@ pub enum Order<'a> {
     AfterCompute,
     /// Only this event: the last use of a device slab the runtime owns, so a prefetch overlaps
     /// the compute still queued before it.
-    After(&'a Event),
+    After(&'a StreamEvent),
     /// Nothing: a device slab the runtime owns that no kernel has used yet.
     Now,
 }
@@ -52,8 +52,8 @@ impl<H> From<Failed<H>> for Error {
 #[derive(Debug)]
 #[must_use = "a pending copy must be finished or kept until it completes"]
 pub struct Pending<H: HostMemory> {
-    start: Event,
-    done: Event,
+    start: StreamEvent,
+    done: StreamEvent,
     bytes: usize,
     device: Option<Tensor>,
     host: Option<H>,
@@ -61,7 +61,7 @@ pub struct Pending<H: HostMemory> {
 
 impl<H: HostMemory> Pending<H> {
     /// The event recorded on the copy stream after the copy.
-    pub fn done(&self) -> &Event {
+    pub fn done(&self) -> &StreamEvent {
         &self.done
     }
 
@@ -125,12 +125,12 @@ impl<H: HostMemory> Drop for Pending<H> {
 /// [`Device::compute_wait_timed`].
 #[derive(Debug, Clone)]
 pub struct WaitProbe {
-    before: Event,
-    copy_done: Event,
+    before: StreamEvent,
+    copy_done: StreamEvent,
 }
 
 impl WaitProbe {
-    pub(super) fn new(before: Event, copy_done: Event) -> WaitProbe {
+    pub(super) fn new(before: StreamEvent, copy_done: StreamEvent) -> WaitProbe {
         WaitProbe { before, copy_done }
     }
 
@@ -164,12 +164,12 @@ impl CopyStream {
     }
 
     /// Makes this stream wait for `event`.
-    pub fn wait(&self, event: &Event) -> Result<()> {
+    pub fn wait(&self, event: &StreamEvent) -> Result<()> {
         self.stream.wait(event)
     }
 
     /// Records an event on this stream.
-    pub fn record(&self) -> Result<Event> {
+    pub fn record(&self) -> Result<StreamEvent> {
         self.stream.record()
     }
 

@@ -2,7 +2,7 @@
 //! interchangeable between the two.
 
 use super::backend::{Backend, EventBackend, StreamBackend};
-use super::{Event, HostBuffer, MemoryReading};
+use super::{StreamEvent, HostBuffer, MemoryReading};
 use crate::error::{Error, Result};
 use crate::events::{DeviceInfo, DeviceKind};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
@@ -34,7 +34,7 @@ impl CudaBackend {
     }
 }
 
-fn cuda_event(e: &Event) -> Option<&CudaEventBackend> {
+fn cuda_event(e: &StreamEvent) -> Option<&CudaEventBackend> {
     e.0.as_any().downcast_ref::<CudaEventBackend>()
 }
 
@@ -91,15 +91,15 @@ impl Backend for CudaBackend {
         Ok(Box::new(CudaStreamBackend { stream }))
     }
 
-    fn record_compute(&self) -> Result<Event> {
+    fn record_compute(&self) -> Result<StreamEvent> {
         let ev = Self::timed_event(&self.ctx)?;
         // SAFETY: the null stream is libtorch's (legacy default) compute stream; the event is live.
         unsafe { result::event::record(ev.cu_event(), std::ptr::null_mut()) }
             .map_err(cuda_err("recording on the compute stream"))?;
-        Ok(Event(Arc::new(CudaEventBackend(ev))))
+        Ok(StreamEvent(Arc::new(CudaEventBackend(ev))))
     }
 
-    fn compute_wait(&self, event: &Event) -> Result<()> {
+    fn compute_wait(&self, event: &StreamEvent) -> Result<()> {
         let Some(e) = cuda_event(event) else { return Ok(()) };
         // SAFETY: both the null stream and the event are valid.
         unsafe {
@@ -123,17 +123,17 @@ struct CudaStreamBackend {
 }
 
 impl StreamBackend for CudaStreamBackend {
-    fn wait(&self, event: &Event) -> Result<()> {
+    fn wait(&self, event: &StreamEvent) -> Result<()> {
         match cuda_event(event) {
             Some(e) => self.stream.wait(&e.0).map_err(cuda_err("making a copy stream wait")),
             None => Ok(()),
         }
     }
 
-    fn record(&self) -> Result<Event> {
+    fn record(&self) -> Result<StreamEvent> {
         let ev = CudaBackend::timed_event(self.stream.context())?;
         ev.record(&self.stream).map_err(cuda_err("recording an event"))?;
-        Ok(Event(Arc::new(CudaEventBackend(ev))))
+        Ok(StreamEvent(Arc::new(CudaEventBackend(ev))))
     }
 
     unsafe fn h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {

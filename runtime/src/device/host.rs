@@ -3,7 +3,7 @@
 //! made at (so copy durations are measured, and labelled as simulated by the dashboards).
 
 use super::backend::{Backend, EventBackend, StreamBackend};
-use super::{Event, HostBuffer, MemoryReading};
+use super::{StreamEvent, HostBuffer, MemoryReading};
 use crate::error::{Error, Result};
 use crate::events::{DeviceInfo, DeviceKind};
 use std::any::Any;
@@ -28,8 +28,8 @@ impl HostBackend {
     }
 }
 
-fn now() -> Event {
-    Event(Arc::new(HostEvent { at: Instant::now() }))
+fn now() -> StreamEvent {
+    StreamEvent(Arc::new(HostEvent { at: Instant::now() }))
 }
 
 impl Backend for HostBackend {
@@ -100,11 +100,11 @@ impl Backend for HostBackend {
         Ok(Box::new(HostStream))
     }
 
-    fn record_compute(&self) -> Result<Event> {
+    fn record_compute(&self) -> Result<StreamEvent> {
         Ok(now())
     }
 
-    fn compute_wait(&self, _event: &Event) -> Result<()> {
+    fn compute_wait(&self, _event: &StreamEvent) -> Result<()> {
         Ok(())
     }
 
@@ -117,11 +117,11 @@ impl Backend for HostBackend {
 struct HostStream;
 
 impl StreamBackend for HostStream {
-    fn wait(&self, _event: &Event) -> Result<()> {
+    fn wait(&self, _event: &StreamEvent) -> Result<()> {
         Ok(())
     }
 
-    fn record(&self) -> Result<Event> {
+    fn record(&self) -> Result<StreamEvent> {
         Ok(now())
     }
 

@@ -8,22 +8,22 @@
 //! two is exactly the idle the wait caused. On the host device compute is synchronous, and the
 //! span is the wait itself.
 
-use super::{Device, Event};
+use super::{Device, StreamEvent};
 use crate::error::Result;
 use std::time::Instant;
 
 /// A wait in progress: the compute stream's position as it began.
 #[derive(Debug)]
 pub struct IdleProbe {
-    begin: Event,
+    begin: StreamEvent,
     started: Instant,
 }
 
 /// A finished wait; its idle time is known once the compute stream has passed its end.
 #[derive(Debug)]
 pub struct IdleSpan {
-    begin: Event,
-    end: Event,
+    begin: StreamEvent,
+    end: StreamEvent,
     /// How long the host waited.
     host_ms: f64,
 }

@@ -192,19 +192,19 @@ impl Device {
 
     /// An event recorded on the compute stream (libtorch's current, legacy default stream),
     /// with timing.
-    pub fn record_compute(&self) -> Result<Event> {
+    pub fn record_compute(&self) -> Result<StreamEvent> {
         self.backend().record_compute()
     }
 
     /// Makes the compute stream wait for `event` (no host synchronisation).
-    pub fn compute_wait(&self, event: &Event) -> Result<()> {
+    pub fn compute_wait(&self, event: &StreamEvent) -> Result<()> {
         self.backend().compute_wait(event)
     }
 
     /// Like [`compute_wait`](Self::compute_wait), and measures how long the compute stream will
     /// sit idle for `event`: a timed event is recorded on the compute stream first; once both
     /// have completed, the probe reads the time from that event to `event`.
-    pub fn compute_wait_timed(&self, event: &Event) -> Result<WaitProbe> {
+    pub fn compute_wait_timed(&self, event: &StreamEvent) -> Result<WaitProbe> {
         let before = self.record_compute()?;
         self.compute_wait(event)?;
         Ok(WaitProbe::new(before, event.clone()))
@@ -239,9 +239,9 @@ impl Device {
 /// A completion marker for work on a stream. Events of the host device are complete when made
 /// and carry the host time they were made at, so copy durations are measured there too.
 #[derive(Debug, Clone)]
-pub struct Event(Arc<dyn EventBackend>);
+pub struct StreamEvent(Arc<dyn EventBackend>);
 
-impl Event {
+impl StreamEvent {
     /// Whether the work before the event has finished (never blocks).
     pub fn is_complete(&self) -> bool {
         self.0.is_complete()
@@ -254,7 +254,7 @@ impl Event {
 
     /// Milliseconds from `self` to a later `end`, once both completed (`None` before, or when
     /// the two events come from different backends).
-    pub fn elapsed_ms(&self, end: &Event) -> Option<f64> {
+    pub fn elapsed_ms(&self, end: &StreamEvent) -> Option<f64> {
         self.0.elapsed_ms(&*end.0)
     }
 }

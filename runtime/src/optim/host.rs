@@ -176,7 +176,7 @@ pub(crate) struct BlockJob {
     pub(crate) groups: Groups,
     /// Copies that must complete before the step touches the block's host memory (its
     /// gradients landing, a load still reading its weights).
-    pub(crate) ready: Vec<crate::device::Event>,
+    pub(crate) ready: Vec<crate::device::StreamEvent>,
 }
 
 impl Job for BlockJob {

@@ -21,7 +21,7 @@ pub(crate) trait Job: Send {
 /// Makes a block's step: given the block, which of its parameters received a gradient in this
 /// window, and the copies that must complete before the step may touch its host memory.
 pub(crate) type JobMaker =
-    Box<dyn FnMut(crate::events::BlockId, &[bool], Vec<crate::device::Event>) -> Result<Box<dyn Job>> + Send>;
+    Box<dyn FnMut(crate::events::BlockId, &[bool], Vec<crate::device::StreamEvent>) -> Result<Box<dyn Job>> + Send>;
 
 #[derive(Default)]
 struct State {

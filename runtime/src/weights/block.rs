@@ -62,7 +62,7 @@ pub(crate) struct Block {
     pub resident: bool,
     /// Recorded on the compute stream right after the kernels of the block's latest use were
     /// queued: its slot may be refilled once this completes (not everything queued since).
-    pub last_use: Option<crate::device::Event>,
+    pub last_use: Option<crate::device::StreamEvent>,
     /// Host gradients of trainable parameters (streamed trainable blocks).
     pub grads: Vec<ParamGrad>,
     /// Sets the device gradients of the trainable parameters to none (libtorch's

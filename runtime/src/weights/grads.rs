@@ -122,7 +122,7 @@ impl GradSink {
     }
 
     /// The completion events of `block`'s gradient copies in flight.
-    pub(crate) fn pending_events(&self, id: BlockId) -> Vec<crate::device::Event> {
+    pub(crate) fn pending_events(&self, id: BlockId) -> Vec<crate::device::StreamEvent> {
         self.inflight
             .iter()
             .filter(|c| c.block == id)

@@ -101,7 +101,7 @@ impl Loads {
 
     /// The completion events of `block`'s copies not yet seen complete (its host memory is read
     /// until they complete).
-    pub(crate) fn pending_events(&self, block: BlockId) -> Vec<crate::device::Event> {
+    pub(crate) fn pending_events(&self, block: BlockId) -> Vec<crate::device::StreamEvent> {
         let landing = self.landing.get(&block).map(|t| t.done().clone());
         self.retired
             .iter()

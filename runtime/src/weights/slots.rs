@@ -6,7 +6,7 @@
 //! for everything the compute stream has queued (which is what a copy into a fresh allocator
 //! tensor must wait for, since the allocator recycles memory in compute-stream order).
 
-use crate::device::{Device, Event};
+use crate::device::{Device, StreamEvent};
 use crate::error::{Error, Result};
 use crate::events::BlockId;
 use tch::Tensor;
@@ -18,7 +18,7 @@ pub(crate) struct Slots {
     slot_bytes: usize,
     owner: Vec<Option<BlockId>>,
     /// Recorded on the compute stream after the last use of the slot's previous occupant.
-    last_use: Vec<Option<Event>>,
+    last_use: Vec<Option<StreamEvent>>,
 }
 
 impl Slots {
@@ -62,7 +62,7 @@ impl Slots {
     }
 
     /// Gives slot `i` to `block`; returns the event a copy into it must wait for.
-    pub(crate) fn assign(&mut self, i: usize, block: BlockId) -> Result<Option<Event>> {
+    pub(crate) fn assign(&mut self, i: usize, block: BlockId) -> Result<Option<StreamEvent>> {
         match self.owner.get_mut(i) {
             Some(o @ None) => {
                 *o = Some(block);
@@ -74,7 +74,7 @@ impl Slots {
 
     /// Frees slot `i`; `last_use` is recorded on the compute stream after the last kernel that
     /// may read the block leaving it.
-    pub(crate) fn release(&mut self, i: usize, last_use: Event) -> Result<()> {
+    pub(crate) fn release(&mut self, i: usize, last_use: StreamEvent) -> Result<()> {
         match self.owner.get_mut(i) {
             Some(o @ Some(_)) => {
                 *o = None;

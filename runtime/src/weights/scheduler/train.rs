@@ -130,7 +130,7 @@ impl Scheduler {
     /// from this step is evicted first: its device copy would be stale.
     pub(crate) fn submit_updates(
         &mut self,
-        mut job: impl FnMut(BlockId, &[bool], Vec<crate::device::Event>) -> Result<Box<dyn Job>>,
+        mut job: impl FnMut(BlockId, &[bool], Vec<crate::device::StreamEvent>) -> Result<Box<dyn Job>>,
     ) -> Result<()> {
         self.check_live()?;
         let stepper = self
