@@ -9,7 +9,7 @@
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 use stagehand::events::Event;
-use stagehand_dashboard::app::{State, Update, View, ViewState};
+use stagehand_dashboard::app::{State, SourceUpdate, View, ViewState};
 use stagehand_dashboard::source::sse::{Item, Limits, LineReader, SseParser};
 use stagehand_dashboard::source::{ReplaySource, Source};
 use stagehand::events::synthetic::{self, SyntheticRun};
@@ -39,7 +39,7 @@ fn run(events: &[Event], view: View, per_frame: usize, frames: usize) -> Vec<Dur
             // Loop over the run, renumbering so sequence numbers keep growing.
             let mut e = events[i % events.len()].clone();
             e.seq = i as u64 + 1;
-            state.ingest(Update::Event(Box::new(e)));
+            state.ingest(SourceUpdate::Event(Box::new(e)));
             i += 1;
         }
         term.draw(|f| views::draw(f, &state, &vs, &theme)).expect("draws");
@@ -57,7 +57,7 @@ fn main() {
     let mut state = State::new();
     let t = Instant::now();
     for e in &events {
-        state.ingest(Update::Event(Box::new(e.clone())));
+        state.ingest(SourceUpdate::Event(Box::new(e.clone())));
     }
     let ingest = t.elapsed();
     println!(

@@ -14,7 +14,7 @@ pub const RECENT_EVENTS: usize = 4096;
 
 /// What a source hands the state. The state cannot tell which source it came from.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Update {
+pub enum SourceUpdate {
     /// Start over from this state. `history` replaces the log of recent events when given;
     /// otherwise events newer than the snapshot are dropped from it.
     Reset {
@@ -256,16 +256,16 @@ impl State {
     }
 
     /// Applies what the source sent.
-    pub fn ingest(&mut self, u: Update) {
+    pub fn ingest(&mut self, u: SourceUpdate) {
         match u {
-            Update::Event(e) => {
+            SourceUpdate::Event(e) => {
                 self.snapshot.apply(&e);
                 if self.recent.len() == RECENT_EVENTS {
                     self.recent.pop_front();
                 }
                 self.recent.push_back(*e);
             }
-            Update::Reset { snapshot, history } => {
+            SourceUpdate::Reset { snapshot, history } => {
                 self.snapshot = *snapshot;
                 self.resets += 1;
                 match history {
@@ -282,7 +282,7 @@ impl State {
                 }
             }
             // A number the server sent: saturate rather than overflow.
-            Update::Lagged(n) => self.lagged = self.lagged.saturating_add(n),
+            SourceUpdate::Lagged(n) => self.lagged = self.lagged.saturating_add(n),
         }
     }
 

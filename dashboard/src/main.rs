@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use crossterm::event::{self, Event as TermEvent};
 use ratatui::DefaultTerminal;
-use stagehand_dashboard::app::{State, Update, ViewState};
+use stagehand_dashboard::app::{State, SourceUpdate, ViewState};
 use stagehand_dashboard::keys::{map_key, KeyContext};
 use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, ReplaySource, Source};
 use stagehand::events::synthetic::{self, SyntheticRun};
@@ -93,7 +93,7 @@ fn run(mut terminal: DefaultTerminal, source: &mut dyn Source, theme: Theme, fps
     let frame = Duration::from_secs(1) / fps;
     let mut state = State::new();
     let mut vs = ViewState::default();
-    let mut out: Vec<Update> = Vec::new();
+    let mut out: Vec<SourceUpdate> = Vec::new();
     loop {
         let turn = Instant::now();
         source.poll(turn, &mut out);

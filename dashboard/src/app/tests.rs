@@ -6,7 +6,7 @@ fn fed() -> (State, Vec<Event>) {
     let ev = events(SyntheticRun::default());
     let mut s = State::new();
     for e in &ev {
-        s.ingest(Update::Event(Box::new(e.clone())));
+        s.ingest(SourceUpdate::Event(Box::new(e.clone())));
     }
     (s, ev)
 }
@@ -25,7 +25,7 @@ fn recent_events_stay_bounded() {
     assert!(ev.len() > RECENT_EVENTS);
     let mut s = State::new();
     for e in &ev {
-        s.ingest(Update::Event(Box::new(e.clone())));
+        s.ingest(SourceUpdate::Event(Box::new(e.clone())));
     }
     assert_eq!(s.recent.len(), RECENT_EVENTS);
     assert_eq!(s.recent.front().map(|e| e.seq), Some(ev[ev.len() - RECENT_EVENTS].seq));
@@ -35,14 +35,14 @@ fn recent_events_stay_bounded() {
 fn a_reset_without_history_drops_events_newer_than_the_snapshot() {
     let (mut s, ev) = fed();
     let back = Snapshot::from_events(&ev[..50]);
-    s.ingest(Update::Reset { snapshot: Box::new(back.clone()), history: None });
+    s.ingest(SourceUpdate::Reset { snapshot: Box::new(back.clone()), history: None });
     assert_eq!(s.snapshot, back);
     assert_eq!(s.recent.back().map(|e| e.seq), Some(50));
     assert_eq!(s.resets, 1);
-    s.ingest(Update::Reset { snapshot: Box::new(back), history: Some(ev[40..50].to_vec()) });
+    s.ingest(SourceUpdate::Reset { snapshot: Box::new(back), history: Some(ev[40..50].to_vec()) });
     assert_eq!(s.recent.len(), 10);
-    s.ingest(Update::Lagged(7));
-    s.ingest(Update::Lagged(3));
+    s.ingest(SourceUpdate::Lagged(7));
+    s.ingest(SourceUpdate::Lagged(3));
     assert_eq!(s.lagged, 10);
 }
 

@@ -6,7 +6,7 @@
 
 use super::sse::{Item, Limits, LineReader, Skip, SseMessage, SseParser};
 use super::Source;
-use crate::app::{Control, Link, LiveStatus, Skipped, SourceStatus, Update};
+use crate::app::{Control, Link, LiveStatus, Skipped, SourceStatus, SourceUpdate};
 use stagehand::events::{Event, EventKind, Snapshot, StreamMessage};
 use std::io::BufReader;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -59,7 +59,7 @@ pub enum Refusal {
 }
 
 /// Decodes one message of the stream into an update, refusing what the state must not apply.
-pub fn decode(msg: &SseMessage) -> Result<Update, Refusal> {
+pub fn decode(msg: &SseMessage) -> Result<SourceUpdate, Refusal> {
     let m: StreamMessage = match serde_json::from_str(&msg.data) {
         Ok(m) => m,
         // Be lenient with a server that sends the payload without the `type` tag.
@@ -75,13 +75,13 @@ pub fn decode(msg: &SseMessage) -> Result<Update, Refusal> {
     Ok(match m {
         StreamMessage::Snapshot { snapshot } => {
             vet_snapshot(&snapshot).map_err(Refusal::Implausible)?;
-            Update::Reset { snapshot, history: None }
+            SourceUpdate::Reset { snapshot, history: None }
         }
         StreamMessage::Event { event } => {
             vet_event(&event).map_err(Refusal::Implausible)?;
-            Update::Event(event)
+            SourceUpdate::Event(event)
         }
-        StreamMessage::Lagged { missed } => Update::Lagged(missed),
+        StreamMessage::Lagged { missed } => SourceUpdate::Lagged(missed),
     })
 }
 
@@ -143,7 +143,7 @@ impl Shared {
 /// A run's live SSE stream, read on a background thread that reconnects with back-off.
 #[derive(Debug)]
 pub struct LiveSource {
-    rx: Receiver<(Update, usize)>,
+    rx: Receiver<(SourceUpdate, usize)>,
     shared: Arc<Shared>,
     paused: bool,
 }
@@ -214,7 +214,7 @@ fn reason(e: &ureq::Error) -> String {
 }
 
 /// Reads one connection's stream until it ends; returns why it ended.
-fn read_stream(resp: ureq::Response, limits: Limits, tx: &SyncSender<(Update, usize)>, sh: &Shared) -> Option<String> {
+fn read_stream(resp: ureq::Response, limits: Limits, tx: &SyncSender<(SourceUpdate, usize)>, sh: &Shared) -> Option<String> {
     let mut reader = LineReader::new(BufReader::new(resp.into_reader()), limits.max_line);
     let mut parser = SseParser::new(limits);
     let mut buf = Vec::new();
@@ -265,7 +265,7 @@ fn read_stream(resp: ureq::Response, limits: Limits, tx: &SyncSender<(Update, us
     }
 }
 
-fn read_loop(url: String, backoff: Backoff, limits: Limits, tx: SyncSender<(Update, usize)>, sh: Arc<Shared>) {
+fn read_loop(url: String, backoff: Backoff, limits: Limits, tx: SyncSender<(SourceUpdate, usize)>, sh: Arc<Shared>) {
     let agent = ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(3)).build();
     let mut attempt = 0u32;
     while !sh.stop.load(Ordering::Relaxed) {
@@ -297,7 +297,7 @@ fn read_loop(url: String, backoff: Backoff, limits: Limits, tx: SyncSender<(Upda
 }
 
 impl Source for LiveSource {
-    fn poll(&mut self, now: Instant, out: &mut Vec<Update>) {
+    fn poll(&mut self, now: Instant, out: &mut Vec<SourceUpdate>) {
         if self.paused {
             return;
         }
@@ -312,7 +312,7 @@ impl Source for LiveSource {
         }
     }
 
-    fn control(&mut self, c: Control, _out: &mut Vec<Update>) {
+    fn control(&mut self, c: Control, _out: &mut Vec<SourceUpdate>) {
         if c == Control::TogglePause {
             self.paused = !self.paused;
         }
@@ -347,9 +347,9 @@ mod tests {
         let e = events(SyntheticRun::default()).remove(5);
         let tagged = serde_json::to_string(&StreamMessage::Event { event: Box::new(e.clone()) }).expect("serializes");
         let m = SseMessage { event: "event".into(), data: tagged };
-        assert_eq!(decode(&m), Ok(Update::Event(Box::new(e.clone()))));
+        assert_eq!(decode(&m), Ok(SourceUpdate::Event(Box::new(e.clone()))));
         let bare = SseMessage { event: "event".into(), data: serde_json::to_string(&e).expect("serializes") };
-        assert_eq!(decode(&bare), Ok(Update::Event(Box::new(e))));
+        assert_eq!(decode(&bare), Ok(SourceUpdate::Event(Box::new(e))));
         assert!(matches!(
             decode(&SseMessage { event: "event".into(), data: "{nope".into() }),
             Err(Refusal::Unreadable(_))

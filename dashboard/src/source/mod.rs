@@ -1,5 +1,5 @@
 //! Where events come from: a run's live SSE stream, or a replayed telemetry file. Both implement
-//! [`Source`] and hand the state the same [`Update`]s, so nothing downstream can tell them apart.
+//! [`Source`] and hand the state the same [`SourceUpdate`]s, so nothing downstream can tell them apart.
 
 mod live;
 mod loader;
@@ -9,7 +9,7 @@ pub mod sse;
 pub use live::{decode, vet_event, vet_snapshot, Backoff, LiveSource, Refusal, MAX_BLOCK_ID, MAX_POOL_CLASS};
 pub use replay::{replay_snapshot, ReplaySource};
 
-use crate::app::{Control, SourceStatus, Update};
+use crate::app::{Control, SourceStatus, SourceUpdate};
 use stagehand::events::{jsonl, DEFAULT_SERVER_ADDR};
 use std::time::Instant;
 
@@ -27,9 +27,9 @@ pub enum Error {
 /// A feed of updates for the state.
 pub trait Source {
     /// Appends what arrived (or came due) since the last call.
-    fn poll(&mut self, now: Instant, out: &mut Vec<Update>);
+    fn poll(&mut self, now: Instant, out: &mut Vec<SourceUpdate>);
     /// Pause, seek, speed. Controls a source cannot honour are ignored.
-    fn control(&mut self, c: Control, out: &mut Vec<Update>);
+    fn control(&mut self, c: Control, out: &mut Vec<SourceUpdate>);
     /// How the source is doing, for the header.
     fn status(&self) -> SourceStatus;
     /// Whether the source is paused.

@@ -6,7 +6,7 @@
 
 use super::loader::{vet, with_refusals, Batch, Loader};
 use super::{Error, Source};
-use crate::app::{Control, Loading, ReplayInfo, SourceStatus, Update, RECENT_EVENTS};
+use crate::app::{Control, Loading, ReplayInfo, SourceStatus, SourceUpdate, RECENT_EVENTS};
 use stagehand::events::jsonl::{JsonlError, ReadReport, Restart};
 use stagehand::events::replay::{Change, FileReplay, Played};
 use stagehand::events::{Event, Replay, ReplayStatus, Snapshot};
@@ -181,7 +181,7 @@ impl ReplaySource {
     }
 
     /// Takes a followed file's batch; a restart resets the state to the new run's start.
-    fn take(&mut self, b: Batch, out: &mut Vec<Update>) {
+    fn take(&mut self, b: Batch, out: &mut Vec<SourceUpdate>) {
         let Playback::Memory(replay) = &mut self.playback else { return };
         if let Some(why) = b.restarted {
             let (speed, paused) = (replay.speed(), replay.paused());
@@ -190,7 +190,7 @@ impl ReplaySource {
             replay.set_speed(speed);
             replay.set_paused(paused);
             self.restarts.push(why);
-            out.push(Update::Reset { snapshot: Box::new(Snapshot::new()), history: Some(Vec::new()) });
+            out.push(SourceUpdate::Reset { snapshot: Box::new(Snapshot::new()), history: Some(Vec::new()) });
         }
         if !b.events.is_empty() {
             replay.append(b.events);
@@ -211,11 +211,11 @@ impl ReplaySource {
     }
 
     /// The events of a replayed range as updates, vetted (a file is as untrusted as a server).
-    fn push_events(&mut self, events: Vec<Event>, out: &mut Vec<Update>) {
+    fn push_events(&mut self, events: Vec<Event>, out: &mut Vec<SourceUpdate>) {
         for e in events {
             let seq = e.seq;
             match super::live::vet_event(&e) {
-                Ok(()) => out.push(Update::Event(Box::new(e))),
+                Ok(()) => out.push(SourceUpdate::Event(Box::new(e))),
                 Err(why) if self.vetted_seq.is_none_or(|s| seq > s) => {
                     self.refused.skip(0, stagehand::events::jsonl::SkipReason::InvalidValue, format!("implausible: {why}"));
                 }
@@ -226,7 +226,7 @@ impl ReplaySource {
     }
 
     /// A resync from the replay's snapshot and its recent events.
-    fn push_reset(&mut self, out: &mut Vec<Update>) {
+    fn push_reset(&mut self, out: &mut Vec<SourceUpdate>) {
         let (snapshot, history): (Snapshot, Vec<Event>) = match &self.playback {
             Playback::Memory(r) => {
                 let pos = r.position();
@@ -242,10 +242,10 @@ impl ReplaySource {
             return;
         }
         let history = history.into_iter().filter(|e| super::live::vet_event(e).is_ok()).collect();
-        out.push(Update::Reset { snapshot: Box::new(snapshot), history: Some(history) });
+        out.push(SourceUpdate::Reset { snapshot: Box::new(snapshot), history: Some(history) });
     }
 
-    fn push_change(&mut self, change: Change, out: &mut Vec<Update>) {
+    fn push_change(&mut self, change: Change, out: &mut Vec<SourceUpdate>) {
         match change {
             Change::None => {}
             // A long jump forward resyncs from the replay's snapshot rather than re-applying.
@@ -258,7 +258,7 @@ impl ReplaySource {
         }
     }
 
-    fn push_played(&mut self, played: Result<Played, JsonlError>, out: &mut Vec<Update>) {
+    fn push_played(&mut self, played: Result<Played, JsonlError>, out: &mut Vec<SourceUpdate>) {
         match played {
             Ok(Played::None) => {}
             Ok(Played::Advanced(events)) => self.push_events(events, out),
@@ -269,7 +269,7 @@ impl ReplaySource {
 }
 
 impl Source for ReplaySource {
-    fn poll(&mut self, now: Instant, out: &mut Vec<Update>) {
+    fn poll(&mut self, now: Instant, out: &mut Vec<SourceUpdate>) {
         if let Some(loader) = &mut self.follower {
             for b in loader.try_batches() {
                 self.take(b, out);
@@ -287,7 +287,7 @@ impl Source for ReplaySource {
         }
     }
 
-    fn control(&mut self, c: Control, out: &mut Vec<Update>) {
+    fn control(&mut self, c: Control, out: &mut Vec<SourceUpdate>) {
         match &mut self.playback {
             Playback::Memory(r) => {
                 let change = match c {
