@@ -4,6 +4,11 @@
 use crate::events::BlockState;
 
 /// Everything that can go wrong in the runtime.
+/// What a saved-tensor store or a weight resolver reports when it cannot do its part, with its
+/// sources. The hook engine turns it into the message libtorch raises from the autograd call
+/// (the only form that crosses into C++).
+pub type HookError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A libtorch call failed.
@@ -82,7 +87,7 @@ pub enum Error {
     },
     /// A saved-tensor hook or a weight resolver failed (the failing side's error).
     #[error("saved tensor: {0}")]
-    Saved(#[source] crate::torch::HookError),
+    Saved(#[source] HookError),
     /// The Conductor refused a call (a phase out of order, an adapter registered twice).
     #[error("conductor: {0}")]
     Conductor(#[from] crate::conductor::Error),

@@ -34,7 +34,7 @@ pub trait WeightResolver: Send + Sync {
     /// transposes count), `None` otherwise.
     fn resolve(&self, tensor: &Tensor) -> Option<WeightSave>;
     /// The saved view, resident on the device, ready for the compute stream.
-    fn materialize(&self, save: &WeightSave) -> Result<Tensor, crate::torch::HookError>;
+    fn materialize(&self, save: &WeightSave) -> Result<Tensor, crate::error::HookError>;
     /// The saved variable holding `save` is gone.
     fn release(&self, save: &WeightSave);
     /// The block the forward is running now, as a region name for the tensors it saves

@@ -63,6 +63,10 @@
     set("views-received", received);
     const run = hd.model ? `${hd.model} on ${hd.device}${hd.host_simulated ? " (VRAM simulated on the host)" : ""}` : "waiting for a run";
     set("run-model", undefined, run);
+    // On the host device a "copy" is a memcpy in host memory: its GB/s say nothing about PCIe.
+    $("pcie-sub").textContent = hd.host_simulated
+      ? "copies, and GB/s of the recent ones (simulated: host-memory copies on the host device, not PCIe)"
+      : "copies, and GB/s of the recent ones";
     const dr = $("dropped");
     dr.dataset.value = String(hd.dropped_events);
     dr.classList.toggle("hidden", !hd.dropped_events);

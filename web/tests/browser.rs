@@ -189,6 +189,9 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
 
     assert_eq!(f["run-ended"], "true");
     assert_eq!(f["connection"], "ended", "the badge says the run ended");
+    // The synthetic run is on the host device: its copy rates are not PCIe's, and the page says so.
+    assert!(api.run.as_ref().is_some_and(|r| r.device.host_simulated()));
+    assert!(f["pcie-sub"].contains("simulated"), "{}", f["pcie-sub"]);
     assert!(f["views-received"].parse::<u64>().expect("number") > 3, "views arrived while the run went on");
     assert_page_matches(&driver, &f, &api);
     let view: Value = http::request(server.addr(), "GET", "/api/view", None).json();

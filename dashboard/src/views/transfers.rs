@@ -77,9 +77,13 @@ fn draw_dir(f: &mut Frame<'_>, area: Rect, state: &State, dir: Direction, theme:
         gauge("last", t.last_gbps),
         Line::styled(format!("against {} ({what})", gbps(reference)), theme.dim()),
     ];
-    let title = match dir {
-        Direction::H2d => " H2D (host to device) ",
-        Direction::D2h => " D2H (device to host) ",
+    // On the host device a copy is a memcpy in host memory: its rates say nothing about PCIe.
+    let simulated = state.snapshot.run.as_ref().is_some_and(|r| r.device.host_simulated());
+    let title = match (dir, simulated) {
+        (Direction::H2d, false) => " H2D (host to device) ",
+        (Direction::D2h, false) => " D2H (device to host) ",
+        (Direction::H2d, true) => " H2D (simulated: host memory copies) ",
+        (Direction::D2h, true) => " D2H (simulated: host memory copies) ",
     };
     f.render_widget(Paragraph::new(lines).block(boxed(title, theme)), area);
 }

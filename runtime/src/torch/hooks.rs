@@ -28,10 +28,7 @@ use std::sync::Arc;
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-/// What a saved-tensor store or a weight resolver reports when it cannot do its part, with its
-/// sources. The hook engine turns it into the message libtorch raises from the autograd call
-/// (the only form that crosses into C++).
-pub type HookError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub use crate::error::HookError;
 
 /// Where saved tensors go between forward and backward.
 pub trait SavedTensorStore: Send + Sync + 'static {

@@ -516,7 +516,7 @@ impl WeightResolver for WeightRuntime {
         })
     }
 
-    fn materialize(&self, save: &WeightSave) -> std::result::Result<Tensor, crate::torch::HookError> {
+    fn materialize(&self, save: &WeightSave) -> std::result::Result<Tensor, crate::error::HookError> {
         let mut s = self.lock();
         s.backward_use(save.block)?;
         Ok(s.param_view(save.block, save.param, save.storage_offset, &save.sizes, &save.strides)?)
