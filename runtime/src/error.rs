@@ -88,6 +88,13 @@ pub enum Error {
     /// A saved-tensor hook or a weight resolver failed (the failing side's error).
     #[error("saved tensor: {0}")]
     Saved(#[source] HookError),
+    /// Something attached to the run's hub (a server, an exporter) could not start.
+    #[error("{what} could not start: {source}")]
+    Attach {
+        what: String,
+        #[source]
+        source: HookError,
+    },
     /// The Conductor refused a call (a phase out of order, an adapter registered twice).
     #[error("conductor: {0}")]
     Conductor(#[from] crate::conductor::Error),

@@ -7,6 +7,8 @@ mod assets;
 pub mod cli;
 mod config;
 mod fanout;
+#[cfg(feature = "handle")]
+mod handle;
 mod openapi;
 mod replay;
 mod server;
@@ -23,6 +25,8 @@ pub use config::{
     DEFAULT_SERVER_ADDR, DEFAULT_WRITE_TIMEOUT_MS, MIN_TOKEN_LEN,
 };
 pub use fanout::{FANOUT_CAPACITY, RECENT_EVENTS};
+#[cfg(feature = "handle")]
+pub use handle::Observe;
 pub use replay::ReplayDriver;
 pub use server::{Server, ServerHandle};
 
