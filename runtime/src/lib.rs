@@ -16,7 +16,7 @@ pub mod nn;
 #[cfg(feature = "torch")]
 pub mod optim;
 #[cfg(feature = "torch")]
-pub mod pinned;
+pub(crate) mod pinned;
 #[cfg(feature = "torch")]
 pub mod saved;
 #[cfg(feature = "torch")]
@@ -24,7 +24,7 @@ pub mod session;
 #[cfg(feature = "torch")]
 pub mod torch;
 #[cfg(feature = "torch")]
-pub mod transfer;
+pub(crate) mod transfer;
 #[cfg(feature = "torch")]
 pub mod weights;
 

@@ -178,16 +178,6 @@ impl SlabPool {
         self.shared.classes.last().map_or(0, |c| c.slab_bytes)
     }
 
-    /// Bytes the pool holds in all.
-    pub fn capacity_bytes(&self) -> u64 {
-        let st = self.shared.lock();
-        self.shared
-            .classes
-            .iter()
-            .zip(&st.stats.total)
-            .map(|(c, &n)| c.slab_bytes as u64 * n as u64)
-            .sum()
-    }
 
     /// A slab of at least `bytes` now, from the smallest class that has one; when none is free,
     /// a pageable buffer (if the pool allows it) or an error. The flag says whether it is a

@@ -76,11 +76,6 @@ impl Copier {
         })
     }
 
-    /// The stream copies run on.
-    pub fn stream(&self) -> &CopyStream {
-        &self.stream
-    }
-
     /// The device.
     pub fn device(&self) -> &Device {
         self.stream.device()
