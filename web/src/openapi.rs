@@ -2,7 +2,7 @@
 //! types they answer with (the snapshot's own types included), and served at
 //! `/api/openapi.json`.
 
-use crate::api::{controls, routes, streams};
+use crate::api::{controls, flight, routes, streams};
 use std::sync::OnceLock;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::OpenApi;
@@ -20,6 +20,7 @@ use utoipa::OpenApi;
     paths(
         routes::page, routes::asset, routes::openapi, routes::snapshot, routes::run, routes::steps, routes::metrics,
         streams::view, streams::view_stream, streams::sse, streams::ws,
+        flight::record,
         controls::status, controls::play, controls::pause, controls::seek, controls::speed, controls::step,
     ),
     modifiers(&Security),

@@ -137,8 +137,8 @@ async fn metrics_page_and_openapi() {
 }
 
 /// Every route the router has.
-const ROUTES: [&str; 17] = [
-    "/", "/assets/{file}", "/api/openapi.json", "/api/snapshot", "/api/run", "/api/steps", "/metrics",
+const ROUTES: [&str; 18] = [
+    "/", "/assets/{file}", "/api/openapi.json", "/api/snapshot", "/api/run", "/api/steps", "/metrics", "/api/flight",
     "/api/view", "/api/view/stream", "/api/stream", "/api/ws", "/api/replay/status", "/api/replay/play",
     "/api/replay/pause", "/api/replay/seek", "/api/replay/speed", "/api/replay/step",
 ];
@@ -433,4 +433,40 @@ async fn run_config_keeps_its_structure() {
     let (_, run) = call_json(&state, "GET", "/api/run", None).await;
     assert_eq!(run["run"]["config"]["weights"]["room"]["mib"], 640);
     assert_eq!(run["run"]["config"]["steps"][1], 2);
+}
+
+/// A live run's flight recorder writes the last steps on request, once per its interval; a
+/// replay has none to ask.
+#[tokio::test]
+async fn a_flight_record_is_written_on_request_once_per_interval() {
+    use stagehand::events::telemetry::{self, Level, TelemetryConfig};
+    let dir = tempfile::tempdir().expect("dir");
+    let bus = stagehand::events::Bus::new();
+    let hub = bus.hub().expect("an enabled bus").clone();
+    let metrics = Metrics::new();
+    hub.add_sink(Box::new(metrics.clone()));
+    let state = AppState::live(hub, metrics);
+    let config = TelemetryConfig {
+        level: Level::Summary,
+        path: Some(dir.path().join("run.jsonl")),
+        ..Default::default()
+    };
+    let _telemetry = telemetry::attach(&bus, config).expect("telemetry");
+    synthetic::publish(SyntheticRun { blocks: 4, steps: 3, end_mid_step: false }, &bus, std::time::Duration::ZERO);
+    bus.flush();
+
+    let (status, body) = call_json(&state, "POST", "/api/flight", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let path = body["path"].as_str().expect("the record's path");
+    assert!(path.contains("run.flight-") && path.ends_with("-api.jsonl"), "{path}");
+    let (events, report) = stagehand::events::jsonl::read_file(path).expect("the record reads as telemetry");
+    assert_eq!(report.skipped_total, 0);
+    assert!(events.len() > 10, "the last steps in full: {} events", events.len());
+
+    let (status, body) = call_json(&state, "POST", "/api/flight", None).await;
+    assert_error(status, &body, StatusCode::TOO_MANY_REQUESTS, "api");
+
+    let (replay, _) = replay_state(2);
+    let (status, body) = call_json(&replay, "POST", "/api/flight", None).await;
+    assert_error(status, &body, StatusCode::NOT_FOUND, "no flight recorder");
 }

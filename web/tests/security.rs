@@ -101,6 +101,10 @@ fn a_cross_site_form_cannot_drive_a_replay() {
     let r = request_with(addr, "POST", "/api/replay/play",
         &[("host", &host), ("origin", "https://evil.example"), ("content-type", "text/plain")], Some("{}"));
     assert_refused(&r, 403, "evil.example");
+    // The same for the one state-changing route of a live run (a flight record on request).
+    let r = request_with(addr, "POST", "/api/flight",
+        &[("host", &host), ("origin", "https://evil.example"), ("content-type", "text/plain")], Some("{}"));
+    assert_refused(&r, 403, "evil.example");
     // Even without an Origin (an old browser), a non-JSON body is refused.
     let r = request_with(addr, "POST", "/api/replay/play", &[("host", &host), ("content-type", "application/x-www-form-urlencoded")], Some("a=1"));
     assert_refused(&r, 415, "application/json");

@@ -2,6 +2,7 @@
 //! them and from the response types is served at `/api/openapi.json` (see [`crate::openapi`]).
 
 pub(crate) mod controls;
+pub(crate) mod flight;
 pub(crate) mod routes;
 mod state;
 pub(crate) mod streams;
@@ -91,6 +92,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/view/stream", get(streams::view_stream))
         .route("/api/stream", get(streams::sse))
         .route("/api/ws", get(streams::ws))
+        .route("/api/flight", post(flight::record))
         .route("/api/replay/status", get(controls::status))
         .route("/api/replay/play", post(controls::play))
         .route("/api/replay/pause", post(controls::pause))

@@ -93,7 +93,14 @@ struct HubState {
 pub struct Hub {
     state: Mutex<HubState>,
     tx: broadcast::Sender<Update>,
+    /// Writes a flight record on request, when the run's telemetry has a flight recorder.
+    flight: Mutex<Option<FlightRequest>>,
 }
+
+/// Writes a flight record of the last steps now (the telemetry's recorder registers one with
+/// the hub), so that a server holding only the hub can offer it: the file written, or why not.
+pub type FlightRequest =
+    Arc<dyn Fn(&str) -> std::result::Result<std::path::PathBuf, crate::events::telemetry::TelemetryError> + Send + Sync>;
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -119,7 +126,23 @@ impl Hub {
                 sinks: Vec::new(),
             }),
             tx,
+            flight: Mutex::new(None),
         }
+    }
+
+    /// Lets [`Hub::request_flight`] write flight records (done by the telemetry's `attach`).
+    pub fn set_flight_request(&self, request: FlightRequest) {
+        *self.flight.lock().unwrap_or_else(|p| p.into_inner()) = Some(request);
+    }
+
+    /// Writes a flight record of the last steps now, rate-limited as the recorder's own dumps
+    /// are: `None` when the run has no flight recorder.
+    pub fn request_flight(
+        &self,
+        reason: &str,
+    ) -> Option<std::result::Result<std::path::PathBuf, crate::events::telemetry::TelemetryError>> {
+        let request = self.flight.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+        Some(request(reason))
     }
 
     fn lock(&self) -> MutexGuard<'_, HubState> {

@@ -79,6 +79,8 @@ struct Shared {
     /// Dumps written so far, and the last one (the handle names it in an out-of-memory error).
     dumps: AtomicU64,
     last_dump: Mutex<Option<flight::Dump>>,
+    /// `flight_recorded` events of dumps requested through the hub, for the sink to report.
+    pending: Mutex<Vec<EventKind>>,
 }
 
 impl Shared {
@@ -90,6 +92,19 @@ impl Shared {
     fn written(&self, d: &flight::Dump) {
         *self.last_dump.lock().unwrap_or_else(|p| p.into_inner()) = Some(d.clone());
         self.dumps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Writes a flight record now, when the rate limit for requests allows.
+    fn dump_now(&self, reason: &str) -> Result<flight::Dump, TelemetryError> {
+        let reason = flight::sanitize_reason(reason);
+        let mut r = self.recorder().ok_or(TelemetryError::RecorderOff)?;
+        if !r.request_allowed() {
+            return Err(TelemetryError::RateLimited(reason));
+        }
+        let d = r.dump(&reason)?;
+        drop(r);
+        self.written(&d);
+        Ok(d)
     }
 }
 
@@ -157,6 +172,7 @@ impl EventSink for TelemetrySink {
 
     fn notices(&mut self) -> Vec<EventKind> {
         let mut out = std::mem::take(&mut self.notices);
+        out.append(&mut self.shared.pending.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(f) = &mut self.file {
             out.extend(f.notices());
         }
@@ -200,6 +216,15 @@ pub fn attach(bus: &Bus, config: TelemetryConfig) -> Result<Telemetry, Telemetry
                 notices: Vec::new(),
             }));
         }
+        if shared.recorder.is_some() {
+            // The hub holds the recorder's state, not the bus: no cycle keeps the bus alive.
+            let s = shared.clone();
+            hub.set_flight_request(Arc::new(move |reason| {
+                let d = s.dump_now(reason)?;
+                s.pending.lock().unwrap_or_else(|p| p.into_inner()).push(d.event());
+                Ok(d.path)
+            }));
+        }
     }
     Ok(Telemetry {
         bus: bus.clone(),
@@ -241,14 +266,7 @@ impl Telemetry {
     pub fn dump(&self, reason: &str) -> Result<PathBuf, TelemetryError> {
         // Everything published before the request is in the ring first.
         self.bus.flush();
-        let reason = flight::sanitize_reason(reason);
-        let mut r = self.shared.recorder().ok_or(TelemetryError::RecorderOff)?;
-        if !r.request_allowed() {
-            return Err(TelemetryError::RateLimited(reason));
-        }
-        let d = r.dump(&reason)?;
-        drop(r);
-        self.shared.written(&d);
+        let d = self.shared.dump_now(reason)?;
         self.bus.publish(d.event());
         Ok(d.path)
     }
