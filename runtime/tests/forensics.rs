@@ -86,6 +86,11 @@ fn an_allocation_that_does_not_fit_reports_what_held_the_device() {
         .expect("the report is in the dump");
     assert_eq!(named.0.as_deref(), Some(dump.display().to_string().as_str()));
     assert_eq!(named.1.as_deref(), Some(&report.held));
+    // Opened in a reader (stagehand-top --replay, the replay server: the same reducer), the dump
+    // leads with the out-of-memory finding the dashboards show first.
+    let findings = stagehand::events::insight::findings(&stagehand::events::Snapshot::from_events(&events));
+    let oom = findings.iter().find(|f| f.id == "out_of_memory").expect("an out-of-memory finding");
+    assert!(oom.message.contains("ran out of memory at step 1 (forward)") && oom.message.contains("weights held 8.5 KiB"), "{}", oom.message);
     // The summary-level file keeps it too, with the same name.
     sh.telemetry().expect("attached").flush();
     let (file_events, _) = read_file(&file).expect("the telemetry file reads");

@@ -112,7 +112,7 @@ fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
             "out_of_memory",
             Severity::Error,
             format!(
-                "CUDA ran out of memory at step {} ({}) asking for {} while {}; weights held {}, activations {}, other {}",
+                "the device ran out of memory at step {} ({}) asking for {} while {}; weights held {}, activations {}, other {}",
                 o.step,
                 o.phase,
                 human_bytes(o.requested_bytes),
