@@ -13,6 +13,12 @@ use std::time::{Duration, Instant};
 
 const DEMO: &str = env!("CARGO_BIN_EXE_stagehand-demo");
 
+// The web crate's test client and WebDriver, to open the printed address in a real browser.
+#[path = "../../web/tests/http/mod.rs"]
+mod http;
+#[path = "../../web/tests/webdriver/mod.rs"]
+mod webdriver;
+
 /// GET `url` (http://HOST:PORT/PATH?QUERY), with the token when there is one: status and the
 /// whole answer (head and body).
 fn get(url: &str, token: Option<&str>) -> (u16, String) {
@@ -163,6 +169,21 @@ fn printed_commands_run(extra: &[&str]) {
     let memory = &run["run"]["config"]["memory"];
     assert!(memory.is_object() && memory["mode"] == "stagehand", "structured: {run}");
     assert_eq!(run["run"]["config"]["telemetry"]["level"], "summary", "{run}");
+    // The printed address in a real browser: the finished run with its time and VRAM breakdowns.
+    if token.is_none() {
+        if let Some((chromium, chromedriver)) = webdriver::browser() {
+            let profile = tempfile::tempdir().expect("profile dir");
+            let driver = webdriver::Driver::start(&chromium, &chromedriver, profile.path());
+            driver.open(&dashboard[0]);
+            let f = driver.wait_for("the finished run", |f| {
+                f.get("run-ended").map(String::as_str) == Some("true") && f.get("step").map(String::as_str) == Some("4")
+            });
+            let number = |k: &str| f.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or_else(|| panic!("{k}: {f:#?}"));
+            assert_eq!(f["time-step"], "4", "the breakdown of the last step");
+            assert!(number("time-compute") > 0.0 && number("time-total") > 0.0, "{f:#?}");
+            assert!(number("peak-allocated") > 0.0 && number("peak-weights") > 0.0, "VRAM by owner at the peak: {f:#?}");
+        }
+    }
     let live = command(&lines, "live TUI");
     if runnable(&live[0]) {
         // The run's end, then the two questions the screens answer: where each step's time went
