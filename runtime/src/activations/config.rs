@@ -1,23 +1,27 @@
-//! Options of the activation runtime, with the Python original's defaults, validated once by a builder.
+//! Options of the activation runtime, validated once by a builder. The defaults suit a 24 GB card
+//! used on its own; the `Stagehand` handle derives every one of them from its budget instead.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-/// One mebibyte, the unit the Python original's options are written in.
+/// One mebibyte, the unit the `_mb` options are written in.
 pub const MB: u64 = 1 << 20;
-/// Spilling switches on when device memory reaches this (the Python original: 20000 MB).
+/// Spilling switches on when device memory reaches this (a 24 GB card with 4 GB left for spikes).
 pub const DEFAULT_HIGH_WATERMARK_BYTES: u64 = 20_000 * MB;
-/// Spilling switches off when device memory falls under this (the Python original: 16000 MB).
+/// Spilling switches off when device memory falls under this (4 GB of hysteresis, so it does not
+/// flap around one level).
 pub const DEFAULT_LOW_WATERMARK_BYTES: u64 = 16_000 * MB;
-/// Slab size of each class of the pinned pool, in MB (the Python original: 1, 4, 16, 64, 256).
+/// Slab size of each class of the pinned pool, in MB: powers of four, so no spill wastes more than
+/// three quarters of its slab.
 pub const DEFAULT_CLASS_SIZES_MB: [u64; 5] = [1, 4, 16, 64, 256];
-/// Slabs in each class (the Python original: 512 x 1 MB, then 2 of each larger class; about 1.2 GB pinned).
+/// Slabs in each class: many small ones (most saved tensors are small), two of each larger class;
+/// about 1.2 GB pinned. The handle sizes the pool from a traced step instead.
 pub const DEFAULT_SLABS_PER_CLASS: [u32; 5] = [512, 2, 2, 2, 2];
-/// Spill copies in flight before pack waits for the oldest. The Python original's 1 made every pack wait
-/// for the previous copy, which serialises the forward on PCIe; copies queue on their own stream,
-/// so many may fly while the compute stream runs on.
+/// Spill copies in flight before pack waits for the oldest. One would make every pack wait for the
+/// previous copy, which serialises the forward on PCIe; copies queue on their own stream, so many
+/// may fly while the compute stream runs on.
 pub const DEFAULT_MAX_INFLIGHT_D2H: u32 = 64;
-/// Predictive restores in flight (the Python original's 1 leaves the copy engine idle between restores).
+/// Predictive restores in flight (one would leave the copy engine idle between restores).
 pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 4;
 /// Tensors smaller than this are kept: a tiny spill is pure overhead.
 pub const DEFAULT_MIN_SPILL_BYTES: u64 = 64 * 1024;
@@ -30,13 +34,14 @@ pub const DEFAULT_KEEP_TAIL_GROUPS: u32 = 1;
 pub const DEFAULT_RESTORE_LOOKAHEAD: u32 = 4;
 /// Device bytes that restores issued ahead of need may occupy at once.
 pub const DEFAULT_RESTORE_ALLOWANCE_BYTES: u64 = 512 * MB;
-/// CRC32C of every spill, verified at restore (the Python original: off; a debugging aid: it
+/// CRC32C of every spill, verified at restore (off: a debugging aid: it
 /// reads every spilled byte twice more on the training thread, see
 /// [`crate::StagehandBuilder::checksums`] for what that costs).
 pub const DEFAULT_DEBUG_CHECKSUMS: bool = false;
-/// Publish events and per-step metrics (the Python original: on).
+/// Publish events and per-step metrics (on: the runtime is observed by default).
 pub const DEFAULT_TELEMETRY_ENABLED: bool = true;
-/// When every fitting class is exhausted, spill into pageable memory (the Python original: yes, counted as a miss).
+/// When every fitting class is exhausted, spill into pageable memory, counted as a miss: slower,
+/// but the tensor still leaves the device.
 pub const DEFAULT_PAGEABLE_FALLBACK: bool = true;
 /// Rebuild the pool after the first step that spills, holding exactly what it held at once.
 pub const DEFAULT_SIZE_POOL_FROM_TRACE: bool = true;
@@ -214,7 +219,7 @@ impl ActivationConfigBuilder {
         self.uniform_slabs = None;
         self
     }
-    /// The same slab count for every class (the Python original's "single int").
+    /// The same slab count for every class.
     pub fn uniform_slabs(mut self, count: u32) -> Self {
         self.uniform_slabs = Some(count);
         self

@@ -6,17 +6,17 @@ use serde::{Deserialize, Serialize};
 /// Whether a Conductor built from a config coordinates anything. A config is usually built to
 /// be used; [`super::Conductor::disabled`] is the explicit off switch.
 pub const DEFAULT_ENABLED: bool = true;
-/// VRAM soft cap in MiB: the Python original's 24 GB example. HARD, SOFT and FLOOR reservations and the
+/// VRAM soft cap in MiB, for a 24 GB card. HARD, SOFT and FLOOR reservations and the
 /// backward-pressure rule are measured against it.
 pub const DEFAULT_VRAM_SOFT_CAP_MB: u64 = 22_000;
-/// VRAM hard cap in MiB: the Python original's 24 GB example. Only BURST reservations may reach it.
+/// VRAM hard cap in MiB, for a 24 GB card. Only BURST reservations may reach it.
 pub const DEFAULT_VRAM_HARD_CAP_MB: u64 = 23_500;
-/// Pinned host memory the Conductor may grant, in MiB: the Python original's 8 GB weight pool plus the
-/// activation slab pool and SquareQ staging, rounded up.
+/// Pinned host memory the Conductor may grant, in MiB: the weights' default 8 GiB pool plus the
+/// activation slab pool, rounded up.
 pub const DEFAULT_PINNED_CAP_MB: u64 = 10_240;
-/// Concurrent host-to-device copies (the Python original's example).
+/// Concurrent host-to-device copies (two keep the copy engine busy while one lands).
 pub const DEFAULT_H2D_SLOTS: u32 = 2;
-/// Concurrent device-to-host copies (the Python original's example).
+/// Concurrent device-to-host copies (the same for the other direction).
 pub const DEFAULT_D2H_SLOTS: u32 = 2;
 /// Publish a `conductor_step` metrics event every this many steps.
 pub const DEFAULT_TELEMETRY_INTERVAL_STEPS: u64 = 1;

@@ -1,4 +1,5 @@
-//! The policy bridge: the rules of the Python original's heuristic policy bridge.
+//! The policy bridge: the heuristic rules that turn the phase and the memory situation into hints
+//! for the runtimes.
 //!
 //! Hints are recomputed at every phase boundary, and again when the transfer manager's run
 //! of full checks passes the contention threshold. Three rules, applied in order:

@@ -1,24 +1,26 @@
-//! Configuration of the weight runtime: the Python original's defaults as named constants, a builder that
-//! validates once, and the layer-mode auto-sizing rules.
+//! Configuration of the weight runtime: defaults for a 24 GB card used on its own, as named
+//! constants (the `Stagehand` handle derives its own from the budget), a builder that validates
+//! once, and the layer-mode auto-sizing rules.
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 const MIB: u64 = 1 << 20;
 
-/// Total pinned staging pool (the Python original's `pinned_pool_mb = 8192`).
+/// Total pinned staging pool (8 GiB: room to stage a large model's blocks ahead).
 pub const DEFAULT_PINNED_POOL_BYTES: u64 = 8192 * MIB;
-/// One slab of the pinned pool (the Python original's `pinned_slab_mb = 256`).
+/// One slab of the pinned pool (256 MiB: a transformer block of a few billion parameters).
 pub const DEFAULT_PINNED_SLAB_BYTES: u64 = 256 * MIB;
-/// Slab sizes are rounded up to this many bytes (the Python original's `pinned_slab_alignment`).
+/// Slab sizes are rounded up to this many bytes (DMA-friendly offsets).
 pub const DEFAULT_SLAB_ALIGNMENT: u64 = 512;
-/// Evict at or above this many allocated device bytes (the Python original's 22000 MiB).
+/// Evict at or above this many allocated device bytes (a 24 GB card with 2 GB left).
 pub const DEFAULT_VRAM_HIGH_WATERMARK_BYTES: u64 = 22000 * MIB;
-/// Evict until strictly below this many allocated device bytes (the Python original's 18000 MiB).
+/// Evict until strictly below this many allocated device bytes (4 GB of hysteresis).
 pub const DEFAULT_VRAM_LOW_WATERMARK_BYTES: u64 = 18000 * MIB;
-/// H2D copies in flight at once before speculative prefetch holds back (the Python original's 2).
+/// H2D copies in flight at once before speculative prefetch holds back (two keep the copy engine
+/// busy while one lands).
 pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 2;
-/// Blocks prefetched ahead of the one running (the Python original's `prefetch_window_blocks = 3`).
+/// Blocks prefetched ahead of the one running.
 pub const DEFAULT_PREFETCH_WINDOW: u32 = 3;
 /// Every parameter starts on a multiple of this many bytes inside its block (GEMM-friendly).
 pub const PARAM_ALIGNMENT: usize = 256;
@@ -149,7 +151,7 @@ impl WeightConfig {
         Ok(())
     }
 
-    /// The Python original's layer-mode auto-sizing: slab = next power of two MiB at or above the largest
+    /// Layer mode's auto-sizing: slab = next power of two MiB at or above the largest
     /// layer (at least 1 MiB); pool = slab × (prefetch_k + 4), or with a pinned RAM budget
     /// `max(slab, ⌊ram / slab⌋ · slab)`; watermarks 80 % / 60 % of the VRAM budget (else of the
     /// device's memory, else the block-mode defaults).
@@ -234,7 +236,7 @@ impl WeightConfigBuilder {
     }
 }
 
-/// Parses a byte size the way the Python original does: `"8GB"` (×2^30, fractions allowed), `"512MB"`
+/// Parses a byte size as the config files write it: `"8GB"` (×2^30, fractions allowed), `"512MB"`
 /// (×2^20), `"100B"`, or a bare number of bytes; case-insensitive.
 pub fn parse_bytes(s: &str) -> Result<u64> {
     let t = s.trim().to_ascii_uppercase();
