@@ -23,7 +23,7 @@ pub use config::{
     DEFAULT_SERVER_ADDR, DEFAULT_WRITE_TIMEOUT_MS, MIN_TOKEN_LEN,
 };
 pub use fanout::{FANOUT_CAPACITY, RECENT_EVENTS};
-pub use replay::ReplayDriver;
+pub use replay::{ControlError, ReplayDriver};
 pub use server::{Server, ServerHandle};
 
 use std::path::PathBuf;
