@@ -275,17 +275,17 @@ impl EventSink for Metrics {
         let _ = self.record(event);
     }
 
-    /// A replay seek: fresh series (a counter reset, as after a restarted process) holding what
-    /// `history` adds up to, so `/metrics` agrees with the replay's position either way.
-    fn rewind(&mut self, history: &[Event]) {
+    /// A replay seek: fresh series (a counter reset, as after a restarted process) that the
+    /// history then adds up, so `/metrics` agrees with the replay's position either way.
+    fn rewind_begin(&mut self) {
         let mut inner = self.lock();
         let labels = inner.labels.clone().unwrap_or_default();
-        // Families::new only fails on a name clash inside this module.
-        if inner.restart(&labels).is_err() {
-            return;
-        }
-        for e in history {
-            let _ = inner.on_event(e);
-        }
+        // Families::new only fails on a name clash inside this module; the old series then stay
+        // and the history adds to them, which is the best left to do.
+        let _ = inner.restart(&labels);
+    }
+
+    fn rewind_event(&mut self, event: &Event) {
+        let _ = self.record(event);
     }
 }

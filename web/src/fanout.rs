@@ -186,20 +186,34 @@ impl EventSink for FanoutSink {
         }
     }
 
-    fn rewind(&mut self, history: &[Event]) {
-        let f = &self.0;
-        let mut inner = f.lock();
-        // One step for the restart itself, then one per event kept, as `on_event` counts.
+    fn rewind_begin(&mut self) {
+        let mut inner = self.0.lock();
+        // One step for the restart itself; the events kept are numbered at the end.
         inner.index += 1;
         inner.restarted_at = inner.index;
-        let start = history.len().saturating_sub(RECENT_EVENTS);
-        let base = inner.index + 1;
-        inner.recent = history[start..]
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (base + i as u64, e.clone()))
-            .collect();
-        inner.index += (history.len() - start) as u64;
+        inner.recent.clear();
+    }
+
+    fn rewind_event(&mut self, event: &Event) {
+        let mut inner = self.0.lock();
+        if inner.recent.len() == RECENT_EVENTS {
+            inner.recent.pop_front();
+        }
+        // Numbered in `rewind_end`, once it is known which events are kept; until then the
+        // placeholder is at the restart, so readers (who keep what is after it) skip them.
+        let placeholder = inner.restarted_at;
+        inner.recent.push_back((placeholder, event.clone()));
+    }
+
+    fn rewind_end(&mut self) {
+        let f = &self.0;
+        let mut inner = f.lock();
+        // One step per event kept, as `on_event` counts.
+        let base = inner.restarted_at;
+        for (k, (i, _)) in inner.recent.iter_mut().enumerate() {
+            *i = base + 1 + k as u64;
+        }
+        inner.index = base + inner.recent.len() as u64;
         let _ = f.tx.send(Arc::new(Frame::Resync));
     }
 }

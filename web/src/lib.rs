@@ -27,7 +27,7 @@ pub use config::{
 pub use fanout::{FANOUT_CAPACITY, RECENT_EVENTS};
 #[cfg(feature = "handle")]
 pub use handle::Observe;
-pub use replay::ReplayDriver;
+pub use replay::{ControlError, ReplayDriver};
 pub use server::{Server, ServerHandle};
 
 use std::path::PathBuf;

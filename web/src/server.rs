@@ -65,12 +65,11 @@ impl Server {
     /// Serves a replay of the telemetry file at `path`, paused at its start.
     pub fn replay(path: impl AsRef<std::path::Path>, addr: &str) -> Result<ServerHandle> {
         let path = path.as_ref();
-        let (events, _report) =
-            stagehand::events::jsonl::read_file(path).map_err(|source| Error::Replay {
-                path: path.to_owned(),
-                source,
-            })?;
-        let driver = Arc::new(crate::ReplayDriver::new(events));
+        let driver = crate::ReplayDriver::open(path).map_err(|source| Error::Replay {
+            path: path.to_owned(),
+            source,
+        })?;
+        let driver = Arc::new(driver);
         Server::start(&ServerConfig::new(addr), AppState::replay(driver))
     }
 

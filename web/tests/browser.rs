@@ -246,7 +246,16 @@ fn a_page_opened_after_the_run_shows_how_it_ended() {
 #[test]
 fn replay_page_follows_its_controls_and_says_the_speed_in_force() {
     let Some((chromium, chromedriver)) = browser() else { return };
-    let driver_state = Arc::new(ReplayDriver::new(run_events(5)));
+    // Served from a file, as `Server::replay` and the replay program serve one.
+    let file = tempfile::tempdir().expect("file dir");
+    let path = file.path().join("run.jsonl");
+    let mut text = String::new();
+    for e in run_events(5) {
+        text.push_str(&serde_json::to_string(&e).expect("an event serializes"));
+        text.push('\n');
+    }
+    std::fs::write(&path, text).expect("writes");
+    let driver_state = Arc::new(ReplayDriver::open(&path).expect("opens"));
     let server = Server::start(&ServerConfig::new("127.0.0.1:0"), AppState::replay(driver_state.clone())).expect("starts");
     let addr = server.addr();
     let profile = tempfile::tempdir().expect("profile dir");

@@ -207,7 +207,7 @@ async fn openapi_document_describes_every_route_and_its_answers() {
         let (_, body) = call_json(&state, "GET", uri, None).await;
         validate(&doc, schema, &body);
     }
-    let (replay, _) = replay_state(2);
+    let (replay, _, _file) = replay_state(2);
     let (_, st) = call_json(&replay, "POST", "/api/replay/step", Some(json!({ "steps": 1 }))).await;
     validate(&doc, "ReplayState", &st);
     let (_, view) = call_json(&replay, "GET", "/api/view", None).await;
@@ -239,9 +239,7 @@ async fn scraped(state: &AppState, name: &str) -> f64 {
 
 #[tokio::test]
 async fn replay_controls_drive_the_hub() {
-    let events = synthetic::events(SyntheticRun::finished(4));
-    let total = events.len();
-    let state = AppState::replay(Arc::new(ReplayDriver::new(events)));
+    let (state, total, _file) = replay_state(4);
     let (s, st) = call_json(&state, "GET", "/api/replay/status", None).await;
     assert_eq!(s, StatusCode::OK);
     assert_eq!((st["position"].as_u64(), st["total"].as_u64(), st["paused"].as_bool()), (Some(0), Some(total as u64), Some(true)));
@@ -347,16 +345,23 @@ async fn the_pages_view_is_small_beside_the_snapshot() {
     assert!(view.len() * 3 < snapshot.len(), "view {} vs snapshot {} bytes", view.len(), snapshot.len());
 }
 
-fn replay_state(steps: u64) -> (AppState, usize) {
-    let events = synthetic::events(SyntheticRun::finished(steps));
-    let total = events.len();
-    (AppState::replay(Arc::new(ReplayDriver::new(events))), total)
+/// A replay server's state over a synthetic run written to a file (in the directory returned,
+/// which must outlive the state: the replay reads the file on demand), indexed, and its events.
+fn replay_state(steps: u64) -> (AppState, usize, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("run.jsonl");
+    let run = SyntheticRun::finished(steps);
+    std::fs::write(&path, synthetic::jsonl(run)).expect("writes");
+    let driver = ReplayDriver::open(&path).expect("opens");
+    // The totals these tests expect are the whole file's.
+    driver.wait_indexed();
+    (AppState::replay(Arc::new(driver)), synthetic::events(run).len(), dir)
 }
 
 /// Extreme and meaningless values get a 4xx JSON answer, never a panic or an overflow.
 #[tokio::test]
 async fn replay_controls_refuse_bad_values_with_clear_errors() {
-    let (state, total) = replay_state(3);
+    let (state, total, _file) = replay_state(3);
     for body in [
         json!({ "events": i64::MAX }), json!({ "events": i64::MIN }), json!({ "steps": i64::MIN }),
         json!({ "steps": i64::MAX }), json!({ "events": 0 }), json!({ "steps": 0 }),
@@ -395,7 +400,7 @@ async fn replay_controls_refuse_bad_values_with_clear_errors() {
 /// Seek by event index, by time and by training step.
 #[tokio::test]
 async fn replay_seeks_by_event_index_time_and_step() {
-    let (state, total) = replay_state(4);
+    let (state, total, _file) = replay_state(4);
     let (s, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "step": 3 }))).await;
     assert_eq!(s, StatusCode::OK);
     let snap = state.hub().snapshot();

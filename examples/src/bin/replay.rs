@@ -2,14 +2,22 @@
 //! page or the API), writes it as a Chrome/Perfetto trace, and says how to open it in
 //! stagehand-top. Serves until Ctrl-C.
 //!
+//! The file is read once: the replay's background index hands each event to the trace writer
+//! as it goes, and the replay then reads on demand, so memory does not grow with the file.
+//!
 //! Run: `cargo run --release -p stagehand-examples --bin replay -- FILE` (`--help` for options).
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, Context, Result};
 use clap::Parser;
-use stagehand::events::jsonl::read_file;
+use stagehand::events::replay::{FileReplay, IndexObserver};
+use stagehand::events::{Event, ReadReport};
+use stagehand_exporter::trace::{Summary, TraceWriter};
 use stagehand_web::cli::ServeArgs;
 use stagehand_web::{AppState, ReplayDriver, Server};
+use std::fs::File;
+use std::io::BufWriter;
 use std::path::PathBuf;
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,21 +40,65 @@ struct Args {
     no_trace: bool,
 }
 
+/// What the index pass found: the read report, and the trace if one was written.
+type PassResult = (ReadReport, Option<Result<Summary>>);
+
+/// Rides along the replay's index pass: writes the trace (if asked) and reports the read.
+struct IndexPass {
+    trace: Option<TraceWriter<BufWriter<File>>>,
+    failed: Option<stagehand_exporter::Error>,
+    done: mpsc::Sender<PassResult>,
+}
+
+impl IndexObserver for IndexPass {
+    fn on_event(&mut self, event: &Event) {
+        if let Some(w) = &mut self.trace {
+            if let Err(e) = w.write(event) {
+                // Keep the reason; the replay itself goes on without the trace.
+                self.failed = Some(e);
+                self.trace = None;
+            }
+        }
+    }
+
+    fn finish(&mut self, report: &ReadReport, error: Option<&str>) {
+        let trace = match (self.trace.take(), self.failed.take(), error) {
+            (_, _, Some(e)) => Some(Err(anyhow!("the file could not be read to its end: {e}"))),
+            (_, Some(e), None) => Some(Err(e.into())),
+            (Some(w), None, None) => Some(w.finish(report.clone()).map_err(Into::into)),
+            (None, None, None) => None,
+        };
+        // The receiver waits for this; if it is gone the program is stopping anyway.
+        let _ = self.done.send((report.clone(), trace));
+    }
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let file = &args.file;
-    // Read once: the trace is written from the same events the replay then serves.
-    let (events, report) = read_file(file).with_context(|| format!("reading {}", file.display()))?;
-    println!("{}: {}", file.display(), report.summary());
+    std::fs::metadata(file).with_context(|| format!("reading {}", file.display()))?;
+    let trace_path = PathBuf::from(format!("{}.trace.json", file.display()));
+    let trace = if args.no_trace {
+        None
+    } else {
+        let out = File::create(&trace_path).with_context(|| format!("writing {}", trace_path.display()))?;
+        Some(TraceWriter::new(BufWriter::new(out))?)
+    };
+    let (done, pass) = mpsc::channel();
+    let observer = Box::new(IndexPass { trace, failed: None, done });
+    let replay = FileReplay::open_observed(file, observer).with_context(|| format!("reading {}", file.display()))?;
+    let driver = Arc::new(ReplayDriver::from_file(replay));
 
-    if !args.no_trace {
-        let trace = PathBuf::from(format!("{}.trace.json", file.display()));
-        let json = serde_json::to_vec(&stagehand_exporter::trace::to_chrome_trace(&events))?;
-        std::fs::write(&trace, json).with_context(|| format!("writing {}", trace.display()))?;
-        println!("perfetto   open {} in ui.perfetto.dev or chrome://tracing", trace.display());
+    // The summary and the trace need the whole file: wait for the one pass that reads it.
+    let (report, trace) = pass
+        .recv()
+        .map_err(|_| anyhow!("the index of {} stopped without a word", file.display()))?;
+    println!("{}: {}", file.display(), report.summary());
+    if let Some(summary) = trace {
+        summary.with_context(|| format!("writing {}", trace_path.display()))?;
+        println!("perfetto   open {} in ui.perfetto.dev or chrome://tracing", trace_path.display());
     }
 
-    let driver = Arc::new(ReplayDriver::new(events));
     if args.play {
         driver.set_paused(false);
     }

@@ -416,16 +416,46 @@ pub fn convert(input: impl BufRead, out: impl Write) -> Result<Summary> {
 /// Converts the events a streaming [`jsonl::Reader`] yields (see [`convert`]): memory stays
 /// bounded by the reader's line bound, whatever the file's size.
 pub fn convert_events<R: BufRead>(mut events: jsonl::Reader<R>, out: impl Write) -> Result<Summary> {
-    let mut c = Converter::new(out)?;
+    let mut w = TraceWriter::new(out)?;
     for e in &mut events {
-        c.on_event(&e?)?;
+        w.write(&e?)?;
     }
-    let report = events.into_report();
-    if report.events == 0 {
-        return Err(Error::Encode(format!("no events to convert ({})", report.summary())));
+    w.finish(events.into_report())
+}
+
+/// A trace written an event at a time, for programs that already read the events for
+/// something else (a replay's index pass), so that the file is read once for both. Memory
+/// stays bounded whatever the number of events.
+pub struct TraceWriter<W: Write> {
+    converter: Converter<W>,
+}
+
+impl<W: Write> std::fmt::Debug for TraceWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceWriter").field("written", &self.converter.written).finish_non_exhaustive()
     }
-    let (_, trace_events, unpaired) = c.finish(&report)?;
-    Ok(Summary { report, trace_events, unpaired })
+}
+
+impl<W: Write> TraceWriter<W> {
+    /// Starts a trace on `out`.
+    pub fn new(out: W) -> Result<TraceWriter<W>> {
+        Ok(TraceWriter { converter: Converter::new(out)? })
+    }
+
+    /// Adds the next event, in file order.
+    pub fn write(&mut self, event: &Event) -> Result<()> {
+        Ok(self.converter.on_event(event)?)
+    }
+
+    /// Closes the trace; `report` is what reading the events found (its counts go into the
+    /// trace). Fails when no event was read.
+    pub fn finish(self, report: ReadReport) -> Result<Summary> {
+        if report.events == 0 {
+            return Err(Error::Encode(format!("no events to convert ({})", report.summary())));
+        }
+        let (_, trace_events, unpaired) = self.converter.finish(&report)?;
+        Ok(Summary { report, trace_events, unpaired })
+    }
 }
 
 /// Reads a telemetry file, plain or zstd-compressed, and writes its trace to `out` (see

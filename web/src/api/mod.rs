@@ -11,7 +11,7 @@ pub use state::{AppState, Mode};
 pub(crate) use state::Shutdown;
 
 use crate::access::guard;
-use crate::replay::BadControl;
+use crate::replay::ControlError;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, OriginalUri};
 use axum::http::StatusCode;
@@ -70,9 +70,12 @@ impl From<JsonRejection> for ApiError {
     }
 }
 
-impl From<BadControl> for ApiError {
-    fn from(b: BadControl) -> ApiError {
-        ApiError::bad(b.0)
+impl From<ControlError> for ApiError {
+    fn from(e: ControlError) -> ApiError {
+        match e {
+            ControlError::Bad(message) => ApiError::bad(message),
+            ControlError::Unreadable(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
     }
 }
 

@@ -27,6 +27,7 @@ use super::model::{Event, EventKind, Phase, TransferStepMetrics};
 use super::snapshot::Snapshot;
 use super::steps::StepCloser;
 use crossbeam_queue::ArrayQueue;
+use std::borrow::Borrow;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -47,12 +48,18 @@ pub trait EventSink: Send {
     fn on_event(&mut self, event: &Event);
     /// Called after each batch and at shutdown.
     fn flush(&mut self) {}
-    /// The hub started over at an earlier or later point of the run (a replay seek):
-    /// `history` is every event up to the new position. Sinks that derive state from the events
-    /// (metrics) rebuild it from `history`; sinks that only append (files) ignore it.
-    fn rewind(&mut self, history: &[Event]) {
-        let _ = history;
+    /// The hub starts over at an earlier or later point of the run (a replay seek): every
+    /// event up to the new position follows, one [`EventSink::rewind_event`] each, then
+    /// [`EventSink::rewind_end`]. One event at a time, so that a replay of a file of any size
+    /// can stream them. Sinks that derive state from the events (metrics) rebuild it; sinks
+    /// that only append (files) ignore all three.
+    fn rewind_begin(&mut self) {}
+    /// One event of the history that [`EventSink::rewind_begin`] announced, in order.
+    fn rewind_event(&mut self, event: &Event) {
+        let _ = event;
     }
+    /// The history is complete.
+    fn rewind_end(&mut self) {}
     /// Called after each batch the dispatcher delivers. A sink may defer its writes to a later
     /// batch (to write fewer, larger blocks) as long as [`EventSink::flush`] writes everything.
     fn batch_end(&mut self) {
@@ -190,12 +197,20 @@ impl Hub {
     }
 
     /// Replaces the snapshot (replay seek), rewinds every sink to `history` (the events up to
-    /// the snapshot's position) and tells every subscriber to resync.
-    pub fn reset(&self, snapshot: Snapshot, history: &[Event]) {
+    /// the snapshot's position, taken one at a time) and tells every subscriber to resync.
+    pub fn reset<E: Borrow<Event>>(&self, snapshot: Snapshot, history: impl IntoIterator<Item = E>) {
         let mut st = self.lock();
         st.snapshot = snapshot;
         for s in st.sinks.iter_mut() {
-            s.rewind(history);
+            s.rewind_begin();
+        }
+        for e in history {
+            for s in st.sinks.iter_mut() {
+                s.rewind_event(e.borrow());
+            }
+        }
+        for s in st.sinks.iter_mut() {
+            s.rewind_end();
         }
         let _ = self
             .tx

@@ -30,6 +30,17 @@ pub enum Played {
     Reset,
 }
 
+/// Sees every event of the file as the background index reads it, for a program that wants
+/// something else from the whole file (a trace, a summary) without reading it a second time.
+/// Runs on the index thread; keep it quick.
+pub trait IndexObserver: Send {
+    /// The next event of the file, in order.
+    fn on_event(&mut self, event: &Event);
+    /// The index is complete (or stopped: `error` says why), with what reading found. Called
+    /// before [`FileReplay::wait_indexed`] returns.
+    fn finish(&mut self, report: &ReadReport, error: Option<&str>);
+}
+
 /// A replay that reads its file on demand.
 pub struct FileReplay {
     path: PathBuf,
@@ -66,9 +77,19 @@ impl FileReplay {
     /// Opens `path` (plain or zstd) positioned before its first event, playing at recorded
     /// speed; indexing starts in the background.
     pub fn open(path: impl AsRef<Path>) -> Result<FileReplay, JsonlError> {
+        FileReplay::open_with(path, None)
+    }
+
+    /// Opens `path` as [`FileReplay::open`] does, handing every event the index reads to
+    /// `observer` as well: the one pass over the file serves both.
+    pub fn open_observed(path: impl AsRef<Path>, observer: Box<dyn IndexObserver>) -> Result<FileReplay, JsonlError> {
+        FileReplay::open_with(path, Some(observer))
+    }
+
+    fn open_with(path: impl AsRef<Path>, observer: Option<Box<dyn IndexObserver>>) -> Result<FileReplay, JsonlError> {
         let path = path.as_ref().to_path_buf();
         let compressed = index::is_compressed(&path).map_err(|e| JsonlError::io(&path, e))?;
-        let index = index::spawn(path.clone(), compressed)?;
+        let index = index::spawn(path.clone(), compressed, observer)?;
         let mut r = FileReplay {
             path,
             compressed,
@@ -134,6 +155,33 @@ impl FileReplay {
     /// Snapshot checkpoints indexed so far (seeks start from the nearest one).
     pub fn checkpoints(&self) -> usize {
         self.index.lock().checkpoints.len()
+    }
+
+    /// Events this replay holds in memory: the recent ones and the one read ahead. Bounded by
+    /// [`RECENT_KEPT`] + 1 whatever the file's size (the index keeps snapshots, not events).
+    pub fn events_held(&self) -> usize {
+        self.recent.len() + usize::from(self.peeked.is_some())
+    }
+
+    /// The position just after `step` began (as [`FileReplay::step_training`] stops), if the
+    /// file indexed so far has that step.
+    pub fn step_start(&self, step: u64) -> Option<usize> {
+        let st = self.index.lock();
+        st.step_starts.iter().find(|s| s.step == step).map(|s| s.pos)
+    }
+
+    /// The first and last steps the file indexed so far begins.
+    pub fn step_range(&self) -> Option<(u64, u64)> {
+        let st = self.index.lock();
+        Some((st.step_starts.first()?.step, st.step_starts.last()?.step))
+    }
+
+    /// The events applied so far, read again from the file's start one at a time, for consumers
+    /// that rebuild their state from every event (metrics after a seek). A read error ends the
+    /// iteration early, as it ends the index.
+    pub fn applied(&self) -> Result<impl Iterator<Item = Event> + Send, JsonlError> {
+        let stream = index::stream_at(&self.path, self.compressed, Position::default()).map_err(|e| self.io(e))?;
+        Ok(Reader::new(stream).map_while(Result::ok).take(self.pos))
     }
 
     /// Blocks until the whole file is indexed (tests, tools that need the total).
@@ -318,11 +366,11 @@ impl FileReplay {
             let st = self.index.lock();
             let starts = &st.step_starts;
             if n >= 0 {
-                let i = starts.partition_point(|p| *p <= self.pos);
-                starts.get(i + (n.max(1) as usize - 1)).copied().unwrap_or(st.total.max(self.pos))
+                let i = starts.partition_point(|s| s.pos <= self.pos);
+                starts.get(i + (n.max(1) as usize - 1)).map_or(st.total.max(self.pos), |s| s.pos)
             } else {
-                let i = starts.partition_point(|p| *p < self.pos);
-                i.checked_sub(n.unsigned_abs() as usize).map_or(0, |k| starts[k])
+                let i = starts.partition_point(|s| s.pos < self.pos);
+                i.checked_sub(n.unsigned_abs() as usize).map_or(0, |k| starts[k].pos)
             }
         };
         self.go_to(target)

@@ -2,7 +2,8 @@
 
 use super::*;
 use crate::events::bus::EventSink;
-use crate::events::jsonl::{JsonlSink, OpenMode};
+use super::file::RECENT_KEPT;
+use crate::events::jsonl::{JsonlSink, OpenMode, ReadReport};
 use crate::events::synthetic::{self, SyntheticRun};
 use std::time::Duration;
 
@@ -74,4 +75,46 @@ fn a_file_replay_plays_at_recorded_speed() {
         other => panic!("a short move forward hands over its events: {other:?}"),
     }
     assert_eq!(r.recent().back(), events.get(expect + 2));
+}
+
+/// Counts what the index pass hands over, and keeps the report it ends with.
+struct Counter(std::sync::Arc<std::sync::Mutex<(usize, Option<ReadReport>)>>);
+
+impl IndexObserver for Counter {
+    fn on_event(&mut self, _: &Event) {
+        self.0.lock().expect("not poisoned").0 += 1;
+    }
+    fn finish(&mut self, report: &ReadReport, error: Option<&str>) {
+        assert_eq!(error, None);
+        self.0.lock().expect("not poisoned").1 = Some(report.clone());
+    }
+}
+
+#[test]
+fn the_index_pass_finds_steps_hands_events_to_an_observer_and_the_replay_holds_few() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let events = synthetic::events(SyntheticRun { blocks: 10, steps: 12, end_mid_step: true });
+    let n = events.len();
+    let path = dir.path().join("o.jsonl.zst");
+    write(&path, &events, true);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new((0, None)));
+    let mut r = FileReplay::open_observed(&path, Box::new(Counter(seen.clone()))).expect("opens");
+    r.wait_indexed();
+    {
+        let seen = seen.lock().expect("not poisoned");
+        assert_eq!(seen.0, n, "every event, once");
+        assert_eq!(seen.1.as_ref().map(|rep| rep.events), Some(n as u64), "finished before the index is done");
+    }
+    // Step starts as the in-memory replay finds them.
+    let mut mem = Replay::new(events.clone());
+    mem.step_training(3);
+    let step = mem.snapshot().step;
+    assert_eq!(r.step_start(step), Some(mem.position()));
+    assert_eq!(r.step_range(), Some((1, events.iter().map(|e| e.step).max().expect("events"))));
+    assert_eq!(r.step_start(10_000), None);
+    // At the end: a bounded number of events held, and the applied ones read again in order.
+    r.to_end().expect("end");
+    assert!(r.events_held() <= RECENT_KEPT + 1, "{} held", r.events_held());
+    r.seek(n / 2).expect("seeks");
+    assert_eq!(r.applied().expect("reads").collect::<Vec<_>>(), events[..n / 2].to_vec());
 }

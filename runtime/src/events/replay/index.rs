@@ -13,6 +13,7 @@ use super::super::jsonl::SkipReason;
 use super::super::jsonl::{zst, JsonlError};
 use super::super::model::{Event, EventKind, Phase};
 use super::super::snapshot::Snapshot;
+use super::file::IndexObserver;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -40,14 +41,22 @@ pub struct Checkpoint {
     pub snapshot: Arc<Snapshot>,
 }
 
+/// A `phase_changed` to `step_begin`: the step it begins, and the position just after it (so
+/// that the step shows as current there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepStart {
+    pub step: u64,
+    pub pos: usize,
+}
+
 /// What the indexer found so far.
 #[derive(Debug, Default)]
 pub struct IndexState {
     pub total: usize,
     pub end_t_ns: u64,
     pub checkpoints: Vec<Checkpoint>,
-    /// Positions just after each `phase_changed` to `step_begin`.
-    pub step_starts: Vec<usize>,
+    /// Where each training step begins, in file order.
+    pub step_starts: Vec<StepStart>,
     pub report: ReadReport,
     /// Bytes of the file indexed so far (of a compressed file: up to the frame being read).
     pub bytes_read: u64,
@@ -106,7 +115,11 @@ pub fn stream_at(path: &Path, compressed: bool, at: Position) -> io::Result<Box<
 }
 
 /// Starts indexing `path` on a thread of its own.
-pub fn spawn(path: PathBuf, compressed: bool) -> Result<Arc<Index>, JsonlError> {
+pub fn spawn(
+    path: PathBuf,
+    compressed: bool,
+    observer: Option<Box<dyn IndexObserver>>,
+) -> Result<Arc<Index>, JsonlError> {
     let index = Arc::new(Index::default());
     index.lock().checkpoints.push(Checkpoint {
         pos: 0,
@@ -118,9 +131,18 @@ pub fn spawn(path: PathBuf, compressed: bool) -> Result<Arc<Index>, JsonlError> 
     std::thread::Builder::new()
         .name("stagehand-replay-index".into())
         .spawn(move || {
-            let mut ix = Indexer::new(&worker);
+            let mut ix = Indexer::new(&worker, observer);
             let result = if compressed { ix.compressed(&path) } else { ix.plain(&path) };
-            ix.publish(true, result.err().map(|e| e.to_string()));
+            let mut error = result.err().map(|e| e.to_string());
+            if error.is_none() && ix.cancelled() {
+                error = Some("indexing stopped: the replay was closed".into());
+            }
+            // Before `done` is published, so that whoever waits for the index finds the
+            // observer finished too.
+            if let Some(o) = &mut ix.observer {
+                o.finish(&ix.report, error.as_deref());
+            }
+            ix.publish(true, error);
         })
         .map_err(|e| JsonlError::io(Path::new("replay index thread"), e))?;
     Ok(index)
@@ -143,13 +165,15 @@ struct Indexer<'a> {
     last_checkpoint: u64,
     decoded: u64,
     new_checkpoints: Vec<Checkpoint>,
-    new_steps: Vec<usize>,
+    new_steps: Vec<StepStart>,
+    observer: Option<Box<dyn IndexObserver>>,
 }
 
 impl<'a> Indexer<'a> {
-    fn new(index: &'a Index) -> Indexer<'a> {
+    fn new(index: &'a Index, observer: Option<Box<dyn IndexObserver>>) -> Indexer<'a> {
         Indexer {
             index,
+            observer,
             line: LineBuf::default(),
             report: ReadReport::default(),
             snapshot: Snapshot::new(),
@@ -278,7 +302,10 @@ impl<'a> Indexer<'a> {
         self.pos += 1;
         self.end_t_ns = self.end_t_ns.max(e.t_ns);
         if matches!(e.kind, EventKind::PhaseChanged { to: Phase::StepBegin, .. }) {
-            self.new_steps.push(self.pos);
+            self.new_steps.push(StepStart { step: e.step, pos: self.pos });
+        }
+        if let Some(o) = &mut self.observer {
+            o.on_event(&e);
         }
         if self.pos % PUBLISH_EVERY == 0 {
             self.publish(false, None);

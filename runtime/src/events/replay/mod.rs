@@ -11,7 +11,7 @@
 pub mod file;
 mod index;
 
-pub use file::{FileReplay, Played};
+pub use file::{FileReplay, IndexObserver, Played};
 
 use super::model::{Event, EventKind, Phase};
 use super::snapshot::Snapshot;
