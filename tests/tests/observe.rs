@@ -36,6 +36,8 @@ fn the_builder_serves_and_exports_the_run_it_trains() {
         sh.train_step(&mut opt, || l2.forward(&l1.forward(&x)).mean(Kind::Float)).expect("step");
     }
     sh.finish().expect("finish");
+    // Everything the run published has reached the hub the server reads.
+    sh.bus().flush();
     let snapshot: serde_json::Value = serde_json::from_str(&get(&format!("{url}/api/snapshot"))).expect("json");
     assert_eq!(snapshot["step"], 3, "the served snapshot follows the handle's run");
     let metrics = get(&format!("{url}/metrics"));

@@ -471,7 +471,7 @@ async fn a_flight_record_is_written_on_request_once_per_interval() {
     let (status, body) = call_json(&state, "POST", "/api/flight", None).await;
     assert_error(status, &body, StatusCode::TOO_MANY_REQUESTS, "api");
 
-    let (replay, _) = replay_state(2);
+    let (replay, _, _dir) = replay_state(2);
     let (status, body) = call_json(&replay, "POST", "/api/flight", None).await;
     assert_error(status, &body, StatusCode::NOT_FOUND, "no flight recorder");
 }
