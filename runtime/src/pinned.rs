@@ -342,19 +342,10 @@ impl Lease {
         }
     }
 
-    /// Whether the memory is a pool slab (pinned on CUDA) rather than a pageable fallback.
-    pub fn is_slab(&self) -> bool {
-        matches!(self.memory, Memory::Slab { .. })
-    }
-
     /// Bytes available.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// True for a zero-sized lease.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     fn ptr(&self) -> *mut u8 {

@@ -22,19 +22,9 @@ pub struct Transfer<H: HostMemory> {
 }
 
 impl<H: HostMemory> Transfer<H> {
-    /// The run-unique id.
-    pub fn id(&self) -> TransferId {
-        self.id
-    }
-
     /// Bytes copied.
     pub fn bytes(&self) -> u64 {
         self.bytes
-    }
-
-    /// The direction.
-    pub fn dir(&self) -> Direction {
-        self.dir
     }
 
     /// Whether the copy finished (never blocks).
@@ -45,11 +35,6 @@ impl<H: HostMemory> Transfer<H> {
     /// The copy's completion event (for the compute stream to wait on).
     pub fn done(&self) -> &StreamEvent {
         self.pending.done()
-    }
-
-    /// The host memory of the copy, read-only, while it flies (a checksum of a source).
-    pub fn pending(&self) -> &Pending<H> {
-        &self.pending
     }
 
     /// Stops keeping the device tensor alive: see [`Pending::release_device`].

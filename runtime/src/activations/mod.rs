@@ -39,8 +39,8 @@
 //! ```
 
 pub mod config;
-pub mod policy;
-pub mod record;
+pub(crate) mod policy;
+pub(crate) mod record;
 mod restorer;
 mod runtime;
 mod sizing;

@@ -219,11 +219,6 @@ impl Records {
         self.slots.len()
     }
 
-    /// True when no record was made this step.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
-
     /// The live records, in pack order.
     pub fn iter(&self) -> impl Iterator<Item = &Record> {
         self.slots.iter().flatten()

@@ -123,13 +123,13 @@
 //! and the facade whose methods share one lock; budgets, phases, policy rules, adapters and
 //! transfers live in the sibling files.
 
-pub mod adapter;
-pub mod budget;
+pub(crate) mod adapter;
+pub(crate) mod budget;
 pub mod config;
 pub mod error;
-pub mod phase;
-pub mod policy;
-pub mod transfer;
+pub(crate) mod phase;
+pub(crate) mod policy;
+pub(crate) mod transfer;
 
 pub use adapter::{ActivationAdapter, KnobValues, Knobs, RuntimeAdapter, WeightAdapter};
 pub use budget::{BudgetCounts, BudgetManager, ReservationDecision, ReservationRequest};

@@ -22,7 +22,7 @@ mod buffer;
 mod copy;
 mod cuda;
 mod host;
-pub mod idle;
+pub(crate) mod idle;
 
 pub use buffer::{HostBuffer, HostMemory, HostTarget};
 pub use copy::{CopyStream, Failed, Order, Pending, WaitProbe};

@@ -6,7 +6,7 @@ pub(crate) mod ffi;
 pub mod hooks;
 mod init;
 pub mod optim;
-pub mod optimizer;
+pub(crate) mod optimizer;
 mod variable;
 
 pub use alloc::{AllocatorStats, MemoryInfo};

@@ -20,14 +20,14 @@
 
 mod block;
 pub mod config;
-pub mod evictor;
+pub(crate) mod evictor;
 pub mod file;
 mod grads;
-pub mod handles;
-pub mod itinerary;
+pub(crate) mod handles;
+pub(crate) mod itinerary;
 mod loads;
-pub mod registry;
-pub mod residency;
+pub(crate) mod registry;
+pub(crate) mod residency;
 mod route;
 pub mod runtime;
 pub(crate) mod scheduler;

@@ -36,16 +36,6 @@ impl Residency {
         BlockId((self.entries.len() - 1) as u32)
     }
 
-    /// Number of blocks.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// True when no block is registered.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// The record of `id`.
     pub fn get(&self, id: BlockId) -> Result<&Entry> {
         self.entries
@@ -129,14 +119,6 @@ impl Residency {
     pub fn can_evict(&self, id: BlockId) -> bool {
         self.get(id)
             .is_ok_and(|e| e.state == BlockState::GpuReady && e.refcount == 0 && !e.protected)
-    }
-
-    /// Ids of the blocks in `state`.
-    pub fn in_state(&self, state: BlockState) -> Vec<BlockId> {
-        (0..self.entries.len() as u32)
-            .map(BlockId)
-            .filter(|id| self.entries[id.0 as usize].state == state)
-            .collect()
     }
 }
 
