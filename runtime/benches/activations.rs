@@ -201,7 +201,7 @@ fn main() {
     let bus = Bus::with_hub(hub, 1 << 20);
     let never = ActivationConfig::builder()
         .watermarks_bytes(u64::MAX, u64::MAX - 1)
-        .classes_mb(&[1])
+        .classes_mib(&[1])
         .slabs_per_class(&[1])
         .build()
         .expect("config");

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-/// One mebibyte, the unit the `_mb` options are written in.
+/// One mebibyte, the unit the `_mib` options are written in.
 pub const MB: u64 = 1 << 20;
 /// Spilling switches on when device memory reaches this (a 24 GB card with 4 GB left for spikes).
 pub const DEFAULT_HIGH_WATERMARK_BYTES: u64 = 20_000 * MB;
@@ -193,9 +193,9 @@ pub struct ActivationConfigBuilder {
 }
 
 impl ActivationConfigBuilder {
-    /// High and low watermarks in MB.
-    pub fn watermarks_mb(self, high: u64, low: u64) -> Self {
-        self.watermarks_bytes(high * MB, low * MB)
+    /// High and low watermarks in MiB (saturating: a huge value is refused by `build`, not wrapped).
+    pub fn watermarks_mib(self, high: u64, low: u64) -> Self {
+        self.watermarks_bytes(high.saturating_mul(MB), low.saturating_mul(MB))
     }
     /// High and low watermarks in bytes.
     pub fn watermarks_bytes(mut self, high: u64, low: u64) -> Self {
@@ -203,9 +203,9 @@ impl ActivationConfigBuilder {
         self.cfg.low_watermark_bytes = low;
         self
     }
-    /// Pool class sizes in MB.
-    pub fn classes_mb(self, sizes: &[u64]) -> Self {
-        let bytes: Vec<u64> = sizes.iter().map(|m| m * MB).collect();
+    /// Pool class sizes in MiB (saturating, as the watermarks).
+    pub fn classes_mib(self, sizes: &[u64]) -> Self {
+        let bytes: Vec<u64> = sizes.iter().map(|m| m.saturating_mul(MB)).collect();
         self.classes_bytes(&bytes)
     }
     /// Pool class sizes in bytes.
@@ -315,15 +315,15 @@ mod tests {
 
     #[test]
     fn builder_rejects_bad_values_with_the_field_named() {
-        let e = ActivationConfig::builder().watermarks_mb(10, 10).build().expect_err("high == low");
+        let e = ActivationConfig::builder().watermarks_mib(10, 10).build().expect_err("high == low");
         assert!(e.to_string().contains("high_watermark_bytes"), "{e}");
         let e = ActivationConfig::builder()
-            .classes_mb(&[1, 4])
+            .classes_mib(&[1, 4])
             .slabs_per_class(&[1, 2, 3])
             .build()
             .expect_err("not parallel");
         assert!(e.to_string().contains("slabs_per_class"), "{e}");
-        let e = ActivationConfig::builder().classes_mb(&[4, 1]).uniform_slabs(1).build().expect_err("descending");
+        let e = ActivationConfig::builder().classes_mib(&[4, 1]).uniform_slabs(1).build().expect_err("descending");
         assert!(e.to_string().contains("class_sizes_bytes"), "{e}");
         let e = ActivationConfig::builder().spill_fraction(1.5).build().expect_err("fraction");
         assert!(e.to_string().contains("spill_fraction"), "{e}");
@@ -333,7 +333,7 @@ mod tests {
 
     #[test]
     fn uniform_slabs_follow_the_classes() {
-        let c = ActivationConfig::builder().classes_mb(&[1, 2, 8]).uniform_slabs(3).build().expect("valid");
+        let c = ActivationConfig::builder().classes_mib(&[1, 2, 8]).uniform_slabs(3).build().expect("valid");
         assert_eq!(c.slabs_per_class, vec![3, 3, 3]);
     }
 }

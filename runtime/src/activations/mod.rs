@@ -23,7 +23,7 @@
 //! use stagehand::device::Device;
 //! use stagehand::events::Bus;
 //! # fn main() -> stagehand::Result<()> {
-//! let config = ActivationConfig::builder().watermarks_mb(8_000, 6_000).build()?;
+//! let config = ActivationConfig::builder().watermarks_mib(8_000, 6_000).build()?;
 //! let acts = ActivationRuntime::new(Device::auto(1 << 30), config, Bus::disabled(), None)?;
 //! # let (x, w) = (tch::Tensor::ones([4, 4], tch::kind::FLOAT_CPU), tch::Tensor::ones([4, 4], tch::kind::FLOAT_CPU).set_requires_grad(true));
 //! acts.begin_step(1);
