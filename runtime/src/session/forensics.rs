@@ -130,20 +130,9 @@ pub(super) fn catch_oom(forward: impl FnOnce() -> Tensor) -> crate::Result<Tenso
     }
 }
 
-/// `1.5 MiB`, `512 B`.
+/// `1.5 MiB`, `512 B`: the same units as the dashboards' findings.
 fn bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
+    crate::events::insight::human_bytes(b)
 }
 
 impl fmt::Display for OomReport {
