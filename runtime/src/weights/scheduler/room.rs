@@ -266,10 +266,15 @@ impl Scheduler {
         if self.room()?.free().is_some() {
             return Ok(true);
         }
+        Ok(self.victim(id, distance.or(Some(self.route.distance(id)))).is_some())
+    }
+
+    /// The loaded block to evict to make room for `id` (`incoming`: its next use, `None` for a
+    /// demand load, which may evict anything not in use).
+    fn victim(&self, id: BlockId, incoming: Option<usize>) -> Option<evictor::Victim> {
         let candidates: Vec<BlockId> =
             self.loaded.iter().copied().filter(|&b| b != id && self.residency.can_evict(b)).collect();
-        let incoming = distance.or(Some(self.route.distance(id)));
-        Ok(evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming).is_some())
+        evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming)
     }
 
     fn free_slot(&mut self, id: BlockId, demand: bool, distance: Option<usize>) -> Result<Option<usize>> {
@@ -277,14 +282,8 @@ impl Scheduler {
             if let Some(i) = self.room()?.free() {
                 return Ok(Some(i));
             }
-            let candidates: Vec<BlockId> = self
-                .loaded
-                .iter()
-                .copied()
-                .filter(|&b| b != id && self.residency.can_evict(b))
-                .collect();
             let incoming = if demand { None } else { distance.or(Some(self.route.distance(id))) };
-            match evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming) {
+            match self.victim(id, incoming) {
                 Some(v) => self.evict(v.block, EvictionReason::Budget, v.distance as f64)?,
                 None if !demand => return Ok(None),
                 None => {
