@@ -4,8 +4,11 @@
 //! The layers that hold weights come from a [`Layers`] factory, so one model definition trains
 //! resident (plain `tch::nn`, [`TchLayers`]) or streamed by Stagehand's layer mode
 //! ([`StreamedLayers`]): the diff a user makes is the factory. The norms carry no parameters, so
-//! every parameter lives in a linear or embedding layer.
+//! every parameter lives in a linear or embedding layer. The attention probabilities and the MLP's
+//! activation are recomputed in backward under an activation runtime
+//! ([`stagehand::activations::recompute`]); in plain tch that is the same computation.
 
+use stagehand::activations::recompute;
 use stagehand::nn as snn;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
@@ -108,10 +111,15 @@ impl Block {
         let q = qkv.select(2, 0).transpose(1, 2);
         let k = qkv.select(2, 1).transpose(1, 2);
         let v = qkv.select(2, 2).transpose(1, 2);
-        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
-        let mask = Tensor::ones([t, t], (Kind::Bool, x.device())).tril(0);
-        let att = att.masked_fill(&mask.logical_not(), f64::NEG_INFINITY);
-        let y = att.softmax(-1, att.kind()).matmul(&v);
+        let scale = 1.0 / (hd as f64).sqrt();
+        // The probabilities are the block's largest activation (batch x heads x t x t) and cost
+        // one batched matmul to compute again: recomputed in backward, not stored.
+        let att = recompute(&[&q, &k], move |s| {
+            let att = s[0].matmul(&s[1].transpose(-2, -1)) * scale;
+            let mask = Tensor::ones([t, t], (Kind::Bool, att.device())).tril(0);
+            att.masked_fill(&mask.logical_not(), f64::NEG_INFINITY).softmax(-1, att.kind())
+        });
+        let y = att.matmul(&v);
         self.proj.forward(&y.transpose(1, 2).contiguous().view([b, t, c]))
     }
 }
@@ -119,7 +127,8 @@ impl Block {
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
         let x = x + self.attention(&norm(x));
-        let h = self.fc.forward(&norm(&x)).gelu("tanh");
+        // The activation's output is as large as its input and elementwise to recompute.
+        let h = recompute(&[&self.fc.forward(&norm(&x))], |s| s[0].gelu("tanh"));
         &x + self.fc_out.forward(&h)
     }
 }

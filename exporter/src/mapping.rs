@@ -66,7 +66,13 @@ const DIRECTIONS: [Direction; 2] = [Direction::H2d, Direction::D2h];
 const COPY_OWNERS: [Owner; 2] = [Owner::Weights, Owner::Activations];
 const EVICTION_REASONS: [&str; 4] = ["watermark", "budget", "explicit", "shutdown"];
 const POOLS: [PoolKind; 2] = [PoolKind::Weights, PoolKind::Activations];
-const DECISIONS: [PackDecision; 4] = [PackDecision::Kept, PackDecision::Spilled, PackDecision::WeightHandle, PackDecision::Duplicate];
+const DECISIONS: [PackDecision; 5] = [
+    PackDecision::Kept,
+    PackDecision::Spilled,
+    PackDecision::WeightHandle,
+    PackDecision::Duplicate,
+    PackDecision::Recomputed,
+];
 const OUTCOMES: [ReservationOutcome; 4] = [
     ReservationOutcome::Granted,
     ReservationOutcome::Partial,

@@ -153,6 +153,9 @@ int stagehand_hooks_install(
 // Whether the hook engine is the default engine.
 int stagehand_hooks_installed() { return g_installed.load() ? 1 : 0; }
 
+// This thread's hook context (null: hooks off).
+void* stagehand_hooks_get_context() { return t_ctx; }
+
 // Sets this thread's hook context (null: hooks off) and returns the previous one.
 void* stagehand_hooks_set_context(void* ctx) {
   void* prev = t_ctx;

@@ -41,6 +41,7 @@
 pub mod config;
 pub(crate) mod policy;
 pub(crate) mod record;
+mod recompute;
 mod restorer;
 mod runtime;
 mod sizing;
@@ -49,6 +50,7 @@ mod state;
 mod store;
 
 pub use config::{ActivationConfig, ActivationConfigBuilder};
+pub use recompute::{f_recompute, recompute};
 pub use runtime::{ActivationRuntime, HeldBytes, ManagedForward, RegionGuard};
 pub use sizing::GroupProfile;
 pub use store::ActivationStore;

@@ -26,6 +26,8 @@ pub enum RecordState {
     Restoring,
     /// Back on the device.
     Restored,
+    /// Not stored: computed again in backward by its recompute scope ([`super::recompute`]).
+    Recompute,
 }
 
 impl RecordState {
@@ -87,6 +89,8 @@ pub struct Record {
     pub stall_since: Option<Instant>,
     /// Unpacked at least once.
     pub unpacked: bool,
+    /// For a recomputed tensor: its scope and which of the scope's tensors it is.
+    pub recompute: Option<super::recompute::Member>,
 }
 
 impl Record {
@@ -112,6 +116,7 @@ impl Record {
             restored_ahead: false,
             stall_since: None,
             unpacked: false,
+            recompute: None,
         }
     }
 

@@ -99,6 +99,7 @@ impl ActivationRuntime {
             auto_region: None,
             d2h_waits: Default::default(),
             refusals_warned: Default::default(),
+            scopes: Default::default(),
         };
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {

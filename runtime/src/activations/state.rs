@@ -10,6 +10,7 @@
 
 use super::config::{ActivationConfig, MB};
 use super::policy::{region_matches, PackFacts, SpillPolicy, Verdict};
+use super::recompute::Scopes;
 use super::record::{Record, RecordState, Records, TensorMeta};
 use super::restorer::{Ahead, Restorer};
 use super::sizing::{GroupProfile, SizeProfile};
@@ -61,6 +62,8 @@ pub(super) struct State {
     pub d2h_waits: IdleSpans,
     /// Reasons for refused spills already warned about in this step.
     pub refusals_warned: HashSet<KeepReason>,
+    /// This step's recompute scopes.
+    pub scopes: Scopes,
 }
 
 /// What became of a tensor the policy asked to spill.
@@ -87,7 +90,7 @@ fn tensor_bytes(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
-fn current_region(g: &State) -> Option<String> {
+pub(super) fn current_region(g: &State) -> Option<String> {
     if g.regions.is_empty() {
         g.auto_region.as_deref().map(str::to_owned)
     } else {
@@ -145,6 +148,13 @@ impl Shared {
         // Ask the weight runtime first, outside our lock (it takes its own).
         if let Some(resolver) = &self.resolver {
             if let Some(save) = resolver.resolve(&tensor) {
+                if self.lock().scopes.is_open() {
+                    resolver.release(&save);
+                    return Err(Error::misuse(
+                        "saving a streamed weight inside a recompute scope",
+                        "a function without streamed weights (their block need not be on the device when backward recomputes it); apply the layer outside `recompute`",
+                    ));
+                }
                 return Ok(self.pack_weight(save));
             }
         }
@@ -181,7 +191,12 @@ impl Shared {
         let mut g = self.lock();
         self.follow_auto_region(&mut g, auto);
         self.poll_spills(&mut g)?;
-        if let Some(idx) = g.records.find_identity(&identity) {
+        if g.scopes.is_open() {
+            if let Some(handle) = self.pack_recomputed(&mut g, &t, &identity, bytes)? {
+                return Ok(handle);
+            }
+        }
+        if let Some(idx) = g.records.find_identity(&identity).filter(|&i| g.records.get(i).is_some_and(|r| !g.scopes.excludes(r))) {
             if let Some(rec) = g.records.get_mut(idx) {
                 rec.refs += 1;
                 let id = rec.id;
@@ -198,6 +213,9 @@ impl Shared {
                 });
                 return Ok(handle);
             }
+        }
+        if let Some(handle) = self.pack_recomputed(&mut g, &t, &identity, bytes)? {
+            return Ok(handle);
         }
         g.next_tensor += 1;
         let id = TensorId(g.next_tensor);
@@ -412,8 +430,12 @@ impl Shared {
             .get(idx)
             .map(|r| r.state)
             .ok_or_else(|| Error::internal(format!("saved tensor handle {handle} has no record")))?;
+        if state == RecordState::Recompute {
+            drop(g);
+            return self.unpack_recomputed(idx);
+        }
         let out = match state {
-            RecordState::WeightHandle => None,
+            RecordState::WeightHandle | RecordState::Recompute => None,
             RecordState::Kept => g.records.get(idx).and_then(|r| r.tensor.as_ref()).map(|t| t.shallow_clone()),
             RecordState::Spilling | RecordState::Spilled | RecordState::Restoring | RecordState::Restored => {
                 if state == RecordState::Spilling {
@@ -495,7 +517,7 @@ impl Shared {
     }
 
     pub(super) fn release(&self, handle: u64) {
-        let save = {
+        let (save, sources) = {
             let mut g = self.lock();
             // An unknown handle belongs to a step that already ended: nothing left to free.
             let Some(idx) = g.records.remove_handle(handle) else { return };
@@ -509,10 +531,15 @@ impl Shared {
             if !last {
                 return;
             }
-            self.retire(&mut g, idx)
+            let save = self.retire(&mut g, idx);
+            (save, g.scopes.take_releases())
         };
         if let (Some(save), Some(r)) = (save, &self.resolver) {
             r.release(&save);
+        }
+        // The sources of a recompute scope whose last tensor went.
+        for h in sources {
+            self.release(h);
         }
     }
 
@@ -533,6 +560,9 @@ impl Shared {
             }
         }
         let mut rec = g.records.take(idx)?;
+        if let Some(member) = &rec.recompute {
+            g.scopes.member_gone(member);
+        }
         if rec.host.is_some() || rec.spill.is_some() {
             g.sizes.released(rec.bytes);
         }
@@ -549,6 +579,9 @@ impl Shared {
         let left: Vec<usize> = (0..g.records.len()).collect();
         let saves = left.into_iter().filter_map(|i| self.retire(g, i)).collect();
         g.records.drain();
+        if g.scopes.clear() {
+            self.warn("a recompute scope was still open at the step's end; its tensors were dropped".into());
+        }
         saves
     }
 

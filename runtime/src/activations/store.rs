@@ -2,7 +2,7 @@
 //! is on: it hands each call to the runtime's state.
 
 use super::state::Shared;
-use crate::torch::{HookError, SavedTensorStore};
+use crate::torch::{HookError, Recompute, SavedTensorStore};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
@@ -44,5 +44,13 @@ impl SavedTensorStore for ActivationStore {
 
     fn release(&self, handle: u64) {
         timed(&self.shared, || self.shared.release(handle));
+    }
+
+    fn open_recompute(&self) -> std::result::Result<bool, HookError> {
+        Ok(self.shared.open_recompute()?)
+    }
+
+    fn close_recompute(&self, closing: Option<Recompute<'_>>) -> std::result::Result<(), HookError> {
+        Ok(timed(&self.shared, || self.shared.close_recompute(closing))?)
     }
 }

@@ -58,6 +58,7 @@ extern "C" {
     ) -> c_int;
     pub(crate) fn stagehand_hooks_installed() -> c_int;
     pub(crate) fn stagehand_hooks_set_context(ctx: *mut c_void) -> *mut c_void;
+    pub(crate) fn stagehand_hooks_get_context() -> *mut c_void;
     pub(crate) fn stagehand_tensor_identity(
         t: *const C_tensor,
         storage_ptr: *mut u64,

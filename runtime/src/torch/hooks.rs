@@ -38,6 +38,38 @@ pub trait SavedTensorStore: Send + Sync + 'static {
     fn unpack(&self, handle: u64) -> std::result::Result<Tensor, HookError>;
     /// The saved variable holding `handle` is gone. Must not fail.
     fn release(&self, handle: u64);
+    /// Opens a recompute scope ([`crate::activations::recompute`]): what autograd saves until
+    /// [`SavedTensorStore::close_recompute`] is not kept but computed again in backward. False
+    /// (the default) when this store keeps everything it is given; the scope is then not open.
+    fn open_recompute(&self) -> std::result::Result<bool, HookError> {
+        Ok(false)
+    }
+    /// Closes the open recompute scope: `f` on `sources` computed `output` and every tensor
+    /// saved in the scope. `None` abandons the scope (the function panicked): a backward through
+    /// it is then an error.
+    fn close_recompute(&self, _closing: Option<Recompute<'_>>) -> std::result::Result<(), HookError> {
+        Ok(())
+    }
+}
+
+/// A function computing a tensor from its sources, run again in backward by a recompute scope.
+pub type RecomputeFn = Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>;
+
+/// How a recompute scope computed its output, for the store to repeat it in backward.
+#[derive(Clone, Copy)]
+pub struct Recompute<'a> {
+    pub sources: &'a [Tensor],
+    pub output: &'a Tensor,
+    pub f: &'a RecomputeFn,
+}
+
+impl std::fmt::Debug for Recompute<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recompute")
+            .field("sources", &self.sources.len())
+            .field("output", &self.output.size())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Storage identity of a tensor: equal identities mean the same memory seen the same way.
@@ -139,6 +171,53 @@ fn message(e: &(dyn std::error::Error + 'static)) -> String {
         source = s.source();
     }
     out
+}
+
+/// The store this thread's hooks send saved tensors to, if any.
+pub(crate) fn current_store() -> Option<Ctx> {
+    // SAFETY: reads this thread's context pointer; non-null, it is a live `Box<Ctx>` owned by a
+    // guard on this thread (or by the shim for the callback running now), which we clone.
+    unsafe {
+        let ctx = ffi::stagehand_hooks_get_context();
+        (!ctx.is_null()).then(|| (*(ctx as *const Ctx)).clone())
+    }
+}
+
+/// Runs a store's own tensor work from outside a callback (a recompute scope opened by user
+/// code) as a callback runs: hooks off on this thread, grad mode off, panics caught.
+pub(crate) fn outside_hooks<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, HookError>) -> Result<T> {
+    guarded(what, f).map_err(|msg| Error::Torch(tch::TchError::Torch(msg)))
+}
+
+/// Collects the tensors autograd saves, in order, instead of storing them.
+#[derive(Default)]
+struct Capture(std::sync::Mutex<Vec<Tensor>>);
+
+impl SavedTensorStore for Capture {
+    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, HookError> {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // Detached: a captured output must not hold its own graph.
+        v.push(tensor.detach());
+        Ok(v.len() as u64 - 1)
+    }
+
+    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, HookError> {
+        Err(format!("a recomputation's own graph is never run backward (handle {handle})").into())
+    }
+
+    fn release(&self, _handle: u64) {}
+}
+
+/// Runs `f` with grad mode on and returns its output (detached) with every tensor autograd
+/// saved while it ran, in order: a recompute scope's forward, repeated in backward.
+pub(crate) fn capture_saved(f: impl FnOnce() -> Tensor) -> std::result::Result<(Tensor, Vec<Tensor>), HookError> {
+    let capture = Arc::new(Capture::default());
+    let output = tch::with_grad(|| -> std::result::Result<Tensor, HookError> {
+        let _hooks = SavedTensorHooks::enable(capture.clone()).map_err(|e| -> HookError { Box::new(e) })?;
+        Ok(f().detach())
+    })?;
+    let saved = std::mem::take(&mut *capture.0.lock().unwrap_or_else(|p| p.into_inner()));
+    Ok((output, saved))
 }
 
 unsafe extern "C" fn pack_cb(

@@ -10,7 +10,7 @@ pub(crate) mod optimizer;
 mod variable;
 
 pub use alloc::{AllocatorStats, MemoryInfo};
-pub use hooks::{HookError, SavedTensorHooks, SavedTensorStore, StorageWatch, TensorIdentity};
+pub use hooks::{HookError, Recompute, RecomputeFn, SavedTensorHooks, SavedTensorStore, StorageWatch, TensorIdentity};
 pub use init::{cuda_available, cuda_load_error, init};
 pub use optimizer::{ParamState, TorchOptimizer};
 pub use variable::VariableId;

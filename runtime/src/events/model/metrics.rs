@@ -72,6 +72,16 @@ pub struct ActivationStepMetrics {
     /// release), less their waits for spills to land.
     #[serde(default)]
     pub host_ms: f64,
+    /// Saved tensors not stored because a recompute scope computes them again in backward.
+    #[serde(default)]
+    pub activations_recomputed: u64,
+    /// Their bytes: what neither stays on the device nor crosses PCIe.
+    #[serde(default)]
+    pub recompute_bytes: u64,
+    /// Milliseconds of host time spent recomputing in backward (the kernels it queues run on
+    /// the compute stream).
+    #[serde(default)]
+    pub recompute_ms: f64,
 }
 
 /// Conductor metrics of one step (field names kept from the original, as above).

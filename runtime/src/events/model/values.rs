@@ -223,6 +223,8 @@ pub enum PackDecision {
     WeightHandle,
     /// Another save of a tensor already handled in this step.
     Duplicate,
+    /// Not stored: computed again in backward from its recompute scope's sources.
+    Recomputed,
 }
 
 /// Why a saved tensor was kept on the device.

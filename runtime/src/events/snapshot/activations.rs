@@ -27,6 +27,10 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                     }
                 }
                 PackDecision::WeightHandle => t.weight_handles = t.weight_handles.saturating_add(1),
+                PackDecision::Recomputed => {
+                    t.recomputed = t.recomputed.saturating_add(1);
+                    t.recompute_bytes = t.recompute_bytes.saturating_add(*bytes);
+                }
                 PackDecision::Duplicate => {}
             }
             let a = &mut s.activations;
@@ -37,7 +41,7 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                     }
                 }
                 PackDecision::Duplicate => a.duplicates = a.duplicates.saturating_add(1),
-                PackDecision::Spilled | PackDecision::WeightHandle => {}
+                PackDecision::Spilled | PackDecision::WeightHandle | PackDecision::Recomputed => {}
             }
             refresh(s);
         }
@@ -89,4 +93,6 @@ fn refresh(s: &mut Snapshot) {
     a.stall_count = t.stall_count;
     a.pool_hits = t.pool_hits;
     a.pool_misses = t.pool_misses;
+    a.recomputed = t.recomputed;
+    a.recompute_bytes = t.recompute_bytes;
 }

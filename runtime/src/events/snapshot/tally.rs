@@ -112,6 +112,10 @@ pub struct ActivationCounts {
     pub stall_count: u64,
     pub pool_hits: u64,
     pub pool_misses: u64,
+    #[serde(default)]
+    pub recomputed: u64,
+    #[serde(default)]
+    pub recompute_bytes: u64,
 }
 
 impl StepSum for ActivationCounts {
@@ -128,6 +132,8 @@ impl StepSum for ActivationCounts {
         self.stall_count = self.stall_count.saturating_add(o.stall_count);
         self.pool_hits = self.pool_hits.saturating_add(o.pool_hits);
         self.pool_misses = self.pool_misses.saturating_add(o.pool_misses);
+        self.recomputed = self.recomputed.saturating_add(o.recomputed);
+        self.recompute_bytes = self.recompute_bytes.saturating_add(o.recompute_bytes);
     }
 }
 
@@ -146,6 +152,8 @@ impl From<&ActivationStepMetrics> for ActivationCounts {
             stall_count: m.stall_count,
             pool_hits: m.pool_hits,
             pool_misses: m.pool_misses,
+            recomputed: m.activations_recomputed,
+            recompute_bytes: m.recompute_bytes,
         }
     }
 }

@@ -252,6 +252,11 @@ pub struct ActivationTotals {
     pub stall_count: u64,
     pub pool_hits: u64,
     pub pool_misses: u64,
+    /// Saved tensors recomputed in backward instead of stored, and their bytes.
+    #[serde(default)]
+    pub recomputed: u64,
+    #[serde(default)]
+    pub recompute_bytes: u64,
     pub kept_by_reason: BTreeMap<String, u64>,
     pub spilling: bool,
     pub last_step: Option<ActivationStepMetrics>,

@@ -244,6 +244,10 @@ pub(super) fn step_counts(out: &[Event], step: u64) -> (WeightCounts, Activation
                         }
                     }
                     PackDecision::WeightHandle => a.weight_handles += 1,
+                    PackDecision::Recomputed => {
+                        a.recomputed += 1;
+                        a.recompute_bytes += bytes;
+                    }
                     PackDecision::Duplicate => {}
                 }
             }

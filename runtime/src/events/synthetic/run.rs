@@ -323,6 +323,8 @@ pub(super) fn generate(run: SyntheticRun) -> Vec<Event> {
             stall_count: a.stall_count,
             pool_hits: a.pool_hits,
             pool_misses: a.pool_misses,
+            activations_recomputed: a.recomputed,
+            recompute_bytes: a.recompute_bytes,
             vram_peak_mb: (g.peak / MIB) as f64,
             ..Default::default()
         }));

@@ -1,0 +1,411 @@
+//! Recompute scopes: tensors that cost less to compute again in backward than to keep or to
+//! move over PCIe twice (an activation function's output, attention probabilities).
+//!
+//! [`recompute`] runs `f` on its sources with a scope open in the activation runtime. Every
+//! tensor autograd saves inside the scope becomes a record that holds nothing, and so does the
+//! scope's output when a later operation saves it (or a view of it). Only the sources are saved,
+//! the usual way (kept or spilled). The first time backward needs one of the scope's tensors,
+//! the runtime brings the sources back, runs `f` again with grad mode on, collects what autograd
+//! saves in the same order, and serves every tensor of the scope from that one recomputation;
+//! it frees them when the last of them is released. A recomputation that saves tensors of other
+//! shapes than the forward did is an error, never a silent mismatch.
+//!
+//! `f` must compute the same values from the same sources: no dropout or other randomness, no
+//! streamed weights (a weight's block need not be on the device in backward; using one is an
+//! error at the scope's first pack). Without an activation runtime on the thread (plain tch,
+//! hooks off, a store that keeps everything) `f` simply runs.
+
+use super::record::{Record, RecordState};
+use super::state::{Shared, State};
+use crate::error::{Error, Result};
+use crate::events::{EventKind, PackDecision, TensorId};
+use crate::torch::{HookError, Recompute, RecomputeFn, StorageWatch, TensorIdentity};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+use tch::Tensor;
+
+/// Computes `f(sources)`; under an activation runtime, the tensors `f` saves for backward and
+/// its output are recomputed in backward instead of being kept or spilled.
+///
+/// # Panics
+/// Like tch's operations, on an error of the runtime (see [`f_recompute`]).
+///
+/// ```
+/// use stagehand::activations::recompute;
+/// let u = tch::Tensor::randn([4, 8], tch::kind::FLOAT_CPU).set_requires_grad(true);
+/// let h = recompute(&[&u], |s| s[0].gelu("tanh"));
+/// assert_eq!(h.size(), vec![4, 8]);
+/// ```
+pub fn recompute<F>(sources: &[&Tensor], f: F) -> Tensor
+where
+    F: Fn(&[Tensor]) -> Tensor + Send + Sync + 'static,
+{
+    match f_recompute(sources, f) {
+        Ok(t) => t,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// [`recompute`], returning the runtime's errors.
+pub fn f_recompute<F>(sources: &[&Tensor], f: F) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Tensor + Send + Sync + 'static,
+{
+    let f: RecomputeFn = Arc::new(f);
+    let args: Vec<Tensor> = sources.iter().map(|t| t.shallow_clone()).collect();
+    let Some(store) = crate::torch::hooks::current_store() else { return Ok(f(&args)) };
+    if !crate::torch::hooks::outside_hooks("opening a recompute scope", || store.open_recompute())? {
+        return Ok(f(&args));
+    }
+    let output = match catch_unwind(AssertUnwindSafe(|| f(&args))) {
+        Ok(t) => t,
+        Err(panic) => {
+            let _ = crate::torch::hooks::outside_hooks("abandoning a recompute scope", || store.close_recompute(None));
+            resume_unwind(panic);
+        }
+    };
+    let closing = Recompute {
+        sources: &args,
+        output: &output,
+        f: &f,
+    };
+    crate::torch::hooks::outside_hooks("closing a recompute scope", || store.close_recompute(Some(closing)))?;
+    Ok(output)
+}
+
+/// Which of its scope's tensors a record is.
+#[derive(Debug, Clone)]
+pub(crate) struct Member {
+    frame: usize,
+    slot: Slot,
+}
+
+#[derive(Debug, Clone)]
+enum Slot {
+    /// The `i`-th tensor autograd saved inside the scope.
+    Saved(usize),
+    /// A view of the scope's output, saved after the scope closed.
+    Output { sizes: Vec<i64>, strides: Vec<i64>, offset: i64 },
+}
+
+/// One recompute scope of the current step.
+pub(super) struct Frame {
+    /// Set when the scope closes; `None` while open or after it was abandoned.
+    f: Option<RecomputeFn>,
+    /// Handles of the saved sources, and whether each required grad.
+    sources: Vec<(u64, bool)>,
+    /// Shapes of the tensors saved inside the scope, in order (to check the recomputation).
+    saved: Vec<Vec<i64>>,
+    output_sizes: Vec<i64>,
+    /// The recomputation, from the first unpack until the last member is released.
+    cache: Option<Captured>,
+    /// Live records pointing here.
+    members: usize,
+}
+
+struct Captured {
+    saved: Vec<Tensor>,
+    output: Tensor,
+}
+
+/// The output of a closed scope, matched by storage when a later operation saves it.
+pub(super) struct Output {
+    storage_ptr: u64,
+    watch: StorageWatch,
+    frame: usize,
+}
+
+/// Recompute state of the step, inside [`State`].
+#[derive(Default)]
+pub(super) struct Scopes {
+    frames: Vec<Option<Frame>>,
+    open: Option<usize>,
+    /// The scope whose sources are being saved: they must not stand for its own members.
+    closing: Option<usize>,
+    outputs: Vec<Output>,
+    /// Source handles of scopes whose last member went, to release outside the lock.
+    releases: Vec<u64>,
+}
+
+impl Scopes {
+    /// Forgets the step's scopes (the records that pointed into them are gone).
+    pub(super) fn clear(&mut self) -> bool {
+        let was_open = self.open.is_some();
+        *self = Scopes::default();
+        was_open
+    }
+
+    /// Source handles to release now that their scopes are gone.
+    pub(super) fn take_releases(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.releases)
+    }
+
+    pub(super) fn is_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// Whether a save may not dedupe against `rec`: a source of the scope being closed that
+    /// the scope itself saved would otherwise be recomputed from itself.
+    pub(super) fn excludes(&self, rec: &Record) -> bool {
+        rec.recompute.as_ref().is_some_and(|m| Some(m.frame) == self.closing)
+    }
+
+    /// A record of scope `frame` went: at the last one, frees the recomputation and hands its
+    /// sources back.
+    pub(super) fn member_gone(&mut self, member: &Member) {
+        let Some(slot) = self.frames.get_mut(member.frame) else { return };
+        let Some(frame) = slot.as_mut() else { return };
+        frame.members = frame.members.saturating_sub(1);
+        if frame.members == 0 && frame.f.is_some() && self.open != Some(member.frame) {
+            let outputs_left = self.outputs.iter().any(|o| o.frame == member.frame && o.watch.alive());
+            if !outputs_left {
+                if let Some(frame) = slot.take() {
+                    self.releases.extend(frame.sources.iter().map(|(h, _)| *h));
+                }
+                self.outputs.retain(|o| o.frame != member.frame);
+            }
+        }
+    }
+}
+
+impl Shared {
+    pub(super) fn open_recompute(&self) -> Result<bool> {
+        let mut g = self.lock();
+        if g.scopes.open.is_some() {
+            // Nested: the inner function runs as part of the outer scope.
+            return Ok(false);
+        }
+        let frame = g.scopes.frames.len();
+        g.scopes.frames.push(Some(Frame {
+            f: None,
+            sources: Vec::new(),
+            saved: Vec::new(),
+            output_sizes: Vec::new(),
+            cache: None,
+            members: 0,
+        }));
+        g.scopes.open = Some(frame);
+        Ok(true)
+    }
+
+    pub(super) fn close_recompute(&self, closing: Option<Recompute<'_>>) -> Result<()> {
+        let frame = {
+            let mut g = self.lock();
+            let Some(frame) = g.scopes.open.take() else {
+                return Err(Error::internal("closing a recompute scope that is not open"));
+            };
+            frame
+        };
+        let Some(c) = closing else { return Ok(()) };
+        // The sources are saved the usual way, after the scope: backward reaches them before
+        // the scope's tensors, so the restorer brings them back ahead of the recomputation.
+        self.lock().scopes.closing = Some(frame);
+        let mut sources = Vec::with_capacity(c.sources.len());
+        let mut packed = Ok(());
+        for s in c.sources {
+            match self.pack(s.detach()) {
+                Ok(handle) => sources.push((handle, s.requires_grad())),
+                Err(e) => {
+                    packed = Err(e);
+                    break;
+                }
+            }
+        }
+        self.lock().scopes.closing = None;
+        packed?;
+        let out = c.output;
+        let id = TensorIdentity::of(out);
+        let whole = out.is_contiguous()
+            && id.storage_offset == 0
+            && id.storage_nbytes == (out.numel() * out.kind().elt_size_in_bytes()) as u64;
+        let mut g = self.lock();
+        let Some(Some(f)) = g.scopes.frames.get_mut(frame) else {
+            return Err(Error::internal(format!("recompute scope {frame} is gone")));
+        };
+        f.f = Some(c.f.clone());
+        f.sources = sources;
+        f.output_sizes = out.size();
+        // An output that is not its storage's only tensor cannot be rebuilt from a recomputed
+        // one: later saves of it are stored the usual way.
+        if whole && out.requires_grad() {
+            if let Some(watch) = StorageWatch::of(out) {
+                g.scopes.outputs.push(Output {
+                    storage_ptr: id.storage_ptr,
+                    watch,
+                    frame,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A tensor saved inside the open scope, or a view of a closed scope's output: its record,
+    /// holding nothing. `None` for every other tensor.
+    pub(super) fn pack_recomputed(
+        &self,
+        g: &mut State,
+        t: &Tensor,
+        identity: &TensorIdentity,
+        bytes: u64,
+    ) -> Result<Option<u64>> {
+        let (frame, slot) = if let Some(frame) = g.scopes.open {
+            // The same tensor saved twice in the scope is one member.
+            if let Some(idx) = g.records.find_identity(identity) {
+                if g.records.get(idx).and_then(|r| r.recompute.as_ref()).is_some_and(|m| m.frame == frame) {
+                    return Ok(Some(self.duplicate(g, idx, bytes)));
+                }
+            }
+            let Some(Some(f)) = g.scopes.frames.get_mut(frame) else { return Ok(None) };
+            f.saved.push(t.size());
+            (frame, Slot::Saved(f.saved.len() - 1))
+        } else {
+            if g.scopes.outputs.is_empty() {
+                return Ok(None);
+            }
+            g.scopes.outputs.retain(|o| o.watch.alive());
+            let Some(o) = g.scopes.outputs.iter().find(|o| o.storage_ptr == identity.storage_ptr) else { return Ok(None) };
+            let frame = o.frame;
+            (
+                frame,
+                Slot::Output {
+                    sizes: identity.sizes.clone(),
+                    strides: identity.strides.clone(),
+                    offset: identity.storage_offset,
+                },
+            )
+        };
+        if let Some(Some(f)) = g.scopes.frames.get_mut(frame) {
+            f.members += 1;
+        }
+        g.next_tensor += 1;
+        let id = TensorId(g.next_tensor);
+        let mut rec = Record::new(id, RecordState::Recompute, bytes);
+        rec.identity = Some(identity.clone());
+        rec.watch = StorageWatch::of(t);
+        rec.recompute = Some(Member { frame, slot });
+        let (_, handle) = g.records.insert(rec);
+        let m = &mut g.metrics;
+        m.activations_saved += 1;
+        m.activations_recomputed += 1;
+        m.recompute_bytes += bytes;
+        self.bus.publish_with(|| EventKind::Pack {
+            tensor: id,
+            decision: PackDecision::Recomputed,
+            reason: None,
+            bytes,
+            class: None,
+            pool_hit: None,
+            region: super::state::current_region(g),
+        });
+        Ok(Some(handle))
+    }
+
+    fn duplicate(&self, g: &mut State, idx: usize, bytes: u64) -> u64 {
+        let id = g.records.get_mut(idx).map(|r| {
+            r.refs += 1;
+            r.id
+        });
+        let handle = g.records.new_handle(idx);
+        if let Some(id) = id {
+            self.bus.publish_with(|| EventKind::Pack {
+                tensor: id,
+                decision: PackDecision::Duplicate,
+                reason: None,
+                bytes,
+                class: None,
+                pool_hit: None,
+                region: super::state::current_region(g),
+            });
+        }
+        handle
+    }
+
+    /// Serves a recomputed record, recomputing its scope on the scope's first unpack.
+    pub(super) fn unpack_recomputed(&self, idx: usize) -> Result<Tensor> {
+        let member = {
+            let mut g = self.lock();
+            let rec = g
+                .records
+                .get_mut(idx)
+                .ok_or_else(|| Error::internal(format!("recomputed record {idx} is gone")))?;
+            rec.unpacked = true;
+            rec.recompute.clone().ok_or_else(|| Error::internal("a recomputed record without its scope"))?
+        };
+        let (f, sources) = {
+            let g = self.lock();
+            let frame = frame(&g, member.frame)?;
+            if let Some(c) = &frame.cache {
+                return serve(c, &member.slot);
+            }
+            let f = frame.f.clone().ok_or_else(|| {
+                Error::internal("backward through a recompute scope whose function panicked in the forward")
+            })?;
+            (f, frame.sources.clone())
+        };
+        let mut args = Vec::with_capacity(sources.len());
+        for (handle, requires_grad) in sources {
+            args.push(self.unpack(handle)?.detach().set_requires_grad(requires_grad));
+        }
+        let t0 = Instant::now();
+        let (output, saved) = crate::torch::hooks::capture_saved(|| f(&args)).map_err(Error::Saved)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut g = self.lock();
+        g.metrics.recompute_ms += ms;
+        let frame = frame_mut(&mut g, member.frame)?;
+        if frame.cache.is_none() {
+            check(frame, &output, &saved)?;
+            frame.cache = Some(Captured { saved, output });
+        }
+        match &frame.cache {
+            Some(c) => serve(c, &member.slot),
+            None => Err(Error::internal("a recomputation vanished")),
+        }
+    }
+}
+
+fn frame(g: &State, i: usize) -> Result<&Frame> {
+    g.scopes
+        .frames
+        .get(i)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| Error::internal(format!("recompute scope {i} is gone")))
+}
+
+fn frame_mut(g: &mut State, i: usize) -> Result<&mut Frame> {
+    g.scopes
+        .frames
+        .get_mut(i)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| Error::internal(format!("recompute scope {i} is gone")))
+}
+
+/// The recomputation saved what the forward saved, shape for shape.
+fn check(frame: &Frame, output: &Tensor, saved: &[Tensor]) -> Result<()> {
+    let shapes: Vec<Vec<i64>> = saved.iter().map(Tensor::size).collect();
+    if shapes != frame.saved || output.size() != frame.output_sizes {
+        let err: HookError = format!(
+            "recomputing a scope saved {} tensors of shapes {:?} and returned {:?}; the forward saved {} of shapes {:?} and returned {:?}: the function given to `recompute` must compute the same thing from the same sources",
+            shapes.len(),
+            shapes,
+            output.size(),
+            frame.saved.len(),
+            frame.saved,
+            frame.output_sizes
+        )
+        .into();
+        return Err(Error::Saved(err));
+    }
+    Ok(())
+}
+
+fn serve(c: &Captured, slot: &Slot) -> Result<Tensor> {
+    match slot {
+        Slot::Saved(i) => c
+            .saved
+            .get(*i)
+            .map(Tensor::shallow_clone)
+            .ok_or_else(|| Error::internal(format!("recomputed tensor {i} is missing"))),
+        Slot::Output { sizes, strides, offset } => Ok(c.output.f_as_strided(sizes.as_slice(), strides.as_slice(), *offset)?),
+    }
+}

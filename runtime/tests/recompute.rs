@@ -1,0 +1,139 @@
+//! Recompute scopes: tensors computed again in backward instead of kept or spilled give the
+//! same gradients bit for bit, store fewer bytes, free everything by the step's end, and a
+//! function that does not compute the same thing again is a loud error. Runs on the host
+//! device, and on CUDA where present.
+
+use stagehand::activations::{f_recompute, recompute, ActivationRuntime};
+use stagehand::events::{ActivationStepMetrics, Bus};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tch::nn::{self, OptimizerConfig};
+use tch::{Kind, Tensor};
+
+mod common;
+use common::{assert_bit_identical, device, grads, rng, spill_all_builder};
+
+/// Attention probabilities and an MLP's activation, either under `recompute` or plain.
+fn block(x: &Tensor, p: &[Tensor], scoped: bool) -> Tensor {
+    let (q, k) = (x.matmul(&p[0]), x.matmul(&p[1]));
+    let scores = |s: &[Tensor]| (s[0].matmul(&s[1].transpose(-2, -1)) * 0.125).softmax(-1, Kind::Float);
+    let att = if scoped { recompute(&[&q, &k], scores) } else { scores(&[q, k]) };
+    let x = x + att.matmul(x);
+    let u = x.matmul(&p[2]);
+    let act = |s: &[Tensor]| s[0].gelu("tanh");
+    let h = if scoped { recompute(&[&u], act) } else { act(&[u]) };
+    &x + h.matmul(&p[3])
+}
+
+/// Three steps of SGD; the final gradients, the losses and each step's metrics.
+fn train(rt: Option<&ActivationRuntime>, scoped: bool) -> (Vec<(String, Tensor)>, Vec<f64>, Vec<ActivationStepMetrics>) {
+    let dev = device().tch_device();
+    tch::manual_seed(5);
+    let vs = nn::VarStore::new(dev);
+    let root = vs.root();
+    let d = 32;
+    let p: Vec<Tensor> = [("q", d), ("k", d), ("fc", 4 * d)]
+        .iter()
+        .map(|(n, o)| root.randn(n, &[d, *o], 0.0, 0.2))
+        .chain(std::iter::once(root.randn("out", &[4 * d, d], 0.0, 0.2)))
+        .collect();
+    let mut opt = nn::Sgd::default().build(&vs, 1e-2).expect("optimizer");
+    let x = Tensor::randn([4, 16, d], (Kind::Float, dev));
+    let (mut losses, mut metrics) = (Vec::new(), Vec::new());
+    for step in 1..=3 {
+        if let Some(rt) = rt {
+            rt.begin_step(step);
+        }
+        let loss = {
+            let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
+            let h = block(&x, &p, scoped);
+            block(&h, &p, scoped).square().mean(Kind::Float)
+        };
+        opt.zero_grad();
+        loss.backward();
+        losses.push(loss.double_value(&[]));
+        drop(loss);
+        if let Some(rt) = rt {
+            metrics.push(rt.end_step().expect("step end"));
+        }
+        opt.step();
+    }
+    (grads(&vs), losses, metrics)
+}
+
+#[test]
+fn recomputed_tensors_give_the_same_gradients_and_are_not_stored() {
+    let _rng = rng();
+    let (plain, plain_losses, _) = train(None, true);
+    let rt = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), Bus::disabled(), None)
+        .expect("runtime");
+    let (scoped, scoped_losses, with) = train(Some(&rt), true);
+    assert_bit_identical(&plain, &scoped);
+    assert_eq!(plain_losses, scoped_losses);
+    assert_eq!(rt.live_records(), 0, "every record released");
+    let pool = rt.pool_stats();
+    assert_eq!(pool.free, pool.total, "every slab back in its class");
+
+    let rt2 = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), Bus::disabled(), None)
+        .expect("runtime");
+    let (unscoped, _, without) = train(Some(&rt2), false);
+    assert_bit_identical(&plain, &unscoped);
+    for (a, b) in with.iter().zip(&without) {
+        // Per block, the scores' matmul inputs, the softmax output and the matmul's view of it,
+        // the GELU's input and its output are recomputed; q, k and u are stored, as sources.
+        assert!(a.activations_recomputed >= 8, "{a:?}");
+        assert!(a.recompute_bytes > 0, "{a:?}");
+        assert_eq!(b.activations_recomputed, 0, "{b:?}");
+        // Not stored per block: the GELU output (4 x 16 x 128 floats) and the attention
+        // probabilities (4 x 16 x 16); their sources were saved anyway by the matmuls.
+        let spared = 2 * 4 * (4 * 16 * 128 + 4 * 16 * 16);
+        assert!(
+            a.spill_bytes + spared <= b.spill_bytes,
+            "recompute stores fewer bytes: {} spilled against {} ({} recomputed)",
+            a.spill_bytes,
+            b.spill_bytes,
+            a.recompute_bytes
+        );
+        assert!(a.recompute_ms > 0.0, "{a:?}");
+    }
+}
+
+#[test]
+fn without_a_runtime_recompute_is_the_function() {
+    let x = Tensor::randn([3, 5], tch::kind::FLOAT_CPU).set_requires_grad(true);
+    let y = recompute(&[&x], |s| s[0].tanh());
+    assert!(y.equal(&x.tanh()));
+    y.sum(Kind::Float).backward();
+    assert!(x.grad().defined());
+}
+
+#[test]
+fn a_function_that_computes_something_else_in_backward_is_an_error() {
+    let _rng = rng();
+    let rt = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), Bus::disabled(), None)
+        .expect("runtime");
+    let dev = device().tch_device();
+    let x = Tensor::randn([8, 16], (Kind::Float, dev)).set_requires_grad(true);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    rt.begin_step(1);
+    let loss = {
+        let _hooks = rt.managed_forward().expect("hooks");
+        // The second call (backward's) saves a tensor of another shape.
+        let y = f_recompute(&[&x], move |s| {
+            if c.fetch_add(1, Ordering::SeqCst) == 0 {
+                s[0].tanh()
+            } else {
+                s[0].narrow(1, 0, 8).tanh().repeat([1, 2])
+            }
+        })
+        .expect("scope");
+        (&y * &y).sum(Kind::Float)
+    };
+    let err = loss.f_backward().expect_err("the recomputation differs");
+    assert!(err.to_string().contains("must compute the same thing"), "{err}");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    drop(loss);
+    rt.end_step().expect("step end");
+    assert_eq!(rt.live_records(), 0);
+}
