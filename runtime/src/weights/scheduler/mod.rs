@@ -121,7 +121,14 @@ pub(crate) struct Scheduler {
     last_metrics: WeightStepMetrics,
     /// This step's waits for the host optimizer, read as the compute stream's idle time.
     update_waits: IdleSpans,
+    /// The Belady minimum of bytes a step, for the streamed order, room and trained blocks it
+    /// was computed for.
+    min_bytes: Option<(MinKey, u64)>,
 }
+
+/// What the Belady minimum depends on: the streamed blocks' order, the slots, the blocks whose
+/// host copy changes every step.
+type MinKey = (Vec<BlockId>, usize, Vec<BlockId>);
 
 impl Drop for Scheduler {
     fn drop(&mut self) {
@@ -176,6 +183,7 @@ impl Scheduler {
             metrics: WeightStepMetrics::default(),
             last_metrics: WeightStepMetrics::default(),
             update_waits: IdleSpans::default(),
+            min_bytes: None,
         })
     }
 
@@ -427,8 +435,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The Belady minimum of bytes the step just traced needs to copy in.
-    fn min_h2d_bytes(&self) -> u64 {
+    /// The Belady minimum of bytes a steady-state step of the itinerary just traced needs to
+    /// copy in: the long-run average (see [`super::evictor::min_loads`]), computed again only
+    /// when the itinerary, the room or the trained blocks change.
+    fn min_h2d_bytes(&mut self) -> u64 {
         let (Some(it), Some(slots)) = (self.route.itinerary(), &self.slots) else { return 0 };
         let updated: Vec<BlockId> = if self.stepper.is_some() {
             self.blocks.iter().filter(|b| !b.grads.is_empty() && !b.resident).map(|b| b.spec.id).collect()
@@ -436,11 +446,21 @@ impl Scheduler {
             Vec::new()
         };
         let streamed: Vec<BlockId> = it.order().iter().copied().filter(|b| !self.blocks[b.0 as usize].resident).collect();
-        let it = Itinerary::new(streamed, Vec::new());
-        super::evictor::min_loads(&it, slots.count(), &updated)
+        let key = (streamed, slots.count(), updated);
+        if let Some((k, bytes)) = &self.min_bytes {
+            if *k == key {
+                return *bytes;
+            }
+        }
+        const STEPS: usize = 60;
+        let it = Itinerary::new(key.0.clone(), Vec::new());
+        let total: u64 = super::evictor::min_loads(&it, key.1, &key.2, STEPS)
             .iter()
             .map(|b| self.blocks[b.0 as usize].spec.bytes as u64)
-            .sum()
+            .sum();
+        let bytes = total / STEPS as u64;
+        self.min_bytes = Some((key, bytes));
+        bytes
     }
 
     /// Ends an open step (layer mode's last step, which no later forward closes).
