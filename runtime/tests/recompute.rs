@@ -100,6 +100,7 @@ fn recomputed_tensors_give_the_same_gradients_and_are_not_stored() {
 
 #[test]
 fn without_a_runtime_recompute_is_the_function() {
+    let _rng = rng();
     let x = Tensor::randn([3, 5], tch::kind::FLOAT_CPU).set_requires_grad(true);
     let y = recompute(&[&x], |s| s[0].tanh());
     assert!(y.equal(&x.tanh()));
@@ -136,4 +137,31 @@ fn a_function_that_computes_something_else_in_backward_is_an_error() {
     drop(loss);
     rt.end_step().expect("step end");
     assert_eq!(rt.live_records(), 0);
+}
+
+#[test]
+fn a_streamed_layer_inside_a_scope_is_refused() {
+    use stagehand::nn as snn;
+    use tch::nn::Module;
+    let _rng = rng();
+    let device = device();
+    // Sixteen 96 x 96 layers (37 KB each) under 320 KiB: some of them stream.
+    let sh = common::dropin::handle(&device, 320 << 10);
+    let mut layers: Option<Vec<_>> =
+        Some((0..16).map(|i| snn::linear(sh.root() / format!("l{i}"), 96, 96, Default::default())).collect());
+    let mut opt = sh.optimizer(nn::Sgd::default(), 1e-2).expect("optimizer");
+    let x = Tensor::randn([4, 96], (Kind::Float, sh.device().tch_device()));
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let inner = layers.take().expect("the layers");
+        sh.train_step(&mut opt, || {
+            recompute(&[&x], move |s| inner.iter().fold(s[0].shallow_clone(), |h, l| l.forward(&h).relu())).sum(Kind::Float)
+        })
+    }))
+    .expect_err("the scope refuses the streamed weight");
+    let msg = err
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(msg.contains("streamed weight inside a recompute scope"), "{msg}");
 }

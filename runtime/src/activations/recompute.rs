@@ -21,7 +21,6 @@ use crate::error::{Error, Result};
 use crate::events::{EventKind, PackDecision, TensorId};
 use crate::torch::{HookError, Recompute, RecomputeFn, StorageWatch, TensorIdentity};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::Arc;
 use std::time::Instant;
 use tch::Tensor;
 
@@ -39,7 +38,7 @@ use tch::Tensor;
 /// ```
 pub fn recompute<F>(sources: &[&Tensor], f: F) -> Tensor
 where
-    F: Fn(&[Tensor]) -> Tensor + Send + Sync + 'static,
+    F: FnMut(&[Tensor]) -> Tensor + Send + 'static,
 {
     match f_recompute(sources, f) {
         Ok(t) => t,
@@ -50,15 +49,15 @@ where
 /// [`recompute`], returning the runtime's errors.
 pub fn f_recompute<F>(sources: &[&Tensor], f: F) -> Result<Tensor>
 where
-    F: Fn(&[Tensor]) -> Tensor + Send + Sync + 'static,
+    F: FnMut(&[Tensor]) -> Tensor + Send + 'static,
 {
-    let f: RecomputeFn = Arc::new(f);
+    let f = RecomputeFn::new(f);
     let args: Vec<Tensor> = sources.iter().map(|t| t.shallow_clone()).collect();
-    let Some(store) = crate::torch::hooks::current_store() else { return Ok(f(&args)) };
+    let Some(store) = crate::torch::hooks::current_store() else { return Ok(f.call(&args)) };
     if !crate::torch::hooks::outside_hooks("opening a recompute scope", || store.open_recompute())? {
-        return Ok(f(&args));
+        return Ok(f.call(&args));
     }
-    let output = match catch_unwind(AssertUnwindSafe(|| f(&args))) {
+    let output = match catch_unwind(AssertUnwindSafe(|| f.call(&args))) {
         Ok(t) => t,
         Err(panic) => {
             let _ = crate::torch::hooks::outside_hooks("abandoning a recompute scope", || store.close_recompute(None));
@@ -348,7 +347,7 @@ impl Shared {
             args.push(self.unpack(handle)?.detach().set_requires_grad(requires_grad));
         }
         let t0 = Instant::now();
-        let (output, saved) = crate::torch::hooks::capture_saved(|| f(&args)).map_err(Error::Saved)?;
+        let (output, saved) = crate::torch::hooks::capture_saved(|| f.call(&args)).map_err(Error::Saved)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mut g = self.lock();
         g.metrics.recompute_ms += ms;

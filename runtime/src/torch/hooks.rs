@@ -52,8 +52,29 @@ pub trait SavedTensorStore: Send + Sync + 'static {
     }
 }
 
-/// A function computing a tensor from its sources, run again in backward by a recompute scope.
-pub type RecomputeFn = Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>;
+/// A function computing a tensor from its sources, run again in backward by a recompute scope
+/// (possibly on an autograd thread). Behind a lock, so it may hold tensors (which are `Send`
+/// but not `Sync`).
+#[derive(Clone)]
+pub struct RecomputeFn(Arc<std::sync::Mutex<Box<dyn FnMut(&[Tensor]) -> Tensor + Send>>>);
+
+impl std::fmt::Debug for RecomputeFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RecomputeFn")
+    }
+}
+
+impl RecomputeFn {
+    pub fn new(f: impl FnMut(&[Tensor]) -> Tensor + Send + 'static) -> RecomputeFn {
+        RecomputeFn(Arc::new(std::sync::Mutex::new(Box::new(f))))
+    }
+
+    /// Runs the function (a panic inside leaves it usable: it holds no state of ours).
+    pub fn call(&self, args: &[Tensor]) -> Tensor {
+        let mut f = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        f(args)
+    }
+}
 
 /// How a recompute scope computed its output, for the store to repeat it in backward.
 #[derive(Clone, Copy)]
