@@ -149,6 +149,8 @@ fn main() -> anyhow::Result<()> {
     let d2h = w_d2h + a_spill;
     let host_w = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_ms));
     let host_a = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.host_ms));
+    let recomputed = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.recompute_bytes as f64));
+    let recompute_ms = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.recompute_ms));
 
     // ---- the floor, measured in this run -----------------------------------------------------
     let bw = bandwidth::measure(&device, if cuda { 256 << 20 } else { 32 << 20 })?;
@@ -187,6 +189,10 @@ fn main() -> anyhow::Result<()> {
         100.0 * hits / (hits + misses).max(1.0)
     );
     println!("pageable-fallback bytes per step after step 1: {pageable:.0}");
+    println!(
+        "recomputed in backward instead of stored, per step: {:.1} MiB ({recompute_ms:.1} ms of host time)",
+        recomputed / MIB
+    );
     println!(
         "training-thread time in Stagehand's hooks per step: weights {host_w:.1} ms, saved tensors {host_a:.1} ms (a weight unpack counts in both)"
     );
