@@ -96,6 +96,7 @@ impl ActivationRuntime {
             conductor: Conductor::disabled(),
             sizes: SizeProfile::default(),
             pool_traced: false,
+            pool_extra: 0,
             auto_region: None,
             d2h_waits: Default::default(),
             refusals_warned: Default::default(),
@@ -251,7 +252,21 @@ impl ActivationRuntime {
     /// publishes the new limits; `None` when the high one is at the floor already. The handle
     /// does this after a step whose peak went over the budget.
     pub fn lower_watermarks(&self, by: u64, floor: u64) -> Option<(u64, u64)> {
-        let lowered = self.shared.lock().policy.lower(by, floor)?;
+        let lowered = {
+            let mut g = self.shared.lock();
+            let (high, _) = g.policy.watermarks();
+            let lowered = g.policy.lower(by, floor)?;
+            // Up to that many more bytes spill in later steps: a traced pool grows to hold them
+            // now, so they find slabs instead of pageable memory.
+            g.pool_extra = g.pool_extra.saturating_add(high.saturating_sub(lowered.0));
+            if g.pool_traced && g.records.live() == 0 {
+                if let Err(e) = self.shared.rebuild_pool(&mut g) {
+                    drop(g);
+                    self.shared.warn(format!("growing the activation pool for the lower watermarks: {e}"));
+                }
+            }
+            lowered
+        };
         self.shared.bus.publish(EventKind::LimitsSet {
             owner: Owner::Activations,
             budget_bytes: self.shared.device.info().total_bytes,

@@ -72,6 +72,21 @@ impl SizeProfile {
         }
         v.into_iter().map(|(b, n)| (b, n.saturating_add(n.div_ceil(8).max(1)))).unzip()
     }
+
+    /// [`SizeProfile::plan`] with room for `extra` more bytes of spills held at once, spread over
+    /// the classes as the traced bytes are (lower spill watermarks spill that much more).
+    pub(super) fn plan_with(&self, max_classes: usize, extra: u64) -> (Vec<u64>, Vec<u32>) {
+        let (classes, mut slabs) = self.plan(max_classes);
+        let total: u128 = classes.iter().zip(&slabs).map(|(&c, &n)| c as u128 * n as u128).sum();
+        if total > 0 && extra > 0 {
+            for (&c, n) in classes.iter().zip(slabs.iter_mut()) {
+                let share = c as u128 * *n as u128 * extra as u128 / total;
+                let more = share.div_ceil(c.max(1) as u128).min(u32::MAX as u128) as u32;
+                *n = n.saturating_add(more);
+            }
+        }
+        (classes, slabs)
+    }
 }
 
 #[cfg(test)]
@@ -94,6 +109,9 @@ mod tests {
         assert_eq!(p.plan(8), (vec![12_288, 1 << 20], vec![4, 3]));
         // One class only: the small spills take slabs of the larger size (5, and one more).
         assert_eq!(p.plan(1), (vec![1 << 20], vec![6]));
+        // 1.5 MiB more, spread as the traced bytes are (rounded up to whole slabs in each class).
+        assert_eq!(p.plan_with(8, 3 << 19), (vec![12_288, 1 << 20], vec![6, 5]));
+        assert_eq!(p.plan_with(8, 0), p.plan(8));
         let mut big = SizeProfile::default();
         for _ in 0..80 {
             big.spilled(4096);

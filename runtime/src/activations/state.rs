@@ -56,6 +56,8 @@ pub(super) struct State {
     pub sizes: SizeProfile,
     /// The pool was sized from a traced step.
     pub pool_traced: bool,
+    /// Bytes the spill watermarks were lowered by since the trace: the pool holds that much more.
+    pub pool_extra: u64,
     /// The region the weight runtime said the forward was in at the last pack.
     pub auto_region: Option<Arc<str>>,
     /// This step's host waits for spills, read as the compute stream's idle time at its end.
@@ -636,27 +638,35 @@ impl Shared {
         }
         let needed = !g.pool_traced || g.metrics.pool_misses > 0;
         if needed {
-            let current = g.pool.stats();
-            let (classes, slabs) = g.sizes.plan(self.config.max_pool_classes as usize);
-            let total: u64 = classes.iter().zip(&slabs).map(|(c, n)| c * *n as u64).sum();
-            if let Some(limit) = self.config.pinned_limit_bytes.filter(|&l| total > l) {
-                self.warn(format!(
-                    "the traced step held {total} bytes of spills at once, more than the pinned limit {limit}; keeping the pool ({} slabs)",
-                    current.total.iter().sum::<u32>()
-                ));
-            } else {
-                g.pool = SlabPool::new(
-                    &self.device,
-                    PoolKind::Activations,
-                    &classes,
-                    &slabs,
-                    self.config.pageable_fallback,
-                    self.bus.clone(),
-                )?;
-                g.pool_traced = true;
-            }
+            self.rebuild_pool(g)?;
         }
         g.sizes.clear_step();
+        Ok(())
+    }
+
+    /// Rebuilds the pool from the traced sizes and the bytes the watermarks moved since, within
+    /// the pinned limit (over it, the pool stays as it is, with a warning). Between steps only:
+    /// no lease may be live.
+    pub(super) fn rebuild_pool(&self, g: &mut State) -> Result<()> {
+        let current = g.pool.stats();
+        let (classes, slabs) = g.sizes.plan_with(self.config.max_pool_classes as usize, g.pool_extra);
+        let total: u64 = classes.iter().zip(&slabs).map(|(c, n)| c * *n as u64).sum();
+        if let Some(limit) = self.config.pinned_limit_bytes.filter(|&l| total > l) {
+            self.warn(format!(
+                "the traced step held {total} bytes of spills at once, more than the pinned limit {limit}; keeping the pool ({} slabs)",
+                current.total.iter().sum::<u32>()
+            ));
+            return Ok(());
+        }
+        g.pool = SlabPool::new(
+            &self.device,
+            PoolKind::Activations,
+            &classes,
+            &slabs,
+            self.config.pageable_fallback,
+            self.bus.clone(),
+        )?;
+        g.pool_traced = true;
         Ok(())
     }
 }
