@@ -263,12 +263,19 @@ fn the_demos_defaults_show_the_system_working_as_designed() {
     assert!(summary.activations_spilled > 0, "the defaults spill");
     let steady: Vec<_> = live.steps.iter().filter(|r| r.step > 1).collect();
     assert_eq!(steady.len(), 3, "{:?}", live.steps.iter().map(|r| r.step).collect::<Vec<_>>());
+    let first = live.steps.iter().find(|r| r.step == 1).and_then(|r| r.activations.clone());
+    let warnings: Vec<&str> = live.warnings.iter().map(|w| w.message.as_str()).collect();
     for r in steady {
         let w = r.weights.as_ref().expect("weights streamed");
         assert!(w.prefetch_hits >= 9 * w.prefetch_misses.max(1), "step {}: {w:?}", r.step);
         let a = r.activations.as_ref().expect("activations");
         assert!(a.activations_spilled > 0, "step {} spilled", r.step);
-        assert_eq!((a.pool_misses, a.pageable_bytes), (0, 0), "step {}: pageable spills {a:?}", r.step);
+        assert_eq!(
+            (a.pool_misses, a.pageable_bytes),
+            (0, 0),
+            "step {}: pageable spills {a:?}; step 1: {first:?}; warnings: {warnings:?}",
+            r.step
+        );
     }
     assert!(!live.warnings.iter().any(|w| w.message.contains("pinned limit")), "{:?}", live.warnings);
 }
