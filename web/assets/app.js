@@ -181,6 +181,7 @@
     set("act-saved", a.saved); set("act-kept", a.kept); set("act-spilled", a.spilled);
     set("act-restored", a.restored); set("act-predicted", a.predicted);
     set("act-spill-bytes", a.spill_bytes, bytes(a.spill_bytes)); set("act-restore-bytes", a.restore_bytes, bytes(a.restore_bytes));
+    set("act-recomputed", a.recomputed); set("act-recompute-bytes", a.recompute_bytes, bytes(a.recompute_bytes));
     set("act-stall", a.stall_ms, ms(a.stall_ms)); set("act-spilling", undefined, a.spilling ? "on" : "off");
   }
   function conductor(c) {

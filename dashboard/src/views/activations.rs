@@ -14,7 +14,7 @@ use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
-    let [top, steps] = Layout::vertical([Constraint::Length(10), Constraint::Min(3)]).areas(area);
+    let [top, steps] = Layout::vertical([Constraint::Length(11), Constraint::Min(3)]).areas(area);
     let [totals, reasons] =
         Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)]).areas(top);
     let a = &state.snapshot.activations;
@@ -32,6 +32,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
         ("restored", "restored", format!("{} ({} ahead of need)", count(a.restored), count(a.predicted)), n),
         ("stalls", "stalls", format!("{} ({})", count(a.stall_count), ms(a.stall_time_ms)), bad_if(a.stall_count, theme)),
         ("bytes spilled / back", "spill/back", format!("{} / {}", bytes(a.spill_bytes), bytes(a.restore_bytes)), n),
+        ("recomputed, not stored", "recomputed", format!("{} ({})", count(a.recomputed), bytes(a.recompute_bytes)), n),
         ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.pool_hits), count(a.pool_misses)), bad_if(a.pool_misses, theme)),
         ("spilling now", "spilling", if a.spilling { "on (over the high watermark)" } else { "off" }.to_owned(), n),
     ];

@@ -291,6 +291,9 @@ pub struct ActivationsPanel {
     pub predicted: u64,
     pub spill_bytes: u64,
     pub restore_bytes: u64,
+    /// Saved tensors recomputed in backward instead of stored, and their bytes.
+    pub recomputed: u64,
+    pub recompute_bytes: u64,
     pub stall_ms: f64,
     pub spilling: bool,
 }
@@ -305,6 +308,8 @@ pub(crate) fn activations(s: &Snapshot) -> ActivationsPanel {
         predicted: a.predicted,
         spill_bytes: a.spill_bytes,
         restore_bytes: a.restore_bytes,
+        recomputed: a.recomputed,
+        recompute_bytes: a.recompute_bytes,
         stall_ms: ms(a.stall_time_ms),
         spilling: a.spilling,
     }
