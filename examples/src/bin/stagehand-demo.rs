@@ -270,13 +270,15 @@ fn main() -> Result<()> {
             snap.weights.evictions
         );
         println!(
-            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} through pageable memory",
+            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} through pageable memory, {} recomputed ({:.1} MiB never stored)",
             snap.activations.saved,
             snap.activations.spilled,
             mib(snap.activations.spill_bytes),
             snap.activations.restored,
             snap.activations.predicted,
-            snap.activations.pool_misses
+            snap.activations.pool_misses,
+            snap.activations.recomputed,
+            mib(snap.activations.recompute_bytes)
         );
         if let Some(t) = summary.breakdowns.last() {
             println!(
