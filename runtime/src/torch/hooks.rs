@@ -56,7 +56,9 @@ pub trait SavedTensorStore: Send + Sync + 'static {
 /// (possibly on an autograd thread). Behind a lock, so it may hold tensors (which are `Send`
 /// but not `Sync`).
 #[derive(Clone)]
-pub struct RecomputeFn(Arc<std::sync::Mutex<Box<dyn FnMut(&[Tensor]) -> Tensor + Send>>>);
+pub struct RecomputeFn(Arc<std::sync::Mutex<BoxedRecompute>>);
+
+type BoxedRecompute = Box<dyn FnMut(&[Tensor]) -> Tensor + Send>;
 
 impl std::fmt::Debug for RecomputeFn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
