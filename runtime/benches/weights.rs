@@ -9,6 +9,7 @@
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench weights`.
 
+use stagehand::activations::{recompute, ActivationConfig, ActivationRuntime};
 use stagehand::device::Device;
 use stagehand::events::Bus;
 use stagehand::events::BlockId;
@@ -81,13 +82,15 @@ fn main() -> anyhow::Result<()> {
         probe.memory().allocated as f64 / 1e9
     );
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    // (name, forward only, telemetry, checkpointed blocks)
     let variants = [
-        ("fwd+bwd, telemetry on", false, true),
-        ("fwd+bwd, bus disabled", false, false),
-        ("forward only, telemetry on", true, true),
+        ("fwd+bwd, telemetry on", false, true, false),
+        ("fwd+bwd, bus disabled", false, false, false),
+        ("forward only, telemetry on", true, true, false),
+        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true),
     ];
     let mut results = Vec::new();
-    for (i, (name, inference, telemetry)) in variants.into_iter().enumerate() {
+    for (i, (name, inference, telemetry, checkpoint)) in variants.into_iter().enumerate() {
         let bus = if telemetry {
             let hub = Arc::new(stagehand::events::Hub::new());
             let file = out_dir.join(format!("weights-{}-{i}.jsonl", std::process::id()));
@@ -96,7 +99,8 @@ fn main() -> anyhow::Result<()> {
         } else {
             Bus::disabled()
         };
-        let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, prefetch, inflight, steps, &x0, bus.clone(), inference)?;
+        let mode = Mode { inference, checkpoint };
+        let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, prefetch, inflight, steps, &x0, bus.clone(), mode)?;
         bus.close();
         println!(
             "{name}: {:.4} s/step, h2d {:.3} GB (minimum {:.3} GB), hits {} misses {}, peak {:.2} GB",
@@ -139,6 +143,16 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How the streamed step runs.
+#[derive(Clone, Copy)]
+struct Mode {
+    /// Forward only, under `no_grad`.
+    inference: bool,
+    /// Each block in a recompute scope: its activations computed again in backward from the
+    /// block's input and its weights (resident again for backward), instead of kept.
+    checkpoint: bool,
+}
+
 struct Streamed {
     step_s: f64,
     bytes: u64,
@@ -161,8 +175,9 @@ fn run_streamed(
     steps: i64,
     x0: &Tensor,
     bus: Bus,
-    inference: bool,
+    mode: Mode,
 ) -> anyhow::Result<Streamed> {
+    let inference = mode.inference;
     let sync = || probe.synchronize();
     let cfg = WeightConfig::builder()
         .pool(block_bytes as u64 * 2, block_bytes as u64)
@@ -172,7 +187,15 @@ fn run_streamed(
         .max_inflight_h2d(inflight)
         .inference_mode(inference)
         .build()?;
-    let rt = WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus)?;
+    let rt = WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus.clone())?;
+    // Checkpointing goes through the activation runtime's store (recompute scopes), keeping on
+    // the device whatever is saved: only the scopes change what is stored.
+    let acts = if mode.checkpoint {
+        let keep = ActivationConfig::builder().watermarks_bytes(u64::MAX / 2, u64::MAX / 4).build()?;
+        Some(ActivationRuntime::new(probe.clone(), keep, bus, Some(rt.resolver()))?)
+    } else {
+        None
+    };
     let ids: Vec<BlockId> = (0..blocks).map(|b| rt.block_id(&format!("blocks.{b}"))).collect::<Result<_, _>>()?;
     let streamed_w = weights_of(vs, blocks);
     let store = Arc::new(WeightStore::new(rt.resolver()));
@@ -189,6 +212,21 @@ fn run_streamed(
                 }
                 Ok(())
             })?;
+        } else if let Some(acts) = &acts {
+            acts.begin_step(1);
+            let y = {
+                let _hooks = acts.managed_forward()?;
+                let mut h = x.shallow_clone();
+                for (id, w) in ids.iter().zip(&streamed_w) {
+                    let _g = rt.block(*id)?;
+                    let sources: Vec<&Tensor> = std::iter::once(&h).chain(w.iter()).collect();
+                    h = recompute(&sources, |s| block_fwd(&s[1..], &s[0]));
+                }
+                h
+            };
+            y.to_kind(Kind::Float).mean(Kind::Float).backward();
+            drop(y);
+            acts.end_step()?;
         } else {
             let y = {
                 let _hooks = SavedTensorHooks::enable(store.clone())?;

@@ -18,7 +18,8 @@
 use super::record::{Record, RecordState};
 use super::state::{Shared, State};
 use crate::error::{Error, Result};
-use crate::events::{EventKind, PackDecision, TensorId};
+use crate::events::{BlockId, EventKind, PackDecision, TensorId};
+use crate::saved::WeightSave;
 use crate::torch::{HookError, Recompute, RecomputeFn, StorageWatch, TensorIdentity};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::Instant;
@@ -125,6 +126,9 @@ pub(super) struct Scopes {
     outputs: Vec<Output>,
     /// Source handles of scopes whose last member went, to release outside the lock.
     releases: Vec<u64>,
+    /// Streamed weights (block, parameter) saved inside the open scope: each must be one of
+    /// its sources, so that backward's recomputation gets it resident.
+    weights: Vec<(BlockId, u32)>,
 }
 
 impl Scopes {
@@ -144,10 +148,22 @@ impl Scopes {
         self.open.is_some()
     }
 
-    /// Whether a save may not dedupe against `rec`: a source of the scope being closed that
-    /// the scope itself saved would otherwise be recomputed from itself.
+    /// A streamed weight is being saved: noted when a scope is open (true), else nothing.
+    pub(super) fn note_weight(&mut self, save: &WeightSave) -> bool {
+        if self.open.is_none() {
+            return false;
+        }
+        if !self.weights.contains(&(save.block, save.param)) {
+            self.weights.push((save.block, save.param));
+        }
+        true
+    }
+
+    /// Whether a save may not dedupe against `rec`: a scope's sources are stored tensors, never
+    /// recomputed ones (a source the scope itself saved would be recomputed from itself, and
+    /// one another scope recomputes would chain every scope's recomputation to the first).
     pub(super) fn excludes(&self, rec: &Record) -> bool {
-        rec.recompute.as_ref().is_some_and(|m| Some(m.frame) == self.closing)
+        self.closing.is_some() && rec.recompute.is_some()
     }
 
     /// A record of scope `frame` went: at the last one, frees the recomputation and hands its
@@ -189,14 +205,29 @@ impl Shared {
     }
 
     pub(super) fn close_recompute(&self, closing: Option<Recompute<'_>>) -> Result<()> {
-        let frame = {
+        let (frame, weights) = {
             let mut g = self.lock();
             let Some(frame) = g.scopes.open.take() else {
                 return Err(Error::internal("closing a recompute scope that is not open"));
             };
-            frame
+            (frame, std::mem::take(&mut g.scopes.weights))
         };
         let Some(c) = closing else { return Ok(()) };
+        // A streamed weight need not be resident when backward recomputes: the function must
+        // get it from its sources (saved as weight handles, made resident by the unpack).
+        if let Some(resolver) = &self.resolver {
+            let given: Vec<(BlockId, u32)> = c
+                .sources
+                .iter()
+                .filter_map(|s| resolver.resolve(s).map(|w| (w.block, w.param)))
+                .collect();
+            if let Some((block, param)) = weights.iter().find(|w| !given.contains(w)) {
+                return Err(Error::misuse(
+                    format!("saving streamed weight {param} of block {block} inside a recompute scope"),
+                    "the weights a recompute function uses among its sources (`recompute(&[&x, &w], |s| ..)`), so that backward's recomputation gets them resident; or the layer applied outside `recompute`",
+                ));
+            }
+        }
         // The sources are saved the usual way, after the scope: backward reaches them before
         // the scope's tensors, so the restorer brings them back ahead of the recomputation.
         self.lock().scopes.closing = Some(frame);
@@ -259,7 +290,9 @@ impl Shared {
             f.saved.push(t.size());
             (frame, Slot::Saved(f.saved.len() - 1))
         } else {
-            if g.scopes.outputs.is_empty() {
+            // A scope's sources are stored, even when one is another scope's output (see
+            // `Scopes::excludes`).
+            if g.scopes.outputs.is_empty() || g.scopes.closing.is_some() {
                 return Ok(None);
             }
             g.scopes.outputs.retain(|o| o.watch.alive());

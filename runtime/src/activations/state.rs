@@ -150,12 +150,13 @@ impl Shared {
         // Ask the weight runtime first, outside our lock (it takes its own).
         if let Some(resolver) = &self.resolver {
             if let Some(save) = resolver.resolve(&tensor) {
-                if self.lock().scopes.is_open() {
+                // Inside a recompute scope a streamed weight is one of the scope's tensors like
+                // any other: the recomputation gets it, resident, from the scope's sources
+                // (checked when the scope closes).
+                let in_scope = self.lock().scopes.note_weight(&save);
+                if in_scope {
                     resolver.release(&save);
-                    return Err(Error::misuse(
-                        "saving a streamed weight inside a recompute scope",
-                        "a function without streamed weights (their block need not be on the device when backward recomputes it); apply the layer outside `recompute`",
-                    ));
+                    return self.pack_tensor(tensor);
                 }
                 return Ok(self.pack_weight(save));
             }
