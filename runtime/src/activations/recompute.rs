@@ -10,10 +10,12 @@
 //! it frees them when the last of them is released. A recomputation that saves tensors of other
 //! shapes than the forward did is an error, never a silent mismatch.
 //!
-//! `f` must compute the same values from the same sources: no dropout or other randomness, no
-//! streamed weights (a weight's block need not be on the device in backward; using one is an
-//! error at the scope's first pack). Without an activation runtime on the thread (plain tch,
-//! hooks off, a store that keeps everything) `f` simply runs.
+//! `f` must compute the same values from the same sources: no dropout or other randomness. A
+//! streamed weight `f` uses must be one of its sources: saved as a handle to its block, it comes
+//! back resident for the recomputation (a weight's block need not be on the device otherwise;
+//! a scope whose function uses one it was not given is refused when it closes). That is how a
+//! whole block is checkpointed in block mode. Without an activation runtime on the thread (plain
+//! tch, hooks off, a store that keeps everything) `f` simply runs.
 
 use super::record::{Record, RecordState};
 use super::state::{Shared, State};
