@@ -232,6 +232,9 @@ fn checkpointed_streamed_blocks_give_the_same_input_gradients() {
                     h
                 };
                 y.sum(Kind::Float).backward();
+                // Backward released every saved tensor, and each scope its sources and its
+                // recomputation, while the output still lives.
+                assert_eq!(acts.live_records(), 0, "step {step}: records left after backward");
                 let metrics = acts.end_step().expect("acts end");
                 rt.end_step().expect("end");
                 (y.detach(), x.grad(), metrics)

@@ -169,19 +169,19 @@ impl Scopes {
     }
 
     /// A record of scope `frame` went: at the last one, frees the recomputation and hands its
-    /// sources back.
+    /// sources back. Its output stops standing for the scope: a later save of it (none comes in
+    /// backward) is stored the usual way. Keeping the scope for its output instead would chain
+    /// the scopes of a checkpointed stack (each block's output is the next one's source, and the
+    /// last output lives until backward ends), holding every recomputation to the step's end.
     pub(super) fn member_gone(&mut self, member: &Member) {
         let Some(slot) = self.frames.get_mut(member.frame) else { return };
         let Some(frame) = slot.as_mut() else { return };
         frame.members = frame.members.saturating_sub(1);
         if frame.members == 0 && frame.f.is_some() && self.open != Some(member.frame) {
-            let outputs_left = self.outputs.iter().any(|o| o.frame == member.frame && o.watch.alive());
-            if !outputs_left {
-                if let Some(frame) = slot.take() {
-                    self.releases.extend(frame.sources.iter().map(|(h, _)| *h));
-                }
-                self.outputs.retain(|o| o.frame != member.frame);
+            if let Some(frame) = slot.take() {
+                self.releases.extend(frame.sources.iter().map(|(h, _)| *h));
             }
+            self.outputs.retain(|o| o.frame != member.frame);
         }
     }
 }
