@@ -1,6 +1,9 @@
 //! Weight streaming benchmark: trains (frozen weights, forward and backward, input requiring
 //! grad) a model larger than the weight budget, and compares the streamed step time with the
 //! floor max(resident step, bytes moved / pinned H2D bandwidth), all measured in this run.
+//! Variants: telemetry on (a JSONL sink), the bus disabled, forward only, and every block
+//! checkpointed (a recompute scope over the block's input and weights: only the input is kept,
+//! backward runs the block's forward again with the block resident).
 //!
 //! On a GPU the default is the 16-block d=4096 bf16 model at 4096 tokens (6.4 GB of weights,
 //! 4 blocks resident); on the host device a small f32 model. Override with env variables:
