@@ -123,7 +123,8 @@ pub(super) struct Output {
 pub(super) struct Scopes {
     frames: Vec<Option<Frame>>,
     open: Option<usize>,
-    /// The scope whose sources are being saved: they must not stand for its own members.
+    /// The scope whose sources are being saved: sources are stored tensors, never recomputed
+    /// ones (see [`Scopes::excludes`]).
     closing: Option<usize>,
     outputs: Vec<Output>,
     /// Source handles of scopes whose last member went, to release outside the lock.
