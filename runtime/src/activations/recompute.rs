@@ -286,7 +286,7 @@ impl Shared {
             // The same tensor saved twice in the scope is one member.
             if let Some(idx) = g.records.find_identity(identity) {
                 if g.records.get(idx).and_then(|r| r.recompute.as_ref()).is_some_and(|m| m.frame == frame) {
-                    return Ok(Some(self.duplicate(g, idx, bytes)));
+                    return Ok(self.duplicate(g, idx, bytes));
                 }
             }
             let Some(Some(f)) = g.scopes.frames.get_mut(frame) else { return Ok(None) };
@@ -334,26 +334,6 @@ impl Shared {
             region: super::state::current_region(g),
         });
         Ok(Some(handle))
-    }
-
-    fn duplicate(&self, g: &mut State, idx: usize, bytes: u64) -> u64 {
-        let id = g.records.get_mut(idx).map(|r| {
-            r.refs += 1;
-            r.id
-        });
-        let handle = g.records.new_handle(idx);
-        if let Some(id) = id {
-            self.bus.publish_with(|| EventKind::Pack {
-                tensor: id,
-                decision: PackDecision::Duplicate,
-                reason: None,
-                bytes,
-                class: None,
-                pool_hit: None,
-                region: super::state::current_region(g),
-            });
-        }
-        handle
     }
 
     /// Serves a recomputed record, recomputing its scope on the scope's first unpack.

@@ -200,20 +200,7 @@ impl Shared {
             }
         }
         if let Some(idx) = g.records.find_identity(&identity).filter(|&i| g.records.get(i).is_some_and(|r| !g.scopes.excludes(r))) {
-            if let Some(rec) = g.records.get_mut(idx) {
-                rec.refs += 1;
-                let id = rec.id;
-                let handle = g.records.new_handle(idx);
-                let region = current_region(&g);
-                self.bus.publish_with(|| EventKind::Pack {
-                    tensor: id,
-                    decision: PackDecision::Duplicate,
-                    reason: None,
-                    bytes,
-                    class: None,
-                    pool_hit: None,
-                    region,
-                });
+            if let Some(handle) = self.duplicate(&mut g, idx, bytes) {
                 return Ok(handle);
             }
         }
@@ -290,6 +277,26 @@ impl Shared {
             region,
         });
         Ok(handle)
+    }
+
+    /// Another save of record `idx`'s tensor: one more reference and handle to it (`None` when
+    /// the record is gone).
+    pub(super) fn duplicate(&self, g: &mut State, idx: usize, bytes: u64) -> Option<u64> {
+        let rec = g.records.get_mut(idx)?;
+        rec.refs += 1;
+        let id = rec.id;
+        let handle = g.records.new_handle(idx);
+        let region = current_region(g);
+        self.bus.publish_with(|| EventKind::Pack {
+            tensor: id,
+            decision: PackDecision::Duplicate,
+            reason: None,
+            bytes,
+            class: None,
+            pool_hit: None,
+            region,
+        });
+        Some(handle)
     }
 
     /// Starts the D2H copy of `t` into a pool slab and records it as spilling; refused when no
