@@ -18,7 +18,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
-use common::blocks::{block_bytes, block_fwd, build, Block, D};
+use common::blocks::{block_bytes, block_fwd, Block, D};
 use common::{device, grads, rng};
 
 /// A sink keeping every event, and a bus feeding it.
@@ -89,15 +89,7 @@ fn assert_required_never_refused(events: &[EventKind]) {
 /// A frozen reference model on the device and an identical one in host memory, streamed by a
 /// weight runtime that holds 4 blocks and prefetches 3 ahead with 3 copies in flight.
 fn weights(n: usize, device: &Device, bus: Bus) -> (Vec<Block>, Vec<Block>, WeightRuntime, nn::VarStore) {
-    let _g = rng();
-    tch::manual_seed(7);
-    let mut vr = nn::VarStore::new(device.tch_device());
-    let r = build(&vr, n);
-    let mut vm = nn::VarStore::new(tch::Device::Cpu);
-    let m = build(&vm, n);
-    vm.copy(&vr).expect("copy weights");
-    vr.freeze();
-    vm.freeze();
+    let (_vr, r, vm, m) = common::blocks::pair(device.tch_device(), n, false);
     let cfg = WeightConfig::builder()
         .pool(4 << 20, 1 << 20)
         .watermarks(1 << 40, 1 << 39)

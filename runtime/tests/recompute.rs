@@ -171,24 +171,13 @@ fn a_streamed_layer_inside_a_scope_without_its_weights_as_sources_is_refused() {
 /// resident). Frozen weights, the input requiring grad, a 3-block room for 6 blocks.
 #[test]
 fn checkpointed_streamed_blocks_give_the_same_input_gradients() {
-    use common::blocks::{block_bytes, block_fwd, build, D};
+    use common::blocks::{block_bytes, block_fwd, pair, D};
     use stagehand::activations::ActivationConfig;
     use stagehand::weights::{WeightConfig, WeightRuntime};
     let device = device();
     let dev = device.tch_device();
     let n = 6;
-    let (r, vm, m) = {
-        let _g = rng();
-        tch::manual_seed(7);
-        let mut vr = nn::VarStore::new(dev);
-        let r = build(&vr, n);
-        let mut vm = nn::VarStore::new(tch::Device::Cpu);
-        let m = build(&vm, n);
-        vm.copy(&vr).expect("copy weights");
-        vr.freeze();
-        vm.freeze();
-        (r, vm, m)
-    };
+    let (_vr, r, vm, m) = pair(dev, n, false);
     let cfg = WeightConfig::builder()
         .pool(4 << 20, 1 << 20)
         .watermarks(1 << 40, 1 << 39)

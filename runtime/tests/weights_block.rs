@@ -11,24 +11,12 @@ use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
-use common::blocks::{block_bytes, block_fwd, build, Block, D, H};
+use common::blocks::{block_bytes, block_fwd, Block, D, H};
 use common::rng;
 
 /// A reference model on the device and an identical managed one (its VarStore on the CPU).
 fn pair(n: usize, trainable: bool) -> (nn::VarStore, Vec<Block>, nn::VarStore, Vec<Block>) {
-    let dev = Device::auto(1 << 30).tch_device();
-    let _g = rng();
-    tch::manual_seed(7);
-    let mut vr = nn::VarStore::new(dev);
-    let r = build(&vr, n);
-    let mut vm = nn::VarStore::new(tch::Device::Cpu);
-    let m = build(&vm, n);
-    vm.copy(&vr).expect("copy weights");
-    if !trainable {
-        vr.freeze();
-        vm.freeze();
-    }
-    (vr, r, vm, m)
+    common::blocks::pair(Device::auto(1 << 30).tch_device(), n, trainable)
 }
 
 fn runtime(vm: &nn::VarStore, device: Device, budget_blocks: u64, k: u32, bus: Bus, inference: bool) -> WeightRuntime {

@@ -83,6 +83,23 @@ pub mod blocks {
             .collect()
     }
 
+    /// A reference model on `dev` and an identical one in host memory, for a weight runtime to
+    /// stream (seed 7); both frozen unless `trainable`.
+    pub fn pair(dev: tch::Device, n: usize, trainable: bool) -> (nn::VarStore, Vec<Block>, nn::VarStore, Vec<Block>) {
+        let _g = super::rng();
+        tch::manual_seed(7);
+        let mut vr = nn::VarStore::new(dev);
+        let r = build(&vr, n);
+        let mut vm = nn::VarStore::new(tch::Device::Cpu);
+        let m = build(&vm, n);
+        vm.copy(&vr).expect("copy weights");
+        if !trainable {
+            vr.freeze();
+            vm.freeze();
+        }
+        (vr, r, vm, m)
+    }
+
     pub fn block_fwd(b: &Block, x: &Tensor) -> Tensor {
         x + b.1.forward(&b.0.forward(x).relu())
     }
