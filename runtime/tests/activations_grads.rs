@@ -13,7 +13,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
-use common::{assert_bit_identical, device, grads, rng};
+use common::{assert_bit_identical, device, grads, rng, sgd_steps};
 
 fn spill_all() -> ActivationConfig {
     common::spill_all_builder().build().expect("config")
@@ -34,27 +34,9 @@ fn train_mlp(rt: Option<&ActivationRuntime>) -> (Vec<(String, Tensor)>, Vec<f64>
     tch::manual_seed(11);
     let vs = nn::VarStore::new(dev.tch_device());
     let net = mlp(&vs.root());
-    let mut opt = nn::Sgd::default().build(&vs, 1e-2).expect("optimizer");
     let x = Tensor::randn([64, 32], (Kind::Float, dev.tch_device()));
     let y = Tensor::randn([64, 8], (Kind::Float, dev.tch_device()));
-    let (mut losses, mut metrics) = (Vec::new(), Vec::new());
-    for step in 1..=3 {
-        if let Some(rt) = rt {
-            rt.begin_step(step);
-        }
-        let loss = {
-            let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
-            net.forward(&x).mse_loss(&y, tch::Reduction::Mean)
-        };
-        opt.zero_grad();
-        loss.backward();
-        losses.push(loss.double_value(&[]));
-        drop(loss);
-        if let Some(rt) = rt {
-            metrics.push(rt.end_step().expect("step end"));
-        }
-        opt.step();
-    }
+    let (losses, metrics) = sgd_steps(rt, &vs, || net.forward(&x).mse_loss(&y, tch::Reduction::Mean));
     (grads(&vs), losses, metrics)
 }
 
@@ -130,29 +112,14 @@ fn train_transformer(rt: Option<&ActivationRuntime>) -> (Vec<(String, Tensor)>, 
     if let Some(rt) = rt {
         rt.register_parameters(vs.trainable_variables().iter());
     }
-    let mut metrics = Vec::new();
-    let mut opt = nn::Sgd::default().build(&vs, 1e-2).expect("optimizer");
-    for step in 1..=3 {
-        if let Some(rt) = rt {
-            rt.begin_step(step);
+    let (_, metrics) = sgd_steps(rt, &vs, || {
+        let mut h = x.shallow_clone();
+        for (i, b) in blocks.iter().enumerate() {
+            let _block = rt.map(|r| r.region(&format!("blocks.{i}")));
+            h = b.forward(&h, rt);
         }
-        let loss = {
-            let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
-            let mut h = x.shallow_clone();
-            for (i, b) in blocks.iter().enumerate() {
-                let _block = rt.map(|r| r.region(&format!("blocks.{i}")));
-                h = b.forward(&h, rt);
-            }
-            h.pow_tensor_scalar(2).mean(Kind::Float)
-        };
-        opt.zero_grad();
-        loss.backward();
-        drop(loss);
-        if let Some(rt) = rt {
-            metrics.push(rt.end_step().expect("step end"));
-        }
-        opt.step();
-    }
+        h.pow_tensor_scalar(2).mean(Kind::Float)
+    });
     (grads(&vs), metrics)
 }
 

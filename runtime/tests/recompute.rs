@@ -7,11 +7,11 @@ use stagehand::activations::{f_recompute, recompute, ActivationRuntime};
 use stagehand::events::{ActivationStepMetrics, Bus};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use tch::nn::{self, OptimizerConfig};
+use tch::nn;
 use tch::{Kind, Tensor};
 
 mod common;
-use common::{assert_bit_identical, device, grads, rng, spill_all_builder};
+use common::{assert_bit_identical, device, grads, rng, sgd_steps, spill_all_builder};
 
 /// Attention probabilities and an MLP's activation, either under `recompute` or plain.
 fn block(x: &Tensor, p: &[Tensor], scoped: bool) -> Tensor {
@@ -37,27 +37,8 @@ fn train(rt: Option<&ActivationRuntime>, scoped: bool) -> (Vec<(String, Tensor)>
         .map(|(n, o)| root.randn(n, &[d, *o], 0.0, 0.2))
         .chain(std::iter::once(root.randn("out", &[4 * d, d], 0.0, 0.2)))
         .collect();
-    let mut opt = nn::Sgd::default().build(&vs, 1e-2).expect("optimizer");
     let x = Tensor::randn([4, 16, d], (Kind::Float, dev));
-    let (mut losses, mut metrics) = (Vec::new(), Vec::new());
-    for step in 1..=3 {
-        if let Some(rt) = rt {
-            rt.begin_step(step);
-        }
-        let loss = {
-            let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
-            let h = block(&x, &p, scoped);
-            block(&h, &p, scoped).square().mean(Kind::Float)
-        };
-        opt.zero_grad();
-        loss.backward();
-        losses.push(loss.double_value(&[]));
-        drop(loss);
-        if let Some(rt) = rt {
-            metrics.push(rt.end_step().expect("step end"));
-        }
-        opt.step();
-    }
+    let (losses, metrics) = sgd_steps(rt, &vs, || block(&block(&x, &p, scoped), &p, scoped).square().mean(Kind::Float));
     (grads(&vs), losses, metrics)
 }
 

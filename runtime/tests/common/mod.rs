@@ -4,7 +4,8 @@
 #![allow(dead_code)]
 
 use stagehand::activations::ActivationConfigBuilder;
-use stagehand::activations::ActivationConfig;
+use stagehand::activations::{ActivationConfig, ActivationRuntime};
+use stagehand::events::ActivationStepMetrics;
 use stagehand::device::Device;
 use std::sync::Mutex;
 use tch::nn;
@@ -16,6 +17,36 @@ static RNG: Mutex<()> = Mutex::new(());
 
 pub fn rng() -> std::sync::MutexGuard<'static, ()> {
     RNG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Three SGD steps (lr 1e-2) over `vs` of the loss `forward` computes, under `rt`'s saved-tensor
+/// hooks when given (plain tch otherwise); the losses and `rt`'s metrics of each step.
+pub fn sgd_steps(
+    rt: Option<&ActivationRuntime>,
+    vs: &nn::VarStore,
+    mut forward: impl FnMut() -> Tensor,
+) -> (Vec<f64>, Vec<ActivationStepMetrics>) {
+    use tch::nn::OptimizerConfig;
+    let mut opt = nn::Sgd::default().build(vs, 1e-2).expect("optimizer");
+    let (mut losses, mut metrics) = (Vec::new(), Vec::new());
+    for step in 1..=3 {
+        if let Some(rt) = rt {
+            rt.begin_step(step);
+        }
+        let loss = {
+            let _hooks = rt.map(|r| r.managed_forward().expect("hooks"));
+            forward()
+        };
+        opt.zero_grad();
+        loss.backward();
+        losses.push(loss.double_value(&[]));
+        drop(loss);
+        if let Some(rt) = rt {
+            metrics.push(rt.end_step().expect("step end"));
+        }
+        opt.step();
+    }
+    (losses, metrics)
 }
 
 /// The host device, or CUDA where present, with the hook engine installed. The hook engine must
