@@ -1,50 +1,34 @@
 //! A replay server over a large telemetry file holds a bounded number of events, whatever the
 //! file's size, and still reaches exactly the state the in-memory reducer computes.
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
-use http_body_util::BodyExt;
+mod http;
+mod inproc;
+
+use axum::http::StatusCode;
+use inproc::call;
 use serde_json::{json, Value};
 use stagehand::events::jsonl::read_file;
 use stagehand::events::replay::file::RECENT_KEPT;
 use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand::events::{EventKind, Phase, Snapshot};
-use stagehand_web::{router, AppState, ReplayDriver};
+use stagehand_web::{AppState, ReplayDriver};
 use std::io::Write;
 use std::sync::Arc;
-use tower::ServiceExt;
 
 /// Bytes the generated file holds at least: far more than the driver may keep.
 const FILE_BYTES: u64 = 16 << 20;
 
-async fn call(state: &AppState, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, Vec<u8>) {
-    let req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("host", "localhost:7878")
-        .header("content-type", "application/json")
-        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
-        .expect("request");
-    let resp = router(state.clone()).oneshot(req).await.expect("answers");
-    let status = resp.status();
-    (status, resp.into_body().collect().await.expect("body").to_bytes().to_vec())
-}
-
 async fn seek(state: &AppState, body: Value) -> Value {
-    let (status, bytes) = call(state, "POST", "/api/replay/seek", Some(body.clone())).await;
+    let (status, _, bytes) = call(state, "POST", "/api/replay/seek", Some(body.clone())).await;
     let v: Value = serde_json::from_slice(&bytes).expect("JSON body");
     assert_eq!(status, StatusCode::OK, "seek {body}: {v}");
     v
 }
 
-/// A metric's value on `/metrics` (the sum of its samples).
+/// A metric's value on `/metrics` (the sum of its samples, 0 when it has none).
 async fn scraped(state: &AppState, name: &str) -> f64 {
-    let (_, body) = call(state, "GET", "/metrics", None).await;
-    let text = String::from_utf8(body).expect("utf-8");
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let (_, _, body) = call(state, "GET", "/metrics", None).await;
+    http::metric(&String::from_utf8(body).expect("utf-8"), name).unwrap_or(0.0)
 }
 
 /// Writes a synthetic run long enough to reach `FILE_BYTES`, one event a line.

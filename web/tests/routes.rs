@@ -1,6 +1,7 @@
 //! Every route, in memory (`Router::oneshot`), live and replaying.
 
 mod http;
+mod inproc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -9,6 +10,7 @@ use serde_json::{json, Value};
 use stagehand::events::{Hub, Snapshot};
 use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::Metrics;
+use inproc::call;
 use stagehand_web::{router, AppState, ReplayDriver};
 use std::sync::Arc;
 use tower::ServiceExt;
@@ -23,26 +25,6 @@ fn live_state(steps: u64) -> AppState {
         hub.ingest(e);
     }
     state
-}
-
-async fn call(state: &AppState, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, String, Vec<u8>) {
-    let req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("host", "localhost:7878")
-        .header("content-type", "application/json")
-        .body(body.map_or_else(Body::empty, |b| Body::from(b.to_string())))
-        .expect("request");
-    let resp = router(state.clone()).oneshot(req).await.expect("answers");
-    let status = resp.status();
-    let ctype = resp
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
-    let bytes = resp.into_body().collect().await.expect("body").to_bytes().to_vec();
-    (status, ctype, bytes)
 }
 
 async fn call_json(state: &AppState, method: &str, uri: &str, body: Option<Value>) -> (StatusCode, Value) {
