@@ -153,6 +153,17 @@ fn training_through_the_handle_equals_plain_tch() {
     for s in 0..steps {
         let (ids, targets) = batch(100 + s, dev);
         let report = sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step");
+        if s == 0 {
+            // The first step kept half the plan's activations and measured what rode above its
+            // watermark; the next steps keep the plan's watermark where that still fits.
+            let plan = sh.plan().expect("planned");
+            let (first, _) = plan.first_spill_watermarks();
+            let above = report.vram_peak_bytes.saturating_sub(first);
+            let fits = (budget - budget / 32).saturating_sub(above);
+            let want = plan.spill_high_bytes.min(fits).max(plan.spill_floor_bytes);
+            assert!(first < plan.spill_high_bytes, "{plan:?}");
+            assert_eq!(sh.activations().expect("spilling").watermarks().0, want, "peak {}", report.vram_peak_bytes);
+        }
         got.push(report.loss);
         let t = report.time;
         let parts = t.compute_ms + t.h2d_wait_ms + t.d2h_wait_ms + t.weight_stall_ms + t.restore_stall_ms + t.optimizer_ms + t.other_ms;
@@ -220,7 +231,16 @@ fn training_through_the_handle_equals_plain_tch() {
     let times = events.iter().filter(|e| matches!(e, EventKind::StepTime(_))).count();
     assert_eq!(times, steps as usize, "a time breakdown per step");
     assert!(events.iter().any(|e| matches!(e, EventKind::VramOwners(o) if o.weights_bytes > 0)));
-    assert!(events.iter().any(|e| matches!(e, EventKind::LimitsSet { owner: stagehand::events::Owner::Activations, .. })));
+    let activation_limits: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::LimitsSet { owner: Owner::Activations, high_watermark_bytes, low_watermark_bytes, .. } => {
+                Some((high_watermark_bytes.unwrap_or(0), low_watermark_bytes.unwrap_or(0)))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(activation_limits.first(), Some(&plan.first_spill_watermarks()), "the first step's limits are published");
 }
 
 #[test]

@@ -252,7 +252,7 @@ fn the_demos_defaults_show_the_system_working_as_designed() {
     stagehand::torch::init();
     let d = DEMO_DEFAULTS;
     let device = Device::auto(d.budget_mib << 20);
-    let budget = demo_budget(&device, Some(d.budget_mib << 20)).expect("budget").expect("a default");
+    let budget = demo_budget(&device, Some(d.budget_above(&device))).expect("budget").expect("a default");
     let hub = Arc::new(Hub::new());
     let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
     let cfg = TrainConfig::demo(4, d.layers, d.d_model, d.seq, d.batch, budget);
@@ -278,4 +278,10 @@ fn the_demos_defaults_show_the_system_working_as_designed() {
         );
     }
     assert!(!live.warnings.iter().any(|w| w.message.contains("pinned limit")), "{:?}", live.warnings);
+    // Every step, the first included, stays under the budget (on CUDA, temporaries included).
+    let peaks: Vec<(u64, u64)> =
+        live.steps.iter().filter_map(|r| r.train.as_ref().map(|t| (r.step, t.vram_peak_bytes))).collect();
+    assert_eq!(peaks.len(), 4);
+    assert!(peaks.iter().all(|&(_, p)| p <= budget), "peaks {peaks:?} over the {budget} budget; {warnings:?}");
+    assert!(!warnings.iter().any(|w| w.contains("over the")), "{warnings:?}");
 }

@@ -33,8 +33,9 @@ struct Args {
     batch: i64,
     /// Device memory budget in MiB (the simulated VRAM on the host device). Everything else (the
     /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it. Default:
-    /// 16 MiB; on CUDA, 16 MiB above what libtorch holds for itself (cuBLAS's workspaces), so the
-    /// small model streams and spills there as it does on the host.
+    /// 16 MiB; on CUDA, 32 MiB above what libtorch holds for itself (cuBLAS's workspaces; the
+    /// ops' temporaries count there too), so the small model streams and spills there as it
+    /// does on the host.
     #[arg(long)]
     budget_mib: Option<u64>,
     /// Telemetry file; never overwritten. Default: runs/stagehand-<time>.jsonl (.jsonl.zst with
@@ -104,7 +105,8 @@ fn main() -> Result<()> {
     let asked = args.budget_mib.unwrap_or(DEMO_DEFAULTS.budget_mib);
     let asked = asked.checked_mul(1 << 20).context("--budget-mib is too large")?;
     let device = if args.cpu { Device::host(asked) } else { Device::auto(asked) };
-    let budget = demo_budget(&device, args.budget_mib.is_none().then_some(asked))?.unwrap_or(asked);
+    let above = args.budget_mib.is_none().then(|| DEMO_DEFAULTS.budget_above(&device));
+    let budget = demo_budget(&device, above)?.unwrap_or(asked);
     let info = device.info();
 
     let out = args.out.clone().unwrap_or_else(|| {

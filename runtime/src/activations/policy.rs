@@ -71,13 +71,12 @@ impl SpillPolicy {
         (self.high, self.low)
     }
 
-    /// Moves both watermarks down by `by` bytes, keeping their gap, with the high one no lower
-    /// than `floor`. Returns the new watermarks, or `None` when the high one already sits at
-    /// the floor.
-    pub fn lower(&mut self, by: u64, floor: u64) -> Option<(u64, u64)> {
+    /// Moves both watermarks so that the high one is `high` (no lower than `floor`, nor than
+    /// the gap), keeping their gap. Returns the new watermarks, or `None` when they did not move.
+    pub fn move_to(&mut self, high: u64, floor: u64) -> Option<(u64, u64)> {
         let gap = self.high - self.low;
-        let high = self.high.saturating_sub(by).max(floor).max(gap + 1);
-        if high >= self.high {
+        let high = high.max(floor).max(gap + 1);
+        if high == self.high {
             return None;
         }
         self.high = high;
@@ -219,11 +218,14 @@ mod tests {
     }
 
     #[test]
-    fn lowering_keeps_the_gap_and_stops_at_the_floor() {
+    fn moving_keeps_the_gap_and_stops_at_the_floor() {
         let mut p = SpillPolicy::new(1000, 800, 1, 1.0);
-        assert_eq!(p.lower(100, 500), Some((900, 700)));
-        assert_eq!(p.lower(1000, 500), Some((500, 300)), "not below the floor");
-        assert_eq!(p.lower(10, 500), None, "at the floor already");
+        assert_eq!(p.move_to(900, 500), Some((900, 700)));
+        assert_eq!(p.move_to(0, 500), Some((500, 300)), "not below the floor");
+        assert_eq!(p.move_to(10, 500), None, "at the floor already");
         assert_eq!(p.watermarks(), (500, 300));
+        assert_eq!(p.move_to(700, 500), Some((700, 500)), "raised");
+        assert_eq!(p.move_to(700, 500), None, "already there");
+        assert_eq!(p.move_to(100, 50), Some((201, 1)), "the low one stays above 0");
     }
 }

@@ -252,28 +252,40 @@ impl ActivationRuntime {
     /// publishes the new limits; `None` when the high one is at the floor already. The handle
     /// does this after a step whose peak went over the budget.
     pub fn lower_watermarks(&self, by: u64, floor: u64) -> Option<(u64, u64)> {
-        let lowered = {
+        let (high, _) = self.watermarks();
+        self.move_watermarks(high.saturating_sub(by), floor).filter(|&(moved, _)| moved < high)
+    }
+
+    /// Moves both spill watermarks, keeping their gap, so that the high one is `high` (no lower
+    /// than `floor`), and publishes the new limits; `None` when they did not move. The handle
+    /// does this after the first step, from what it measured above the watermark.
+    pub fn move_watermarks(&self, high: u64, floor: u64) -> Option<(u64, u64)> {
+        let moved = {
             let mut g = self.shared.lock();
-            let (high, _) = g.policy.watermarks();
-            let lowered = g.policy.lower(by, floor)?;
-            // Up to that many more bytes spill in later steps: a traced pool grows to hold them
-            // now, so they find slabs instead of pageable memory.
-            g.pool_extra = g.pool_extra.saturating_add(high.saturating_sub(lowered.0));
-            if g.pool_traced && g.records.live() == 0 {
-                if let Err(e) = self.shared.rebuild_pool(&mut g) {
-                    drop(g);
-                    self.shared.warn(format!("growing the activation pool for the lower watermarks: {e}"));
+            let (before, _) = g.policy.watermarks();
+            let moved = g.policy.move_to(high, floor)?;
+            if moved.0 < before {
+                // Up to that many more bytes spill in later steps: a traced pool grows to hold
+                // them now, so they find slabs instead of pageable memory.
+                g.pool_extra = g.pool_extra.saturating_add(before - moved.0);
+                if g.pool_traced && g.records.live() == 0 {
+                    if let Err(e) = self.shared.rebuild_pool(&mut g) {
+                        drop(g);
+                        self.shared.warn(format!("growing the activation pool for the lower watermarks: {e}"));
+                    }
                 }
+            } else {
+                g.pool_extra = g.pool_extra.saturating_sub(moved.0 - before);
             }
-            lowered
+            moved
         };
         self.shared.bus.publish(EventKind::LimitsSet {
             owner: Owner::Activations,
             budget_bytes: self.shared.device.info().total_bytes,
-            high_watermark_bytes: Some(lowered.0),
-            low_watermark_bytes: Some(lowered.1),
+            high_watermark_bytes: Some(moved.0),
+            low_watermark_bytes: Some(moved.1),
         });
-        Some(lowered)
+        Some(moved)
     }
 
     /// The spill watermarks in force, high then low.

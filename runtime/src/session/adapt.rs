@@ -1,4 +1,10 @@
-//! Keeping later steps under the budget. The plan estimates what the allocator, temporaries
+//! Keeping steps under the budget. The first step keeps half the activations the plan allows
+//! and measures what rides above its high watermark (the temporaries of the ops running at the
+//! peak, restores ahead of backward, spills landing): that follows the widest layer rather than
+//! the budget, so later steps take the plan's watermark only where the measured overhead still
+//! fits under the budget less the margin, and a lower one otherwise.
+//!
+//! The plan estimates what the allocator, temporaries
 //! and copies in flight add on top of what the runtimes hold; a step whose peak comes within a
 //! margin of the budget (1/32 of it) or goes over moves the spill watermarks down by the excess
 //! over budget less margin, so the next step keeps fewer activations on the device. The margin
@@ -12,11 +18,33 @@ use crate::activations::ActivationRuntime;
 use crate::events::{EventKind, Owner};
 
 impl Stagehand {
-    /// After step `step` peaked at `peak` allocated bytes: lowers the watermarks when that was
-    /// within the margin of the budget or over it. Says once when they cannot go lower.
-    pub(super) fn keep_under_budget(&self, acts: &ActivationRuntime, step: u64, peak: u64, floor: u64) {
+    /// After step `step` peaked at `peak` allocated bytes: after the first, sets the watermarks
+    /// from what it measured above its own (the high one at most `planned`); after later ones,
+    /// lowers them when the peak was within the margin of the budget or over it. Says once when
+    /// they cannot go lower.
+    pub(super) fn keep_under_budget(&self, acts: &ActivationRuntime, step: u64, peak: u64, floor: u64, planned: u64) {
         let margin = self.budget / 32;
         let target = self.budget - margin;
+        if step == 1 {
+            let (high, _) = acts.watermarks();
+            let above = peak.saturating_sub(high);
+            let to = planned.min(target.saturating_sub(above));
+            let moved = acts.move_watermarks(to, floor);
+            if to >= planned {
+                return;
+            }
+            if let Some((high, low)) = moved.filter(|m| m.0 > floor || to == floor) {
+                let message = format!(
+                    "step 1 held {} MiB above its spill watermark (temporaries, restores, spills landing), more than the plan allowed for: activations now spill above {} MiB until under {} MiB (the plan's {} MiB would exceed the budget)",
+                    above >> 20,
+                    high >> 20,
+                    low >> 20,
+                    planned >> 20
+                );
+                self.bus.publish(EventKind::Warning { source: Owner::Activations, message });
+                return;
+            }
+        }
         let Some(by) = peak.checked_sub(target).filter(|&o| o > 0) else { return };
         let message = match acts.lower_watermarks(by, floor) {
             Some((high, low)) => format!(

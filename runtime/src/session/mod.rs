@@ -409,8 +409,9 @@ impl Stagehand {
             plan.max_inflight_h2d,
         )?;
         let acts = if self.spill {
+            let (high, low) = plan.first_spill_watermarks();
             let cfg = ActivationConfig::builder()
-                .watermarks_bytes(plan.spill_high_bytes, plan.spill_low_bytes)
+                .watermarks_bytes(high, low)
                 .max_inflight(plan.max_inflight_spills, plan.max_inflight_restores)
                 // Spills still landing hold their device memory: at most the room above the
                 // high watermark.

@@ -84,6 +84,10 @@ pub struct Plan {
     /// The lowest the high watermark may be moved to when steps go over the budget: what the
     /// device holds before any activation is kept.
     pub spill_floor_bytes: u64,
+    /// The high watermark of the first step, which keeps half the activations: it measures what
+    /// rides above the watermark before later steps keep the plan's share (`session::adapt`).
+    #[serde(default)]
+    pub first_spill_high_bytes: u64,
     pub restore_allowance_bytes: u64,
     pub prefetch_window: u32,
     pub max_inflight_h2d: u32,
@@ -226,11 +230,17 @@ impl Plan {
         p.spill_high_bytes = model.baseline_bytes + p.reserve_bytes / 2 + p.unmanaged_bytes + weights + kept;
         p.spill_low_bytes = p.spill_high_bytes - kept / 4;
         p.spill_floor_bytes = p.spill_high_bytes - kept;
+        // What rides above the watermark follows the widest layer's temporaries, not the
+        // budget: a small budget next to wide layers (the demo's defaults on CUDA: 12 MiB above
+        // the watermark with a 30 MiB room) needs more than the shares above. The first step
+        // keeps half and measures it; later steps keep the plan's watermark or less.
+        p.first_spill_high_bytes = p.spill_high_bytes - kept / 2;
         p.restore_allowance_bytes = activations / 5;
         p.reasons.push(format!(
-            "activations spill above {} until under {}; restores ahead of backward may hold {}",
+            "activations spill above {} until under {} (the first step above {}, measuring the temporaries); restores ahead of backward may hold {}",
             mib(p.spill_high_bytes),
             mib(p.spill_low_bytes),
+            mib(p.first_spill_high_bytes),
             mib(p.restore_allowance_bytes)
         ));
         p.max_inflight_h2d = p.prefetch_window.max(2);
@@ -280,6 +290,12 @@ impl Plan {
     pub fn streams(&self) -> bool {
         self.slots > 0
     }
+
+    /// The first step's spill watermarks, high then low (the plan's gap under a lower high).
+    pub fn first_spill_watermarks(&self) -> (u64, u64) {
+        let gap = self.spill_high_bytes - self.spill_low_bytes;
+        (self.first_spill_high_bytes, self.first_spill_high_bytes.saturating_sub(gap))
+    }
 }
 
 /// Host memory available now (`MemAvailable`), or 0 when it cannot be read.
@@ -322,6 +338,9 @@ mod tests {
         assert!(!p.streams());
         assert_eq!(p.resident_blocks.len(), 7);
         assert!(p.spill_high_bytes > p.spill_low_bytes);
+        let (high, low) = p.first_spill_watermarks();
+        assert!(p.spill_floor_bytes < low && high < p.spill_high_bytes, "{p:?}");
+        assert_eq!(high - low, p.spill_high_bytes - p.spill_low_bytes);
     }
 
     #[test]

@@ -102,12 +102,12 @@ impl Stagehand {
     }
 
     fn step_inner(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
-        let (acts, conductor, step, tokens, floor) = {
+        let (acts, conductor, step, tokens, (floor, planned)) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
             run.step += 1;
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
-            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, r.plan.spill_floor_bytes)
+            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes))
         };
         let weights = self.weights();
         let t0 = Instant::now();
@@ -196,7 +196,7 @@ impl Stagehand {
         }));
         self.bus.publish(EventKind::StepTime(time));
         if let Some(a) = &acts {
-            self.keep_under_budget(a, step, mem.peak, floor);
+            self.keep_under_budget(a, step, mem.peak, floor, planned);
         }
         Ok(StepReport {
             step,
