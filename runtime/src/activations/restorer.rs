@@ -38,6 +38,8 @@ pub(super) struct Ahead {
     pub cap: usize,
     /// Device bytes restores ahead of need may hold.
     pub allowance: u64,
+    /// Allocated device bytes a restore ahead of need may not take memory above.
+    pub ceiling: u64,
 }
 
 /// What restoring did in one call, for the step's metrics.
@@ -326,7 +328,10 @@ impl Restorer {
             match rec.state {
                 RecordState::Spilling | RecordState::Spilled => {
                     let bytes = rec.bytes;
-                    if self.inflight.len() >= ahead.cap || self.predicted_bytes + bytes > ahead.allowance {
+                    if self.inflight.len() >= ahead.cap
+                        || self.predicted_bytes + bytes > ahead.allowance
+                        || device.memory().allocated.saturating_add(bytes) > ahead.ceiling
+                    {
                         break;
                     }
                     // A spill still landing ends the prediction (`finalize` says whether it

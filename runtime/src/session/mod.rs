@@ -417,6 +417,9 @@ impl Stagehand {
                 // high watermark.
                 .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
                 .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                // Restored tensors still in use count too: with the training thread far ahead
+                // of the GPU, restores would otherwise pile up past the budget.
+                .restore_ceiling_above_high(Some(plan.restore_allowance_bytes))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))
