@@ -1,9 +1,13 @@
 //! Weight streaming benchmark: trains (frozen weights, forward and backward, input requiring
 //! grad) a model larger than the weight budget, and compares the streamed step time with the
 //! floor max(resident step, bytes moved / pinned H2D bandwidth), all measured in this run.
-//! Variants: telemetry on (a JSONL sink), the bus disabled, forward only, and every block
+//! Variants: telemetry on (a JSONL sink), the bus disabled, forward only, every block
 //! checkpointed (a recompute scope over the block's input and weights: only the input is kept,
-//! backward runs the block's forward again with the block resident).
+//! backward runs the block's forward again with the block resident), and streaming units of a
+//! third of a block (the attention projections, the MLP's up and its down projection, each
+//! registered as its own unit in the same bytes of room, prefetched as far ahead in bytes): at
+//! the forward/backward turn and at the step's start the copy engine waits for a slot to free,
+//! which a smaller unit frees sooner.
 //!
 //! On a GPU the default is the 16-block d=4096 bf16 model at 4096 tokens (6.4 GB of weights,
 //! 4 blocks resident); on the host device a small f32 model. Override with env variables:
@@ -16,7 +20,7 @@ use stagehand::activations::{recompute, ActivationConfig, ActivationRuntime};
 use stagehand::device::Device;
 use stagehand::events::Bus;
 use stagehand::events::BlockId;
-use stagehand::weights::{WeightConfig, WeightRuntime};
+use stagehand::weights::{BlockGuard, WeightConfig, WeightRuntime};
 use stagehand::torch::SavedTensorHooks;
 use stagehand::weights::WeightStore;
 use std::sync::Arc;
@@ -34,6 +38,24 @@ fn block_fwd(w: &[Tensor], x: &Tensor) -> Tensor {
     let x = x + a;
     let m = x.linear(&w[4], none).gelu("tanh");
     &x + m.linear(&w[5], none)
+}
+
+/// The same block through three streaming units (attention, MLP up, MLP down), each resident
+/// while its part of the forward runs.
+fn block_fwd_units(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
+    let none: Option<&Tensor> = None;
+    let enter = |u: usize| -> anyhow::Result<BlockGuard<'_>> { Ok(rt.block(units[u])?) };
+    let a = {
+        let _g = enter(0)?;
+        x.linear(&w[0], none).linear(&w[1], none).linear(&w[2], none).linear(&w[3], none)
+    };
+    let x = x + a;
+    let m = {
+        let _g = enter(1)?;
+        x.linear(&w[4], none).gelu("tanh")
+    };
+    let _g = enter(2)?;
+    Ok(&x + m.linear(&w[5], none))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -85,15 +107,17 @@ fn main() -> anyhow::Result<()> {
         probe.memory().allocated as f64 / 1e9
     );
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    // (name, forward only, telemetry, checkpointed blocks)
+    // (name, forward only, telemetry, checkpointed blocks, units of a third of a block)
     let variants = [
-        ("fwd+bwd, telemetry on", false, true, false),
-        ("fwd+bwd, bus disabled", false, false, false),
-        ("forward only, telemetry on", true, true, false),
-        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true),
+        ("fwd+bwd, telemetry on", false, true, false, false),
+        ("fwd+bwd, bus disabled", false, false, false, false),
+        ("forward only, telemetry on", true, true, false, false),
+        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true, false),
+        ("fwd+bwd, third-block units, telemetry on", false, true, false, true),
+        ("forward only, third-block units, telemetry on", true, true, false, true),
     ];
     let mut results = Vec::new();
-    for (i, (name, inference, telemetry, checkpoint)) in variants.into_iter().enumerate() {
+    for (i, (name, inference, telemetry, checkpoint, units)) in variants.into_iter().enumerate() {
         let bus = if telemetry {
             let hub = Arc::new(stagehand::events::Hub::new());
             let file = out_dir.join(format!("weights-{}-{i}.jsonl", std::process::id()));
@@ -102,7 +126,7 @@ fn main() -> anyhow::Result<()> {
         } else {
             Bus::disabled()
         };
-        let mode = Mode { inference, checkpoint };
+        let mode = Mode { inference, checkpoint, units };
         let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, prefetch, inflight, steps, &x0, bus.clone(), mode)?;
         bus.close();
         println!(
@@ -154,6 +178,8 @@ struct Mode {
     /// Each block in a recompute scope: its activations computed again in backward from the
     /// block's input and its weights (resident again for backward), instead of kept.
     checkpoint: bool,
+    /// Three streaming units per block (attention, MLP up, MLP down) instead of one.
+    units: bool,
 }
 
 struct Streamed {
@@ -182,15 +208,29 @@ fn run_streamed(
 ) -> anyhow::Result<Streamed> {
     let inference = mode.inference;
     let sync = || probe.synchronize();
+    // Units of a third of a block prefetch three times as many units ahead: as far in bytes.
+    let (unit_bytes, window) = if mode.units { (block_bytes / 3, prefetch * 3) } else { (block_bytes, prefetch) };
     let cfg = WeightConfig::builder()
-        .pool(block_bytes as u64 * 2, block_bytes as u64)
+        .pool(unit_bytes as u64 * 2, unit_bytes as u64)
         .watermarks(u64::MAX / 2, u64::MAX / 4)
         .weight_budget(budget_blocks * block_bytes as u64)
-        .prefetch_window(prefetch)
+        .prefetch_window(window)
         .max_inflight_h2d(inflight)
         .inference_mode(inference)
         .build()?;
-    let rt = WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus.clone())?;
+    let rt = if mode.units {
+        let rt = WeightRuntime::new(probe.clone(), cfg, bus.clone())?;
+        let vars = vs.variables();
+        let var = |b: i64, n: &str| (format!("blocks.{b}.{n}"), vars[&format!("blocks.{b}.{n}")].shallow_clone());
+        for b in 0..blocks {
+            rt.register_block(&format!("blocks.{b}.attn"), ["wq", "wk", "wv", "wo"].iter().map(|n| var(b, n)).collect())?;
+            rt.register_block(&format!("blocks.{b}.up"), vec![var(b, "up")])?;
+            rt.register_block(&format!("blocks.{b}.down"), vec![var(b, "down")])?;
+        }
+        rt
+    } else {
+        WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus.clone())?
+    };
     // Checkpointing goes through the activation runtime's store (recompute scopes), keeping on
     // the device whatever is saved: only the scopes change what is stored.
     let acts = if mode.checkpoint {
@@ -199,14 +239,42 @@ fn run_streamed(
     } else {
         None
     };
-    let ids: Vec<BlockId> = (0..blocks).map(|b| rt.block_id(&format!("blocks.{b}"))).collect::<Result<_, _>>()?;
+    let ids: Vec<BlockId> = if mode.units {
+        Vec::new()
+    } else {
+        (0..blocks).map(|b| rt.block_id(&format!("blocks.{b}"))).collect::<Result<_, _>>()?
+    };
+    let units: Vec<Vec<BlockId>> = if mode.units {
+        (0..blocks)
+            .map(|b| ["attn", "up", "down"].iter().map(|u| rt.block_id(&format!("blocks.{b}.{u}"))).collect::<Result<_, _>>())
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
     let streamed_w = weights_of(vs, blocks);
     let store = Arc::new(WeightStore::new(rt.resolver()));
     let step = || -> anyhow::Result<f64> {
         let x = if inference { x0.shallow_clone() } else { x0.detach().set_requires_grad(true) };
         let t0 = Instant::now();
         rt.begin_step()?;
-        if inference {
+        if mode.units {
+            let forward = || -> anyhow::Result<Tensor> {
+                let mut h = x.shallow_clone();
+                for (u, w) in units.iter().zip(&streamed_w) {
+                    h = block_fwd_units(&rt, u, w, &h)?;
+                }
+                Ok(h)
+            };
+            if inference {
+                tch::no_grad(forward)?;
+            } else {
+                let y = {
+                    let _hooks = SavedTensorHooks::enable(store.clone())?;
+                    forward()?
+                };
+                y.to_kind(Kind::Float).mean(Kind::Float).backward();
+            }
+        } else if inference {
             tch::no_grad(|| -> anyhow::Result<()> {
                 let mut h = x.shallow_clone();
                 for (id, w) in ids.iter().zip(&streamed_w) {
