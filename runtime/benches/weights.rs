@@ -44,7 +44,7 @@ fn block_fwd(w: &[Tensor], x: &Tensor) -> Tensor {
 /// while its part of the forward runs.
 fn block_fwd_units(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
     let none: Option<&Tensor> = None;
-    let enter = |u: usize| -> anyhow::Result<BlockGuard<'_>> { Ok(rt.block(units[u])?) };
+    let enter = |u: usize| -> anyhow::Result<BlockGuard> { Ok(rt.block(units[u])?) };
     let a = {
         let _g = enter(0)?;
         x.linear(&w[0], none).linear(&w[1], none).linear(&w[2], none).linear(&w[3], none)
