@@ -266,7 +266,7 @@ fn run_streamed(
                 Ok(h)
             };
             if inference {
-                tch::no_grad(forward)?;
+                let _ = tch::no_grad(forward)?;
             } else {
                 let y = {
                     let _hooks = SavedTensorHooks::enable(store.clone())?;
