@@ -408,6 +408,8 @@ impl Stagehand {
             plan.prefetch_window,
             plan.max_inflight_h2d,
         )?;
+        // The plan keeps room for the gradients of two blocks on their way to the host.
+        weights.set_max_inflight_grad_bytes((plan.gradient_bytes > 0).then_some(plan.gradient_bytes));
         let acts = if self.spill {
             let (high, low) = plan.first_spill_watermarks();
             let cfg = ActivationConfig::builder()

@@ -53,6 +53,12 @@ pub struct WeightConfig {
     pub prefetch_window: u32,
     /// No backward: the itinerary is the forward order alone.
     pub inference_mode: bool,
+    /// Device bytes of gradients on their way to the host at most: past it, the training
+    /// thread waits for the oldest copies (`None`: no bound). A copy holds its gradient's
+    /// device memory until it lands, and with the training thread far ahead of the GPU every
+    /// block backward has left would otherwise hold its gradients at once.
+    #[serde(default)]
+    pub max_inflight_grad_bytes: Option<u64>,
     /// Where the weights' room came from, for error messages ("a quarter of the 4096 MiB
     /// budget"); empty: the field it was set by.
     #[serde(default)]
@@ -71,6 +77,7 @@ impl Default for WeightConfig {
             max_inflight_h2d: DEFAULT_MAX_INFLIGHT_H2D,
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             inference_mode: false,
+            max_inflight_grad_bytes: None,
             room_origin: String::new(),
         }
     }
@@ -227,6 +234,11 @@ impl WeightConfigBuilder {
     /// Forward only (no backward part in the itinerary).
     pub fn inference_mode(mut self, on: bool) -> Self {
         self.cfg.inference_mode = on;
+        self
+    }
+    /// Most device bytes of gradients in flight to the host.
+    pub fn max_inflight_grad_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.cfg.max_inflight_grad_bytes = bytes;
         self
     }
     /// The validated config.

@@ -106,6 +106,20 @@ impl GradSink {
         Ok(())
     }
 
+    /// Keeps at most `cap` device bytes of gradients in flight: completed copies first, then,
+    /// while more are in flight (and more than one copy), waits for the oldest.
+    pub(crate) fn bound(&mut self, blocks: &mut [Block], cap: u64) -> Result<()> {
+        self.reap(blocks);
+        while self.inflight.len() > 1 && self.in_flight_bytes() > cap {
+            let c = self.inflight.remove(0);
+            let (buf, _) = self.copier.wait(c.transfer)?;
+            if let Some(g) = blocks.get_mut(c.block.0 as usize).and_then(|b| b.grads.get_mut(c.grad)) {
+                g.buf = Some(buf);
+            }
+        }
+        Ok(())
+    }
+
     /// Returns the buffers of completed copies to their blocks.
     pub(crate) fn reap(&mut self, blocks: &mut [Block]) {
         let inflight = std::mem::take(&mut self.inflight);

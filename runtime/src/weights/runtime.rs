@@ -413,6 +413,12 @@ impl WeightRuntime {
         self.lock().device_bytes()
     }
 
+    /// Most device bytes of gradients in flight to the host (`None`: no bound); see
+    /// [`WeightConfig::max_inflight_grad_bytes`].
+    pub fn set_max_inflight_grad_bytes(&self, bytes: Option<u64>) {
+        self.lock().set_max_inflight_grad_bytes(bytes);
+    }
+
     /// Steps begin when the first block runs again or after a backward (layer mode).
     pub fn set_auto_step(&self, on: bool) {
         self.lock().set_auto_step(on);

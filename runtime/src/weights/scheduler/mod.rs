@@ -227,6 +227,10 @@ impl Scheduler {
         Ok(())
     }
 
+    pub(crate) fn set_max_inflight_grad_bytes(&mut self, bytes: Option<u64>) {
+        self.cfg.max_inflight_grad_bytes = bytes;
+    }
+
     pub(crate) fn set_auto_step(&mut self, on: bool) {
         self.auto_step = on;
     }

@@ -35,6 +35,9 @@ impl Scheduler {
         let slot = || conductor.acquire_slot(Direction::D2h, Owner::Weights, Priority::Required).ok();
         let moved = self.grads.flush(id, &mut self.blocks[id.0 as usize], slot)?;
         self.metrics.d2h_bytes += moved;
+        if let Some(cap) = self.cfg.max_inflight_grad_bytes {
+            self.grads.bound(&mut self.blocks, cap)?;
+        }
         Ok(())
     }
 
