@@ -503,7 +503,7 @@ impl Shared {
             lookahead,
             cap: self.knobs.max_inflight_h2d().max(1) as usize,
             allowance: self.config.restore_allowance_bytes,
-            ceiling: self.config.restore_ceiling_above_high.map_or(u64::MAX, |above| g.policy.watermarks().0.saturating_add(above)),
+            ceiling: self.config.restore_ceiling_bytes.unwrap_or(u64::MAX),
         };
         let State {
             records,

@@ -327,12 +327,12 @@ fn predictive_restorer_runs_ahead_so_only_the_first_unpack_stalls() {
 
 #[test]
 fn restores_ahead_stop_at_the_ceiling_of_allocated_memory() {
-    // One tensor kept (N), one restored and in use (N): a ceiling of 3N above the high
-    // watermark leaves room for one restore ahead at a time, 2N for none.
-    for (above, predicted, stalls) in [(3 * N, 5, 1), (2 * N, 0, 6)] {
+    // One tensor kept (N), one restored and in use (N): a ceiling of 3N leaves room for one
+    // restore ahead at a time, 2N for none.
+    for (ceiling, predicted, stalls) in [(3 * N, 5, 1), (2 * N, 0, 6)] {
         let cfg = base()
             .restore_ahead(2, 8 * N)
-            .restore_ceiling_above_high(Some(above))
+            .restore_ceiling_bytes(Some(ceiling))
             .max_inflight(1, 4)
             .build()
             .expect("config");
@@ -346,7 +346,7 @@ fn restores_ahead_stop_at_the_ceiling_of_allocated_memory() {
             store.release(*h);
         }
         let m = rt.end_step().expect("step end");
-        assert_eq!((m.activations_predicted, m.stall_count), (predicted, stalls), "ceiling {above}: {m:?}");
+        assert_eq!((m.activations_predicted, m.stall_count), (predicted, stalls), "ceiling {ceiling}: {m:?}");
         assert_eq!(m.activations_restored, 6);
     }
 }
