@@ -85,11 +85,6 @@ pub struct ActivationConfig {
     pub restore_lookahead: u32,
     /// Device bytes restores ahead of need may hold at once.
     pub restore_allowance_bytes: u64,
-    /// Restores ahead of need start only while allocated device memory, with the restore, stays
-    /// at or under this (`None`: no such bound). The allowance counts restores not yet used;
-    /// this counts what the allocator holds, restored tensors still in use included, so a
-    /// training thread far ahead of the GPU cannot pile them up past the budget.
-    pub restore_ceiling_bytes: Option<u64>,
     /// CRC32C of every spill, verified before its restore.
     pub debug_checksums: bool,
     /// Publish events and per-step metrics.
@@ -122,7 +117,6 @@ impl Default for ActivationConfig {
             tail_max_bytes: None,
             restore_lookahead: DEFAULT_RESTORE_LOOKAHEAD,
             restore_allowance_bytes: DEFAULT_RESTORE_ALLOWANCE_BYTES,
-            restore_ceiling_bytes: None,
             debug_checksums: DEFAULT_DEBUG_CHECKSUMS,
             telemetry_enabled: DEFAULT_TELEMETRY_ENABLED,
             pageable_fallback: DEFAULT_PAGEABLE_FALLBACK,
@@ -270,12 +264,6 @@ impl ActivationConfigBuilder {
     pub fn restore_ahead(mut self, lookahead: u32, allowance_bytes: u64) -> Self {
         self.cfg.restore_lookahead = lookahead;
         self.cfg.restore_allowance_bytes = allowance_bytes;
-        self
-    }
-    /// Restores ahead of need only while allocated memory, with the restore, stays at or
-    /// under `bytes`.
-    pub fn restore_ceiling_bytes(mut self, bytes: Option<u64>) -> Self {
-        self.cfg.restore_ceiling_bytes = bytes;
         self
     }
     /// CRC32C on spill, verified before restore.

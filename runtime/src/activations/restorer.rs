@@ -38,8 +38,6 @@ pub(super) struct Ahead {
     pub cap: usize,
     /// Device bytes restores ahead of need may hold.
     pub allowance: u64,
-    /// Allocated device bytes a restore ahead of need may not take memory above.
-    pub ceiling: u64,
 }
 
 /// What restoring did in one call, for the step's metrics.
@@ -328,10 +326,7 @@ impl Restorer {
             match rec.state {
                 RecordState::Spilling | RecordState::Spilled => {
                     let bytes = rec.bytes;
-                    if self.inflight.len() >= ahead.cap
-                        || self.predicted_bytes + bytes > ahead.allowance
-                        || device.memory().allocated.saturating_add(bytes) > ahead.ceiling
-                    {
+                    if self.inflight.len() >= ahead.cap || self.predicted_bytes + bytes > ahead.allowance {
                         break;
                     }
                     // A spill still landing ends the prediction (`finalize` says whether it

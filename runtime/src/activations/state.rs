@@ -503,7 +503,6 @@ impl Shared {
             lookahead,
             cap: self.knobs.max_inflight_h2d().max(1) as usize,
             allowance: self.config.restore_allowance_bytes,
-            ceiling: self.config.restore_ceiling_bytes.unwrap_or(u64::MAX),
         };
         let State {
             records,

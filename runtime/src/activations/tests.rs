@@ -326,32 +326,6 @@ fn predictive_restorer_runs_ahead_so_only_the_first_unpack_stalls() {
 }
 
 #[test]
-fn restores_ahead_stop_at_the_ceiling_of_allocated_memory() {
-    // One tensor kept (N), one restored and in use (N): a ceiling of 3N leaves room for one
-    // restore ahead at a time, 2N for none.
-    for (ceiling, predicted, stalls) in [(3 * N, 5, 1), (2 * N, 0, 6)] {
-        let cfg = base()
-            .restore_ahead(2, 8 * N)
-            .restore_ceiling_bytes(Some(ceiling))
-            .max_inflight(1, 4)
-            .build()
-            .expect("config");
-        let (rt, _bus, _seen) = setup(cfg);
-        let store = rt.store();
-        rt.begin_step(1);
-        let ts: Vec<Tensor> = (0..7).map(|i| tensor(i as f64 + 1.0)).collect();
-        let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
-        for (h, t) in hs.iter().zip(&ts).rev() {
-            assert!(store.unpack(*h).expect("unpack").equal(t));
-            store.release(*h);
-        }
-        let m = rt.end_step().expect("step end");
-        assert_eq!((m.activations_predicted, m.stall_count), (predicted, stalls), "ceiling {ceiling}: {m:?}");
-        assert_eq!(m.activations_restored, 6);
-    }
-}
-
-#[test]
 fn nothing_is_left_after_the_step_even_without_backward() {
     let (rt, bus, seen) = setup(base().build().expect("config"));
     let store = rt.store();

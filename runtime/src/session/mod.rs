@@ -419,11 +419,6 @@ impl Stagehand {
                 // high watermark.
                 .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
                 .restore_ahead(8, plan.restore_allowance_bytes.max(1))
-                // Restored tensors still in use count too: with the training thread far ahead
-                // of the GPU, restores would otherwise pile up past the budget. Backward runs
-                // near the budget by design, so the ceiling is the budget less the margin the
-                // handle keeps free (`session::adapt`).
-                .restore_ceiling_bytes(Some(self.budget - self.budget / 32))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))
