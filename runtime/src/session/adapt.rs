@@ -35,8 +35,14 @@ impl Stagehand {
                 return;
             }
             if let Some((high, low)) = moved.filter(|m| m.0 > floor || to == floor) {
+                // Under the budget the new limits are news enough (published by the move).
+                if peak <= self.budget {
+                    return;
+                }
                 let message = format!(
-                    "step 1 held {} MiB above its spill watermark (temporaries, restores, spills landing), more than the plan allowed for: activations now spill above {} MiB until under {} MiB (the plan's {} MiB would exceed the budget)",
+                    "step 1 peaked at {} MiB, over the {} MiB budget, with {} MiB above its spill watermark (temporaries, restores, spills landing): activations now spill above {} MiB until under {} MiB (the plan's {} MiB would exceed the budget)",
+                    peak >> 20,
+                    self.budget >> 20,
                     above >> 20,
                     high >> 20,
                     low >> 20,
