@@ -244,11 +244,7 @@ impl Plan {
             mib(p.restore_allowance_bytes)
         ));
         p.max_inflight_h2d = p.prefetch_window.max(2);
-        // Restores stay in flight (and hold their transfer slot) until the training thread sees
-        // them land, which with the thread a block or two ahead of the GPU is a dozen or more
-        // of them: a cap of 4 stopped restores ahead of need and made backward wait for 19 on
-        // demand a step at 1.21 B parameters. Their device memory is bounded by the allowance.
-        p.max_inflight_restores = 32;
+        p.max_inflight_restores = 4;
         p.max_inflight_spills = 64;
         p.soft_cap_bytes = budget;
         p.hard_cap_bytes = budget + budget / 10;
