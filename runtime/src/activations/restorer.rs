@@ -7,20 +7,13 @@
 //! device when their unpack comes. A restore's destination is a fresh allocator tensor, so the
 //! copy is ordered after the compute stream, and the compute stream waits on the copy's event
 //! (measured) before the tensor is handed to autograd.
-//!
-//! A record that goes (autograd released it) while its restore is still in flight does not
-//! make the host wait: the compute stream waits on the copy instead, so the allocator reuses
-//! the tensor's memory after it, and the host slab goes back to the pool once the copy is seen
-//! complete. Waiting there synchronized the training thread with every copy and kernel queued
-//! before the restores in flight, several hundred milliseconds a step at 1.21 B parameters.
 
-use super::record::{Record, RecordState, Records};
+use super::record::{RecordState, Records};
 use crate::conductor::{Conductor, ReservationRequest, SlotToken};
 use crate::device::{Device, Order, WaitProbe};
 use crate::error::{Error, Result};
-use crate::events::{Bus, Direction, EventKind, Owner, Priority, ReservationMode, Resource, TensorId};
-use crate::pinned::Lease;
-use crate::transfer::{Copier, Transfer};
+use crate::events::{Bus, Direction, EventKind, Owner, Priority, ReservationMode, Resource};
+use crate::transfer::Copier;
 use std::collections::VecDeque;
 use std::time::Instant;
 use tch::Tensor;
@@ -49,16 +42,6 @@ pub(super) struct Restored {
     pub stalls: u64,
 }
 
-impl Restored {
-    /// Counts these restores in the step's metrics.
-    pub(super) fn add_to(self, m: &mut crate::events::ActivationStepMetrics) {
-        m.activations_restored += self.count;
-        m.restore_bytes += self.bytes;
-        m.stall_time_ms += self.stall_ms;
-        m.stall_count += self.stalls;
-    }
-}
-
 impl std::ops::AddAssign for Restored {
     fn add_assign(&mut self, o: Restored) {
         self.count += o.count;
@@ -68,35 +51,11 @@ impl std::ops::AddAssign for Restored {
     }
 }
 
-/// A restore's copy with what its completion reports, taken from its record.
-#[derive(Debug)]
-struct Landing {
-    copy: Transfer<Lease>,
-    tensor: TensorId,
-    bytes: u64,
-    predicted: bool,
-    stall_since: Option<Instant>,
-}
-
-impl Landing {
-    fn take(rec: &mut Record) -> Option<Landing> {
-        Some(Landing {
-            copy: rec.restore.take()?,
-            tensor: rec.id,
-            bytes: rec.bytes,
-            predicted: rec.restored_ahead,
-            stall_since: rec.stall_since.take(),
-        })
-    }
-}
-
 /// The H2D stream and the records restoring on it, oldest first.
 #[derive(Debug)]
 pub(super) struct Restorer {
     copier: Copier,
     inflight: VecDeque<usize>,
-    /// Restores of records already gone, whose copies had not landed yet.
-    orphans: VecDeque<Landing>,
     /// Device bytes held by restores issued ahead of need and not yet unpacked.
     predicted_bytes: u64,
     /// The compute stream's waits for restores it needed before they landed.
@@ -108,7 +67,6 @@ impl Restorer {
         Ok(Restorer {
             copier: Copier::new(device, bus, Owner::Activations)?,
             inflight: VecDeque::new(),
-            orphans: VecDeque::new(),
             predicted_bytes: 0,
             probes: Vec::new(),
         })
@@ -191,26 +149,20 @@ impl Restorer {
     fn complete(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<Restored> {
         self.inflight.retain(|&i| i != idx);
         let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };
-        let Some(landing) = Landing::take(rec) else { return Ok(Restored::default()) };
-        rec.transition(RecordState::Restored)?;
-        self.land(landing, device, bus)
-    }
-
-    /// Waits for a restore's copy (no wait once it completed), gives its host slab back and
-    /// reports it.
-    fn land(&self, l: Landing, device: &Device, bus: &Bus) -> Result<Restored> {
-        let (lease, elapsed) = self.copier.wait(l.copy)?;
+        let Some(t) = rec.restore.take() else { return Ok(Restored::default()) };
+        let (lease, elapsed) = self.copier.wait(t)?;
         drop(lease);
+        rec.transition(RecordState::Restored)?;
         // A stall lasts as long as the copy the compute stream waited for (the GPU's timing); on
         // the host device copies are synchronous, so the wall clock measures it.
-        let stall_ms = match l.stall_since {
+        let stall_ms = match rec.stall_since.take() {
             Some(_) if device.is_cuda() => elapsed.max(0.0),
             Some(since) => since.elapsed().as_secs_f64() * 1e3,
             None => 0.0,
         };
-        let (tensor, bytes, predicted) = (l.tensor, l.bytes, l.predicted);
+        let (id, bytes, predicted) = (rec.id, rec.bytes, rec.restored_ahead);
         bus.publish_with(|| EventKind::Restored {
-            tensor,
+            tensor: id,
             bytes,
             predicted,
             stall_ms,
@@ -221,22 +173,6 @@ impl Restorer {
             stall_ms,
             stalls: u64::from(!predicted),
         })
-    }
-
-    /// Record `idx` is going: a restore of it that landed is completed; one still in flight
-    /// is left to land without the host waiting (the compute stream waits on it, so the
-    /// record's device memory may go now) and completed by a later [`reap`](Self::reap).
-    pub(super) fn let_go(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<Restored> {
-        self.inflight.retain(|&i| i != idx);
-        let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };
-        let Some(mut landing) = Landing::take(rec) else { return Ok(Restored::default()) };
-        if landing.copy.is_complete() {
-            return self.land(landing, device, bus);
-        }
-        device.compute_wait(landing.copy.done())?;
-        landing.copy.release_device();
-        self.orphans.push_back(landing);
-        Ok(Restored::default())
     }
 
     /// Completes the restores whose copies finished (all of them, waiting, with `all`).
@@ -250,15 +186,6 @@ impl Restorer {
         let mut out = Restored::default();
         for i in done {
             out += self.complete(records, i, device, bus)?;
-        }
-        // The copies run in order on one stream: the first orphan still in flight ends the look.
-        while let Some(l) = self.orphans.front() {
-            if !all && !l.copy.is_complete() {
-                break;
-            }
-            if let Some(l) = self.orphans.pop_front() {
-                out += self.land(l, device, bus)?;
-            }
         }
         Ok(out)
     }

@@ -486,7 +486,10 @@ impl Shared {
     fn reap_restores(&self, g: &mut State, all: bool) -> Result<()> {
         let State { records, restorer, metrics, .. } = g;
         let r = restorer.reap(records, &self.device, &self.bus, all)?;
-        r.add_to(metrics);
+        metrics.activations_restored += r.count;
+        metrics.restore_bytes += r.bytes;
+        metrics.stall_time_ms += r.stall_ms;
+        metrics.stall_count += r.stalls;
         Ok(())
     }
 
@@ -561,11 +564,9 @@ impl Shared {
                 Err(e) => self.warn(format!("finalizing a spill at release: {e}")),
             }
         }
-        if g.records.get(idx).is_some_and(|r| r.restore.is_some()) {
-            let State { records, restorer, metrics, .. } = &mut *g;
-            match restorer.let_go(records, idx, &self.device, &self.bus) {
-                Ok(r) => r.add_to(metrics),
-                Err(e) => self.warn(format!("completing a restore at release: {e}")),
+        if state == Some(RecordState::Restoring) || g.records.get(idx).is_some_and(|r| r.restore.is_some()) {
+            if let Err(e) = self.reap_restores(g, true) {
+                self.warn(format!("completing a restore at release: {e}"));
             }
         }
         let mut rec = g.records.take(idx)?;
