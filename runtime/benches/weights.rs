@@ -66,7 +66,7 @@ fn main() -> anyhow::Result<()> {
     let tokens = env("SH_TOKENS", if cuda { 4096 } else { 256 });
     let steps = env("SH_STEPS", if cuda { 6 } else { 3 }).max(3);
     let budget_blocks = env("SH_BUDGET_BLOCKS", if cuda { 4 } else { 2 }) as u64;
-    let prefetch = env("SH_PREFETCH", 2) as u32;
+    let prefetch = env("SH_PREFETCH", 3) as u32;
     let inflight = env("SH_INFLIGHT", 2) as u32;
     let kind = common::kind(cuda);
     let dev = probe.tch_device();
