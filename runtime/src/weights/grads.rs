@@ -110,12 +110,20 @@ impl GradSink {
     /// while more are in flight (and more than one copy), waits for the oldest.
     pub(crate) fn bound(&mut self, blocks: &mut [Block], cap: u64) -> Result<()> {
         self.reap(blocks);
-        while self.inflight.len() > 1 && self.in_flight_bytes() > cap {
+        let mut held = self.in_flight_bytes();
+        while self.inflight.len() > 1 && held > cap {
             let c = self.inflight.remove(0);
-            let (buf, _) = self.copier.wait(c.transfer)?;
-            if let Some(g) = blocks.get_mut(c.block.0 as usize).and_then(|b| b.grads.get_mut(c.grad)) {
-                g.buf = Some(buf);
-            }
+            held -= c.transfer.bytes();
+            self.land(c, blocks)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for one copy and gives its host buffer back to its block.
+    fn land(&self, c: GradCopy, blocks: &mut [Block]) -> Result<()> {
+        let (buf, _) = self.copier.wait(c.transfer)?;
+        if let Some(g) = blocks.get_mut(c.block.0 as usize).and_then(|b| b.grads.get_mut(c.grad)) {
+            g.buf = Some(buf);
         }
         Ok(())
     }
@@ -159,10 +167,7 @@ impl GradSink {
     /// Waits for every copy.
     pub(crate) fn wait_all(&mut self, blocks: &mut [Block]) -> Result<()> {
         for c in std::mem::take(&mut self.inflight) {
-            let (buf, _) = self.copier.wait(c.transfer)?;
-            if let Some(g) = blocks.get_mut(c.block.0 as usize).and_then(|b| b.grads.get_mut(c.grad)) {
-                g.buf = Some(buf);
-            }
+            self.land(c, blocks)?;
         }
         Ok(())
     }
