@@ -84,10 +84,6 @@ pub struct Plan {
     /// The lowest the high watermark may be moved to when steps go over the budget: what the
     /// device holds before any activation is kept.
     pub spill_floor_bytes: u64,
-    /// The high watermark of the first step, which keeps half the activations: it measures what
-    /// rides above the watermark before later steps keep the plan's share (`session::adapt`).
-    #[serde(default)]
-    pub first_spill_high_bytes: u64,
     pub restore_allowance_bytes: u64,
     pub prefetch_window: u32,
     pub max_inflight_h2d: u32,
@@ -233,14 +229,14 @@ impl Plan {
         // What rides above the watermark follows the widest layer's temporaries, not the
         // budget: a small budget next to wide layers (the demo's defaults on CUDA: 12 MiB above
         // the watermark with a 30 MiB room) needs more than the shares above. The first step
-        // keeps half and measures it; later steps keep the plan's watermark or less.
-        p.first_spill_high_bytes = p.spill_high_bytes - kept / 2;
+        // keeps half and measures it; later steps keep the plan's watermark or less
+        // (`Plan::first_spill_watermarks`).
         p.restore_allowance_bytes = activations / 5;
         p.reasons.push(format!(
             "activations spill above {} until under {} (the first step above {}, measuring the temporaries); restores ahead of backward may hold {}",
             mib(p.spill_high_bytes),
             mib(p.spill_low_bytes),
-            mib(p.first_spill_high_bytes),
+            mib(p.first_spill_watermarks().0),
             mib(p.restore_allowance_bytes)
         ));
         p.max_inflight_h2d = p.prefetch_window.max(2);
@@ -291,10 +287,13 @@ impl Plan {
         self.slots > 0
     }
 
-    /// The first step's spill watermarks, high then low (the plan's gap under a lower high).
+    /// The first step's spill watermarks, high then low: half the activations the plan keeps
+    /// (between the floor and the high watermark), with the plan's gap. It measures what rides
+    /// above the watermark before later steps keep the plan's share (`session::adapt`).
     pub fn first_spill_watermarks(&self) -> (u64, u64) {
-        let gap = self.spill_high_bytes - self.spill_low_bytes;
-        (self.first_spill_high_bytes, self.first_spill_high_bytes.saturating_sub(gap))
+        let kept = self.spill_high_bytes - self.spill_floor_bytes;
+        let high = self.spill_high_bytes - kept / 2;
+        (high, high.saturating_sub(self.spill_high_bytes - self.spill_low_bytes))
     }
 }
 
