@@ -30,15 +30,14 @@ impl Stagehand {
             let (high, _) = acts.watermarks();
             let above = peak.saturating_sub(high);
             let to = planned.min(target.saturating_sub(above));
-            let moved = acts.move_watermarks(to, floor);
-            if to >= planned {
-                return;
-            }
-            if let Some((high, low)) = moved.filter(|m| m.0 > floor || to == floor) {
+            acts.move_watermarks(to, floor);
+            // Below the floor the watermarks stop at it, which the rule for later steps says.
+            if to >= floor {
                 // Under the budget the new limits are news enough (published by the move).
                 if peak <= self.budget {
                     return;
                 }
+                let (high, low) = acts.watermarks();
                 let message = format!(
                     "step 1 peaked at {} MiB, over the {} MiB budget, with {} MiB above its spill watermark (temporaries, restores, spills landing): activations now spill above {} MiB until under {} MiB (the plan's {} MiB would exceed the budget)",
                     peak >> 20,
