@@ -54,6 +54,11 @@ pub fn sgd_steps(
 /// the device threads start once per process, for the first engine.
 pub fn device() -> Device {
     stagehand::torch::hooks::install().expect("hook engine");
+    // The tests compare runs bit for bit. libtorch's CPU reductions (a bias gradient's sum over
+    // the batch) split their work by the threads free at that moment, so the same sum rounds
+    // differently when the runtime's own threads or a parallel test are busy (about 1 run in
+    // 30 before): one intra-op thread makes every run sum in the same order.
+    tch::set_num_threads(1);
     let d = Device::auto(1 << 30);
     // cuBLAS's workspaces, allocated now, so budgets computed from a reading count them.
     d.warm_up().expect("warm up");
