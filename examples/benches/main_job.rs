@@ -12,7 +12,8 @@
 //! On a GPU the default is the 1.21 B parameter model (24 layers, d=2048, seq 512, batch 8)
 //! under a 4 GiB budget; on the host device a small one. Override with `MJ_LAYERS`, `MJ_D`,
 //! `MJ_SEQ`, `MJ_BATCH`, `MJ_BUDGET_MIB`, `MJ_STEPS`, `MJ_THREADS` (libtorch's intra-op
-//! threads); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
+//! threads, every thread's), `MJ_OPT_THREADS` (the host optimizer's threads alone, the handle's
+//! `host_optimizer_threads`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -112,7 +113,15 @@ fn main() -> anyhow::Result<()> {
     hub.add_sink(Box::new(metrics.clone()));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let t_all = Instant::now();
-    let s = train_stagehand(&cfg, &device, &bus, |_, _, _| {}, |b| b)?;
+    let opt_threads = std::env::var("MJ_OPT_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
+    if let Some(n) = opt_threads {
+        println!("host optimizer threads: {n}");
+    }
+    let with_threads = |b: stagehand::StagehandBuilder| match opt_threads {
+        Some(n) => b.host_optimizer_threads(n),
+        None => b,
+    };
+    let s = train_stagehand(&cfg, &device, &bus, |_, _, _| {}, with_threads)?;
     bus.flush();
     let snap: Snapshot = hub.snapshot();
     bus.close();
@@ -237,7 +246,7 @@ fn main() -> anyhow::Result<()> {
         // The same run with no event bus: what every sink together (the full-level file and
         // the metrics) costs the step.
         device.synchronize()?;
-        let quiet = train_stagehand(&cfg, &device, &Bus::disabled(), |_, _, _| {}, |b| b)?;
+        let quiet = train_stagehand(&cfg, &device, &Bus::disabled(), |_, _, _| {}, with_threads)?;
         let quiet_s = mean(steady(&quiet.step_times));
         println!(
             "telemetry cost: {:.1} ms/step with every event to the file and the metrics, {:.1} ms/step with the bus disabled: {:+.1}%",

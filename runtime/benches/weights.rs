@@ -30,32 +30,46 @@ use tch::{Kind, Tensor};
 mod common;
 use common::{env, weights_of};
 
-/// One block: four d×d projections in a chain with a residual, then a 4d MLP with a residual
-/// (12 d² weights, the parameter count of a transformer block).
+// One block: four d×d projections in a chain with a residual, then a 4d MLP with a residual
+// (12 d² weights, the parameter count of a transformer block), in the three parts that the
+// third-block units stream separately.
+const NONE: Option<&Tensor> = None;
+
+/// The attention part's output (before its residual): weights 0..4.
+fn attn(w: &[Tensor], x: &Tensor) -> Tensor {
+    x.linear(&w[0], NONE).linear(&w[1], NONE).linear(&w[2], NONE).linear(&w[3], NONE)
+}
+
+/// The MLP's hidden activation: weight 4.
+fn mlp_up(w: &[Tensor], x: &Tensor) -> Tensor {
+    x.linear(&w[4], NONE).gelu("tanh")
+}
+
+/// The block's output from its MLP hidden activation and residual: weight 5.
+fn mlp_down(w: &[Tensor], x: &Tensor, m: &Tensor) -> Tensor {
+    x + m.linear(&w[5], NONE)
+}
+
 fn block_fwd(w: &[Tensor], x: &Tensor) -> Tensor {
-    let none: Option<&Tensor> = None;
-    let a = x.linear(&w[0], none).linear(&w[1], none).linear(&w[2], none).linear(&w[3], none);
-    let x = x + a;
-    let m = x.linear(&w[4], none).gelu("tanh");
-    &x + m.linear(&w[5], none)
+    let x = x + attn(w, x);
+    mlp_down(w, &x, &mlp_up(w, &x))
 }
 
 /// The same block through three streaming units (attention, MLP up, MLP down), each resident
 /// while its part of the forward runs.
 fn block_fwd_units(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
-    let none: Option<&Tensor> = None;
     let enter = |u: usize| -> anyhow::Result<BlockGuard> { Ok(rt.block(units[u])?) };
     let a = {
         let _g = enter(0)?;
-        x.linear(&w[0], none).linear(&w[1], none).linear(&w[2], none).linear(&w[3], none)
+        attn(w, x)
     };
     let x = x + a;
     let m = {
         let _g = enter(1)?;
-        x.linear(&w[4], none).gelu("tanh")
+        mlp_up(w, &x)
     };
     let _g = enter(2)?;
-    Ok(&x + m.linear(&w[5], none))
+    Ok(mlp_down(w, &x, &m))
 }
 
 fn main() -> anyhow::Result<()> {

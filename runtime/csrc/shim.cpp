@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -554,6 +555,18 @@ int stagehand_cuda_mem_info(int device, uint64_t* free_bytes, uint64_t* total_by
     write_err(err, err_len, e.what());
     return 2;
   }
+}
+
+// libgomp's (libtorch's OpenMP runtime): sets the calling thread's team size for its parallel
+// regions, and no other thread's.
+void omp_set_num_threads(int n);
+
+void stagehand_set_local_intra_op_threads(int n) {
+  // at::set_num_threads would also change the process-wide count that every thread adopts at
+  // its first parallel op. This thread's own first-op initialisation runs here first, so that
+  // it cannot later overwrite the count set below.
+  (void)at::get_num_threads();
+  omp_set_num_threads(n);
 }
 
 }  // extern "C"

@@ -180,6 +180,12 @@ impl Optimizer {
         })
     }
 
+    /// Threads the host steps of streamed blocks use from the next step on (`None`: libtorch's
+    /// default, every core). Their results do not depend on it.
+    pub fn set_host_threads(&self, threads: Option<usize>) {
+        self.stepper.set_threads(threads);
+    }
+
     /// The algorithm.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm

@@ -4,7 +4,10 @@
 //! runtime asks [`Stepper::is_pending`] before it loads a block, and never copies host weights
 //! that are being changed.
 //!
-//! Each job uses libtorch's CPU kernels, which spread one parameter's update over every core.
+//! Each job uses libtorch's CPU kernels, which spread one parameter's update over the worker's
+//! threads: every core by default, or as many as [`Stepper::set_threads`] says. Fewer leave cores
+//! to the training thread, which launches the GPU's kernels while the optimizer runs; a training
+//! thread that waits for a core leaves the GPU idle.
 
 use crate::error::{Error, Result};
 use crate::events::BlockId;
@@ -32,6 +35,8 @@ struct State {
     failed: Option<String>,
     shutdown: bool,
     busy: Duration,
+    /// Threads for libtorch's CPU kernels on the worker (`None`: libtorch's default).
+    threads: Option<usize>,
 }
 
 struct Shared {
@@ -125,6 +130,12 @@ impl Stepper {
         }
     }
 
+    /// How many threads the worker's steps use from the next job on (`None`: libtorch's default,
+    /// one per core; `Some(0)` counts as 1).
+    pub(crate) fn set_threads(&self, threads: Option<usize>) {
+        self.shared.lock().threads = threads;
+    }
+
     /// Time the worker spent running jobs since the last call.
     pub(crate) fn take_busy(&self) -> Duration {
         std::mem::take(&mut self.shared.lock().busy)
@@ -132,6 +143,7 @@ impl Stepper {
 }
 
 fn work(shared: &Shared) {
+    let mut applied = None;
     let mut st = shared.lock();
     loop {
         if st.shutdown {
@@ -141,7 +153,13 @@ fn work(shared: &Shared) {
             st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
             continue;
         };
+        let threads = st.threads;
         drop(st);
+        if threads != applied {
+            let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            crate::torch::optim::set_local_intra_op_threads(n);
+            applied = threads;
+        }
         let t0 = Instant::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run()));
         let took = t0.elapsed();
@@ -200,6 +218,32 @@ mod tests {
         s.wait_all().expect("all");
         assert_eq!(*log.lock().expect("log"), [9, 1, 2, 3]);
         assert!(!s.is_pending(BlockId(3)));
+    }
+
+    /// Reports the intra-op thread count its step would use.
+    struct Threads(Arc<Mutex<Vec<i32>>>);
+    impl Job for Threads {
+        fn run(&mut self) -> Result<()> {
+            self.0.lock().expect("log").push(tch::get_num_threads());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_thread_count_applies_to_the_workers_steps_alone() {
+        let before = tch::get_num_threads();
+        let s = Stepper::new().expect("thread");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for (b, n) in [(1, 1), (2, 3), (3, 1)] {
+            s.set_threads(Some(n));
+            s.submit(BlockId(b), 0, Box::new(Threads(seen.clone())));
+            s.wait(BlockId(b)).expect("ran");
+        }
+        assert_eq!(*seen.lock().expect("log"), [1, 3, 1]);
+        // Neither this thread's count nor the default a new thread adopts moved.
+        assert_eq!(tch::get_num_threads(), before);
+        let fresh = std::thread::spawn(tch::get_num_threads).join().expect("thread");
+        assert_eq!(fresh, before);
     }
 
     #[test]

@@ -71,6 +71,7 @@ pub struct StagehandBuilder {
     conductor: bool,
     spill: bool,
     kernel: Option<Kernel>,
+    optimizer_threads: Option<usize>,
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
     guards: bool,
@@ -143,6 +144,14 @@ impl StagehandBuilder {
     /// The host optimizer's kernel (default: fused Adam(W) on CUDA, exact otherwise).
     pub fn kernel(mut self, k: Kernel) -> Self {
         self.kernel = Some(k);
+        self
+    }
+
+    /// Threads the host optimizer's steps use (default: every core). The steps run while the
+    /// training thread launches the GPU's work; a core left to it keeps a busy host from
+    /// delaying those launches.
+    pub fn host_optimizer_threads(mut self, n: usize) -> Self {
+        self.optimizer_threads = Some(n.max(1));
         self
     }
 
@@ -224,6 +233,7 @@ impl StagehandBuilder {
             conductor_on: self.conductor,
             spill: self.spill,
             kernel: self.kernel,
+            optimizer_threads: self.optimizer_threads,
             state: Mutex::new(step::Run::default()),
             telemetry,
             guards,
@@ -244,6 +254,7 @@ pub struct Stagehand {
     conductor_on: bool,
     spill: bool,
     kernel: Option<Kernel>,
+    optimizer_threads: Option<usize>,
     state: Mutex<step::Run>,
     telemetry: Option<crate::events::Telemetry>,
     guards: Option<Arc<crate::guards::Guards>>,
@@ -273,6 +284,7 @@ impl Stagehand {
             conductor: true,
             spill: true,
             kernel: None,
+            optimizer_threads: None,
             attachments: Vec::new(),
             telemetry: None,
             guards: false,
@@ -337,6 +349,7 @@ impl Stagehand {
         let algorithm = algorithm.into();
         let kernel = self.kernel.unwrap_or_else(|| Kernel::auto(&algorithm, self.device.is_cuda()));
         let opt = Optimizer::for_var_store(self.weights(), algorithm, lr, kernel)?;
+        opt.set_host_threads(self.optimizer_threads);
         self.run().optimizer_state_factor = match algorithm {
             Algorithm::Adam { .. } | Algorithm::AdamW { .. } => 2,
             Algorithm::Sgd { momentum, .. } if momentum > 0.0 => 1,

@@ -140,6 +140,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     pub(crate) fn stagehand_cuda_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+    pub(crate) fn stagehand_set_local_intra_op_threads(n: c_int);
     pub(crate) fn stagehand_cuda_mem_info(
         device: c_int,
         free_bytes: *mut u64,

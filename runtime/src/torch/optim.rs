@@ -26,6 +26,14 @@ pub fn set_grad(param: &Tensor, grad: Option<&Tensor>) -> Result<()> {
     check(rc, &err, "setting a gradient")
 }
 
+/// Sets how many threads libtorch's CPU kernels use when called from this thread, leaving every
+/// other thread's count (and the process-wide default) as it is; `n` at least 1.
+pub fn set_local_intra_op_threads(n: usize) {
+    let n = n.clamp(1, i32::MAX as usize) as i32;
+    // SAFETY: sets an OpenMP per-thread setting; no memory is passed.
+    unsafe { ffi::stagehand_set_local_intra_op_threads(n) }
+}
+
 /// Which of libtorch's fused Adam kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FusedAdam {
