@@ -12,7 +12,9 @@
 //! On a GPU the default is the 16-block d=4096 bf16 model at 4096 tokens (6.4 GB of weights,
 //! 4 blocks resident); on the host device a small f32 model. Override with env variables:
 //! `SH_BLOCKS`, `SH_D`, `SH_TOKENS`, `SH_STEPS`, `SH_BUDGET_BLOCKS`, `SH_PREFETCH`,
-//! `SH_INFLIGHT`, `SH_KIND` (`bf16`, `f16`, `f32`).
+//! `SH_INFLIGHT`, `SH_KIND` (`bf16`, `f16`, `f32`); `SH_VARIANTS` runs only the variants whose
+//! names contain one of its comma-separated parts (`SH_VARIANTS="forward only"`);
+//! `SH_INFER_WINDOW` sets the forward-only variants' window in positions (units or blocks).
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench weights`.
 
@@ -81,6 +83,9 @@ fn main() -> anyhow::Result<()> {
     let steps = env("SH_STEPS", if cuda { 6 } else { 3 }).max(3);
     let budget_blocks = env("SH_BUDGET_BLOCKS", if cuda { 4 } else { 2 }) as u64;
     let prefetch = env("SH_PREFETCH", 3) as u32;
+    // The forward-only variants' window, in positions (units or blocks); default: as far in
+    // bytes as the forward+backward variants.
+    let infer_window = std::env::var("SH_INFER_WINDOW").ok().and_then(|v| v.parse::<u32>().ok());
     let inflight = env("SH_INFLIGHT", 2) as u32;
     let kind = common::kind(cuda);
     let dev = probe.tch_device();
@@ -130,8 +135,14 @@ fn main() -> anyhow::Result<()> {
         ("fwd+bwd, third-block units, telemetry on", false, true, false, true),
         ("forward only, third-block units, telemetry on", true, true, false, true),
     ];
+    // SH_VARIANTS: run only the variants whose names contain one of these comma-separated parts.
+    let only = std::env::var("SH_VARIANTS").ok();
+    let chosen = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
     let mut results = Vec::new();
     for (i, (name, inference, telemetry, checkpoint, units)) in variants.into_iter().enumerate() {
+        if !chosen(name) {
+            continue;
+        }
         let bus = if telemetry {
             let hub = Arc::new(stagehand::events::Hub::new());
             let file = out_dir.join(format!("weights-{}-{i}.jsonl", std::process::id()));
@@ -141,7 +152,12 @@ fn main() -> anyhow::Result<()> {
             Bus::disabled()
         };
         let mode = Mode { inference, checkpoint, units };
-        let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, prefetch, inflight, steps, &x0, bus.clone(), mode)?;
+        let window = match (inference, infer_window) {
+            (true, Some(w)) => w,
+            _ if units => prefetch * 3,
+            _ => prefetch,
+        };
+        let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, window, inflight, steps, &x0, bus.clone(), mode)?;
         bus.close();
         println!(
             "{name}: {:.4} s/step, h2d {:.3} GB (minimum {:.3} GB), hits {} misses {}, peak {:.2} GB",
@@ -213,6 +229,8 @@ fn run_streamed(
     blocks: i64,
     block_bytes: i64,
     budget_blocks: u64,
+    // Positions ahead: units of a third of a block prefetch three times as many units ahead as
+    // blocks would, as far in bytes.
     prefetch: u32,
     inflight: u32,
     steps: i64,
@@ -222,13 +240,12 @@ fn run_streamed(
 ) -> anyhow::Result<Streamed> {
     let inference = mode.inference;
     let sync = || probe.synchronize();
-    // Units of a third of a block prefetch three times as many units ahead: as far in bytes.
-    let (unit_bytes, window) = if mode.units { (block_bytes / 3, prefetch * 3) } else { (block_bytes, prefetch) };
+    let unit_bytes = if mode.units { block_bytes / 3 } else { block_bytes };
     let cfg = WeightConfig::builder()
         .pool(unit_bytes as u64 * 2, unit_bytes as u64)
         .watermarks(u64::MAX / 2, u64::MAX / 4)
         .weight_budget(budget_blocks * block_bytes as u64)
-        .prefetch_window(window)
+        .prefetch_window(prefetch)
         .max_inflight_h2d(inflight)
         .inference_mode(inference)
         .build()?;
