@@ -212,13 +212,14 @@ fn the_fused_kernel_keeps_weight_decay_groups_and_learning_rate_changes() {
         popt.backward_step(&net.loss(&x));
         opt.backward_step(&snet.loss(&x)).expect("step");
     }
+    // Rounding differs with the kernels' vector width: 1.0e-4 seen on the host device of an AMD
+    // EPYC machine, 1.3e-4 on CUDA (the unfused reference on the device, the fused kernel on the
+    // host); the control below differs by 6.4e-2.
+    const TOLERANCE: f64 = 5e-4;
     let (got, want) = (cpu(ms.var_store().expect("snapshot").variables()), values(&vs));
     for (n, t) in &want {
         let diff = (&got[n] - t).abs().max().double_value(&[]);
-        // On CUDA the unfused reference runs on the device and the fused kernel on the host:
-        // rounding differs a little more (1.3e-4 seen), still far under the control's gap.
-        let tol = if device.is_cuda() { 5e-4 } else { 1e-4 };
-        assert!(diff < tol, "{n}: fused and unfused differ by {diff}");
+        assert!(diff < TOLERANCE, "{n}: fused and unfused differ by {diff}");
     }
     // The control: without group 1's decay the weights end far further apart than rounding.
     let (vs2, net2) = {
@@ -238,7 +239,7 @@ fn the_fused_kernel_keeps_weight_decay_groups_and_learning_rate_changes() {
     }
     let control = values(&vs2);
     let gap = (&control["blocks.1.fc.weight"] - &want["blocks.1.fc.weight"]).abs().max().double_value(&[]);
-    assert!(gap > 1e-3, "the decay makes a difference of {gap}");
+    assert!(gap > 20.0 * TOLERANCE, "the decay makes a difference of {gap}");
 }
 
 #[test]
