@@ -13,7 +13,8 @@
 //! under a 4 GiB budget; on the host device a small one. Override with `MJ_LAYERS`, `MJ_D`,
 //! `MJ_SEQ`, `MJ_BATCH`, `MJ_BUDGET_MIB`, `MJ_STEPS`, `MJ_THREADS` (libtorch's intra-op
 //! threads, every thread's), `MJ_OPT_THREADS` (the host optimizer's threads alone, the handle's
-//! `host_optimizer_threads`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
+//! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
+//! `Grouping::Parts`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -117,11 +118,20 @@ fn main() -> anyhow::Result<()> {
     if let Some(n) = opt_threads {
         println!("host optimizer threads: {n}");
     }
-    let with_threads = |b: stagehand::StagehandBuilder| match opt_threads {
-        Some(n) => b.host_optimizer_threads(n),
-        None => b,
+    let parts = std::env::var("MJ_PARTS").ok().and_then(|v| v.parse::<u32>().ok());
+    if let Some(n) = parts {
+        println!("streaming units: {n} parts per block");
+    }
+    let customize = |mut b: stagehand::StagehandBuilder| {
+        if let Some(n) = opt_threads {
+            b = b.host_optimizer_threads(n);
+        }
+        if let Some(n) = parts {
+            b = b.grouping(stagehand::nn::Grouping::Parts(n));
+        }
+        b
     };
-    let s = train_stagehand(&cfg, &device, &bus, |_, _, _| {}, with_threads)?;
+    let s = train_stagehand(&cfg, &device, &bus, |_, _, _| {}, customize)?;
     bus.flush();
     let snap: Snapshot = hub.snapshot();
     bus.close();
@@ -246,7 +256,7 @@ fn main() -> anyhow::Result<()> {
         // The same run with no event bus: what every sink together (the full-level file and
         // the metrics) costs the step.
         device.synchronize()?;
-        let quiet = train_stagehand(&cfg, &device, &Bus::disabled(), |_, _, _| {}, with_threads)?;
+        let quiet = train_stagehand(&cfg, &device, &Bus::disabled(), |_, _, _| {}, customize)?;
         let quiet_s = mean(steady(&quiet.step_times));
         println!(
             "telemetry cost: {:.1} ms/step with every event to the file and the metrics, {:.1} ms/step with the bus disabled: {:+.1}%",

@@ -244,6 +244,82 @@ fn training_through_the_handle_equals_plain_tch() {
 }
 
 #[test]
+fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let cuda = device.is_cuda();
+    let (steps, lr) = (4, 1e-2);
+    let (vs, net) = {
+        let _g = rng();
+        tch::manual_seed(7);
+        let mut vs = nn::VarStore::new(tch::Device::Cpu);
+        let net = plain(&vs);
+        vs.set_device(dev);
+        (vs, net)
+    };
+    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
+    let want: Vec<f64> = (0..steps)
+        .map(|s| {
+            let (ids, targets) = batch(200 + s, dev);
+            let loss = net.loss(&ids, &targets);
+            opt.backward_step(&loss);
+            loss.double_value(&[])
+        })
+        .collect();
+
+    let budget = (400 << 10) + if cuda { device.memory().allocated } else { 0 };
+    let sh = Stagehand::builder()
+        .budget_bytes(budget)
+        .device(if cuda { device.clone() } else { Device::host(budget) })
+        .kernel(Kernel::Exact)
+        .grouping(snn::Grouping::Parts(2))
+        .build()
+        .expect("handle");
+    let net = {
+        let _g = rng();
+        tch::manual_seed(7);
+        managed(&sh)
+    };
+    let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
+    let got: Vec<f64> = (0..steps)
+        .map(|s| {
+            let (ids, targets) = batch(200 + s, dev);
+            sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step").loss
+        })
+        .collect();
+    if cuda {
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "losses {got:?} vs {want:?}");
+        }
+    } else {
+        assert_eq!(got, want, "losses step for step");
+    }
+    // Each block's two linears are its two parts, streamed as units, the window counting parts.
+    for i in 0..LAYERS {
+        for part in 0..2 {
+            sh.weights().block_id(&format!("blocks.{i}.part{part}")).expect("a part is a streaming unit");
+        }
+        assert!(sh.weights().block_id(&format!("blocks.{i}")).is_err(), "no whole block {i}");
+    }
+    let plan = sh.plan().expect("planned");
+    assert!(plan.streams(), "{plan:?}");
+    assert_eq!(plan.prefetch_window, 2 * stagehand::session::plan::DEFAULT_PREFETCH_WINDOW);
+    assert!(sh.weights().last_step_metrics().evictions > 0);
+    opt.wait().expect("host steps done");
+    let trained = sh.var_store().expect("snapshot").variables();
+    sh.shutdown().expect("shutdown");
+    let plain_vars = vs.variables();
+    for (name, t) in trained {
+        let (got, w) = (t.to_device(tch::Device::Cpu), plain_vars[&name].to_device(tch::Device::Cpu));
+        if cuda {
+            assert!(got.allclose(&w, 1e-4, 1e-5, false), "{name} differs");
+        } else {
+            assert!(got.equal(&w), "{name}: parameters differ");
+        }
+    }
+}
+
+#[test]
 fn budgets_that_cannot_work_are_refused_with_the_reason() {
     let e = Stagehand::builder().build().expect_err("no budget");
     assert!(e.to_string().contains("budget"), "{e}");

@@ -68,6 +68,22 @@ pub enum Grouping {
     Repeated,
     /// Every layer is its own block.
     Layer,
+    /// The repeated structure, each block split into this many parts of about equal bytes, its
+    /// layers kept in the order they were made (a transformer block's attention, MLP up and MLP
+    /// down, say). A part frees its device slot as soon as its own layers are done, so at the
+    /// step's start and at the forward/backward turn the next load waits for a part's compute,
+    /// not a block's. The prefetch window counts parts; the handle scales it by the count.
+    Parts(u32),
+}
+
+impl Grouping {
+    /// Streaming units per repeated block (1 unless [`Grouping::Parts`]).
+    pub fn parts(&self) -> u32 {
+        match self {
+            Grouping::Parts(n) => (*n).max(1),
+            _ => 1,
+        }
+    }
 }
 
 /// Layer-mode options.
@@ -124,8 +140,44 @@ impl Default for LayerOptions {
     }
 }
 
-/// The block name of each layer path under `grouping` (pure; see [`Grouping::Repeated`]).
-pub fn group_layers(paths: &[String], grouping: &Grouping) -> Vec<String> {
+/// The block name of each layer path under `grouping`, given each layer's bytes (pure; see
+/// [`Grouping`]).
+pub fn group_layers(paths: &[String], bytes: &[u64], grouping: &Grouping) -> Vec<String> {
+    let blocks = repeated_blocks(paths, grouping);
+    match grouping {
+        Grouping::Parts(n) if *n > 1 => split_parts(&blocks, bytes, *n),
+        _ => blocks,
+    }
+}
+
+/// Splits every block of several layers into up to `n` parts of about equal bytes: a layer goes
+/// to the part its bytes' midpoint falls in, so parts follow the layers' order. A part is named
+/// `<block>.part<k>`.
+fn split_parts(blocks: &[String], bytes: &[u64], n: u32) -> Vec<String> {
+    let mut out = blocks.to_vec();
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
+    for name in blocks {
+        if !seen.insert(name) {
+            continue;
+        }
+        let members: Vec<usize> = (0..blocks.len()).filter(|&i| blocks[i] == *name).collect();
+        if members.len() < 2 {
+            continue;
+        }
+        let size = |i: usize| bytes.get(i).copied().unwrap_or(0) as f64;
+        let total: f64 = members.iter().map(|&i| size(i)).sum();
+        let mut before = 0.0;
+        for &i in &members {
+            let mid = before + size(i) / 2.0;
+            before += size(i);
+            let k = if total > 0.0 { ((mid / total) * f64::from(n)).floor() as u32 } else { 0 };
+            out[i] = format!("{name}.part{}", k.min(n - 1));
+        }
+    }
+    out
+}
+
+fn repeated_blocks(paths: &[String], grouping: &Grouping) -> Vec<String> {
     if *grouping == Grouping::Layer {
         return paths.to_vec();
     }
@@ -175,11 +227,56 @@ mod tests {
             "heads.0",
             "single.0.fc",
         ]);
-        let got = group_layers(&paths, &Grouping::Repeated);
+        let bytes = vec![1; paths.len()];
+        let got = group_layers(&paths, &bytes, &Grouping::Repeated);
         assert_eq!(
             got,
             names(&["tok", "pos", "blocks.0", "blocks.0", "blocks.1", "blocks.1", "head", "heads.0", "single.0.fc"])
         );
-        assert_eq!(group_layers(&paths, &Grouping::Layer), paths);
+        assert_eq!(group_layers(&paths, &bytes, &Grouping::Layer), paths);
+        assert_eq!(group_layers(&paths, &bytes, &Grouping::Parts(1)), got);
+    }
+
+    #[test]
+    fn parts_split_each_block_by_bytes_in_layer_order() {
+        // A GPT block: qkv 3d², proj d², fc 4d², fc_out 4d² make three equal parts.
+        let paths = names(&[
+            "tok",
+            "blocks.0.qkv",
+            "blocks.0.proj",
+            "blocks.0.fc",
+            "blocks.0.fc_out",
+            "blocks.1.qkv",
+            "blocks.1.proj",
+            "blocks.1.fc",
+            "blocks.1.fc_out",
+            "blocks.2.only",
+            "blocks.3.only",
+            "head",
+        ]);
+        let bytes = [50, 3, 1, 4, 4, 3, 1, 4, 4, 7, 7, 50];
+        let got = group_layers(&paths, &bytes, &Grouping::Parts(3));
+        assert_eq!(
+            got,
+            names(&[
+                "tok",
+                "blocks.0.part0",
+                "blocks.0.part0",
+                "blocks.0.part1",
+                "blocks.0.part2",
+                "blocks.1.part0",
+                "blocks.1.part0",
+                "blocks.1.part1",
+                "blocks.1.part2",
+                "blocks.2",
+                "blocks.3",
+                "head",
+            ])
+        );
+        // More parts than layers: one layer a part, never an index past the count.
+        let eight = group_layers(&paths, &bytes, &Grouping::Parts(8));
+        assert_eq!(eight[1..5], names(&["blocks.0.part1", "blocks.0.part2", "blocks.0.part4", "blocks.0.part6"]));
+        assert_eq!(Grouping::Parts(0).parts(), 1);
+        assert_eq!(Grouping::Repeated.parts(), 1);
     }
 }

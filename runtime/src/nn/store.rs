@@ -96,7 +96,12 @@ impl Table {
             return self.place_unmanaged(&HashSet::new());
         }
         let paths: Vec<String> = l.pending.iter().map(|(n, _)| n.clone()).collect();
-        let names = group_layers(&paths, &self.grouping);
+        let bytes: Vec<u64> = l
+            .pending
+            .iter()
+            .map(|(_, ps)| ps.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum())
+            .collect();
+        let names = group_layers(&paths, &bytes, &self.grouping);
         let managed: HashSet<VariableId> =
             l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(_, t)| VariableId::of(t))).collect();
         let mut grouped: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();

@@ -117,7 +117,7 @@ impl StagehandBuilder {
         self
     }
 
-    /// Blocks prefetched ahead (default 2).
+    /// Blocks prefetched ahead (default 2); with [`Grouping::Parts`], as many blocks' parts.
     pub fn prefetch_window(mut self, k: u32) -> Self {
         self.prefetch_window = k;
         self
@@ -209,11 +209,13 @@ impl StagehandBuilder {
             high_watermark_bytes: None,
             low_watermark_bytes: None,
         });
+        // The window counts streaming units: parts of a block look as far ahead in bytes.
+        let prefetch_window = self.prefetch_window.saturating_mul(self.grouping.parts());
         let store = ManagedVarStore::new(
             tch::nn::VarStore::new(tch::Device::Cpu),
             LayerOptions {
                 weight_room: Some(budget),
-                prefetch_k: self.prefetch_window,
+                prefetch_k: prefetch_window,
                 telemetry: bus.clone(),
                 device: Some(device.clone()),
                 install_hooks: false,
@@ -229,7 +231,7 @@ impl StagehandBuilder {
             bus,
             store,
             budget,
-            prefetch_window: self.prefetch_window,
+            prefetch_window,
             conductor_on: self.conductor,
             spill: self.spill,
             kernel: self.kernel,
