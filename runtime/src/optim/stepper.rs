@@ -130,8 +130,8 @@ impl Stepper {
         }
     }
 
-    /// How many threads the worker's steps use from the next job on (`None`: libtorch's default,
-    /// one per core; `Some(0)` counts as 1).
+    /// How many threads the worker's steps use from the next job on (`None`: libtorch's default
+    /// for a new thread, one per core unless set otherwise; `Some(0)` counts as 1).
     pub(crate) fn set_threads(&self, threads: Option<usize>) {
         self.shared.lock().threads = threads;
     }
@@ -143,6 +143,9 @@ impl Stepper {
 }
 
 fn work(shared: &Shared) {
+    // libtorch's default for a new thread (OMP_NUM_THREADS, or a count set process-wide), read
+    // before this thread sets its own: what `None` goes back to.
+    let default = usize::try_from(tch::get_num_threads()).unwrap_or(1).max(1);
     let mut applied = None;
     let mut st = shared.lock();
     loop {
@@ -156,8 +159,7 @@ fn work(shared: &Shared) {
         let threads = st.threads;
         drop(st);
         if threads != applied {
-            let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-            crate::torch::optim::set_local_intra_op_threads(n);
+            crate::torch::optim::set_local_intra_op_threads(threads.unwrap_or(default));
             applied = threads;
         }
         let t0 = Instant::now();
@@ -234,15 +236,16 @@ mod tests {
         let before = tch::get_num_threads();
         let s = Stepper::new().expect("thread");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        for (b, n) in [(1, 1), (2, 3), (3, 1)] {
-            s.set_threads(Some(n));
+        for (b, n) in [(1, Some(1)), (2, Some(3)), (3, Some(1)), (4, None)] {
+            s.set_threads(n);
             s.submit(BlockId(b), 0, Box::new(Threads(seen.clone())));
             s.wait(BlockId(b)).expect("ran");
         }
-        assert_eq!(*seen.lock().expect("log"), [1, 3, 1]);
-        // Neither this thread's count nor the default a new thread adopts moved.
-        assert_eq!(tch::get_num_threads(), before);
+        // `None` goes back to what a new thread gets; neither this thread's count nor that
+        // default moved.
         let fresh = std::thread::spawn(tch::get_num_threads).join().expect("thread");
+        assert_eq!(*seen.lock().expect("log"), [1, 3, 1, fresh]);
+        assert_eq!(tch::get_num_threads(), before);
         assert_eq!(fresh, before);
     }
 
