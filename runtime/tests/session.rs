@@ -80,6 +80,24 @@ fn managed(sh: &Stagehand) -> Net {
     }
 }
 
+/// The plain model from `seed`, made on the CPU (as the handle's store makes it) and moved to
+/// `dev`.
+fn plain_seeded(seed: i64, dev: tch::Device) -> (nn::VarStore, Net) {
+    let _g = rng();
+    tch::manual_seed(seed);
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let net = plain(&vs);
+    vs.set_device(dev);
+    (vs, net)
+}
+
+/// The same model from `seed` on the handle's store.
+fn managed_seeded(sh: &Stagehand, seed: i64) -> Net {
+    let _g = rng();
+    tch::manual_seed(seed);
+    managed(sh)
+}
+
 fn batch(seed: i64, dev: tch::Device) -> (Tensor, Tensor) {
     let _g = rng();
     tch::manual_seed(seed);
@@ -108,14 +126,7 @@ fn training_through_the_handle_equals_plain_tch() {
     let lr = 1e-2;
 
     // Plain tch, everything on the device.
-    let (vs, net) = {
-        let _g = rng();
-        tch::manual_seed(5);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = plain(&vs);
-        vs.set_device(dev);
-        (vs, net)
-    };
+    let (vs, net) = plain_seeded(5, dev);
     let initial: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).copy())).collect();
     let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
     let mut want = Vec::new();
@@ -143,11 +154,7 @@ fn training_through_the_handle_equals_plain_tch() {
         .checksums(true)
         .build()
         .expect("handle");
-    let net = {
-        let _g = rng();
-        tch::manual_seed(5);
-        managed(&sh)
-    };
+    let net = managed_seeded(&sh, 5);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let mut got = Vec::new();
     for s in 0..steps {
@@ -249,14 +256,7 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
     let dev = device.tch_device();
     let cuda = device.is_cuda();
     let (steps, lr) = (4, 1e-2);
-    let (vs, net) = {
-        let _g = rng();
-        tch::manual_seed(7);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = plain(&vs);
-        vs.set_device(dev);
-        (vs, net)
-    };
+    let (vs, net) = plain_seeded(7, dev);
     let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
     let want: Vec<f64> = (0..steps)
         .map(|s| {
@@ -275,11 +275,7 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
         .grouping(snn::Grouping::Parts(2))
         .build()
         .expect("handle");
-    let net = {
-        let _g = rng();
-        tch::manual_seed(7);
-        managed(&sh)
-    };
+    let net = managed_seeded(&sh, 7);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let got: Vec<f64> = (0..steps)
         .map(|s| {

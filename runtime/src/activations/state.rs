@@ -88,10 +88,6 @@ pub(super) struct Shared {
     pub state: Mutex<State>,
 }
 
-fn tensor_bytes(t: &Tensor) -> u64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as u64
-}
-
 pub(super) fn current_region(g: &State) -> Option<String> {
     if g.regions.is_empty() {
         g.auto_region.as_deref().map(str::to_owned)
@@ -189,7 +185,7 @@ impl Shared {
 
     fn pack_tensor(&self, t: Tensor) -> Result<u64> {
         let identity = TensorIdentity::of(&t);
-        let bytes = tensor_bytes(&t);
+        let bytes = crate::torch::tensor_bytes(&t);
         let auto = self.resolver.as_ref().and_then(|r| r.current_region());
         let mut g = self.lock();
         self.follow_auto_region(&mut g, auto);

@@ -154,16 +154,12 @@ pub fn group_layers(paths: &[String], bytes: &[u64], grouping: &Grouping) -> Vec
 /// to the part its bytes' midpoint falls in, so parts follow the layers' order. A part is named
 /// `<block>.part<k>`.
 fn split_parts(blocks: &[String], bytes: &[u64], n: u32) -> Vec<String> {
+    let mut members: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (i, name) in blocks.iter().enumerate() {
+        members.entry(name).or_default().push(i);
+    }
     let mut out = blocks.to_vec();
-    let mut seen: BTreeSet<&str> = BTreeSet::new();
-    for name in blocks {
-        if !seen.insert(name) {
-            continue;
-        }
-        let members: Vec<usize> = (0..blocks.len()).filter(|&i| blocks[i] == *name).collect();
-        if members.len() < 2 {
-            continue;
-        }
+    for (name, members) in members.into_iter().filter(|(_, m)| m.len() >= 2) {
         let size = |i: usize| bytes.get(i).copied().unwrap_or(0) as f64;
         let total: f64 = members.iter().map(|&i| size(i)).sum();
         let mut before = 0.0;

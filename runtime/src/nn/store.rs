@@ -99,7 +99,7 @@ impl Table {
         let bytes: Vec<u64> = l
             .pending
             .iter()
-            .map(|(_, ps)| ps.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum())
+            .map(|(_, ps)| ps.iter().map(|(_, t)| crate::torch::tensor_bytes(t)).sum())
             .collect();
         let names = group_layers(&paths, &bytes, &self.grouping);
         let managed: HashSet<VariableId> =

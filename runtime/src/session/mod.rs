@@ -390,7 +390,7 @@ impl Stagehand {
             if managed.contains(&name) {
                 continue;
             }
-            let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            let bytes = crate::torch::tensor_bytes(&t);
             if t.requires_grad() {
                 unmanaged.0 += bytes;
             } else {

@@ -14,3 +14,8 @@ pub use hooks::{HookError, Recompute, RecomputeFn, SavedTensorHooks, SavedTensor
 pub use init::{cuda_available, cuda_load_error, init};
 pub use optimizer::{ParamState, TorchOptimizer};
 pub use variable::VariableId;
+
+/// Bytes of a tensor's elements (its own, not its storage's).
+pub(crate) fn tensor_bytes(t: &tch::Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}

@@ -54,7 +54,7 @@ impl GradSink {
             }
             crate::guards::observe_gradient(self.copier.device(), Some(id), &g);
             let g = if g.is_contiguous() { g } else { g.f_contiguous()? };
-            let bytes = (g.numel() * g.kind().elt_size_in_bytes()) as u64;
+            let bytes = crate::torch::tensor_bytes(&g);
             let fresh = !block.grads[gi].received;
             if fresh {
                 let buf = self.take_buffer(id, gi, block)?;
