@@ -2,6 +2,11 @@
 //! benchmark is measured against). On a machine without CUDA it measures the host device's
 //! memcpy path.
 //!
+//! Then the spill pattern: a region's saved tensors copied to the host one copy each (what the
+//! activation runtime does) against the same bytes in one copy (what batching a region into one
+//! transfer could at best do), for each `SIZExCOUNT` in `STAGEHAND_SPILL_SIZES` (MiB; default
+//! `22x12,4x64,1x128` on CUDA, the first the 16 x 1024 main job's average spill).
+//!
 //! Run: `cargo bench -p stagehand-runtime --bench copies` (prints GB/s per direction and both at
 //! once).
 
@@ -58,5 +63,55 @@ fn main() -> anyhow::Result<()> {
     println!("h2d_gbps {h2d:.1}");
     println!("d2h_gbps {d2h:.1}");
     println!("bidirectional_gbps {both:.1}");
+
+    let sizes = std::env::var("STAGEHAND_SPILL_SIZES")
+        .unwrap_or_else(|_| if dev.is_cuda() { "22x12,4x64,1x128" } else { "4x8,1x16" }.to_string());
+    for spec in sizes.split(',') {
+        let Some((mib, count)) = spec.split_once('x').and_then(|(a, b)| Some((a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?)))
+        else {
+            anyhow::bail!("STAGEHAND_SPILL_SIZES: '{spec}' is not SIZExCOUNT (MiB x tensors)");
+        };
+        let (each, whole) = spill_pattern(&dev, &d2h_stream, mib << 20, count, reps)?;
+        println!(
+            "spill {count} x {mib} MiB: one copy per tensor {each:.1} GB/s, one copy of all {whole:.1} GB/s ({:.3}x)",
+            whole / each
+        );
+    }
     Ok(())
+}
+
+/// D2H GB/s of `count` tensors of `bytes` copied one copy each into their own pinned buffers,
+/// all issued then all awaited, and of the same bytes as one copy.
+fn spill_pattern(
+    dev: &Device,
+    stream: &stagehand::device::CopyStream,
+    bytes: usize,
+    count: usize,
+    reps: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let srcs: Vec<Tensor> = (0..count).map(|_| Tensor::ones([bytes as i64], (Kind::Uint8, dev.tch_device()))).collect();
+    let mut hosts = (0..count).map(|_| dev.alloc_host(bytes)).collect::<Result<Vec<_>, _>>()?;
+    let whole_src = Tensor::ones([(bytes * count) as i64], (Kind::Uint8, dev.tch_device()));
+    let mut whole_host = dev.alloc_host(bytes * count)?;
+    dev.synchronize()?;
+    let mut each_s = f64::MAX;
+    let mut whole_s = f64::MAX;
+    // One warm-up round, then the best of `reps`.
+    for _ in 0..=reps {
+        let t = Instant::now();
+        let pending = hosts
+            .drain(..)
+            .zip(&srcs)
+            .map(|(h, src)| stream.d2h(h, 0, src, Order::AfterCompute).map_err(|f| f.error))
+            .collect::<Result<Vec<_>, _>>()?;
+        for p in pending {
+            hosts.push(p.wait()?.0);
+        }
+        each_s = each_s.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        whole_host = stream.d2h(whole_host, 0, &whole_src, Order::AfterCompute).map_err(|f| f.error)?.wait()?.0;
+        whole_s = whole_s.min(t.elapsed().as_secs_f64());
+    }
+    let total = (bytes * count) as f64;
+    Ok((total / each_s / 1e9, total / whole_s / 1e9))
 }

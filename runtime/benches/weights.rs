@@ -7,7 +7,8 @@
 //! third of a block (the attention projections, the MLP's up and its down projection, each
 //! registered as its own unit in the same bytes of room, prefetched as far ahead in bytes): at
 //! the forward/backward turn and at the step's start the copy engine waits for a slot to free,
-//! which a smaller unit frees sooner.
+//! which a smaller unit frees sooner. The forward-only variants run with the runtime's cyclic
+//! pins (its default in inference mode) and, marked "Belady only", without them.
 //!
 //! On a GPU the default is the 16-block d=4096 bf16 model at 4096 tokens (6.4 GB of weights,
 //! 4 blocks resident); on the host device a small f32 model. Override with env variables:
@@ -126,20 +127,23 @@ fn main() -> anyhow::Result<()> {
         probe.memory().allocated as f64 / 1e9
     );
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    // (name, forward only, telemetry, checkpointed blocks, units of a third of a block)
+    // (name, forward only, telemetry, checkpointed blocks, units of a third of a block, cyclic
+    // pins in inference mode)
     let variants = [
-        ("fwd+bwd, telemetry on", false, true, false, false),
-        ("fwd+bwd, bus disabled", false, false, false, false),
-        ("forward only, telemetry on", true, true, false, false),
-        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true, false),
-        ("fwd+bwd, third-block units, telemetry on", false, true, false, true),
-        ("forward only, third-block units, telemetry on", true, true, false, true),
+        ("fwd+bwd, telemetry on", false, true, false, false, true),
+        ("fwd+bwd, bus disabled", false, false, false, false, true),
+        ("forward only, telemetry on", true, true, false, false, true),
+        ("forward only, Belady only, telemetry on", true, true, false, false, false),
+        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true, false, true),
+        ("fwd+bwd, third-block units, telemetry on", false, true, false, true, true),
+        ("forward only, third-block units, telemetry on", true, true, false, true, true),
+        ("forward only, third-block units, Belady only, telemetry on", true, true, false, true, false),
     ];
     // SH_VARIANTS: run only the variants whose names contain one of these comma-separated parts.
     let only = std::env::var("SH_VARIANTS").ok();
     let chosen = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
     let mut results = Vec::new();
-    for (i, (name, inference, telemetry, checkpoint, units)) in variants.into_iter().enumerate() {
+    for (i, (name, inference, telemetry, checkpoint, units, pins)) in variants.into_iter().enumerate() {
         if !chosen(name) {
             continue;
         }
@@ -151,7 +155,7 @@ fn main() -> anyhow::Result<()> {
         } else {
             Bus::disabled()
         };
-        let mode = Mode { inference, checkpoint, units };
+        let mode = Mode { inference, checkpoint, units, pins };
         let window = match (inference, infer_window) {
             (true, Some(w)) => w,
             _ if units => prefetch * 3,
@@ -210,6 +214,8 @@ struct Mode {
     checkpoint: bool,
     /// Three streaming units per block (attention, MLP up, MLP down) instead of one.
     units: bool,
+    /// The runtime's cyclic pins (inference mode only).
+    pins: bool,
 }
 
 struct Streamed {
@@ -248,6 +254,7 @@ fn run_streamed(
         .prefetch_window(prefetch)
         .max_inflight_h2d(inflight)
         .inference_mode(inference)
+        .cyclic_pins(mode.pins)
         .build()?;
     let rt = if mode.units {
         let rt = WeightRuntime::new(probe.clone(), cfg, bus.clone())?;

@@ -120,6 +120,97 @@ fn eviction_picks_the_farthest_next_use() {
     assert_eq!(evicted, [0, 3, 2]);
 }
 
+/// Forward-only steps of `n` blocks through room for `slots`: the outputs (all equal to the
+/// unwrapped model's), each steady step's loads, and the blocks evicted after the first two
+/// steps.
+fn inference_steps(n: usize, slots: u64, pins: bool, steps: usize) -> (Vec<u64>, Vec<u32>, Vec<u32>) {
+    let device = Device::host(1 << 30);
+    let (_vr, r, vm, m) = pair(n, false);
+    let bus = Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let cfg = WeightConfig::builder()
+        .pool(4 << 20, 1 << 20)
+        .watermarks(1 << 40, 1 << 39)
+        .weight_budget(slots * block_bytes())
+        .prefetch_window(3)
+        .inference_mode(true)
+        .cyclic_pins(pins)
+        .build()
+        .expect("config");
+    let rt = WeightRuntime::from_var_store(&vm, r"^blocks\.\d+$", device, cfg, bus.clone()).expect("runtime");
+    let ids = ids(&rt, n);
+    let x = input(tch::Device::Cpu, 1);
+    let want = tch::no_grad(|| r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h)));
+    let mut loads = Vec::new();
+    let mut late_evictions = Vec::new();
+    let mut protected = Vec::new();
+    for step in 0..steps {
+        rt.begin_step().expect("begin");
+        let y = tch::no_grad(|| managed_forward(&rt, &ids, &m, &x));
+        rt.end_step().expect("end");
+        assert!(y.equal(&want), "step {step}: output differs from the unwrapped model");
+        loads.push(rt.last_step_metrics().h2d_bytes / block_bytes());
+        bus.flush();
+        while let Ok(u) = sub.rx.try_recv() {
+            if let Update::Event(e) = u {
+                match &e.kind {
+                    EventKind::Eviction { block, .. } if step >= 2 => late_evictions.push(block.0),
+                    EventKind::Protection { block, protected: true } => protected.push(block.0),
+                    _ => {}
+                }
+            }
+        }
+    }
+    (loads, late_evictions, protected)
+}
+
+#[test]
+fn inference_pins_blocks_spread_along_the_cycle_and_streams_the_rest_through_two_slots() {
+    // 10 blocks through 5 slots: 3 pinned (0, 3, 6) once the first step has traced the cycle,
+    // the other 7 streamed through 2 slots, each loaded once a step.
+    let (loads, late, pinned) = inference_steps(10, 5, true, 6);
+    assert_eq!(pinned, [0, 3, 6]);
+    assert_eq!(loads[2..], [7, 7, 7, 7], "loads a step: {loads:?}");
+    assert!(late.iter().all(|b| ![0, 3, 6].contains(b)), "a pinned block was evicted: {late:?}");
+    // Without pins Belady's choice turns other blocks: nothing is protected, and blocks 0, 3 or 6
+    // leave the device in steady state.
+    let (_, late, pinned) = inference_steps(10, 5, false, 6);
+    assert!(pinned.is_empty());
+    assert!(late.iter().any(|b| [0, 3, 6].contains(b)), "{late:?}");
+}
+
+#[test]
+fn a_demand_beyond_the_streaming_slots_lifts_a_pin_instead_of_failing() {
+    let device = Device::host(1 << 30);
+    let n = 10;
+    let (_vr, _r, vm, m) = pair(n, false);
+    let bus = Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let rt = runtime(&vm, device, 5, 3, bus.clone(), true);
+    let ids = ids(&rt, n);
+    let x = input(tch::Device::Cpu, 1);
+    for _ in 0..3 {
+        rt.begin_step().expect("begin");
+        let _ = tch::no_grad(|| managed_forward(&rt, &ids, &m, &x));
+        rt.end_step().expect("end");
+    }
+    // Three unpinned blocks held at once: two streaming slots are not enough, so a pin goes.
+    rt.begin_step().expect("begin");
+    let _g1 = rt.block(ids[1]).expect("block 1");
+    let _g2 = rt.block(ids[2]).expect("block 2");
+    let _g4 = rt.block(ids[4]).expect("block 4 takes a pinned block's slot");
+    bus.flush();
+    let mut lifted = Vec::new();
+    while let Ok(u) = sub.rx.try_recv() {
+        if let Update::Event(e) = u {
+            if let EventKind::Protection { block, protected: false } = &e.kind {
+                lifted.push(block.0);
+            }
+        }
+    }
+    assert_eq!(lifted.len(), 1, "{lifted:?}");
+}
+
 #[test]
 fn keep_resident_blocks_are_never_evicted() {
     let device = Device::host(1 << 30);

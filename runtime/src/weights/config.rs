@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 
 const MIB: u64 = 1 << 20;
 
+fn on() -> bool {
+    true
+}
+
 /// Total pinned staging pool (8 GiB: room to stage a large model's blocks ahead).
 pub const DEFAULT_PINNED_POOL_BYTES: u64 = 8192 * MIB;
 /// One slab of the pinned pool (256 MiB: a transformer block of a few billion parameters).
@@ -53,6 +57,13 @@ pub struct WeightConfig {
     pub prefetch_window: u32,
     /// No backward: the itinerary is the forward order alone.
     pub inference_mode: bool,
+    /// In inference mode, keep all but two of the room's slots on blocks spread evenly along the
+    /// forward (never evicted while the itinerary holds) and stream the rest through the other
+    /// two, so every copy overlaps compute (see [`super::evictor::spread_pins`]). Off: Belady's
+    /// choice alone, which moves fewer bytes but leaves the copy engine idle while the blocks it
+    /// keeps compute.
+    #[serde(default = "on")]
+    pub cyclic_pins: bool,
     /// Device bytes of gradients on their way to the host at most: past it, the training
     /// thread waits for the oldest copies (`None`: no bound). A copy holds its gradient's
     /// device memory until it lands, and with the training thread far ahead of the GPU every
@@ -77,6 +88,7 @@ impl Default for WeightConfig {
             max_inflight_h2d: DEFAULT_MAX_INFLIGHT_H2D,
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             inference_mode: false,
+            cyclic_pins: true,
             max_inflight_grad_bytes: None,
             room_origin: String::new(),
         }
@@ -234,6 +246,12 @@ impl WeightConfigBuilder {
     /// Forward only (no backward part in the itinerary).
     pub fn inference_mode(mut self, on: bool) -> Self {
         self.cfg.inference_mode = on;
+        self
+    }
+    /// In inference mode, blocks pinned along the forward so that copies overlap compute
+    /// (default on; see [`WeightConfig::cyclic_pins`]).
+    pub fn cyclic_pins(mut self, on: bool) -> Self {
+        self.cfg.cyclic_pins = on;
         self
     }
     /// Most device bytes of gradients in flight to the host.

@@ -80,6 +80,37 @@ pub fn min_loads(itinerary: &Itinerary, slots: usize, updated: &[BlockId], steps
     loads
 }
 
+/// Slots that stream when a cyclic (forward-only) itinerary is pinned: one for the block
+/// computing, one for the copy of the next.
+pub const STREAMING_SLOTS: usize = 2;
+
+/// The blocks to keep on the device across steps of a cyclic itinerary (`order`, forward only)
+/// with `slots` slots: all but [`STREAMING_SLOTS`] of them, spread evenly along the order; none
+/// when everything fits or too few slots are left to stream through.
+///
+/// Why not Belady's choice alone: on a cycle it keeps a run of consecutive blocks and turns the
+/// slot of the block just used, so while the kept run computes nothing can be copied (the
+/// victims' kernels are still queued) and the copy engine idles for the whole run. Pinned blocks
+/// spread along the cycle put a short compute between any two loads, and the two streaming
+/// slots let each copy run while the block before it computes: `n - slots + 2` loads a step,
+/// all overlapped. On the weights benchmark (48 units, 12 slots) that is 38 loads against
+/// Belady's long-run 36.8 (1.034x), where Belady's schedule with the copy engine's idle time
+/// runs about 1.07x its bytes.
+pub fn spread_pins(order: &[BlockId], slots: usize) -> Vec<BlockId> {
+    let mut distinct: Vec<BlockId> = Vec::with_capacity(order.len());
+    for &b in order {
+        if !distinct.contains(&b) {
+            distinct.push(b);
+        }
+    }
+    let n = distinct.len();
+    if n <= slots || slots <= STREAMING_SLOTS {
+        return Vec::new();
+    }
+    let pins = slots - STREAMING_SLOTS;
+    (0..pins).map(|i| distinct[i * n / pins]).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,6 +169,23 @@ mod tests {
         assert_eq!(min_loads(&i, 4, &[], 1).len(), 12);
         let avg = min_loads(&i, 4, &[], 60).len() as f64 / 60.0;
         assert!((avg - 12.8).abs() < 0.05, "{avg}");
+    }
+
+    #[test]
+    fn pins_spread_along_the_cycle_and_leave_two_slots_streaming() {
+        let order: Vec<BlockId> = (0..48).map(BlockId).collect();
+        let pins = spread_pins(&order, 12);
+        assert_eq!(pins, ids(&[0, 4, 9, 14, 19, 24, 28, 33, 38, 43]));
+        // No two pins adjacent: a load always has a compute to overlap with.
+        assert!(pins.windows(2).all(|w| w[1].0 - w[0].0 >= 2));
+        // Whole blocks, room for 4 of 16: 2 pinned, 14 loads a step.
+        assert_eq!(spread_pins(&order[..16], 4), ids(&[0, 8]));
+        // Everything fits, or nothing would be left to stream through: no pins.
+        assert!(spread_pins(&order[..12], 12).is_empty());
+        assert!(spread_pins(&order, 2).is_empty());
+        // A block entered twice counts once.
+        let twice = ids(&[0, 1, 0, 2, 3, 4]);
+        assert_eq!(spread_pins(&twice, 3), ids(&[0]));
     }
 
     #[test]

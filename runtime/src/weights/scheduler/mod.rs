@@ -124,6 +124,19 @@ pub(crate) struct Scheduler {
     /// The Belady minimum of bytes a step, for the streamed order, room and trained blocks it
     /// was computed for.
     min_bytes: Option<(MinKey, u64)>,
+    /// Inference mode: the blocks the plan pinned along the cyclic itinerary, and the streamed
+    /// order and slot count they were chosen for ([`super::evictor::spread_pins`]).
+    pins: Option<Pins>,
+}
+
+/// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
+#[derive(Debug)]
+struct Pins {
+    order: Vec<BlockId>,
+    slots: usize,
+    /// Those the plan protected itself (a block the user already kept resident is not lifted
+    /// when the plan changes).
+    pinned: Vec<BlockId>,
 }
 
 /// What the Belady minimum depends on: the streamed blocks' order, the slots, the blocks whose
@@ -184,6 +197,7 @@ impl Scheduler {
             last_metrics: WeightStepMetrics::default(),
             update_waits: IdleSpans::default(),
             min_bytes: None,
+            pins: None,
         })
     }
 
@@ -256,6 +270,10 @@ impl Scheduler {
     pub(crate) fn protect(&mut self, id: BlockId, on: bool) -> Result<()> {
         if !on && self.block(id)?.resident {
             return Ok(());
+        }
+        // The user's word now decides for this block: a later plan neither keeps nor lifts it.
+        if let Some(p) = &mut self.pins {
+            p.pinned.retain(|&b| b != id);
         }
         self.residency.set_protected(id, on, &self.bus)
     }
@@ -413,6 +431,7 @@ impl Scheduler {
                 removed: d.removed,
             }),
         }
+        self.plan_pins()?;
         let mem = self.device.memory();
         let min = self.min_h2d_bytes();
         let wait = self.loads.take_wait_ms(false);

@@ -257,6 +257,53 @@ impl Scheduler {
         Ok(true)
     }
 
+    /// Inference mode: pins all but two slots' worth of streamed blocks, spread along the cyclic
+    /// itinerary ([`evictor::spread_pins`]), once the itinerary and the room are known; chosen
+    /// again when either changes, lifting the previous plan's pins. Each pin is published as a
+    /// protection.
+    pub(super) fn plan_pins(&mut self) -> Result<()> {
+        if !self.cfg.inference_mode || !self.cfg.cyclic_pins {
+            return Ok(());
+        }
+        let (Some(it), Some(slots)) = (self.route.itinerary(), &self.slots) else { return Ok(()) };
+        let order: Vec<BlockId> = it.order().iter().copied().filter(|b| !self.blocks[b.0 as usize].resident).collect();
+        let count = slots.count();
+        if self.pins.as_ref().is_some_and(|p| p.order == order && p.slots == count) {
+            return Ok(());
+        }
+        if let Some(old) = self.pins.take() {
+            for b in old.pinned {
+                self.residency.set_protected(b, false, &self.bus)?;
+            }
+        }
+        let mut pinned = Vec::new();
+        for b in evictor::spread_pins(&order, count) {
+            if !self.residency.get(b)?.protected {
+                self.residency.set_protected(b, true, &self.bus)?;
+                pinned.push(b);
+            }
+        }
+        self.pins = Some(super::Pins { order, slots: count, pinned });
+        Ok(())
+    }
+
+    /// A demand load found every slot pinned or in use (blocks held at once beyond what the
+    /// plan left streaming): lifts one pin not in use, published, and has the plan chosen again
+    /// at the step's end. `false` when no pin can go.
+    fn lift_a_pin(&mut self, id: BlockId) -> Result<bool> {
+        let Some(pins) = &self.pins else { return Ok(false) };
+        let free = pins.pinned.iter().copied().find(|&b| {
+            b != id && self.residency.get(b).is_ok_and(|e| e.state == BlockState::GpuReady && e.refcount == 0)
+        });
+        let Some(b) = free else { return Ok(false) };
+        self.residency.set_protected(b, false, &self.bus)?;
+        if let Some(p) = &mut self.pins {
+            p.pinned.retain(|&x| x != b);
+            p.slots = 0;
+        }
+        Ok(true)
+    }
+
     /// A free slot for `id`, evicting the block used farthest ahead if needed. A prefetch only
     /// displaces a block needed later than itself; a demand load lets landed prefetches finish
     /// and takes what it must.
@@ -293,6 +340,9 @@ impl Scheduler {
                         .map(BlockId)
                         .filter(|&b| b != id && self.loads.is_landing(b) && !self.blocks[b.0 as usize].resident)
                         .collect();
+                    if landing.is_empty() && self.lift_a_pin(id)? {
+                        continue;
+                    }
                     if landing.is_empty() {
                         let name = self.blocks[id.0 as usize].spec.name.clone();
                         let room = self.room()?;
