@@ -124,7 +124,8 @@ fn eviction_picks_the_farthest_next_use() {
 /// unwrapped model's), each steady step's loads, and the blocks evicted after the first two
 /// steps.
 fn inference_steps(n: usize, slots: u64, pins: bool, steps: usize) -> (Vec<u64>, Vec<u32>, Vec<u32>) {
-    let device = Device::host(1 << 30);
+    let device = Device::auto(1 << 30);
+    let dev = device.tch_device();
     let (_vr, r, vm, m) = pair(n, false);
     let bus = Bus::new();
     let mut sub = bus.hub().expect("hub").subscribe();
@@ -139,7 +140,7 @@ fn inference_steps(n: usize, slots: u64, pins: bool, steps: usize) -> (Vec<u64>,
         .expect("config");
     let rt = WeightRuntime::from_var_store(&vm, r"^blocks\.\d+$", device, cfg, bus.clone()).expect("runtime");
     let ids = ids(&rt, n);
-    let x = input(tch::Device::Cpu, 1);
+    let x = input(dev, 1);
     let want = tch::no_grad(|| r.iter().fold(x.shallow_clone(), |h, b| block_fwd(b, &h)));
     let mut loads = Vec::new();
     let mut late_evictions = Vec::new();

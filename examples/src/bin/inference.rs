@@ -1,5 +1,7 @@
-//! Inference-only streaming: a model several times larger than its device budget generates
-//! logits with weights streamed layer by layer (no backward, no saved-tensor hooks).
+//! Inference-only streaming: a model four times larger than its device budget generates logits
+//! with weights streamed block by block (no backward, no saved-tensor hooks). The room holds
+//! three of its 16 blocks: one stays pinned across passes, two stream, and after the first
+//! (traced) pass every block is prefetched.
 //!
 //! Run: `cargo run --release -p stagehand-examples --bin inference -- 8`
 
@@ -21,7 +23,7 @@ fn main() -> anyhow::Result<()> {
     let Args { batches } = Args::parse();
     stagehand::torch::init();
     let device = tch::Device::cuda_if_available();
-    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 8, n_head: 4, n_embd: 256 };
+    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 16, n_head: 4, n_embd: 256 };
     let weights = (cfg.parameters() * 4) as u64;
     let budget = weights / 4;
     tch::manual_seed(0);
