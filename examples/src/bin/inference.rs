@@ -1,7 +1,7 @@
 //! Inference-only streaming: a model four times larger than its device budget generates logits
-//! with weights streamed block by block (no backward, no saved-tensor hooks). The room holds
-//! three of its 16 blocks: one stays pinned across passes, two stream, and after the first
-//! (traced) pass every block is prefetched.
+//! with weights streamed block by block (no backward, no saved-tensor hooks). The room holds a
+//! few of its 16 blocks: all but two of those slots stay pinned across passes, two stream, and
+//! from the third pass every block is prefetched.
 //!
 //! Run: `cargo run --release -p stagehand-examples --bin inference -- 8`
 
