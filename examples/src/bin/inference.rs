@@ -6,6 +6,7 @@
 //! Run: `cargo run --release -p stagehand-examples --bin inference -- 8`
 
 use clap::Parser;
+use stagehand::device::Device;
 use stagehand::nn::{LayerOptions, ManagedVarStore};
 use stagehand_examples::data::progression_batch;
 use stagehand_examples::gpt::{Gpt, GptConfig, StreamedLayers};
@@ -22,14 +23,22 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let Args { batches } = Args::parse();
     stagehand::torch::init();
-    let device = tch::Device::cuda_if_available();
+    // The runtime's device: CUDA where there is one (else the host device); the VarStore stays
+    // on the CPU, where the streamed weights' host copies live.
+    let runtime_device = Device::auto(1 << 30);
+    let device = runtime_device.tch_device();
     let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 16, n_head: 4, n_embd: 256 };
     let weights = (cfg.parameters() * 4) as u64;
     let budget = weights / 4;
     tch::manual_seed(0);
     let vs = ManagedVarStore::new(
         nn::VarStore::new(tch::Device::Cpu),
-        LayerOptions { vram_budget: Some(budget), inference_mode: true, ..LayerOptions::default() },
+        LayerOptions {
+            vram_budget: Some(budget),
+            inference_mode: true,
+            device: Some(runtime_device),
+            ..LayerOptions::default()
+        },
     )?;
     let model = Gpt::new(&StreamedLayers(&vs), cfg);
     println!("{:.1} MiB of weights through a {:.1} MiB budget", weights as f64 / 1048576.0, budget as f64 / 1048576.0);
