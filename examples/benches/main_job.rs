@@ -14,7 +14,8 @@
 //! `MJ_SEQ`, `MJ_BATCH`, `MJ_BUDGET_MIB`, `MJ_STEPS`, `MJ_THREADS` (libtorch's intra-op
 //! threads, every thread's), `MJ_OPT_THREADS` (the host optimizer's threads alone, the handle's
 //! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
-//! `Grouping::Parts`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
+//! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
+//! handle's `recompute_fraction`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -122,7 +123,14 @@ fn main() -> anyhow::Result<()> {
     if let Some(n) = parts {
         println!("streaming units: {n} parts per block");
     }
+    let recompute = std::env::var("MJ_RECOMPUTE").ok().and_then(|v| v.parse::<f64>().ok());
+    if let Some(f) = recompute {
+        println!("recompute fraction: {f}");
+    }
     let customize = |mut b: stagehand::StagehandBuilder| {
+        if let Some(f) = recompute {
+            b = b.recompute_fraction(f);
+        }
         if let Some(n) = opt_threads {
             b = b.host_optimizer_threads(n);
         }

@@ -80,6 +80,28 @@ fn recomputed_tensors_give_the_same_gradients_and_are_not_stored() {
 }
 
 #[test]
+fn a_fraction_of_the_scopes_recompute_and_the_others_are_stored() {
+    let _rng = rng();
+    let (plain, plain_losses, _) = train(None, true);
+    let run = |fraction: f64| {
+        let cfg = spill_all_builder().recompute_fraction(fraction).build().expect("config");
+        let rt = ActivationRuntime::new(device(), cfg, Bus::disabled(), None).expect("runtime");
+        let (g, losses, metrics) = train(Some(&rt), true);
+        assert_bit_identical(&plain, &g);
+        assert_eq!(plain_losses, losses, "fraction {fraction}");
+        assert_eq!(rt.live_records(), 0, "fraction {fraction}: every record released");
+        metrics
+    };
+    let (all, half, none) = (run(1.0), run(0.5), run(0.0));
+    for ((a, h), z) in all.iter().zip(&half).zip(&none) {
+        // Four scopes a step (two blocks of two): all, every other one, none.
+        assert_eq!(z.activations_recomputed, 0, "{z:?}");
+        assert!(h.activations_recomputed > 0 && h.activations_recomputed < a.activations_recomputed, "{h:?} {a:?}");
+        assert!(a.spill_bytes < h.spill_bytes && h.spill_bytes < z.spill_bytes, "{} {} {}", a.spill_bytes, h.spill_bytes, z.spill_bytes);
+    }
+}
+
+#[test]
 fn without_a_runtime_recompute_is_the_function() {
     let _rng = rng();
     let x = Tensor::randn([3, 5], tch::kind::FLOAT_CPU).set_requires_grad(true);

@@ -321,6 +321,10 @@ fn budgets_that_cannot_work_are_refused_with_the_reason() {
     assert!(e.to_string().contains("budget"), "{e}");
     let e = Stagehand::builder().budget_bytes(0).build().expect_err("zero");
     assert!(e.to_string().contains("above 0"), "{e}");
+    for bad in [-1.0, 1.5, f64::NAN] {
+        let e = Stagehand::builder().budget_mib(64).recompute_fraction(bad).build().expect_err("not a fraction");
+        assert!(e.to_string().contains("recompute_fraction"), "{e}");
+    }
     // The host device's "VRAM" is host memory: more than the host has is refused up front.
     for budget in [u64::MAX, 1 << 50] {
         let e = Stagehand::builder()

@@ -73,6 +73,12 @@ pub struct ActivationConfig {
     pub min_spill_bytes: u64,
     /// Fraction in [0, 1] of the eligible bytes that may be spilled.
     pub spill_fraction: f64,
+    /// Fraction in [0, 1] of the step's recompute scopes that recompute in backward, spread
+    /// evenly over the step (1: every scope; 0: none). A scope that does not recompute runs as
+    /// plain code: what it saves is kept or spilled like any saved tensor. Trades recomputation
+    /// (GPU time) for spill traffic (PCIe time and pinned memory).
+    #[serde(default = "all")]
+    pub recompute_fraction: f64,
     /// Regions where spilling is allowed (empty: everywhere). A pattern matches a region path
     /// when it equals a run of its dotted segments: `mlp` matches `blocks.3.mlp`.
     pub regions: Vec<String>,
@@ -112,6 +118,7 @@ impl Default for ActivationConfig {
             max_inflight_spill_bytes: None,
             min_spill_bytes: DEFAULT_MIN_SPILL_BYTES,
             spill_fraction: DEFAULT_SPILL_FRACTION,
+            recompute_fraction: 1.0,
             regions: Vec::new(),
             keep_tail_groups: DEFAULT_KEEP_TAIL_GROUPS,
             tail_max_bytes: None,
@@ -125,6 +132,10 @@ impl Default for ActivationConfig {
             pinned_limit_bytes: None,
         }
     }
+}
+
+fn all() -> f64 {
+    1.0
 }
 
 fn invalid(field: &'static str, value: impl std::fmt::Debug, expected: &str) -> Error {
@@ -171,6 +182,9 @@ impl ActivationConfig {
         }
         if !(0.0..=1.0).contains(&self.spill_fraction) {
             return Err(invalid("spill_fraction", self.spill_fraction, "a fraction in [0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&self.recompute_fraction) {
+            return Err(invalid("recompute_fraction", self.recompute_fraction, "a fraction in [0, 1]"));
         }
         if self.max_inflight_d2h == 0 {
             return Err(invalid("max_inflight_d2h", 0, "at least 1"));
@@ -243,6 +257,12 @@ impl ActivationConfigBuilder {
     /// Fraction of the eligible bytes to spill.
     pub fn spill_fraction(mut self, fraction: f64) -> Self {
         self.cfg.spill_fraction = fraction;
+        self
+    }
+    /// Fraction of the recompute scopes that recompute (see
+    /// [`ActivationConfig::recompute_fraction`]).
+    pub fn recompute_fraction(mut self, fraction: f64) -> Self {
+        self.cfg.recompute_fraction = fraction;
         self
     }
     /// Regions where spilling is allowed.
@@ -327,6 +347,10 @@ mod tests {
         assert!(e.to_string().contains("class_sizes_bytes"), "{e}");
         let e = ActivationConfig::builder().spill_fraction(1.5).build().expect_err("fraction");
         assert!(e.to_string().contains("spill_fraction"), "{e}");
+        for bad in [-0.1, 1.01, f64::NAN] {
+            let e = ActivationConfig::builder().recompute_fraction(bad).build().expect_err("fraction");
+            assert!(e.to_string().contains("recompute_fraction"), "{e}");
+        }
         let e = ActivationConfig::builder().max_inflight(0, 1).build().expect_err("cap");
         assert!(e.to_string().contains("max_inflight_d2h"), "{e}");
     }

@@ -132,6 +132,14 @@ pub(super) struct Scopes {
     /// Streamed weights (block, parameter) saved inside the open scope: each must be one of
     /// its sources, so that backward's recomputation gets it resident.
     weights: Vec<(BlockId, u32)>,
+    /// Scopes this step has opened, those that run as plain code included.
+    seen: u64,
+}
+
+/// Whether the `index`-th scope of a step recomputes when a `fraction` of them do: the scopes
+/// that do are spread evenly (every other one at 0.5), the first one last to be chosen.
+fn recomputes(fraction: f64, index: u64) -> bool {
+    fraction >= 1.0 || ((index + 1) as f64 * fraction).floor() > (index as f64 * fraction).floor()
 }
 
 impl Scopes {
@@ -192,6 +200,12 @@ impl Shared {
         let mut g = self.lock();
         if g.scopes.open.is_some() {
             // Nested: the inner function runs as part of the outer scope.
+            return Ok(false);
+        }
+        let index = g.scopes.seen;
+        g.scopes.seen += 1;
+        if !recomputes(self.config.recompute_fraction, index) {
+            // Runs as plain code: what it saves is stored like any saved tensor.
             return Ok(false);
         }
         let frame = g.scopes.frames.len();
@@ -422,5 +436,20 @@ fn serve(c: &Captured, slot: &Slot) -> Result<Tensor> {
             .map(Tensor::shallow_clone)
             .ok_or_else(|| Error::internal(format!("recomputed tensor {i} is missing"))),
         Slot::Output { sizes, strides, offset } => Ok(c.output.f_as_strided(sizes.as_slice(), strides.as_slice(), *offset)?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recomputes;
+
+    #[test]
+    fn the_scopes_that_recompute_are_spread_evenly() {
+        let chosen = |f: f64| (0..8).filter(|&i| recomputes(f, i)).collect::<Vec<u64>>();
+        assert_eq!(chosen(1.0), [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(chosen(0.5), [1, 3, 5, 7]);
+        assert_eq!(chosen(0.25), [3, 7]);
+        assert!(chosen(0.0).is_empty());
+        assert_eq!(chosen(0.75).len(), 6);
     }
 }

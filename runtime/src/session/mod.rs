@@ -72,6 +72,7 @@ pub struct StagehandBuilder {
     spill: bool,
     kernel: Option<Kernel>,
     optimizer_threads: Option<usize>,
+    recompute_fraction: f64,
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
     guards: bool,
@@ -155,6 +156,15 @@ impl StagehandBuilder {
         self
     }
 
+    /// The fraction of the model's recompute scopes (`activations::recompute`) that recompute
+    /// in backward, spread evenly over the step (default 1: all). The others run as plain code
+    /// and what they save is spilled or kept: less GPU work for more PCIe traffic and pinned
+    /// memory, which pays where the copies have room to spare beside the step.
+    pub fn recompute_fraction(mut self, fraction: f64) -> Self {
+        self.recompute_fraction = fraction;
+        self
+    }
+
     /// Attaches something to the run's event hub when the handle is built (the HTTP server and
     /// dashboards, an OTLP exporter); it lives as long as the handle.
     pub fn attach(mut self, f: impl FnOnce(&Arc<Hub>) -> Result<Attachment> + Send + 'static) -> Self {
@@ -174,6 +184,13 @@ impl StagehandBuilder {
                 field: "budget",
                 value: "0 bytes".into(),
                 expected: "a device budget above 0".into(),
+            });
+        }
+        if !(0.0..=1.0).contains(&self.recompute_fraction) {
+            return Err(Error::Config {
+                field: "recompute_fraction",
+                value: self.recompute_fraction.to_string(),
+                expected: "a fraction in [0, 1]".into(),
             });
         }
         let device = match self.device {
@@ -236,6 +253,7 @@ impl StagehandBuilder {
             spill: self.spill,
             kernel: self.kernel,
             optimizer_threads: self.optimizer_threads,
+            recompute_fraction: self.recompute_fraction,
             state: Mutex::new(step::Run::default()),
             telemetry,
             guards,
@@ -257,6 +275,7 @@ pub struct Stagehand {
     spill: bool,
     kernel: Option<Kernel>,
     optimizer_threads: Option<usize>,
+    recompute_fraction: f64,
     state: Mutex<step::Run>,
     telemetry: Option<crate::events::Telemetry>,
     guards: Option<Arc<crate::guards::Guards>>,
@@ -287,6 +306,7 @@ impl Stagehand {
             spill: true,
             kernel: None,
             optimizer_threads: None,
+            recompute_fraction: 1.0,
             attachments: Vec::new(),
             telemetry: None,
             guards: false,
@@ -442,6 +462,7 @@ impl Stagehand {
                 .classes_bytes(&[1 << 20])
                 .slabs_per_class(&[4])
                 .debug_checksums(self.checksums)
+                .recompute_fraction(self.recompute_fraction)
                 .build()?;
             Some(ActivationRuntime::new(self.device.clone(), cfg, self.bus.clone(), Some(weights.resolver()))?)
         } else {
