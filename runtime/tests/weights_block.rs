@@ -210,6 +210,12 @@ fn a_demand_beyond_the_streaming_slots_lifts_a_pin_instead_of_failing() {
         }
     }
     assert_eq!(lifted.len(), 1, "{lifted:?}");
+    // An explicit eviction of a block still pinned says why it is refused and how to lift it.
+    let pinned = [0usize, 3, 6].into_iter().find(|&b| !lifted.contains(&(b as u32))).expect("two pins left");
+    let e = rt.evict(ids[pinned]).expect_err("pinned");
+    assert!(e.to_string().contains("cyclic pins"), "{e}");
+    rt.keep_resident(&[ids[pinned]], false).expect("lift");
+    rt.evict(ids[pinned]).expect("lifted, so it may go");
 }
 
 #[test]

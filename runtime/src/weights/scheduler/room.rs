@@ -404,8 +404,15 @@ impl Scheduler {
     pub(crate) fn evict(&mut self, id: BlockId, reason: EvictionReason, score: f64) -> Result<()> {
         if !self.residency.can_evict(id) {
             let e = self.residency.get(id)?;
+            let pinned = self.pins.as_ref().is_some_and(|p| p.pinned.contains(&id));
             return Err(Error::misuse(
-                format!("evicting block {id} (state '{}', refcount {}, protected {})", e.state, e.refcount, e.protected),
+                format!(
+                    "evicting block {id} (state '{}', refcount {}, protected {}{})",
+                    e.state,
+                    e.refcount,
+                    e.protected,
+                    if pinned { ", pinned by inference mode's cyclic pins: keep_resident(&[id], false) lifts it" } else { "" }
+                ),
                 "an unused, unprotected block on the device",
             ));
         }
