@@ -178,3 +178,43 @@ fn conv_layers_match_in_inference_mode() {
     // Inference: a step ends when the first layer runs again.
     assert_eq!(ms.runtime().step(), 2);
 }
+
+/// Protections published over four forward-only passes of six equal layers in room for four,
+/// with layer mode's cyclic pins on or off.
+fn pins_published(pins: bool) -> Vec<u32> {
+    let bus = stagehand::events::Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let o = LayerOptions {
+        inference_mode: true,
+        cyclic_pins: pins,
+        // 80 % of it is the room: four 1280-byte blocks (a 16 x 16 weight, its bias aligned).
+        vram_budget: Some(6600),
+        device: Some(Device::host(1 << 30)),
+        telemetry: bus.clone(),
+        ..LayerOptions::default()
+    };
+    let ms = ManagedVarStore::new(nn::VarStore::new(tch::Device::Cpu), o).expect("store");
+    let layers: Vec<_> = (0..6).map(|i| snn::linear(ms.root() / "blocks" / i.to_string() / "fc", 16, 16, Default::default())).collect();
+    let x = Tensor::ones([2, 16], (Kind::Float, tch::Device::Cpu));
+    for _ in 0..4 {
+        let _ = tch::no_grad(|| layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h)));
+    }
+    ms.runtime().finish().expect("finish");
+    bus.flush();
+    let mut pinned = Vec::new();
+    while let Ok(u) = sub.rx.try_recv() {
+        if let stagehand::events::Update::Event(e) = u {
+            if let stagehand::events::EventKind::Protection { block, protected: true } = &e.kind {
+                pinned.push(block.0);
+            }
+        }
+    }
+    pinned
+}
+
+#[test]
+fn layer_mode_passes_its_cyclic_pins_option_to_the_runtime() {
+    // Six blocks through four slots: two pinned (the first and the fourth) when on.
+    assert_eq!(pins_published(true), [0, 3]);
+    assert!(pins_published(false).is_empty());
+}

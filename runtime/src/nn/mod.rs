@@ -103,6 +103,9 @@ pub struct LayerOptions {
     pub dtype: Option<Kind>,
     /// Forward only: no backward in the itinerary, no saved-tensor hooks.
     pub inference_mode: bool,
+    /// In inference mode, blocks pinned along the forward so that every copy overlaps compute
+    /// (default on; [`crate::weights::WeightConfig::cyclic_pins`]).
+    pub cyclic_pins: bool,
     /// Where events go (default: nowhere).
     pub telemetry: Bus,
     /// The device (default: CUDA when the VarStore is on CUDA, else the host device).
@@ -130,6 +133,7 @@ impl Default for LayerOptions {
             prefetch_k: crate::weights::config::DEFAULT_PREFETCH_WINDOW,
             dtype: None,
             inference_mode: false,
+            cyclic_pins: true,
             telemetry: Bus::disabled(),
             device: None,
             install_hooks: true,
