@@ -218,3 +218,27 @@ fn layer_mode_passes_its_cyclic_pins_option_to_the_runtime() {
     assert_eq!(pins_published(true), [0, 3]);
     assert!(pins_published(false).is_empty());
 }
+
+#[test]
+fn a_cpu_varstore_without_a_device_warns_when_cuda_is_there() {
+    let bus = stagehand::events::Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let o = LayerOptions { telemetry: bus.clone(), ..LayerOptions::default() };
+    let ms = ManagedVarStore::new(nn::VarStore::new(tch::Device::Cpu), o).expect("store");
+    bus.flush();
+    let mut warnings = Vec::new();
+    while let Ok(u) = sub.rx.try_recv() {
+        if let stagehand::events::Update::Event(e) = u {
+            if let stagehand::events::EventKind::Warning { message, .. } = &e.kind {
+                warnings.push(message.clone());
+            }
+        }
+    }
+    let host_device = !ms.runtime().device().is_cuda();
+    assert!(host_device, "a CPU VarStore without a device computes on the host device");
+    if tch::Cuda::is_available() {
+        assert!(warnings.iter().any(|w| w.contains("LayerOptions::device is unset")), "{warnings:?}");
+    } else {
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+}

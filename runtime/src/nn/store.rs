@@ -212,7 +212,17 @@ impl ManagedVarStore {
         let device = match (&opts.device, vs.device()) {
             (Some(d), _) => d.clone(),
             (None, tch::Device::Cuda(i)) => Device::cuda(i)?,
-            (None, _) => Device::host(opts.vram_budget.unwrap_or(u64::MAX / 4)),
+            (None, _) => {
+                if tch::Cuda::is_available() {
+                    // The VarStore holds the host copies, so it is usually on the CPU; without a
+                    // device the layers would then compute on the CPU too, quietly, on a machine
+                    // with a GPU. Said once, on stderr and the bus.
+                    let message = "layers compute on the host device: the VarStore is on the CPU and LayerOptions::device is unset, although CUDA is available; set device: Some(Device::auto(..)) or Some(Device::cuda(0)?) to compute on the GPU".to_string();
+                    eprintln!("stagehand: {message}");
+                    opts.telemetry.publish(crate::events::EventKind::Warning { source: crate::events::Owner::Weights, message });
+                }
+                Device::host(opts.vram_budget.unwrap_or(u64::MAX / 4))
+            }
         };
         let total = device.is_cuda().then(|| device.info().total_bytes);
         let mut cfg = WeightConfig::layer_auto(1, opts.prefetch_k, opts.vram_budget, opts.ram_budget, total);
