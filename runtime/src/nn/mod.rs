@@ -108,7 +108,9 @@ pub struct LayerOptions {
     pub cyclic_pins: bool,
     /// Where events go (default: nowhere).
     pub telemetry: Bus,
-    /// The device (default: CUDA when the VarStore is on CUDA, else the host device).
+    /// The device (default: CUDA when the VarStore is on CUDA, else the host device, with a
+    /// warning when CUDA is available: the VarStore holds the host copies and is usually on the
+    /// CPU, so set this to compute on the GPU).
     pub device: Option<Device>,
     /// Turn saved-tensor hooks on for the forward thread (turn off when another store, such as
     /// the activation runtime's, is installed and uses this runtime's resolver).
