@@ -59,7 +59,7 @@ pub struct WeightConfig {
     pub inference_mode: bool,
     /// In inference mode, keep all but two of the room's slots on blocks spread evenly along the
     /// forward (never evicted while the itinerary holds) and stream the rest through the other
-    /// two, so every copy overlaps compute (see [`super::evictor::spread_pins`]). Off: Belady's
+    /// two, so every copy overlaps compute (the choice is `weights::evictor::spread_pins`). Off: Belady's
     /// choice alone, which moves fewer bytes but leaves the copy engine idle while the blocks it
     /// keeps compute.
     #[serde(default = "on")]
