@@ -65,12 +65,7 @@ fn input(step: i64, dev: tch::Device) -> Tensor {
 }
 
 fn plain_model(seed: i64, dev: tch::Device) -> (nn::VarStore, Net) {
-    let _g = rng();
-    tch::manual_seed(seed);
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
-    let net = plain(&vs);
-    vs.set_device(dev);
-    (vs, net)
+    common::seeded_on_cpu(seed, dev, plain)
 }
 
 fn managed_model(seed: i64, device: &stagehand::device::Device, budget: u64) -> (Stagehand, Net) {

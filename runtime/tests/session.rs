@@ -83,12 +83,7 @@ fn managed(sh: &Stagehand) -> Net {
 /// The plain model from `seed`, made on the CPU (as the handle's store makes it) and moved to
 /// `dev`.
 fn plain_seeded(seed: i64, dev: tch::Device) -> (nn::VarStore, Net) {
-    let _g = rng();
-    tch::manual_seed(seed);
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
-    let net = plain(&vs);
-    vs.set_device(dev);
-    (vs, net)
+    common::seeded_on_cpu(seed, dev, plain)
 }
 
 /// The same model from `seed` on the handle's store.

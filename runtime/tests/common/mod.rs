@@ -19,6 +19,18 @@ pub fn rng() -> std::sync::MutexGuard<'static, ()> {
     RNG.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A plain model drawn from `seed` under the RNG lock on a CPU VarStore (as a Stagehand store
+/// makes its layers), then moved to `dev`: the reference a managed model built from the same
+/// seed is compared with.
+pub fn seeded_on_cpu<T>(seed: i64, dev: tch::Device, build: impl FnOnce(&nn::VarStore) -> T) -> (nn::VarStore, T) {
+    let _g = rng();
+    tch::manual_seed(seed);
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let model = build(&vs);
+    vs.set_device(dev);
+    (vs, model)
+}
+
 /// Three SGD steps (lr 1e-2) over `vs` of the loss `forward` computes, under `rt`'s saved-tensor
 /// hooks when given (plain tch otherwise); the losses and `rt`'s metrics of each step.
 pub fn sgd_steps(
