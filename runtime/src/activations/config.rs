@@ -138,6 +138,15 @@ fn all() -> f64 {
     1.0
 }
 
+/// A fraction setting outside [0, 1] (NaN included) is a config error naming `field`.
+pub(crate) fn check_fraction(field: &'static str, value: f64) -> Result<()> {
+    if (0.0..=1.0).contains(&value) {
+        Ok(())
+    } else {
+        Err(invalid(field, value, "a fraction in [0, 1]"))
+    }
+}
+
 fn invalid(field: &'static str, value: impl std::fmt::Debug, expected: &str) -> Error {
     Error::Config {
         field,
@@ -180,12 +189,8 @@ impl ActivationConfig {
                 &format!("one count per class ({} classes)", self.class_sizes_bytes.len()),
             ));
         }
-        if !(0.0..=1.0).contains(&self.spill_fraction) {
-            return Err(invalid("spill_fraction", self.spill_fraction, "a fraction in [0, 1]"));
-        }
-        if !(0.0..=1.0).contains(&self.recompute_fraction) {
-            return Err(invalid("recompute_fraction", self.recompute_fraction, "a fraction in [0, 1]"));
-        }
+        check_fraction("spill_fraction", self.spill_fraction)?;
+        check_fraction("recompute_fraction", self.recompute_fraction)?;
         if self.max_inflight_d2h == 0 {
             return Err(invalid("max_inflight_d2h", 0, "at least 1"));
         }

@@ -186,13 +186,8 @@ impl StagehandBuilder {
                 expected: "a device budget above 0".into(),
             });
         }
-        if !(0.0..=1.0).contains(&self.recompute_fraction) {
-            return Err(Error::Config {
-                field: "recompute_fraction",
-                value: self.recompute_fraction.to_string(),
-                expected: "a fraction in [0, 1]".into(),
-            });
-        }
+        // Checked now, not when the plan makes the activation runtime's config.
+        crate::activations::config::check_fraction("recompute_fraction", self.recompute_fraction)?;
         let device = match self.device {
             Some(d) => d,
             None => Device::auto(budget),

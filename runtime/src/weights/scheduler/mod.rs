@@ -458,17 +458,23 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The itinerary's order without the blocks kept resident in their own buffers: what streams
+    /// through the room's slots (`None` before an itinerary is learned).
+    fn streamed_order(&self) -> Option<Vec<BlockId>> {
+        let it = self.route.itinerary()?;
+        Some(it.order().iter().copied().filter(|b| !self.blocks[b.0 as usize].resident).collect())
+    }
+
     /// The Belady minimum of bytes a steady-state step of the itinerary just traced needs to
     /// copy in: the long-run average (see [`super::evictor::min_loads`]), computed again only
     /// when the itinerary, the room or the trained blocks change.
     fn min_h2d_bytes(&mut self) -> u64 {
-        let (Some(it), Some(slots)) = (self.route.itinerary(), &self.slots) else { return 0 };
+        let (Some(streamed), Some(slots)) = (self.streamed_order(), &self.slots) else { return 0 };
         let updated: Vec<BlockId> = if self.stepper.is_some() {
             self.blocks.iter().filter(|b| !b.grads.is_empty() && !b.resident).map(|b| b.spec.id).collect()
         } else {
             Vec::new()
         };
-        let streamed: Vec<BlockId> = it.order().iter().copied().filter(|b| !self.blocks[b.0 as usize].resident).collect();
         let key = (streamed, slots.count(), updated);
         if let Some((k, bytes)) = &self.min_bytes {
             if *k == key {

@@ -265,9 +265,7 @@ impl Scheduler {
         if !self.cfg.inference_mode || !self.cfg.cyclic_pins {
             return Ok(());
         }
-        let (Some(it), Some(slots)) = (self.route.itinerary(), &self.slots) else { return Ok(()) };
-        let order: Vec<BlockId> = it.order().iter().copied().filter(|b| !self.blocks[b.0 as usize].resident).collect();
-        let count = slots.count();
+        let (Some(order), Some(count)) = (self.streamed_order(), self.slots.as_ref().map(|s| s.count())) else { return Ok(()) };
         if self.pins.as_ref().is_some_and(|p| p.order == order && p.slots == count) {
             return Ok(());
         }
@@ -299,6 +297,7 @@ impl Scheduler {
         self.residency.set_protected(b, false, &self.bus)?;
         if let Some(p) = &mut self.pins {
             p.pinned.retain(|&x| x != b);
+            // No room has 0 slots: the plan no longer matches and is made again at step end.
             p.slots = 0;
         }
         Ok(true)
