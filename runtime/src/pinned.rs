@@ -391,6 +391,62 @@ unsafe impl HostTarget for Lease {
     }
 }
 
+/// A range of a lease that several holders may share: one spilled tensor of a batch copied into
+/// one slab. The slab goes back to the pool when the last part drops.
+#[derive(Debug, Clone)]
+pub struct LeasePart {
+    lease: Arc<Lease>,
+    offset: usize,
+    len: usize,
+}
+
+impl LeasePart {
+    /// `len` bytes of `lease` from `offset`; an error when they do not lie inside it.
+    pub fn new(lease: Arc<Lease>, offset: usize, len: usize) -> Result<LeasePart> {
+        if offset.checked_add(len).is_none_or(|end| end > lease.len) {
+            return Err(Error::internal(format!(
+                "a part of {len} bytes at {offset} of a lease of {} bytes",
+                lease.len
+            )));
+        }
+        Ok(LeasePart { lease, offset, len })
+    }
+
+    /// The part's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.lease.as_slice()[self.offset..self.offset + self.len]
+    }
+
+    /// The part's bytes, writable while no other part shares the lease.
+    #[cfg(test)]
+    pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
+        let (offset, len) = (self.offset, self.len);
+        Arc::get_mut(&mut self.lease).map(|l| &mut l.as_mut_slice()[offset..offset + len])
+    }
+
+    /// Bytes of the whole lease (what the pool handed out for every part together).
+    pub fn lease_bytes(&self) -> usize {
+        self.lease.len
+    }
+
+    /// Whether this is the last part holding the lease (dropping it returns the slab).
+    pub fn is_last(&self) -> bool {
+        Arc::strong_count(&self.lease) == 1
+    }
+}
+
+// SAFETY: the part lies inside its lease (checked at construction), which the `Arc` keeps alive
+// and whose memory never moves; parts are only read once the copy that wrote the lease landed.
+unsafe impl HostMemory for LeasePart {
+    fn host_ptr(&self) -> *const u8 {
+        // SAFETY: offset + len <= the lease's length.
+        unsafe { self.lease.ptr().add(self.offset) }
+    }
+    fn host_len(&self) -> usize {
+        self.len
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         let sh = &self.pool;

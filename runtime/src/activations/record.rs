@@ -3,7 +3,7 @@
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::events::TensorId;
-use crate::pinned::Lease;
+use crate::pinned::LeasePart;
 use crate::saved::WeightSave;
 use crate::torch::{StorageWatch, TensorIdentity};
 use crate::transfer::Transfer;
@@ -18,6 +18,9 @@ pub enum RecordState {
     Kept,
     /// A managed weight, held as a handle to its block.
     WeightHandle,
+    /// To be spilled with the other small tensors of its region in one copy; the record holds
+    /// the tensor until that copy starts ([`super::spills`]).
+    Batched,
     /// Its D2H copy is in flight; the device tensor is held until the copy completes.
     Spilling,
     /// Its bytes are on the host only.
@@ -36,7 +39,7 @@ impl RecordState {
         use RecordState::*;
         matches!(
             (self, to),
-            (Spilling, Spilled) | (Spilled, Restoring) | (Restoring, Restored)
+            (Batched, Spilling) | (Batched, Kept) | (Spilling, Spilled) | (Spilled, Restoring) | (Restoring, Restored)
         )
     }
 }
@@ -65,16 +68,16 @@ pub struct Record {
     /// For a spilled tensor, whose storage the record no longer holds: whether that storage is
     /// still alive, so the identity still names it (dead, its address may be reused).
     pub watch: Option<StorageWatch>,
-    /// The kept tensor, or the restored tensor (the destination of the restore while it lands).
+    /// The kept tensor, the batched one waiting for its copy, or the restored tensor (the
+    /// destination of the restore while it lands).
     pub tensor: Option<Tensor>,
     pub weight: Option<WeightSave>,
     pub meta: Option<TensorMeta>,
-    /// The spilled bytes on the host, while neither copy owns them.
-    pub host: Option<Lease>,
-    /// The spill's copy while it flies (it keeps the device tensor alive and owns the lease).
-    pub spill: Option<Transfer<Lease>>,
-    /// The restore's copy while it lands (it owns the lease).
-    pub restore: Option<Transfer<Lease>>,
+    /// The spilled bytes on the host once the spill's copy landed (its copy, in flight, is the
+    /// spill queue's), while no restore owns them.
+    pub host: Option<LeasePart>,
+    /// The restore's copy while it lands (it owns the bytes).
+    pub restore: Option<Transfer<LeasePart>>,
     /// CRC32C of the spilled bytes once their copy landed (checksums on).
     pub crc: Option<u32>,
     /// The region the tensor was saved in, kept with the checksum to name it in a mismatch.
@@ -107,7 +110,6 @@ impl Record {
             weight: None,
             meta: None,
             host: None,
-            spill: None,
             restore: None,
             crc: None,
             region: None,
@@ -256,6 +258,11 @@ mod tests {
         assert!(err.to_string().contains("Restored"), "{err}");
         let mut k = Record::new(TensorId(2), RecordState::Kept, 8);
         assert!(k.transition(RecordState::Spilled).is_err());
+        // A batched tensor is copied with its batch, or kept when no host memory takes it.
+        for to in [RecordState::Spilling, RecordState::Kept] {
+            Record::new(TensorId(3), RecordState::Batched, 8).transition(to).expect("batched");
+        }
+        assert!(Record::new(TensorId(4), RecordState::Batched, 8).transition(RecordState::Spilled).is_err());
     }
 
     #[test]

@@ -102,8 +102,8 @@ impl Restorer {
     ) -> Result<()> {
         let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("saved tensor record {idx} is gone")))?;
         // Checked before anything changes: a refused restore leaves the record spilled.
-        if let (Some(spilled), Some(lease)) = (rec.crc, rec.host.as_ref()) {
-            let found = crc32c::crc32c(&lease.as_slice()[..rec.bytes as usize]);
+        if let (Some(spilled), Some(host)) = (rec.crc, rec.host.as_ref()) {
+            let found = crc32c::crc32c(host.as_slice());
             if found != spilled {
                 let e = Error::SpillCorrupted {
                     tensor: rec.id,
@@ -120,11 +120,11 @@ impl Restorer {
         }
         rec.transition(RecordState::Restoring)?;
         let meta = rec.meta.clone().ok_or_else(|| Error::internal(format!("spilled tensor {} has no metadata", rec.id)))?;
-        let lease = rec.host.take().ok_or_else(|| Error::internal(format!("spilled tensor {} has no host bytes", rec.id)))?;
+        let host = rec.host.take().ok_or_else(|| Error::internal(format!("spilled tensor {} has no host bytes", rec.id)))?;
         let started = Instant::now();
         let dst = Tensor::f_empty(&meta.sizes, (meta.kind, device.tch_device()))?;
         let id = rec.id;
-        let t = match self.copier.h2d(&dst, lease, 0, Order::AfterCompute, slot, || format!("tensor {id}")) {
+        let t = match self.copier.h2d(&dst, host, 0, Order::AfterCompute, slot, || format!("tensor {id}")) {
             Ok(t) => t,
             Err(failed) => {
                 rec.host = Some(failed.host);
@@ -145,7 +145,8 @@ impl Restorer {
         Ok(())
     }
 
-    /// Completes a restore: its copy waited for, its host slab back to the pool.
+    /// Completes a restore: its copy waited for, its host bytes given up (the slab goes back to
+    /// the pool with the last tensor copied into it).
     fn complete(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<Restored> {
         self.inflight.retain(|&i| i != idx);
         let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };

@@ -26,7 +26,8 @@ pub struct HeldBytes {
     pub kept: u64,
     /// Spilled tensors brought back (or landing) and waiting for backward.
     pub restored: u64,
-    /// Spills whose copies are still in flight (their device memory is not yet free).
+    /// Spills whose copies are still in flight or waiting for their batch's copy (their device
+    /// memory is not yet free).
     pub spilling: u64,
 }
 
@@ -321,7 +322,7 @@ impl ActivationRuntime {
             match r.state {
                 super::record::RecordState::Kept if r.device_bytes > 0 => h.kept += r.bytes,
                 super::record::RecordState::Restoring | super::record::RecordState::Restored => h.restored += r.bytes,
-                super::record::RecordState::Spilling => h.spilling += r.bytes,
+                super::record::RecordState::Spilling | super::record::RecordState::Batched => h.spilling += r.bytes,
                 _ => {}
             }
         }

@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::events::{
     ActivationStepMetrics, Bus, Direction, EventKind, KeepReason, Owner, PackDecision, PoolKind, Priority, TensorId,
 };
-use crate::pinned::SlabPool;
+use crate::pinned::{Lease, SlabPool};
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::TensorIdentity;
 use std::collections::HashSet;
@@ -245,6 +245,7 @@ impl Shared {
                 g.policy.spill_refused(bytes);
                 KeepReason::SpillsPaused
             }
+            Verdict::Spill if self.batches(bytes) => return self.gather(&mut g, &t, identity, bytes, id, region),
             Verdict::Spill => match self.spill(&mut g, &t, identity.clone(), bytes, id, region.clone())? {
                 Spill::Started(handle) => return Ok(handle),
                 Spill::Refused(reason) => {
@@ -295,6 +296,34 @@ impl Shared {
         Some(handle)
     }
 
+    /// Whether a spill of `bytes` waits for its region's batch instead of being copied alone.
+    fn batches(&self, bytes: u64) -> bool {
+        bytes < self.config.batch_spills_below_bytes
+    }
+
+    /// The record of a tensor about to spill (or batched, holding it), saved in `region`.
+    fn spill_record(&self, t: &Tensor, identity: TensorIdentity, bytes: u64, id: TensorId, region: Option<&str>, state: RecordState) -> Record {
+        let contiguous = t.is_contiguous();
+        let mut rec = Record::new(id, state, bytes);
+        rec.meta = Some(TensorMeta {
+            kind: t.kind(),
+            sizes: t.size(),
+            strides: t.stride(),
+            contiguous,
+        });
+        if self.config.debug_checksums {
+            rec.region = region.map(str::to_owned);
+        }
+        // A contiguous copy made to spill is not the saved storage: dedupe only against that
+        // one, and only while it lives (the spill drops the record's reference to it).
+        if contiguous {
+            rec.identity = Some(identity);
+            rec.watch = crate::torch::StorageWatch::of(t);
+        }
+        rec.set_device_bytes(bytes, &self.device);
+        rec
+    }
+
     /// Starts the D2H copy of `t` into a pool slab and records it as spilling; refused when no
     /// host memory could take it (the pageable fallback is off), with why.
     fn spill(
@@ -311,33 +340,28 @@ impl Shared {
             Err(Error::TooLarge { .. }) => return Ok(Spill::Refused(self.refuse(g, id, bytes))),
             Err(e) => return Err(e),
         };
+        let rec = self.spill_record(t, identity, bytes, id, region.as_deref(), RecordState::Spilling);
+        let (idx, handle) = g.records.insert(rec);
+        self.start_spill(g, idx, t, lease, hit, region)?;
+        Ok(Spill::Started(handle))
+    }
+
+    /// Starts the copy of record `idx`'s tensor `t` into `lease` and counts the spill.
+    fn start_spill(&self, g: &mut State, idx: usize, t: &Tensor, lease: Lease, hit: bool, region: Option<String>) -> Result<()> {
         // Required: a spill the policy asked for relieves memory now, so it is never refused.
         let slot = g.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
         let src = t.detach();
-        let contiguous = src.is_contiguous();
-        let src = if contiguous { src } else { src.f_contiguous()? };
+        let src = if src.is_contiguous() { src } else { src.f_contiguous()? };
         let class = lease.class();
-        let mut rec = Record::new(id, RecordState::Spilling, bytes);
-        rec.meta = Some(TensorMeta {
-            kind: t.kind(),
-            sizes: t.size(),
-            strides: t.stride(),
-            contiguous,
-        });
-        if self.config.debug_checksums {
-            rec.region = region.clone();
-        }
-        // A contiguous copy made here is not the saved storage: dedupe only against that one,
-        // and only while it lives (the spill drops the record's reference to it).
-        if contiguous {
-            rec.identity = Some(identity);
-            rec.watch = crate::torch::StorageWatch::of(t);
-        }
-        rec.set_device_bytes(bytes, &self.device);
-        let (idx, handle) = g.records.insert(rec);
-        let State { records, spills, .. } = g;
-        spills.start(records, idx, lease, &src, slot)?;
+        let (id, bytes) = g.records.get(idx).map(|r| (r.id, r.bytes)).ok_or_else(|| Error::internal(format!("record {idx} is gone")))?;
+        g.spills.start(&g.records, idx, lease, &src, slot)?;
         g.sizes.spilled(bytes);
+        self.count_spill(g, id, bytes, class, hit, region);
+        Ok(())
+    }
+
+    /// Counts a started spill in the step's metrics and publishes its pack decision.
+    fn count_spill(&self, g: &mut State, id: TensorId, bytes: u64, class: Option<u32>, hit: bool, region: Option<String>) {
         let m = &mut g.metrics;
         m.activations_spilled += 1;
         m.spill_bytes += bytes;
@@ -356,7 +380,98 @@ impl Shared {
             pool_hit: Some(hit),
             region,
         });
-        Ok(Spill::Started(handle))
+    }
+
+    /// Adds `t` to its region's open batch (copying the batch first when `t` belongs to another
+    /// region or would overfill it); the record holds `t` until the batch's copy starts.
+    fn gather(&self, g: &mut State, t: &Tensor, identity: TensorIdentity, bytes: u64, id: TensorId, region: Option<String>) -> Result<u64> {
+        if !g.spills.admits(region.as_deref(), bytes, self.config.spill_batch_bytes) {
+            self.flush_batch(g)?;
+        }
+        let mut rec = self.spill_record(t, identity, bytes, id, region.as_deref(), RecordState::Batched);
+        rec.tensor = Some(t.detach());
+        let (idx, handle) = g.records.insert(rec);
+        g.spills.gather(idx, bytes, region);
+        Ok(handle)
+    }
+
+    /// Copies the open batch: one kernel gathers its tensors into one device buffer, one copy
+    /// moves that into one slab. A batch of one is copied as a single spill; a batch no slab can
+    /// take is spilled tensor by tensor (each kept when the pool refuses it too).
+    pub(super) fn flush_batch(&self, g: &mut State) -> Result<()> {
+        let Some(batch) = g.spills.close_batch() else { return Ok(()) };
+        let acquired = if batch.members.len() > 1 {
+            match g.pool.acquire(batch.bytes as usize) {
+                Ok(l) => Some(l),
+                Err(Error::TooLarge { .. }) => None,
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let Some((lease, hit)) = acquired else {
+            for &idx in &batch.members {
+                self.spill_member(g, idx, batch.region.clone())?;
+            }
+            return Ok(());
+        };
+        let mut parts = Vec::with_capacity(batch.members.len());
+        let mut members = Vec::with_capacity(batch.members.len());
+        let mut offset = 0usize;
+        for &idx in &batch.members {
+            let rec = g.records.get_mut(idx).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
+            let t = rec.tensor.take().ok_or_else(|| Error::internal(format!("batched tensor {} is missing", rec.id)))?;
+            rec.transition(RecordState::Spilling)?;
+            parts.push(t.f_reshape([-1])?.f_view_dtype(tch::Kind::Uint8)?);
+            members.push((idx, offset));
+            offset += rec.bytes as usize;
+        }
+        let gathered = Tensor::f_cat(&parts, 0)?;
+        // The batched tensors' memory goes back to the allocator now: the gather, queued on the
+        // compute stream, is ordered before any later use of it.
+        drop(parts);
+        let slot = g.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
+        let class = lease.class();
+        g.spills.start_batch(members.clone(), lease, &gathered, slot, batch.region.as_deref())?;
+        g.sizes.spilled(batch.bytes);
+        for (idx, _) in members {
+            if let Some((id, bytes)) = g.records.get(idx).map(|r| (r.id, r.bytes)) {
+                self.count_spill(g, id, bytes, class, hit, batch.region.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Spills batched record `idx` on its own, or keeps it when no host memory takes it.
+    fn spill_member(&self, g: &mut State, idx: usize, region: Option<String>) -> Result<()> {
+        let (id, bytes) = g.records.get(idx).map(|r| (r.id, r.bytes)).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
+        match g.pool.acquire(bytes as usize) {
+            Ok((lease, hit)) => {
+                let rec = g.records.get_mut(idx).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
+                let t = rec.tensor.take().ok_or_else(|| Error::internal(format!("batched tensor {id} is missing")))?;
+                rec.transition(RecordState::Spilling)?;
+                self.start_spill(g, idx, &t, lease, hit, region)
+            }
+            Err(Error::TooLarge { .. }) => {
+                let reason = self.refuse(g, id, bytes);
+                g.policy.spill_refused(bytes);
+                if let Some(rec) = g.records.get_mut(idx) {
+                    rec.transition(RecordState::Kept)?;
+                }
+                g.metrics.activations_kept += 1;
+                self.bus.publish_with(|| EventKind::Pack {
+                    tensor: id,
+                    decision: PackDecision::Kept,
+                    reason: Some(reason),
+                    bytes,
+                    class: None,
+                    pool_hit: None,
+                    region,
+                });
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Why the pool (its fallback off) refused `bytes`, warned once per cause and step: a
@@ -430,6 +545,8 @@ impl Shared {
             // land, and a tensor backward needs first is waited for on its own.
             g.in_backward = true;
         }
+        // Backward needs the batched tensors soon: their copy starts now.
+        self.flush_batch(&mut g)?;
         self.poll_spills(&mut g)?;
         let state = g
             .records
@@ -441,7 +558,7 @@ impl Shared {
             return self.unpack_recomputed(idx);
         }
         let out = match state {
-            RecordState::WeightHandle | RecordState::Recompute => None,
+            RecordState::WeightHandle | RecordState::Recompute | RecordState::Batched => None,
             RecordState::Kept => g.records.get(idx).and_then(|r| r.tensor.as_ref()).map(|t| t.shallow_clone()),
             RecordState::Spilling | RecordState::Spilled | RecordState::Restoring | RecordState::Restored => {
                 if state == RecordState::Spilling {
@@ -565,12 +682,16 @@ impl Shared {
                 self.warn(format!("completing a restore at release: {e}"));
             }
         }
+        if state == Some(RecordState::Batched) {
+            let bytes = g.records.get(idx).map_or(0, |r| r.bytes);
+            g.spills.leave_batch(idx, bytes);
+        }
         let mut rec = g.records.take(idx)?;
         if let Some(member) = &rec.recompute {
             g.scopes.member_gone(member);
         }
-        if rec.host.is_some() || rec.spill.is_some() {
-            g.sizes.released(rec.bytes);
+        if let Some(part) = rec.host.as_ref().filter(|p| p.is_last()) {
+            g.sizes.released(part.lease_bytes() as u64);
         }
         rec.set_device_bytes(0, &self.device);
         g.restorer.forget(rec.predicted, rec.bytes);

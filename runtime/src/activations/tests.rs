@@ -46,6 +46,8 @@ fn base() -> ActivationConfigBuilder {
         .classes_bytes(&[N, 4 * N])
         .slabs_per_class(&[16, 2])
         .keep_tail_groups(0)
+        // Each tensor copied on its own: these tests follow single spills (batches: below).
+        .spill_batches(0, 0)
 }
 
 #[test]
@@ -136,8 +138,8 @@ fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
         let super::state::State { records, spills, .. } = &mut *g;
         spills.drain(records, &shared.device, &shared.bus).expect("finalize");
         let idx = records.index_of(h).expect("record");
-        let lease = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
-        lease.as_mut_slice()[17] ^= 0x40;
+        let host = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
+        host.as_mut_slice().expect("the only tensor in its slab")[17] ^= 0x40;
     };
     flip();
     match rt.shared().unpack(h) {
@@ -348,4 +350,156 @@ fn nothing_is_left_after_the_step_even_without_backward() {
         _ => None,
     });
     assert_eq!(step, Some(m));
+}
+
+/// The D2H copies the runtime issued, by subject, and whether each one's completion (with its
+/// duration) was reported.
+fn spill_copies(ev: &[EventKind]) -> Vec<(String, bool)> {
+    use crate::events::Direction;
+    ev.iter()
+        .filter_map(|e| match e {
+            EventKind::TransferIssued { id, dir: Direction::D2h, subject, .. } => Some((
+                subject.clone(),
+                ev.iter().any(|c| matches!(c, EventKind::TransferCompleted { id: done, duration_ms, .. } if done == id && *duration_ms >= 0.0)),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn small_spills_travel_in_one_copy_per_region_batch_and_restore_exactly() {
+    // Tensors under 4N gather, 8N a batch at most; checksums verify every restored byte.
+    let cfg = base()
+        .spill_batches(4 * N, 8 * N)
+        .classes_bytes(&[N, 8 * N])
+        .slabs_per_class(&[4, 4])
+        .debug_checksums(true)
+        .build()
+        .expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.begin_step(1);
+    let mut saved: Vec<(u64, Tensor)> = Vec::new();
+    let mut pack = |n: usize, seed: f64| {
+        for i in 0..n {
+            let t = tensor(seed + i as f64);
+            saved.push((store.pack(t.shallow_clone()).expect("pack"), t));
+        }
+    };
+    {
+        let _r = rt.region("blocks.0");
+        pack(6, 1.0); // the first is kept (an empty device), five batched
+    }
+    {
+        let _r = rt.region("blocks.1");
+        pack(10, 20.0); // a full batch of eight, then two
+    }
+    {
+        let _r = rt.region("blocks.2");
+        pack(1, 40.0); // a batch of one is a single copy
+    }
+    // Batched tensors wait on the device: the last region's one is not copied yet, and the
+    // batch before it not yet seen landed.
+    assert_eq!(rt.metrics().activations_spilled, 15);
+    assert_eq!(rt.held_bytes().spilling, 3 * N);
+    for (h, t) in saved.iter().rev() {
+        assert!(store.unpack(*h).expect("unpack").equal(t));
+        store.release(*h);
+    }
+    let m = rt.end_step().expect("step end");
+    assert_eq!((m.activations_kept, m.activations_spilled, m.activations_restored), (1, 16, 16));
+    assert_eq!((m.spill_bytes, m.pool_misses), (16 * N, 0));
+    let ev = events(&bus, &seen);
+    let copies = spill_copies(&ev);
+    let subjects: Vec<&str> = copies.iter().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(
+        subjects,
+        vec![
+            "batch of 5 tensors of blocks.0",
+            "batch of 8 tensors of blocks.1",
+            "batch of 2 tensors of blocks.1",
+            "tensor 17",
+        ]
+    );
+    assert!(copies.iter().all(|(_, reported)| *reported), "every copy's duration is reported: {copies:?}");
+    // Each spill's pack decision names its region and the batch's slab class.
+    let spilled: Vec<(Option<String>, Option<u32>)> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::Pack { decision: PackDecision::Spilled, region, class, .. } => Some((region.clone(), *class)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(spilled.len(), 16);
+    assert!(spilled[..13].iter().all(|(_, class)| *class == Some(1)), "{spilled:?}");
+    assert_eq!(spilled[15], (Some("blocks.2".into()), Some(0)));
+    assert_eq!(rt.device().memory().allocated, 0);
+    assert_eq!(rt.pool_stats().free, rt.pool_stats().total, "every slab back once its last tensor was restored");
+}
+
+#[test]
+fn a_batched_tensor_released_before_its_copy_leaves_the_batch() {
+    let cfg = base().spill_batches(4 * N, 8 * N).classes_bytes(&[N, 8 * N]).slabs_per_class(&[4, 4]).build().expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.begin_step(1);
+    let _r = rt.region("blocks.0");
+    let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
+    let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
+    store.release(hs[2]);
+    assert_eq!(rt.held_bytes().spilling, 2 * N);
+    for i in [3, 1, 0] {
+        assert!(store.unpack(hs[i]).expect("unpack").equal(&ts[i]));
+        store.release(hs[i]);
+    }
+    rt.end_step().expect("step end");
+    let copies = spill_copies(&events(&bus, &seen));
+    assert_eq!(copies.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), vec!["batch of 2 tensors of blocks.0"]);
+    assert_eq!(rt.device().memory().allocated, 0);
+    assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
+}
+
+#[test]
+fn a_batch_no_slab_takes_is_spilled_tensor_by_tensor() {
+    // Slabs of one tensor and no pageable fallback: the batch is refused as a whole, its tensors
+    // are spilled one by one, and those the pool cannot take either are kept, with the reason.
+    let cfg = base()
+        .spill_batches(4 * N, 8 * N)
+        .classes_bytes(&[N])
+        .slabs_per_class(&[2])
+        .pageable_fallback(false)
+        .size_pool_from_trace(false, None)
+        .build()
+        .expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    rt.begin_step(1);
+    let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
+    let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
+    for (h, t) in hs.iter().zip(&ts).rev() {
+        assert!(store.unpack(*h).expect("unpack").equal(t));
+        store.release(*h);
+    }
+    let m = rt.end_step().expect("step end");
+    assert_eq!((m.activations_kept, m.activations_spilled), (2, 2));
+    let ev = events(&bus, &seen);
+    let copies = spill_copies(&ev);
+    assert_eq!(copies.iter().map(|(s, _)| s.as_str()).collect::<Vec<_>>(), vec!["tensor 2", "tensor 3"]);
+    let reasons: Vec<Option<KeepReason>> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventKind::Pack { reason, .. } => Some(*reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasons, vec![Some(KeepReason::UnderWatermark), None, None, Some(KeepReason::PoolExhausted)]);
+    assert_eq!(rt.pool_stats().free, rt.pool_stats().total);
+}
+
+#[test]
+fn batch_settings_are_checked() {
+    let e = ActivationConfig::builder().spill_batches(8 * N, 4 * N).build().expect_err("a batch smaller than its members");
+    assert!(e.to_string().contains("spill_batch_bytes"), "{e}");
+    ActivationConfig::builder().spill_batches(0, 0).build().expect("off");
 }

@@ -452,6 +452,7 @@ impl Stagehand {
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))
+                .spill_batches(plan.spill_batch_bytes / 4, plan.spill_batch_bytes)
                 .size_pool_from_trace(true, Some(plan.pool_limit_bytes))
                 // A small provisional pool: the first step that spills sizes the real one.
                 .classes_bytes(&[1 << 20])
