@@ -80,7 +80,8 @@ pub struct Record {
     pub restore: Option<Transfer<LeasePart>>,
     /// CRC32C of the spilled bytes once their copy landed (checksums on).
     pub crc: Option<u32>,
-    /// The region the tensor was saved in, kept with the checksum to name it in a mismatch.
+    /// The region the tensor was saved in, kept with the checksum to name it in a mismatch
+    /// (and by a batched tensor, for its pack decision when its batch is copied).
     pub region: Option<String>,
     /// Bytes this record adds to the device's accounted memory (host device).
     pub device_bytes: u64,

@@ -382,16 +382,20 @@ impl Shared {
         });
     }
 
-    /// Adds `t` to its region's open batch (copying the batch first when `t` belongs to another
-    /// region or would overfill it); the record holds `t` until the batch's copy starts.
+    /// Adds `t` to the open batch of its top-level region (a block, with the regions nested in
+    /// it), copying the batch first when `t` belongs to another one or would overfill it; the
+    /// record holds `t` until the batch's copy starts.
     fn gather(&self, g: &mut State, t: &Tensor, identity: TensorIdentity, bytes: u64, id: TensorId, region: Option<String>) -> Result<u64> {
-        if !g.spills.admits(region.as_deref(), bytes, self.config.spill_batch_bytes) {
+        let outer = g.regions.first().cloned().or_else(|| g.auto_region.as_deref().map(str::to_owned));
+        if !g.spills.admits(outer.as_deref(), bytes, self.config.spill_batch_bytes) {
             self.flush_batch(g)?;
         }
         let mut rec = self.spill_record(t, identity, bytes, id, region.as_deref(), RecordState::Batched);
         rec.tensor = Some(t.detach());
+        // Its own region, for its pack decision when the batch is copied.
+        rec.region = region;
         let (idx, handle) = g.records.insert(rec);
-        g.spills.gather(idx, bytes, region);
+        g.spills.gather(idx, bytes, outer);
         Ok(handle)
     }
 
@@ -411,7 +415,7 @@ impl Shared {
         };
         let Some((lease, hit)) = acquired else {
             for &idx in &batch.members {
-                self.spill_member(g, idx, batch.region.clone())?;
+                self.spill_member(g, idx)?;
             }
             return Ok(());
         };
@@ -435,16 +439,20 @@ impl Shared {
         g.spills.start_batch(members.clone(), lease, &gathered, slot, batch.region.as_deref())?;
         g.sizes.spilled(batch.bytes);
         for (idx, _) in members {
-            if let Some((id, bytes)) = g.records.get(idx).map(|r| (r.id, r.bytes)) {
-                self.count_spill(g, id, bytes, class, hit, batch.region.clone());
+            if let Some((id, bytes, region)) = g.records.get(idx).map(|r| (r.id, r.bytes, r.region.clone())) {
+                self.count_spill(g, id, bytes, class, hit, region);
             }
         }
         Ok(())
     }
 
     /// Spills batched record `idx` on its own, or keeps it when no host memory takes it.
-    fn spill_member(&self, g: &mut State, idx: usize, region: Option<String>) -> Result<()> {
-        let (id, bytes) = g.records.get(idx).map(|r| (r.id, r.bytes)).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
+    fn spill_member(&self, g: &mut State, idx: usize) -> Result<()> {
+        let (id, bytes, region) = g
+            .records
+            .get(idx)
+            .map(|r| (r.id, r.bytes, r.region.clone()))
+            .ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
         match g.pool.acquire(bytes as usize) {
             Ok((lease, hit)) => {
                 let rec = g.records.get_mut(idx).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
