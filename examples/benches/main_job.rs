@@ -15,7 +15,8 @@
 //! threads, every thread's), `MJ_OPT_THREADS` (the host optimizer's threads alone, the handle's
 //! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
 //! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
-//! handle's `recompute_fraction`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
+//! handle's `recompute_fraction`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
+//! tensors under a quarter of it, 0: none; the handle's `spill_batches`); `MJ_SKIP_RESIDENT=1` skips the resident run (then the floor has no resident term).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -53,6 +54,37 @@ fn host_optimizer_step_s(params: i64, chunks: i64) -> f64 {
         }
     }
     best
+}
+
+/// The activation runtime's spill copies over the run: how many, their bytes, and their
+/// durations as the copy stream's events measured them.
+#[derive(Default)]
+struct SpillCopies {
+    count: u64,
+    bytes: u64,
+    ms: f64,
+}
+
+struct SpillCopySink(Arc<std::sync::Mutex<SpillCopies>>);
+
+impl stagehand::events::EventSink for SpillCopySink {
+    fn on_event(&mut self, e: &stagehand::events::Event) {
+        use stagehand::events::{Direction, EventKind, Owner};
+        if let EventKind::TransferCompleted {
+            dir: Direction::D2h,
+            owner: Owner::Activations,
+            bytes,
+            duration_ms,
+            ..
+        } = &e.kind
+        {
+            if let Ok(mut c) = self.0.lock() {
+                c.count += 1;
+                c.bytes += bytes;
+                c.ms += duration_ms;
+            }
+        }
+    }
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -113,6 +145,8 @@ fn main() -> anyhow::Result<()> {
     hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
     let metrics = stagehand_exporter::Metrics::new();
     hub.add_sink(Box::new(metrics.clone()));
+    let spill_copies = Arc::new(std::sync::Mutex::new(SpillCopies::default()));
+    hub.add_sink(Box::new(SpillCopySink(spill_copies.clone())));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let t_all = Instant::now();
     let opt_threads = std::env::var("MJ_OPT_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
@@ -127,7 +161,14 @@ fn main() -> anyhow::Result<()> {
     if let Some(f) = recompute {
         println!("recompute fraction: {f}");
     }
+    let batch_kib = std::env::var("MJ_SPILL_BATCH_KIB").ok().and_then(|v| v.parse::<u64>().ok());
+    if let Some(k) = batch_kib {
+        println!("spill batches: up to {k} KiB, tensors under {} KiB", k / 4);
+    }
     let customize = |mut b: stagehand::StagehandBuilder| {
+        if let Some(k) = batch_kib {
+            b = b.spill_batches((k << 10) / 4, k << 10);
+        }
         if let Some(f) = recompute {
             b = b.recompute_fraction(f);
         }
@@ -216,6 +257,14 @@ fn main() -> anyhow::Result<()> {
         100.0 * hits / (hits + misses).max(1.0)
     );
     println!("pageable-fallback bytes per step after step 1: {pageable:.0}");
+    if let Ok(c) = spill_copies.lock() {
+        println!(
+            "spill copies over the run: {} ({:.2} MiB on average), {:.1} GB/s while copying",
+            c.count,
+            c.bytes as f64 / c.count.max(1) as f64 / MIB,
+            if c.ms > 0.0 { c.bytes as f64 / (c.ms / 1e3) / 1e9 } else { 0.0 }
+        );
+    }
     println!(
         "recomputed in backward instead of stored, per step: {:.1} MiB ({recompute_ms:.1} ms of host time)",
         recomputed / MIB

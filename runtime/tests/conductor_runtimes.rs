@@ -328,7 +328,10 @@ fn spills_and_restores_take_slots_and_gradients_stay_bit_identical() {
     let restores = count(&events, |e| matches!(e, EventKind::Restored { .. }));
     assert!(spills >= 3 * 4, "{spills} spills");
     assert_eq!(restores, spills, "every spill came back");
-    assert_eq!(grants(&events, Owner::Activations, Direction::D2h), spills, "a slot per spill");
+    // Small spills travel in batches: a slot per copy, fewer copies than spills.
+    let copies = issued(&events, Owner::Activations, Direction::D2h);
+    assert!(copies > 0 && copies < spills, "{copies} copies for {spills} spills");
+    assert_eq!(grants(&events, Owner::Activations, Direction::D2h), copies, "a slot per spill copy");
     assert_eq!(grants(&events, Owner::Activations, Direction::H2d), restores, "a slot per restore");
     assert_eq!(issued(&events, Owner::Activations, Direction::H2d), restores);
     assert_required_never_refused(&events);

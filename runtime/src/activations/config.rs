@@ -163,6 +163,18 @@ pub(crate) fn check_fraction(field: &'static str, value: f64) -> Result<()> {
     }
 }
 
+/// Batches of spills that could not take their own members are a config error.
+pub(crate) fn check_batches(below_bytes: u64, max_bytes: u64) -> Result<()> {
+    if below_bytes > 0 && max_bytes < below_bytes {
+        return Err(invalid(
+            "spill_batch_bytes",
+            max_bytes,
+            &format!("at least batch_spills_below_bytes ({below_bytes})"),
+        ));
+    }
+    Ok(())
+}
+
 fn invalid(field: &'static str, value: impl std::fmt::Debug, expected: &str) -> Error {
     Error::Config {
         field,
@@ -207,13 +219,7 @@ impl ActivationConfig {
         }
         check_fraction("spill_fraction", self.spill_fraction)?;
         check_fraction("recompute_fraction", self.recompute_fraction)?;
-        if self.batch_spills_below_bytes > 0 && self.spill_batch_bytes < self.batch_spills_below_bytes {
-            return Err(invalid(
-                "spill_batch_bytes",
-                self.spill_batch_bytes,
-                &format!("at least batch_spills_below_bytes ({})", self.batch_spills_below_bytes),
-            ));
-        }
+        check_batches(self.batch_spills_below_bytes, self.spill_batch_bytes)?;
         if self.max_inflight_d2h == 0 {
             return Err(invalid("max_inflight_d2h", 0, "at least 1"));
         }

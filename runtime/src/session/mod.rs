@@ -73,6 +73,7 @@ pub struct StagehandBuilder {
     kernel: Option<Kernel>,
     optimizer_threads: Option<usize>,
     recompute_fraction: f64,
+    spill_batches: Option<(u64, u64)>,
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
     guards: bool,
@@ -165,6 +166,15 @@ impl StagehandBuilder {
         self
     }
 
+    /// Spilled tensors under `below_bytes` are copied in batches of up to `max_bytes`, one per
+    /// block ([`ActivationConfig::batch_spills_below_bytes`](crate::activations::ActivationConfig::batch_spills_below_bytes));
+    /// `(0, 0)` copies every tensor on its own. By default the plan sizes batches from the room
+    /// for spills in flight (a quarter of it, at most 16 MiB, tensors under a quarter of that).
+    pub fn spill_batches(mut self, below_bytes: u64, max_bytes: u64) -> Self {
+        self.spill_batches = Some((below_bytes, max_bytes));
+        self
+    }
+
     /// Attaches something to the run's event hub when the handle is built (the HTTP server and
     /// dashboards, an OTLP exporter); it lives as long as the handle.
     pub fn attach(mut self, f: impl FnOnce(&Arc<Hub>) -> Result<Attachment> + Send + 'static) -> Self {
@@ -188,6 +198,9 @@ impl StagehandBuilder {
         }
         // Checked now, not when the plan makes the activation runtime's config.
         crate::activations::config::check_fraction("recompute_fraction", self.recompute_fraction)?;
+        if let Some((below, max)) = self.spill_batches {
+            crate::activations::config::check_batches(below, max)?;
+        }
         let device = match self.device {
             Some(d) => d,
             None => Device::auto(budget),
@@ -249,6 +262,7 @@ impl StagehandBuilder {
             kernel: self.kernel,
             optimizer_threads: self.optimizer_threads,
             recompute_fraction: self.recompute_fraction,
+            spill_batches: self.spill_batches,
             state: Mutex::new(step::Run::default()),
             telemetry,
             guards,
@@ -271,6 +285,7 @@ pub struct Stagehand {
     kernel: Option<Kernel>,
     optimizer_threads: Option<usize>,
     recompute_fraction: f64,
+    spill_batches: Option<(u64, u64)>,
     state: Mutex<step::Run>,
     telemetry: Option<crate::events::Telemetry>,
     guards: Option<Arc<crate::guards::Guards>>,
@@ -302,6 +317,7 @@ impl Stagehand {
             kernel: None,
             optimizer_threads: None,
             recompute_fraction: 1.0,
+            spill_batches: None,
             attachments: Vec::new(),
             telemetry: None,
             guards: false,
@@ -452,7 +468,10 @@ impl Stagehand {
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))
-                .spill_batches(plan.spill_batch_bytes / 4, plan.spill_batch_bytes)
+                .spill_batches(
+                    self.spill_batches.map_or(plan.spill_batch_bytes / 4, |b| b.0),
+                    self.spill_batches.map_or(plan.spill_batch_bytes, |b| b.1),
+                )
                 .size_pool_from_trace(true, Some(plan.pool_limit_bytes))
                 // A small provisional pool: the first step that spills sizes the real one.
                 .classes_bytes(&[1 << 20])
