@@ -56,7 +56,7 @@ fn host_optimizer_step_s(params: i64, chunks: i64) -> f64 {
     best
 }
 
-/// The activation runtime's spill copies over the run: how many, their bytes, and their
+/// The activation runtime's spill copies after step 1: how many, their bytes, and their
 /// durations as the copy stream's events measured them.
 #[derive(Default)]
 struct SpillCopies {
@@ -78,6 +78,9 @@ impl stagehand::events::EventSink for SpillCopySink {
             ..
         } = &e.kind
         {
+            if e.step <= 1 {
+                return;
+            }
             if let Ok(mut c) = self.0.lock() {
                 c.count += 1;
                 c.bytes += bytes;
@@ -259,8 +262,8 @@ fn main() -> anyhow::Result<()> {
     println!("pageable-fallback bytes per step after step 1: {pageable:.0}");
     if let Ok(c) = spill_copies.lock() {
         println!(
-            "spill copies over the run: {} ({:.2} MiB on average), {:.1} GB/s while copying",
-            c.count,
+            "spill copies per step after step 1: {:.1} ({:.2} MiB on average), {:.1} GB/s while copying",
+            c.count as f64 / n,
             c.bytes as f64 / c.count.max(1) as f64 / MIB,
             if c.ms > 0.0 { c.bytes as f64 / (c.ms / 1e3) / 1e9 } else { 0.0 }
         );
