@@ -263,6 +263,12 @@ impl Shared {
             rec.set_device_bytes(bytes, &self.device);
         }
         let (_, handle) = g.records.insert(rec);
+        self.count_kept(&mut g, id, bytes, reason, region);
+        Ok(handle)
+    }
+
+    /// Counts a kept tensor in the step's metrics and publishes its pack decision.
+    fn count_kept(&self, g: &mut State, id: TensorId, bytes: u64, reason: KeepReason, region: Option<String>) {
         g.metrics.activations_kept += 1;
         self.bus.publish_with(|| EventKind::Pack {
             tensor: id,
@@ -273,7 +279,6 @@ impl Shared {
             pool_hit: None,
             region,
         });
-        Ok(handle)
     }
 
     /// Another save of record `idx`'s tensor: one more reference and handle to it (`None` when
@@ -466,16 +471,7 @@ impl Shared {
                 if let Some(rec) = g.records.get_mut(idx) {
                     rec.transition(RecordState::Kept)?;
                 }
-                g.metrics.activations_kept += 1;
-                self.bus.publish_with(|| EventKind::Pack {
-                    tensor: id,
-                    decision: PackDecision::Kept,
-                    reason: Some(reason),
-                    bytes,
-                    class: None,
-                    pool_hit: None,
-                    region,
-                });
+                self.count_kept(g, id, bytes, reason, region);
                 Ok(())
             }
             Err(e) => Err(e),

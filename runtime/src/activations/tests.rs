@@ -39,6 +39,20 @@ fn tensor(seed: f64) -> Tensor {
     Tensor::arange((N / 4) as i64, (Kind::Float, tch::Device::Cpu)) * seed
 }
 
+/// Saves each tensor, as autograd's forward would.
+fn pack_all(store: &ActivationStore, ts: &[Tensor]) -> Vec<u64> {
+    ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect()
+}
+
+/// Unpacks every handle in reverse (backward's order), checks it gives back its tensor, and
+/// releases it.
+fn unpack_all_in_reverse(store: &ActivationStore, hs: &[u64], ts: &[Tensor]) {
+    for (h, t) in hs.iter().zip(ts).rev() {
+        assert!(store.unpack(*h).expect("unpack").equal(t));
+        store.release(*h);
+    }
+}
+
 fn base() -> ActivationConfigBuilder {
     ActivationConfig::builder()
         .watermarks_bytes(1, 0)
@@ -307,11 +321,7 @@ fn predictive_restorer_runs_ahead_so_only_the_first_unpack_stalls() {
     let store = rt.store();
     rt.begin_step(1);
     let ts: Vec<Tensor> = (0..7).map(|i| tensor(i as f64 + 1.0)).collect();
-    let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
-    for (h, t) in hs.iter().zip(&ts).rev() {
-        assert!(store.unpack(*h).expect("unpack").equal(t));
-        store.release(*h);
-    }
+    unpack_all_in_reverse(&store, &pack_all(&store, &ts), &ts);
     let m = rt.end_step().expect("step end");
     assert_eq!(m.activations_spilled, 6);
     assert_eq!(m.stall_count, 1, "{m:?}");
@@ -476,11 +486,7 @@ fn a_batch_no_slab_takes_is_spilled_tensor_by_tensor() {
     let store = rt.store();
     rt.begin_step(1);
     let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
-    let hs: Vec<u64> = ts.iter().map(|t| store.pack(t.shallow_clone()).expect("pack")).collect();
-    for (h, t) in hs.iter().zip(&ts).rev() {
-        assert!(store.unpack(*h).expect("unpack").equal(t));
-        store.release(*h);
-    }
+    unpack_all_in_reverse(&store, &pack_all(&store, &ts), &ts);
     let m = rt.end_step().expect("step end");
     assert_eq!((m.activations_kept, m.activations_spilled), (2, 2));
     let ev = events(&bus, &seen);
