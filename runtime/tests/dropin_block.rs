@@ -94,15 +94,9 @@ fn a_block_mode_model_over_a_safetensors_base_trains_like_plain_tch_without_step
     let file = dir.path().join("base.safetensors");
 
     // Plain tch: everything resident, the base frozen.
-    let (vs, model) = {
-        let _g = rng();
-        tch::manual_seed(41);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let (base, lora) = build(&vs);
-        vs.set_device(dev);
-        let base: Vec<Box<dyn Module>> = base.into_iter().map(|b| Box::new(b) as Box<dyn Module>).collect();
-        (vs, Model { base, lora })
-    };
+    let (vs, (base, lora)) = common::seeded_on_cpu(41, dev, build);
+    let base: Vec<Box<dyn Module>> = base.into_iter().map(|b| Box::new(b) as Box<dyn Module>).collect();
+    let model = Model { base, lora };
     let base_file: Vec<(String, Tensor)> =
         values(&vs).into_iter().filter(|(n, _)| n.starts_with("blocks.")).collect();
     Tensor::write_safetensors(&base_file, &file).expect("the base file");

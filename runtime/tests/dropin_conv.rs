@@ -82,14 +82,7 @@ fn the_ported_conv_net_trains_like_the_tch_program_running_statistics_included()
     let dir = tempfile::tempdir().expect("dir");
     let sgd = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-4, nesterov: true };
 
-    let (vs, net) = {
-        let _g = rng();
-        tch::manual_seed(31);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = conv_net!(vs.root(), nn);
-        vs.set_device(dev);
-        (vs, net)
-    };
+    let (vs, net) = common::seeded_on_cpu(31, dev, |vs| conv_net!(vs.root(), nn));
     let initial = values(&vs);
     let mut opt = sgd.build(&vs, 0.05).expect("sgd");
     let want: Vec<f64> = (0..STEPS)

@@ -178,14 +178,7 @@ fn the_ported_gpt_trains_like_the_tch_program_and_checkpoints_both_ways() {
     let dir = tempfile::tempdir().expect("dir");
 
     // The plain tch program.
-    let (vs, gpt) = {
-        let _g = rng();
-        tch::manual_seed(7);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let gpt = plain_gpt(&vs);
-        vs.set_device(dev);
-        (vs, gpt)
-    };
+    let (vs, gpt) = common::seeded_on_cpu(7, dev, plain_gpt);
     let initial = values(&vs);
     let mut opt = nn::AdamW::default().build(&vs, LR).expect("adamw");
     opt.set_weight_decay_group(NO_WEIGHT_DECAY, 0.0);

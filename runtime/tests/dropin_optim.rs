@@ -121,14 +121,7 @@ fn every_tch_optimizer_trains_bit_identically_with_the_loop_unchanged() {
     for (algorithm, how) in cases {
         let what = format!("{algorithm:?} {how:?}");
         let lr = if matches!(algorithm, Algorithm::Sgd { .. }) { 0.1 } else { 1e-2 };
-        let (vs, net) = {
-            let _g = rng();
-            tch::manual_seed(17);
-            let mut vs = nn::VarStore::new(tch::Device::Cpu);
-            let net = build!(vs.root(), nn, ln_f);
-            vs.set_device(dev);
-            (vs, net)
-        };
+        let (vs, net) = common::seeded_on_cpu(17, dev, |vs| build!(vs.root(), nn, ln_f));
         let initial = values(&vs);
         let ms = layer_store(&device, 16 << 10);
         let snet = {
@@ -184,14 +177,7 @@ fn the_fused_kernel_keeps_weight_decay_groups_and_learning_rate_changes() {
     let device = common::device();
     let dev = device.tch_device();
     let lr = 1e-2;
-    let (vs, net) = {
-        let _g = rng();
-        tch::manual_seed(23);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = build!(vs.root(), nn, ln_f);
-        vs.set_device(dev);
-        (vs, net)
-    };
+    let (vs, net) = common::seeded_on_cpu(23, dev, |vs| build!(vs.root(), nn, ln_f));
     let ms = layer_store(&device, 16 << 10);
     let snet = {
         let _g = rng();
@@ -222,14 +208,7 @@ fn the_fused_kernel_keeps_weight_decay_groups_and_learning_rate_changes() {
         assert!(diff < TOLERANCE, "{n}: fused and unfused differ by {diff}");
     }
     // The control: without group 1's decay the weights end far further apart than rounding.
-    let (vs2, net2) = {
-        let _g = rng();
-        tch::manual_seed(23);
-        let mut vs = nn::VarStore::new(tch::Device::Cpu);
-        let net = build!(vs.root(), nn, ln_f);
-        vs.set_device(dev);
-        (vs, net)
-    };
+    let (vs2, net2) = common::seeded_on_cpu(23, dev, |vs| build!(vs.root(), nn, ln_f));
     let mut popt2 = adamw.build(&vs2, lr).expect("adamw");
     for s in 0..STEPS {
         if s == STEPS / 2 {
