@@ -3,7 +3,7 @@
 //!
 //! Every view is laid out for 80x24 and up: numbers are abbreviated ([`crate::format`]), fields
 //! that do not fit give way by priority and tables drop their least important columns
-//! ([`widgets`]), rather than cutting a number.
+//! (`widgets`), rather than cutting a number.
 
 mod activations;
 mod chrome;

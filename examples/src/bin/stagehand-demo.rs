@@ -38,7 +38,7 @@ struct Args {
     /// does on the host.
     #[arg(long)]
     budget_mib: Option<u64>,
-    /// Telemetry file; never overwritten. Default: runs/stagehand-<time>.jsonl (.jsonl.zst with
+    /// Telemetry file; never overwritten. Default: `runs/stagehand-<time>.jsonl` (.jsonl.zst with
     /// --compress). Flight records of incidents are written beside it.
     #[arg(long)]
     out: Option<PathBuf>,

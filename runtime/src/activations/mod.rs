@@ -6,7 +6,7 @@
 //! ([`crate::saved::WeightResolver`]), small, off-device or parameter tensors are kept, and
 //! activations are kept while device memory is under the high watermark and spilled above it
 //! until it falls under the low one. A spill is an async D2H copy on a dedicated stream into a
-//! slab of a [`crate::pinned::SlabPool`]; the device tensor is dropped only once its copy
+//! slab of a `crate::pinned::SlabPool`; the device tensor is dropped only once its copy
 //! completed. After the first step that spills, the pool is rebuilt to hold exactly what that step
 //! held at once, so steady-state steps never copy through pageable memory.
 //! In backward, unpack brings a spilled tensor back (the compute stream waits on the copy), and

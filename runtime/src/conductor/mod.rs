@@ -53,7 +53,7 @@
 //! hints, tells every adapter (`on_phase`, then `apply_hints`), and at STEP_END publishes
 //! `conductor_step` every `telemetry_interval_steps` steps.
 //!
-//! # Budgets ([`budget`])
+//! # Budgets (`budget`)
 //!
 //! | mode | meaning |
 //! |---|---|
@@ -71,7 +71,7 @@
 //! Every request publishes `reservation` (mode, priority, requested and granted bytes,
 //! outcome, reason, scope); every release `reservation_released`.
 //!
-//! # Transfer slots ([`transfer`])
+//! # Transfer slots (`transfer`)
 //!
 //! Separate H2D and D2H pools of `h2d_slots` / `d2h_slots`, lowered by the `max_inflight_*`
 //! hints. A runtime calls [`Conductor::acquire_slot`] before each copy and gets a
@@ -84,7 +84,7 @@
 //! `slot_granted` whose `inflight` exceeds the slots. The Conductor never blocks the training
 //! thread: a wait would be a stall, and the slot awaited could be held by the same thread.
 //!
-//! # Policy ([`policy`])
+//! # Policy (`policy`)
 //!
 //! 1. Backward pressure: in BACKWARD with VRAM use > 80% of the soft cap → suppress
 //!    speculative work, `prefetch_window_cap = 1`.
@@ -96,7 +96,7 @@
 //! Within a step hints only tighten; STEP_BEGIN resets them. Each change publishes
 //! `hints_changed` with the rule that caused it.
 //!
-//! # Knobs ([`adapter`])
+//! # Knobs (`adapter`)
 //!
 //! Each runtime owns its [`Knobs`] (`WeightRuntime::knobs`, `ActivationRuntime::knobs`) and
 //! reads them at every decision; the adapter writes them, so a hint takes effect at once.

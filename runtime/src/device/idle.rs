@@ -29,7 +29,7 @@ pub struct IdleSpan {
 }
 
 impl Device {
-    /// Marks the start of a host wait (see the [module](self)).
+    /// Marks the start of a host wait (see the module `device::idle`).
     pub fn idle_probe(&self) -> Result<IdleProbe> {
         Ok(IdleProbe { begin: self.record_compute()?, started: Instant::now() })
     }

@@ -1,12 +1,12 @@
 //! The device layer: copy streams, events, pinned host buffers and async copies, over two peer
-//! backends behind one [`Backend`] trait:
+//! backends behind one `Backend` trait:
 //!
-//! - [`cuda`]: cudarc (loaded dynamically, no toolkit needed) on the primary context that libtorch
+//! - `cuda`: cudarc (loaded dynamically, no toolkit needed) on the primary context that libtorch
 //!   also uses; non-blocking copy streams; pinned host memory allocated with flags 0 (not
 //!   write-combined, so the CPU reads D2H results quickly); async copies on raw device pointers
 //!   taken from tensors; the compute stream (libtorch's legacy default stream) made to wait on
 //!   copy events without blocking the host.
-//! - [`host`]: the same work done synchronously on a machine without CUDA. "VRAM" is an accounted
+//! - `host`: the same work done synchronously on a machine without CUDA. "VRAM" is an accounted
 //!   budget ([`Device::account`]), copies are `memcpy`, events are complete when made.
 //!
 //! Cross-stream memory safety (see `docs/design.md`, "Copies and streams"): a copy that reads or

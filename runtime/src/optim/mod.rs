@@ -5,7 +5,7 @@
 //! `set_weight_decay` and their `_group` forms for the groups made with `Path::set_group`.
 //!
 //! - Streamed blocks are stepped **on the host**: their gradients reach host memory as backward
-//!   leaves each block, and a worker thread ([`stepper`]) steps each block as soon as the
+//!   leaves each block, and a worker thread (`stepper`) steps each block as soon as the
 //!   optimizer is asked to, in the order the next forward needs them; the weight runtime does not
 //!   load a block before its step has run, so the next forward overlaps the optimizer.
 //! - Everything else (variables the runtime does not manage, blocks kept resident) is stepped

@@ -1,19 +1,19 @@
 //! Weight Stagehand: weights live in host memory (or in safetensors files) and stream to the
 //! device block by block just before they are needed, so a model larger than VRAM trains.
 //!
-//! - [`registry`]: blocks and their flat, aligned byte layout.
-//! - [`residency`]: the six-state machine, refcounts, `keep_resident` protection.
-//! - [`itinerary`]: the order of a step's block uses, traced forward and backward, re-traced when
+//! - `registry`: blocks and their flat, aligned byte layout.
+//! - `residency`: the six-state machine, refcounts, `keep_resident` protection.
+//! - `itinerary`: the order of a step's block uses, traced forward and backward, re-traced when
 //!   a step runs another order.
-//! - [`evictor`]: which block gives up its slot (Belady's farthest next use), and the minimum of
+//! - `evictor`: which block gives up its slot (Belady's farthest next use), and the minimum of
 //!   loads a step needs.
 //! - `slots`: the device room, one allocation cut into equal slots the runtime owns, so a load
 //!   waits only for its slot's last use.
 //! - `scheduler`: loads, prefetch, finalisation on copy events, eviction, gradients sent home
 //!   as backward leaves each block, host optimizer steps gating loads.
 //! - [`runtime`]: [`WeightRuntime`], the block-mode API.
-//! - [`handles`]: the saved-tensor store that turns saved weights into block handles.
-//! - [`file`]: safetensors-backed frozen blocks.
+//! - `handles`: the saved-tensor store that turns saved weights into block handles.
+//! - `file`: safetensors-backed frozen blocks.
 //!
 //! Layer mode (drop-in layers) is [`crate::nn`]; the optimizer for streamed weights is
 //! [`crate::optim`].

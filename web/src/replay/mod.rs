@@ -209,7 +209,7 @@ impl ReplayDriver {
         Ok(r.status())
     }
 
-    /// Advances playback every [`TICK`] until `stop` turns true. A file that can no longer be
+    /// Advances playback every `TICK` until `stop` turns true. A file that can no longer be
     /// read pauses the replay, with the reason on stderr (there is no caller to return it to).
     pub async fn run(self: Arc<Self>, hub: Arc<Hub>, mut stop: watch::Receiver<bool>) {
         let mut ticker = tokio::time::interval(TICK);

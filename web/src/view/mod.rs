@@ -2,7 +2,7 @@
 //! reducer of its own, so it cannot disagree with the API, `stagehand-top` or the exporters.
 //!
 //! [`PageView`] holds only what the page shows, with bounded histories and rounded figures. It
-//! goes out on `/api/view/stream` at most every [`VIEW_INTERVAL`](feed::VIEW_INTERVAL), built and
+//! goes out on `/api/view/stream` at most every `VIEW_INTERVAL`, built and
 //! encoded once for every page, with the log lines of the events since the previous one.
 
 pub(crate) mod feed;
