@@ -86,15 +86,7 @@ impl SpillQueue {
         slot: Option<SlotToken>,
     ) -> Result<()> {
         let id = records.get(idx).ok_or_else(|| Error::internal(format!("record {idx} is gone")))?.id;
-        let transfer = self
-            .copier
-            .d2h(lease, 0, src, Order::AfterCompute, slot, || format!("tensor {id}"))
-            .map_err(Error::from)?;
-        self.inflight.push_back(Flight {
-            transfer,
-            members: vec![(idx, 0)],
-        });
-        Ok(())
+        self.launch(vec![(idx, 0)], lease, src, slot, || format!("tensor {id}"))
     }
 
     /// Starts the copy of a batch gathered into `src` (contiguous bytes) into `lease`; `members`
@@ -108,13 +100,23 @@ impl SpillQueue {
         region: Option<&str>,
     ) -> Result<()> {
         let n = members.len();
-        let transfer = self
-            .copier
-            .d2h(lease, 0, src, Order::AfterCompute, slot, || match region {
-                Some(r) => format!("batch of {n} tensors of {r}"),
-                None => format!("batch of {n} tensors"),
-            })
-            .map_err(Error::from)?;
+        self.launch(members, lease, src, slot, || match region {
+            Some(r) => format!("batch of {n} tensors of {r}"),
+            None => format!("batch of {n} tensors"),
+        })
+    }
+
+    /// Issues one copy of `src` into `lease`, after the compute stream's work so far, carrying
+    /// `members`.
+    fn launch(
+        &mut self,
+        members: Vec<(usize, usize)>,
+        lease: Lease,
+        src: &Tensor,
+        slot: Option<SlotToken>,
+        subject: impl FnOnce() -> String,
+    ) -> Result<()> {
+        let transfer = self.copier.d2h(lease, 0, src, Order::AfterCompute, slot, subject).map_err(Error::from)?;
         self.inflight.push_back(Flight { transfer, members });
         Ok(())
     }
