@@ -687,8 +687,13 @@ impl Shared {
             }
         }
         if state == Some(RecordState::Batched) {
-            let bytes = g.records.get(idx).map_or(0, |r| r.bytes);
-            g.spills.leave_batch(idx, bytes);
+            // Released before its batch was copied: it stayed on the device, so it counts as
+            // kept, and its bytes go back to the policy's share.
+            if let Some((id, bytes, region)) = g.records.get(idx).map(|r| (r.id, r.bytes, r.region.clone())) {
+                g.spills.leave_batch(idx, bytes);
+                g.policy.spill_refused(bytes);
+                self.count_kept(g, id, bytes, KeepReason::ReleasedBeforeCopy, region);
+            }
         }
         let mut rec = g.records.take(idx)?;
         if let Some(member) = &rec.recompute {

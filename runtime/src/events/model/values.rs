@@ -252,6 +252,9 @@ pub enum KeepReason {
     PoolExhausted,
     /// Spilling is paused (`max_inflight_d2h` is 0, as the Conductor sets it in OPTIMIZER).
     SpillsPaused,
+    /// Chosen to spill with its block's batch, but released before the batch was copied: it
+    /// never left the device.
+    ReleasedBeforeCopy,
 }
 
 /// How a Conductor reservation may be granted.
