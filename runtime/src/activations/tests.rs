@@ -515,8 +515,8 @@ fn batch_settings_are_checked() {
 }
 
 mod batches {
-    //! Any mix of batched and single spills, regions, early releases and batch settings gives
-    //! every tensor back exactly and leaves nothing held.
+    //! Any mix of batched and single spills, regions, duplicate saves, early releases and batch
+    //! settings gives every tensor back exactly and leaves nothing held.
     use super::*;
     use proptest::prelude::*;
 
@@ -530,7 +530,7 @@ mod batches {
         #![proptest_config(ProptestConfig::with_cases(48))]
         #[test]
         fn every_tensor_comes_back_and_nothing_is_held(
-            saves in proptest::collection::vec((1u64..=6, 0usize..3, any::<bool>()), 1..40),
+            saves in proptest::collection::vec((1u64..=6, 0usize..3, any::<bool>(), any::<bool>()), 1..40),
             below in 0u64..=8,
             extra in 0u64..=8,
             fallback in any::<bool>(),
@@ -548,8 +548,25 @@ mod batches {
             let store = rt.store();
             rt.begin_step(1);
             let mut live = Vec::new();
-            for (i, &(units, region, release_early)) in saves.iter().enumerate() {
-                let t = unit_tensor(units, i as f64 + 1.0);
+            // The tensor saved last and how many of its handles are unreleased: a save of it
+            // again is a duplicate while one is (its record lives), a new record otherwise.
+            let mut previous: Option<(Tensor, u32)> = None;
+            let mut duplicates = 0u64;
+            for (i, &(units, region, release_early, again)) in saves.iter().enumerate() {
+                let t = match previous.as_mut() {
+                    Some((p, handles)) if again => {
+                        if *handles > 0 {
+                            duplicates += 1;
+                        }
+                        *handles += u32::from(!release_early);
+                        p.shallow_clone()
+                    }
+                    _ => {
+                        let t = unit_tensor(units, i as f64 + 1.0);
+                        previous = Some((t.shallow_clone(), u32::from(!release_early)));
+                        t
+                    }
+                };
                 let h = {
                     let _r = rt.region(&format!("blocks.{region}"));
                     store.pack(t.shallow_clone()).expect("pack")
@@ -566,7 +583,7 @@ mod batches {
                 store.release(*h);
             }
             let m = rt.end_step().expect("step end");
-            prop_assert_eq!(m.activations_saved, saves.len() as u64);
+            prop_assert_eq!(m.activations_saved, saves.len() as u64 - duplicates);
             prop_assert_eq!(m.activations_saved, m.activations_kept + m.activations_spilled);
             prop_assert_eq!(rt.live_records(), 0);
             prop_assert_eq!(rt.held_bytes(), HeldBytes::default());
