@@ -194,7 +194,12 @@ fn pins_published(pins: bool) -> Vec<u32> {
         ..LayerOptions::default()
     };
     let ms = ManagedVarStore::new(nn::VarStore::new(tch::Device::Cpu), o).expect("store");
-    let layers: Vec<_> = (0..6).map(|i| snn::linear(ms.root() / "blocks" / i.to_string() / "fc", 16, 16, Default::default())).collect();
+    // Under the RNG lock: drawing initial weights while another test of this binary seeds
+    // its models would change theirs.
+    let layers: Vec<_> = {
+        let _g = rng();
+        (0..6).map(|i| snn::linear(ms.root() / "blocks" / i.to_string() / "fc", 16, 16, Default::default())).collect()
+    };
     let x = Tensor::ones([2, 16], (Kind::Float, tch::Device::Cpu));
     for _ in 0..4 {
         let _ = tch::no_grad(|| layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h)));
