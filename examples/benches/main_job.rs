@@ -198,6 +198,8 @@ fn main() -> anyhow::Result<()> {
         snap.events_applied,
         snap.dropped_events
     );
+    let ms: Vec<String> = s.step_times.iter().map(|t| format!("{:.1}", t * 1e3)).collect();
+    println!("  step times: [{}] ms", ms.join(", "));
     if let Some(plan) = &s.plan {
         for line in &plan.reasons {
             println!("  plan: {line}");
