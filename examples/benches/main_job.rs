@@ -300,6 +300,23 @@ fn main() -> anyhow::Result<()> {
         avg(|b| b.optimizer_ms),
         avg(|b| b.other_ms)
     );
+    // Step by step: where a step that is slower than the others (warming up, a busy host) loses.
+    for (i, b) in s.breakdowns.iter().enumerate() {
+        let rec = snap.steps.iter().find(|r| r.step == i as u64 + 1);
+        let hooks_w = rec.and_then(|r| r.weights.as_ref()).map_or(0.0, |w| w.host_ms);
+        let hooks_a = rec.and_then(|r| r.activations.as_ref()).map_or(0.0, |a| a.host_ms);
+        println!(
+            "  step {}: {:.1} ms: compute {:.1}, waits H2D {:.1} / D2H {:.1}, stalls {:.1}, optimizer {:.1}, other {:.1}; hooks weights {hooks_w:.1} / saved tensors {hooks_a:.1} ms",
+            i + 1,
+            b.step_ms,
+            b.compute_ms,
+            b.h2d_wait_ms,
+            b.d2h_wait_ms,
+            b.weight_stall_ms + b.restore_stall_ms,
+            b.optimizer_ms,
+            b.other_ms
+        );
+    }
     if let Some(r) = &resident {
         let drift = r
             .losses
