@@ -88,6 +88,15 @@ pub(super) struct Shared {
     pub state: Mutex<State>,
 }
 
+/// Takes batched record `idx`'s tensor for its copy (the record is spilling from now on), with
+/// its bytes.
+fn take_batched(records: &mut Records, idx: usize) -> Result<(Tensor, u64)> {
+    let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
+    let t = rec.tensor.take().ok_or_else(|| Error::internal(format!("batched tensor {} is missing", rec.id)))?;
+    rec.transition(RecordState::Spilling)?;
+    Ok((t, rec.bytes))
+}
+
 pub(super) fn current_region(g: &State) -> Option<String> {
     if g.regions.is_empty() {
         g.auto_region.as_deref().map(str::to_owned)
@@ -428,12 +437,10 @@ impl Shared {
         let mut members = Vec::with_capacity(batch.members.len());
         let mut offset = 0usize;
         for &idx in &batch.members {
-            let rec = g.records.get_mut(idx).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
-            let t = rec.tensor.take().ok_or_else(|| Error::internal(format!("batched tensor {} is missing", rec.id)))?;
-            rec.transition(RecordState::Spilling)?;
+            let (t, bytes) = take_batched(&mut g.records, idx)?;
             parts.push(t.f_reshape([-1])?.f_view_dtype(tch::Kind::Uint8)?);
             members.push((idx, offset));
-            offset += rec.bytes as usize;
+            offset += bytes as usize;
         }
         let gathered = Tensor::f_cat(&parts, 0)?;
         // The batched tensors' memory goes back to the allocator now: the gather, queued on the
@@ -441,9 +448,9 @@ impl Shared {
         drop(parts);
         let slot = g.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
         let class = lease.class();
-        g.spills.start_batch(members.clone(), lease, &gathered, slot, batch.region.as_deref())?;
+        g.spills.start_batch(members, lease, &gathered, slot, batch.region.as_deref())?;
         g.sizes.spilled(batch.bytes);
-        for (idx, _) in members {
+        for &idx in &batch.members {
             if let Some((id, bytes, region)) = g.records.get(idx).map(|r| (r.id, r.bytes, r.region.clone())) {
                 self.count_spill(g, id, bytes, class, hit, region);
             }
@@ -460,9 +467,7 @@ impl Shared {
             .ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
         match g.pool.acquire(bytes as usize) {
             Ok((lease, hit)) => {
-                let rec = g.records.get_mut(idx).ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
-                let t = rec.tensor.take().ok_or_else(|| Error::internal(format!("batched tensor {id} is missing")))?;
-                rec.transition(RecordState::Spilling)?;
+                let (t, _) = take_batched(&mut g.records, idx)?;
                 self.start_spill(g, idx, &t, lease, hit, region)
             }
             Err(Error::TooLarge { .. }) => {

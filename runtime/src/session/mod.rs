@@ -469,7 +469,7 @@ impl Stagehand {
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))
                 .spill_batches(
-                    self.spill_batches.map_or(plan.spill_batch_bytes / 4, |b| b.0),
+                    self.spill_batches.map_or(plan.spill_batch_below_bytes, |b| b.0),
                     self.spill_batches.map_or(plan.spill_batch_bytes, |b| b.1),
                 )
                 .size_pool_from_trace(true, Some(plan.pool_limit_bytes))

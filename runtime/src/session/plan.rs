@@ -85,9 +85,12 @@ pub struct Plan {
     /// device holds before any activation is kept.
     pub spill_floor_bytes: u64,
     pub restore_allowance_bytes: u64,
-    /// Most bytes one batch of small spills gathers (tensors under a quarter of it are batched).
+    /// Most bytes one batch of small spills gathers, and the size under which a spilled tensor
+    /// joins a batch.
     #[serde(default)]
     pub spill_batch_bytes: u64,
+    #[serde(default)]
+    pub spill_batch_below_bytes: u64,
     pub prefetch_window: u32,
     pub max_inflight_h2d: u32,
     pub max_inflight_restores: u32,
@@ -245,10 +248,12 @@ impl Plan {
         // A batch waits on the device and is held twice while it is gathered: a quarter of the
         // room for spills in flight, and no more than the default (past it, a copy's fixed cost
         // is under 2% of its time).
+        // Tensors under a quarter of a batch join one, so that a batch gathers four at least.
         p.spill_batch_bytes = (p.restore_allowance_bytes / 4).min(crate::activations::config::DEFAULT_SPILL_BATCH_BYTES);
+        p.spill_batch_below_bytes = p.spill_batch_bytes / 4;
         p.reasons.push(format!(
             "spilled tensors under {} are copied in batches of up to {}",
-            mib(p.spill_batch_bytes / 4),
+            mib(p.spill_batch_below_bytes),
             mib(p.spill_batch_bytes)
         ));
         p.max_inflight_h2d = p.prefetch_window.max(2);
