@@ -7,6 +7,13 @@
 //! transfer could at best do), for each `SIZExCOUNT` in `STAGEHAND_SPILL_SIZES` (MiB; default
 //! `22x12,4x64,1x128` on CUDA, the first the 16 x 1024 main job's average spill).
 //!
+//! Then the weight-streaming pattern: a step's weights loaded one copy per streaming unit (each
+//! ordered after compute, with its timing events, as the weight runtime issues them) against the
+//! same bytes in one copy, for each `SIZExCOUNT` in `STAGEHAND_UNIT_SIZES` (MiB; default
+//! `384x12,128x37,64x73,32x146,16x292` on CUDA: the weights benchmark's forward-only bytes in
+//! units of a block, a third, a sixth, one d×d matrix and half of one). What a unit's copy costs
+//! beyond its bytes is what makes smaller units pay for the bytes they save.
+//!
 //! Run: `cargo bench -p stagehand-runtime --bench copies` (prints GB/s per direction and both at
 //! once).
 
@@ -77,7 +84,55 @@ fn main() -> anyhow::Result<()> {
             whole / each
         );
     }
+    let sizes = std::env::var("STAGEHAND_UNIT_SIZES")
+        .unwrap_or_else(|_| if dev.is_cuda() { "384x12,128x37,64x73,32x146,16x292" } else { "4x8,1x32" }.to_string());
+    for spec in sizes.split(',') {
+        let Some((mib, count)) = spec.split_once('x').and_then(|(a, b)| Some((a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?)))
+        else {
+            anyhow::bail!("STAGEHAND_UNIT_SIZES: '{spec}' is not SIZExCOUNT (MiB x units)");
+        };
+        let (each, whole) = unit_pattern(&dev, &h2d_stream, mib << 20, count, reps.min(5))?;
+        println!(
+            "units {count} x {mib} MiB: one copy per unit {each:.2} GB/s, one copy of all {whole:.2} GB/s ({:.2} us a copy beyond its bytes)",
+            (mib << 20) as f64 / 1e3 * (1.0 / each - 1.0 / whole)
+        );
+    }
     Ok(())
+}
+
+/// H2D GB/s of `count` units of `bytes` loaded one copy each from one pinned buffer into their
+/// own device buffers, all issued then all awaited, and of the same bytes as one copy.
+fn unit_pattern(
+    dev: &Device,
+    stream: &stagehand::device::CopyStream,
+    bytes: usize,
+    count: usize,
+    reps: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let host = Arc::new(dev.alloc_host(bytes * count)?);
+    let dsts: Vec<Tensor> = (0..count).map(|_| Tensor::empty([bytes as i64], (Kind::Uint8, dev.tch_device()))).collect();
+    let whole_dst = Tensor::empty([(bytes * count) as i64], (Kind::Uint8, dev.tch_device()));
+    dev.synchronize()?;
+    let mut each_s = f64::MAX;
+    let mut whole_s = f64::MAX;
+    // One warm-up round, then the best of `reps`.
+    for _ in 0..=reps {
+        let t = Instant::now();
+        let pending = dsts
+            .iter()
+            .enumerate()
+            .map(|(i, d)| stream.h2d(d, host.clone(), i * bytes, Order::AfterCompute).map_err(|f| f.error))
+            .collect::<Result<Vec<_>, _>>()?;
+        for p in pending {
+            p.wait()?;
+        }
+        each_s = each_s.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        stream.h2d(&whole_dst, host.clone(), 0, Order::AfterCompute).map_err(|f| f.error)?.wait()?;
+        whole_s = whole_s.min(t.elapsed().as_secs_f64());
+    }
+    let total = (bytes * count) as f64;
+    Ok((total / each_s / 1e9, total / whole_s / 1e9))
 }
 
 /// D2H GB/s of `count` tensors of `bytes` copied one copy each into their own pinned buffers,

@@ -60,7 +60,7 @@ fn block_fwd(w: &[Tensor], x: &Tensor) -> Tensor {
 
 /// The same block through three streaming units (attention, MLP up, MLP down), each resident
 /// while its part of the forward runs.
-fn block_fwd_units(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
+fn block_fwd_thirds(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
     let enter = |u: usize| -> anyhow::Result<BlockGuard> { Ok(rt.block(units[u])?) };
     let a = {
         let _g = enter(0)?;
@@ -73,6 +73,68 @@ fn block_fwd_units(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tens
     };
     let _g = enter(2)?;
     Ok(mlp_down(w, &x, &m))
+}
+
+/// How many d×d matrices the MLP's up (and its down) projection is cut into.
+const MLP_SLICES: i64 = 4;
+
+/// The block's weights as twelve d×d matrices, in the order [`block_fwd_matrices`] uses them:
+/// the four attention projections, then for each quarter of the MLP's hidden features its rows
+/// of the up projection and its columns of the down projection. The same numbers as the
+/// block's six tensors, cut (copies in host memory).
+fn matrices_of(w: &[Tensor], d: i64) -> Vec<Tensor> {
+    let mut m: Vec<Tensor> = w[..4].iter().map(|t| t.shallow_clone()).collect();
+    for i in 0..MLP_SLICES {
+        m.push(w[4].narrow(0, i * d, d).contiguous());
+        m.push(w[5].narrow(1, i * d, d).contiguous());
+    }
+    m
+}
+
+/// The same block through twelve streaming units of one d×d matrix each: the attention chain a
+/// projection at a time, then the MLP a quarter of its hidden features at a time (up slice,
+/// GELU, down slice, summed into the residual): the block's math with the down projection's sum
+/// split in four, so equal to [`block_fwd`] up to rounding.
+fn block_fwd_matrices(rt: &WeightRuntime, units: &[BlockId], w: &[Tensor], x: &Tensor) -> anyhow::Result<Tensor> {
+    let enter = |u: usize| -> anyhow::Result<BlockGuard> { Ok(rt.block(units[u])?) };
+    let mut a = x.shallow_clone();
+    for (u, wu) in w[..4].iter().enumerate() {
+        let _g = enter(u)?;
+        a = a.linear(wu, NONE);
+    }
+    let x = x + a;
+    let mut out = x.shallow_clone();
+    for i in 0..MLP_SLICES as usize {
+        let m = {
+            let _g = enter(4 + 2 * i)?;
+            x.linear(&w[4 + 2 * i], NONE).gelu("tanh")
+        };
+        let _g = enter(5 + 2 * i)?;
+        // out + m·Wᵀ in one kernel: the product accumulated into the sum before it is rounded.
+        out = out.addmm(&m, &w[5 + 2 * i].tr());
+    }
+    Ok(out)
+}
+
+/// What one streaming unit holds.
+#[derive(Clone, Copy, PartialEq)]
+enum Units {
+    /// A whole block (12 d²).
+    Blocks,
+    /// A third of a block: the attention projections, the MLP's up, its down (4 d² each).
+    Thirds,
+    /// One d×d matrix ([`matrices_of`]): twelve units a block.
+    Matrices,
+}
+
+impl Units {
+    fn per_block(self) -> u32 {
+        match self {
+            Units::Blocks => 1,
+            Units::Thirds => 3,
+            Units::Matrices => 12,
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -116,6 +178,8 @@ fn main() -> anyhow::Result<()> {
         resident = resident.min(step_resident(&resident_w)?);
     }
     println!("resident step: {resident:.4} s (fwd+bwd, best of {steps})");
+    // Every streamed variant's output is checked against the resident model's.
+    let y_ref = tch::no_grad(|| resident_w.iter().fold(x0.shallow_clone(), |h, bw| block_fwd(bw, &h)));
 
     // ---- streamed: weights in pinned host memory, a few blocks on the device -------------
     let vs = common::host_copy(&vr, blocks);
@@ -127,17 +191,20 @@ fn main() -> anyhow::Result<()> {
         probe.memory().allocated as f64 / 1e9
     );
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    // (name, forward only, telemetry, checkpointed blocks, units of a third of a block, cyclic
-    // pins in inference mode)
+    // (name, forward only, telemetry, checkpointed blocks, streaming units, cyclic pins in
+    // inference mode)
     let variants = [
-        ("fwd+bwd, telemetry on", false, true, false, false, true),
-        ("fwd+bwd, bus disabled", false, false, false, false, true),
-        ("forward only, telemetry on", true, true, false, false, true),
-        ("forward only, Belady only, telemetry on", true, true, false, false, false),
-        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true, false, true),
-        ("fwd+bwd, third-block units, telemetry on", false, true, false, true, true),
-        ("forward only, third-block units, telemetry on", true, true, false, true, true),
-        ("forward only, third-block units, Belady only, telemetry on", true, true, false, true, false),
+        ("fwd+bwd, telemetry on", false, true, false, Units::Blocks, true),
+        ("fwd+bwd, bus disabled", false, false, false, Units::Blocks, true),
+        ("forward only, telemetry on", true, true, false, Units::Blocks, true),
+        ("forward only, Belady only, telemetry on", true, true, false, Units::Blocks, false),
+        ("fwd+bwd, checkpointed blocks, telemetry on", false, true, true, Units::Blocks, true),
+        ("fwd+bwd, third-block units, telemetry on", false, true, false, Units::Thirds, true),
+        ("forward only, third-block units, telemetry on", true, true, false, Units::Thirds, true),
+        ("forward only, third-block units, Belady only, telemetry on", true, true, false, Units::Thirds, false),
+        ("fwd+bwd, d×d units, telemetry on", false, true, false, Units::Matrices, true),
+        ("forward only, d×d units, telemetry on", true, true, false, Units::Matrices, true),
+        ("forward only, d×d units, Belady only, telemetry on", true, true, false, Units::Matrices, false),
     ];
     // SH_VARIANTS: run only the variants whose names contain one of these comma-separated parts.
     let only = std::env::var("SH_VARIANTS").ok();
@@ -155,16 +222,21 @@ fn main() -> anyhow::Result<()> {
         } else {
             Bus::disabled()
         };
-        let mode = Mode { inference, checkpoint, units, pins };
+        let mode = Mode { inference, checkpoint, units, pins, d };
         let window = match (inference, infer_window) {
             (true, Some(w)) => w,
-            _ if units => prefetch * 3,
-            _ => prefetch,
+            _ => prefetch * units.per_block(),
         };
         let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, window, inflight, steps, &x0, bus.clone(), mode)?;
         bus.close();
+        // Largest difference from the resident model's output, relative to its largest value:
+        // rounding only (the d×d units sum the MLP in four parts); a unit streamed wrong or not
+        // at all shows as a difference of the outputs' own size.
+        let diff = f64::try_from((&r.output - &y_ref).abs().max().to_kind(Kind::Float))?
+            / f64::try_from(y_ref.abs().max().to_kind(Kind::Float))?;
+        anyhow::ensure!(diff < 0.05, "{name}: output differs from the resident model's by {diff:.3e} of its largest value");
         println!(
-            "{name}: {:.4} s/step, h2d {:.3} GB (minimum {:.3} GB), hits {} misses {}, peak {:.2} GB",
+            "{name}: {:.4} s/step, h2d {:.3} GB (minimum {:.3} GB), hits {} misses {}, peak {:.2} GB, output vs resident {diff:.1e}",
             r.step_s,
             r.bytes as f64 / 1e9,
             r.min_bytes as f64 / 1e9,
@@ -190,15 +262,20 @@ fn main() -> anyhow::Result<()> {
     drop(vr2);
     sync()?;
     println!("resident forward: {resident_fwd:.4} s");
+    // What no unit size can beat: every byte beyond the room moved once per pass (twice with
+    // backward), as if units were infinitely fine.
+    let beyond_room = (blocks as u64 * block_bytes as u64).saturating_sub(budget_blocks * block_bytes as u64);
     for (name, inference, r) in &results {
         let base = if *inference { resident_fwd } else { resident };
         let floor = base.max(r.min_bytes as f64 / bw);
+        let passes = if *inference { 1 } else { 2 };
         println!(
-            "{name}: floor max(resident {:.4}, minimum bytes / bandwidth {:.4}) = {floor:.4} s; ratio {:.3}; bytes moved / minimum {:.3}",
+            "{name}: floor max(resident {:.4}, minimum bytes / bandwidth {:.4}) = {floor:.4} s; ratio {:.3}; bytes moved / minimum {:.3}; / weights beyond the room {:.3}",
             base,
             r.min_bytes as f64 / bw,
             r.step_s / floor,
-            if r.min_bytes > 0 { r.bytes as f64 / r.min_bytes as f64 } else { 0.0 }
+            if r.min_bytes > 0 { r.bytes as f64 / r.min_bytes as f64 } else { 0.0 },
+            r.bytes as f64 / (passes * beyond_room).max(1) as f64
         );
     }
     Ok(())
@@ -212,13 +289,17 @@ struct Mode {
     /// Each block in a recompute scope: its activations computed again in backward from the
     /// block's input and its weights (resident again for backward), instead of kept.
     checkpoint: bool,
-    /// Three streaming units per block (attention, MLP up, MLP down) instead of one.
-    units: bool,
+    /// What one streaming unit holds.
+    units: Units,
     /// The runtime's cyclic pins (inference mode only).
     pins: bool,
+    /// The model's width (to cut the d×d units).
+    d: i64,
 }
 
 struct Streamed {
+    /// The traced step's output, to check against the resident model's.
+    output: Tensor,
     step_s: f64,
     bytes: u64,
     min_bytes: u64,
@@ -235,8 +316,8 @@ fn run_streamed(
     blocks: i64,
     block_bytes: i64,
     budget_blocks: u64,
-    // Positions ahead: units of a third of a block prefetch three times as many units ahead as
-    // blocks would, as far in bytes.
+    // Positions ahead: smaller units prefetch as many more units ahead as blocks would, as far
+    // in bytes.
     prefetch: u32,
     inflight: u32,
     steps: i64,
@@ -246,7 +327,7 @@ fn run_streamed(
 ) -> anyhow::Result<Streamed> {
     let inference = mode.inference;
     let sync = || probe.synchronize();
-    let unit_bytes = if mode.units { block_bytes / 3 } else { block_bytes };
+    let unit_bytes = block_bytes / mode.units.per_block() as i64;
     let cfg = WeightConfig::builder()
         .pool(unit_bytes as u64 * 2, unit_bytes as u64)
         .watermarks(u64::MAX / 2, u64::MAX / 4)
@@ -256,18 +337,35 @@ fn run_streamed(
         .inference_mode(inference)
         .cyclic_pins(mode.pins)
         .build()?;
-    let rt = if mode.units {
+    // Each block's weights as the step uses them: its six tensors, or its twelve d×d matrices.
+    let streamed_w = match mode.units {
+        Units::Matrices => weights_of(vs, blocks).iter().map(|w| matrices_of(w, mode.d)).collect(),
+        _ => weights_of(vs, blocks),
+    };
+    // The units of each block, in the order the step enters them.
+    let unit_names: &[&str] = match mode.units {
+        Units::Blocks => &[""],
+        Units::Thirds => &[".attn", ".up", ".down"],
+        Units::Matrices => &[".wq", ".wk", ".wv", ".wo", ".up.0", ".down.0", ".up.1", ".down.1", ".up.2", ".down.2", ".up.3", ".down.3"],
+    };
+    let rt = if mode.units == Units::Blocks {
+        WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus.clone())?
+    } else {
         let rt = WeightRuntime::new(probe.clone(), cfg, bus.clone())?;
-        let vars = vs.variables();
-        let var = |b: i64, n: &str| (format!("blocks.{b}.{n}"), vars[&format!("blocks.{b}.{n}")].shallow_clone());
+        let param = |b: i64, k: usize| (format!("blocks.{b}.{}", common::NAMES[k]), streamed_w[b as usize][k].shallow_clone());
         for b in 0..blocks {
-            rt.register_block(&format!("blocks.{b}.attn"), ["wq", "wk", "wv", "wo"].iter().map(|n| var(b, n)).collect())?;
-            rt.register_block(&format!("blocks.{b}.up"), vec![var(b, "up")])?;
-            rt.register_block(&format!("blocks.{b}.down"), vec![var(b, "down")])?;
+            let unit = |suffix: &str, params: Vec<(String, Tensor)>| rt.register_block(&format!("blocks.{b}{suffix}"), params);
+            if mode.units == Units::Thirds {
+                unit(".attn", (0..4).map(|k| param(b, k)).collect())?;
+                unit(".up", vec![param(b, 4)])?;
+                unit(".down", vec![param(b, 5)])?;
+            } else {
+                for (k, suffix) in unit_names.iter().enumerate() {
+                    unit(suffix, vec![(format!("blocks.{b}{suffix}"), streamed_w[b as usize][k].shallow_clone())])?;
+                }
+            }
         }
         rt
-    } else {
-        WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus.clone())?
     };
     // Checkpointing goes through the activation runtime's store (recompute scopes), keeping on
     // the device whatever is saved: only the scopes change what is stored.
@@ -277,50 +375,46 @@ fn run_streamed(
     } else {
         None
     };
-    let ids: Vec<BlockId> = if mode.units {
-        Vec::new()
-    } else {
-        (0..blocks).map(|b| rt.block_id(&format!("blocks.{b}"))).collect::<Result<_, _>>()?
-    };
-    let units: Vec<Vec<BlockId>> = if mode.units {
-        (0..blocks)
-            .map(|b| ["attn", "up", "down"].iter().map(|u| rt.block_id(&format!("blocks.{b}.{u}"))).collect::<Result<_, _>>())
-            .collect::<Result<_, _>>()?
-    } else {
-        Vec::new()
-    };
-    let streamed_w = weights_of(vs, blocks);
+    let units: Vec<Vec<BlockId>> = (0..blocks)
+        .map(|b| unit_names.iter().map(|u| rt.block_id(&format!("blocks.{b}{u}"))).collect::<Result<_, _>>())
+        .collect::<Result<_, _>>()?;
+    let ids: Vec<BlockId> = units.iter().map(|u| u[0]).collect();
     let store = Arc::new(WeightStore::new(rt.resolver()));
-    let step = || -> anyhow::Result<f64> {
+    // One step: its time and its output.
+    let step = || -> anyhow::Result<(f64, Tensor)> {
         let x = if inference { x0.shallow_clone() } else { x0.detach().set_requires_grad(true) };
         let t0 = Instant::now();
         rt.begin_step()?;
-        if mode.units {
+        let output = if mode.units != Units::Blocks {
             let forward = || -> anyhow::Result<Tensor> {
                 let mut h = x.shallow_clone();
                 for (u, w) in units.iter().zip(&streamed_w) {
-                    h = block_fwd_units(&rt, u, w, &h)?;
+                    h = match mode.units {
+                        Units::Thirds => block_fwd_thirds(&rt, u, w, &h)?,
+                        _ => block_fwd_matrices(&rt, u, w, &h)?,
+                    };
                 }
                 Ok(h)
             };
             if inference {
-                let _ = tch::no_grad(forward)?;
+                tch::no_grad(forward)?
             } else {
                 let y = {
                     let _hooks = SavedTensorHooks::enable(store.clone())?;
                     forward()?
                 };
                 y.to_kind(Kind::Float).mean(Kind::Float).backward();
+                y.detach()
             }
         } else if inference {
-            tch::no_grad(|| -> anyhow::Result<()> {
+            tch::no_grad(|| -> anyhow::Result<Tensor> {
                 let mut h = x.shallow_clone();
                 for (id, w) in ids.iter().zip(&streamed_w) {
                     let _g = rt.block(*id)?;
                     h = block_fwd(w, &h);
                 }
-                Ok(())
-            })?;
+                Ok(h)
+            })?
         } else if let Some(acts) = &acts {
             acts.begin_step(1);
             let y = {
@@ -334,8 +428,10 @@ fn run_streamed(
                 h
             };
             y.to_kind(Kind::Float).mean(Kind::Float).backward();
+            let output = y.detach();
             drop(y);
             acts.end_step()?;
+            output
         } else {
             let y = {
                 let _hooks = SavedTensorHooks::enable(store.clone())?;
@@ -347,14 +443,16 @@ fn run_streamed(
                 h
             };
             y.to_kind(Kind::Float).mean(Kind::Float).backward();
-        }
+            y.detach()
+        };
         rt.end_step()?;
         sync()?;
-        Ok(t0.elapsed().as_secs_f64())
+        Ok((t0.elapsed().as_secs_f64(), output))
     };
-    step()?; // traces the itinerary
+    let (_, output) = step()?; // traces the itinerary
     probe.reset_peak();
     let mut best = Streamed {
+        output,
         step_s: f64::MAX,
         bytes: 0,
         min_bytes: 0,
@@ -362,7 +460,7 @@ fn run_streamed(
         metrics: Default::default(),
     };
     for _ in 0..steps {
-        let t = step()?;
+        let (t, _) = step()?;
         if t < best.step_s {
             best.step_s = t;
             best.metrics = rt.last_step_metrics();
