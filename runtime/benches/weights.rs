@@ -218,13 +218,16 @@ fn main() -> anyhow::Result<()> {
         if !chosen(name) {
             continue;
         }
-        let bus = if telemetry {
+        // Telemetry on: every event to a JSONL file, the Prometheus metrics, and the live server
+        // with a client reading its event stream, as a user watching the dashboard would.
+        let (bus, live) = if telemetry {
             let hub = Arc::new(stagehand::events::Hub::new());
             let file = out_dir.join(format!("weights-{}-{i}.jsonl", std::process::id()));
             hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
-            Bus::with_hub(hub, 1 << 20)
+            let live = Live::start(hub.clone())?;
+            (Bus::with_hub(hub, 1 << 20), Some(live))
         } else {
-            Bus::disabled()
+            (Bus::disabled(), None)
         };
         let mode = Mode { inference, checkpoint, units, pins, d };
         let window = match (inference, infer_window) {
@@ -233,6 +236,9 @@ fn main() -> anyhow::Result<()> {
         };
         let r = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, window, inflight, steps, &x0, bus.clone(), mode)?;
         bus.close();
+        if let Some(live) = live {
+            println!("{name}: {}", live.finish()?);
+        }
         // Largest difference from the resident model's output, relative to its largest value:
         // rounding only (the d×d units sum the MLP in four parts); a unit streamed wrong or not
         // at all shows as a difference of the outputs' own size.
@@ -285,6 +291,50 @@ fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The live server on a loopback port, its metrics sink on the hub, and one client reading the
+/// server's event stream (`/api/stream`) for the whole run.
+struct Live {
+    server: stagehand_web::ServerHandle,
+    reader: std::thread::JoinHandle<std::io::Result<u64>>,
+}
+
+impl Live {
+    fn start(hub: Arc<stagehand::events::Hub>) -> anyhow::Result<Live> {
+        let server = stagehand_web::Server::live(hub, "127.0.0.1:0")?;
+        let host = server.url().trim_start_matches("http://").to_owned();
+        let mut stream = std::net::TcpStream::connect(&host)?;
+        let reader = std::thread::spawn(move || -> std::io::Result<u64> {
+            use std::io::{Read, Write};
+            write!(stream, "GET /api/stream HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n")?;
+            let mut buf = vec![0u8; 1 << 16];
+            let mut total = 0u64;
+            loop {
+                match stream.read(&mut buf)? {
+                    0 => return Ok(total),
+                    n => total += n as u64,
+                }
+            }
+        });
+        Ok(Live { server, reader })
+    }
+
+    /// Scrapes `/metrics` once, stops the server, and says what the client and the scrape read.
+    fn finish(self) -> anyhow::Result<String> {
+        use std::io::{Read, Write};
+        let host = self.server.url().trim_start_matches("http://").to_owned();
+        let mut scrape = std::net::TcpStream::connect(&host)?;
+        write!(scrape, "GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")?;
+        let mut text = String::new();
+        scrape.read_to_string(&mut text)?;
+        let series = text.lines().filter(|l| l.starts_with("stagehand_")).count();
+        anyhow::ensure!(text.starts_with("HTTP/1.1 200") && series > 0, "the /metrics scrape returned no stagehand series: {:.200}", text);
+        self.server.shutdown()?;
+        let streamed = self.reader.join().map_err(|_| anyhow::anyhow!("the stream reader panicked"))??;
+        anyhow::ensure!(streamed > 0, "the live stream delivered nothing");
+        Ok(format!("live stream client read {:.1} MB; /metrics scrape: {series} stagehand series", streamed as f64 / 1e6))
+    }
 }
 
 /// How the streamed step runs.
