@@ -219,6 +219,46 @@ fn a_demand_beyond_the_streaming_slots_lifts_a_pin_instead_of_failing() {
 }
 
 #[test]
+fn an_evicted_block_points_at_placeholders_made_once_and_writes_there_never_reach_its_values() {
+    let device = Device::auto(1 << 30);
+    let cfg = WeightConfig::builder()
+        .pool(4 << 20, 1 << 20)
+        .watermarks(1 << 40, 1 << 39)
+        .weight_budget(1 << 20)
+        .build()
+        .expect("config");
+    let rt = WeightRuntime::new(device.clone(), cfg, Bus::disabled()).expect("runtime");
+    let w = Tensor::ones([4, 3], (Kind::Float, tch::Device::Cpu));
+    let s = Tensor::full([1], 2.0, (Kind::Float, tch::Device::Cpu));
+    let id = rt.register_block("b", vec![("w".into(), w.shallow_clone()), ("s".into(), s.shallow_clone())]).expect("register");
+    let use_and_evict = || {
+        rt.begin_step().expect("begin");
+        let (wv, sv) = rt
+            .run_block(id, || {
+                device.synchronize().expect("sync");
+                (w.to_device(tch::Device::Cpu).copy(), s.to_device(tch::Device::Cpu).copy())
+            })
+            .expect("use");
+        rt.end_step().expect("end");
+        rt.evict(id).expect("evict");
+        assert_eq!((wv.sum(Kind::Float).double_value(&[]), sv.double_value(&[0])), (12.0, 2.0), "the values while resident");
+    };
+    use_and_evict();
+    // Holding the first placeholders keeps their memory from going back to the allocator, so a
+    // placeholder made again could not land at the same address.
+    let held = (w.detach(), s.detach());
+    let first = (held.0.data_ptr(), held.1.data_ptr());
+    assert_eq!(w.size(), [4, 3]);
+    // A write into an evicted variable lands in its placeholder, not in the parameter: the next
+    // use sees the parameter's values (checked in `use_and_evict`).
+    let _ = w.shallow_clone().f_fill_(5.0).expect("a write into a placeholder");
+    let _ = s.shallow_clone().f_fill_(7.0).expect("a write into a placeholder");
+    use_and_evict();
+    // Evicting allocates nothing: each variable points at the placeholder made at registration.
+    assert_eq!((w.data_ptr(), s.data_ptr()), first, "the placeholders are made once and pointed at again");
+}
+
+#[test]
 fn keep_resident_blocks_are_never_evicted() {
     let device = Device::host(1 << 30);
     let n = 4;

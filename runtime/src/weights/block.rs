@@ -55,6 +55,10 @@ pub(crate) struct Block {
     pub name: Arc<str>,
     /// The model's variables (shared TensorImpls: `set_data` re-points every handle).
     pub vars: Vec<Tensor>,
+    /// What each variable points at while the block is off the device, made once at
+    /// registration: an eviction re-points the variables without allocating or launching a
+    /// kernel (one per parameter per eviction otherwise, on the training thread).
+    placeholders: Vec<Tensor>,
     pub source: Source,
     /// Where it is on the device (`None` while unloaded or landing).
     pub placement: Option<Placement>,
@@ -103,14 +107,18 @@ impl Block {
         }
         let dev = device.tch_device();
         let mut vars = Vec::with_capacity(params.len());
+        let mut placeholders = Vec::with_capacity(params.len());
         for (p, (_, mut var)) in spec.params.iter().zip(params) {
-            var.set_data(&placeholder(p.kind, &p.shape, dev)?);
+            let ph = placeholder(p.kind, &p.shape, dev)?;
+            var.set_data(&ph);
             vars.push(var);
+            placeholders.push(ph);
         }
         Ok(Block {
             name: Arc::from(spec.name.as_str()),
             spec,
             vars,
+            placeholders,
             source: Source::Host(HostCopy {
                 views,
                 buf: Arc::new(buf),
@@ -137,12 +145,13 @@ impl Block {
         Ok(())
     }
 
-    /// Points every variable back at a placeholder.
-    pub(crate) fn point_away(&mut self, dev: tch::Device) -> Result<()> {
-        for (p, var) in self.spec.params.iter().zip(self.vars.iter_mut()) {
-            var.set_data(&placeholder(p.kind, &p.shape, dev)?);
+    /// Points every variable back at its placeholder. What a write into an evicted variable
+    /// changes is the placeholder, never the parameter: the next load points the variable at
+    /// the host copy's bytes again.
+    pub(crate) fn point_away(&mut self) {
+        for (var, ph) in self.vars.iter_mut().zip(&self.placeholders) {
+            var.set_data(ph);
         }
-        Ok(())
     }
 
     /// The canonical value of parameter `i`, sharing memory where it can: a resident block on

@@ -429,9 +429,8 @@ impl Scheduler {
         };
         // A resident block trained on the device: its values go home before its memory does.
         self.write_back(id)?;
-        let dev = self.device.tch_device();
         let b = &mut self.blocks[id.0 as usize];
-        b.point_away(dev)?;
+        b.point_away();
         let bytes = b.spec.bytes;
         let placement = b.placement.take();
         let address = match &placement {
