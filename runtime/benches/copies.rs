@@ -71,26 +71,14 @@ fn main() -> anyhow::Result<()> {
     println!("d2h_gbps {d2h:.1}");
     println!("bidirectional_gbps {both:.1}");
 
-    let sizes = std::env::var("STAGEHAND_SPILL_SIZES")
-        .unwrap_or_else(|_| if dev.is_cuda() { "22x12,4x64,1x128" } else { "4x8,1x16" }.to_string());
-    for spec in sizes.split(',') {
-        let Some((mib, count)) = spec.split_once('x').and_then(|(a, b)| Some((a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?)))
-        else {
-            anyhow::bail!("STAGEHAND_SPILL_SIZES: '{spec}' is not SIZExCOUNT (MiB x tensors)");
-        };
+    for (mib, count) in sizes("STAGEHAND_SPILL_SIZES", if dev.is_cuda() { "22x12,4x64,1x128" } else { "4x8,1x16" })? {
         let (each, whole) = spill_pattern(&dev, &d2h_stream, mib << 20, count, reps)?;
         println!(
             "spill {count} x {mib} MiB: one copy per tensor {each:.1} GB/s, one copy of all {whole:.1} GB/s ({:.3}x)",
             whole / each
         );
     }
-    let sizes = std::env::var("STAGEHAND_UNIT_SIZES")
-        .unwrap_or_else(|_| if dev.is_cuda() { "384x12,128x37,64x73,32x146,16x292" } else { "4x8,1x32" }.to_string());
-    for spec in sizes.split(',') {
-        let Some((mib, count)) = spec.split_once('x').and_then(|(a, b)| Some((a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?)))
-        else {
-            anyhow::bail!("STAGEHAND_UNIT_SIZES: '{spec}' is not SIZExCOUNT (MiB x units)");
-        };
+    for (mib, count) in sizes("STAGEHAND_UNIT_SIZES", if dev.is_cuda() { "384x12,128x37,64x73,32x146,16x292" } else { "4x8,1x32" })? {
         let (each, whole) = unit_pattern(&dev, &h2d_stream, mib << 20, count, reps.min(5))?;
         println!(
             "units {count} x {mib} MiB: one copy per unit {each:.2} GB/s, one copy of all {whole:.2} GB/s ({:.2} us a copy beyond its bytes)",
@@ -98,6 +86,39 @@ fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The `SIZExCOUNT` pairs (MiB, copies) of the comma-separated list in `var`, or `default`.
+fn sizes(var: &str, default: &str) -> anyhow::Result<Vec<(usize, usize)>> {
+    let list = std::env::var(var).unwrap_or_else(|_| default.to_string());
+    list.split(',')
+        .map(|spec| {
+            spec.split_once('x')
+                .and_then(|(a, b)| Some((a.trim().parse::<usize>().ok()?, b.trim().parse::<usize>().ok()?)))
+                .ok_or_else(|| anyhow::anyhow!("{var}: '{spec}' is not SIZExCOUNT (MiB x copies)"))
+        })
+        .collect()
+}
+
+/// GB/s of `bytes` moved by `each` (one copy per tensor) and by `whole` (one copy), the best of
+/// `reps` rounds after a warm-up round.
+fn best_of(
+    bytes: usize,
+    reps: usize,
+    mut each: impl FnMut() -> anyhow::Result<()>,
+    mut whole: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<(f64, f64)> {
+    let mut each_s = f64::MAX;
+    let mut whole_s = f64::MAX;
+    for _ in 0..=reps {
+        let t = Instant::now();
+        each()?;
+        each_s = each_s.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        whole()?;
+        whole_s = whole_s.min(t.elapsed().as_secs_f64());
+    }
+    Ok((bytes as f64 / each_s / 1e9, bytes as f64 / whole_s / 1e9))
 }
 
 /// H2D GB/s of `count` units of `bytes` loaded one copy each from one pinned buffer into their
@@ -113,26 +134,25 @@ fn unit_pattern(
     let dsts: Vec<Tensor> = (0..count).map(|_| Tensor::empty([bytes as i64], (Kind::Uint8, dev.tch_device()))).collect();
     let whole_dst = Tensor::empty([(bytes * count) as i64], (Kind::Uint8, dev.tch_device()));
     dev.synchronize()?;
-    let mut each_s = f64::MAX;
-    let mut whole_s = f64::MAX;
-    // One warm-up round, then the best of `reps`.
-    for _ in 0..=reps {
-        let t = Instant::now();
-        let pending = dsts
-            .iter()
-            .enumerate()
-            .map(|(i, d)| stream.h2d(d, host.clone(), i * bytes, Order::AfterCompute).map_err(|f| f.error))
-            .collect::<Result<Vec<_>, _>>()?;
-        for p in pending {
-            p.wait()?;
-        }
-        each_s = each_s.min(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        stream.h2d(&whole_dst, host.clone(), 0, Order::AfterCompute).map_err(|f| f.error)?.wait()?;
-        whole_s = whole_s.min(t.elapsed().as_secs_f64());
-    }
-    let total = (bytes * count) as f64;
-    Ok((total / each_s / 1e9, total / whole_s / 1e9))
+    best_of(
+        bytes * count,
+        reps,
+        || {
+            let pending = dsts
+                .iter()
+                .enumerate()
+                .map(|(i, d)| stream.h2d(d, host.clone(), i * bytes, Order::AfterCompute).map_err(|f| f.error))
+                .collect::<Result<Vec<_>, _>>()?;
+            for p in pending {
+                p.wait()?;
+            }
+            Ok(())
+        },
+        || {
+            stream.h2d(&whole_dst, host.clone(), 0, Order::AfterCompute).map_err(|f| f.error)?.wait()?;
+            Ok(())
+        },
+    )
 }
 
 /// D2H GB/s of `count` tensors of `bytes` copied one copy each into their own pinned buffers,
@@ -147,26 +167,26 @@ fn spill_pattern(
     let srcs: Vec<Tensor> = (0..count).map(|_| Tensor::ones([bytes as i64], (Kind::Uint8, dev.tch_device()))).collect();
     let mut hosts = (0..count).map(|_| dev.alloc_host(bytes)).collect::<Result<Vec<_>, _>>()?;
     let whole_src = Tensor::ones([(bytes * count) as i64], (Kind::Uint8, dev.tch_device()));
-    let mut whole_host = dev.alloc_host(bytes * count)?;
+    let mut whole_host = Some(dev.alloc_host(bytes * count)?);
     dev.synchronize()?;
-    let mut each_s = f64::MAX;
-    let mut whole_s = f64::MAX;
-    // One warm-up round, then the best of `reps`.
-    for _ in 0..=reps {
-        let t = Instant::now();
-        let pending = hosts
-            .drain(..)
-            .zip(&srcs)
-            .map(|(h, src)| stream.d2h(h, 0, src, Order::AfterCompute).map_err(|f| f.error))
-            .collect::<Result<Vec<_>, _>>()?;
-        for p in pending {
-            hosts.push(p.wait()?.0);
-        }
-        each_s = each_s.min(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        whole_host = stream.d2h(whole_host, 0, &whole_src, Order::AfterCompute).map_err(|f| f.error)?.wait()?.0;
-        whole_s = whole_s.min(t.elapsed().as_secs_f64());
-    }
-    let total = (bytes * count) as f64;
-    Ok((total / each_s / 1e9, total / whole_s / 1e9))
+    best_of(
+        bytes * count,
+        reps,
+        || {
+            let pending = hosts
+                .drain(..)
+                .zip(&srcs)
+                .map(|(h, src)| stream.d2h(h, 0, src, Order::AfterCompute).map_err(|f| f.error))
+                .collect::<Result<Vec<_>, _>>()?;
+            for p in pending {
+                hosts.push(p.wait()?.0);
+            }
+            Ok(())
+        },
+        || {
+            let h = whole_host.take().ok_or_else(|| anyhow::anyhow!("the pinned buffer was lost by a failed copy"))?;
+            whole_host = Some(stream.d2h(h, 0, &whole_src, Order::AfterCompute).map_err(|f| f.error)?.wait()?.0);
+            Ok(())
+        },
+    )
 }
