@@ -133,10 +133,25 @@ enum Units {
 
 impl Units {
     fn per_block(self) -> u32 {
+        self.layout().len() as u32
+    }
+
+    /// A block's units in the order the step enters them: each one's name after the block's
+    /// (`blocks.3` + `.attn`) and the names of the weights it holds, in the order the block's
+    /// forward takes them ([`common::NAMES`], or [`matrices_of`]'s order).
+    fn layout(self) -> Vec<(String, Vec<String>)> {
+        let names = |ns: &[&str]| ns.iter().map(|n| n.to_string()).collect::<Vec<_>>();
         match self {
-            Units::Blocks => 1,
-            Units::Thirds => 3,
-            Units::Matrices => 12,
+            Units::Blocks => vec![(String::new(), names(&common::NAMES))],
+            Units::Thirds => vec![
+                (".attn".into(), names(&common::NAMES[..4])),
+                (".up".into(), names(&common::NAMES[4..5])),
+                (".down".into(), names(&common::NAMES[5..])),
+            ],
+            Units::Matrices => {
+                let mlp = (0..MLP_SLICES).flat_map(|i| [format!("up.{i}"), format!("down.{i}")]);
+                common::NAMES[..4].iter().map(|n| n.to_string()).chain(mlp).map(|n| (format!(".{n}"), vec![n])).collect()
+            }
         }
     }
 }
@@ -297,6 +312,8 @@ fn main() -> anyhow::Result<()> {
 /// server's event stream (`/api/stream`) for the whole run.
 struct Live {
     server: stagehand_web::ServerHandle,
+    /// The server's `host:port`.
+    host: String,
     reader: std::thread::JoinHandle<std::io::Result<u64>>,
 }
 
@@ -305,9 +322,10 @@ impl Live {
         let server = stagehand_web::Server::live(hub, "127.0.0.1:0")?;
         let host = server.url().trim_start_matches("http://").to_owned();
         let mut stream = std::net::TcpStream::connect(&host)?;
+        let request = format!("GET /api/stream HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n");
         let reader = std::thread::spawn(move || -> std::io::Result<u64> {
             use std::io::{Read, Write};
-            write!(stream, "GET /api/stream HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n")?;
+            stream.write_all(request.as_bytes())?;
             let mut buf = vec![0u8; 1 << 16];
             let mut total = 0u64;
             loop {
@@ -317,15 +335,14 @@ impl Live {
                 }
             }
         });
-        Ok(Live { server, reader })
+        Ok(Live { server, host, reader })
     }
 
     /// Scrapes `/metrics` once, stops the server, and says what the client and the scrape read.
     fn finish(self) -> anyhow::Result<String> {
         use std::io::{Read, Write};
-        let host = self.server.url().trim_start_matches("http://").to_owned();
-        let mut scrape = std::net::TcpStream::connect(&host)?;
-        write!(scrape, "GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")?;
+        let mut scrape = std::net::TcpStream::connect(&self.host)?;
+        write!(scrape, "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", self.host)?;
         let mut text = String::new();
         scrape.read_to_string(&mut text)?;
         let series = text.lines().filter(|l| l.starts_with("stagehand_")).count();
@@ -400,27 +417,18 @@ fn run_streamed(
         Units::Matrices => weights_of(vs, blocks).iter().map(|w| matrices_of(w, mode.d)).collect(),
         _ => weights_of(vs, blocks),
     };
-    // The units of each block, in the order the step enters them.
-    let unit_names: &[&str] = match mode.units {
-        Units::Blocks => &[""],
-        Units::Thirds => &[".attn", ".up", ".down"],
-        Units::Matrices => &[".wq", ".wk", ".wv", ".wo", ".up.0", ".down.0", ".up.1", ".down.1", ".up.2", ".down.2", ".up.3", ".down.3"],
-    };
+    let layout = mode.units.layout();
     let rt = if mode.units == Units::Blocks {
         WeightRuntime::from_var_store(vs, r"^blocks\.\d+$", probe.clone(), cfg, bus.clone())?
     } else {
         let rt = WeightRuntime::new(probe.clone(), cfg, bus.clone())?;
-        let param = |b: i64, k: usize| (format!("blocks.{b}.{}", common::NAMES[k]), streamed_w[b as usize][k].shallow_clone());
-        for b in 0..blocks {
-            let unit = |suffix: &str, params: Vec<(String, Tensor)>| rt.register_block(&format!("blocks.{b}{suffix}"), params);
-            if mode.units == Units::Thirds {
-                unit(".attn", (0..4).map(|k| param(b, k)).collect())?;
-                unit(".up", vec![param(b, 4)])?;
-                unit(".down", vec![param(b, 5)])?;
-            } else {
-                for (k, suffix) in unit_names.iter().enumerate() {
-                    unit(suffix, vec![(format!("blocks.{b}{suffix}"), streamed_w[b as usize][k].shallow_clone())])?;
-                }
+        let held: usize = layout.iter().map(|(_, names)| names.len()).sum();
+        for (b, w) in streamed_w.iter().enumerate() {
+            anyhow::ensure!(w.len() == held, "block {b}: {} weights for units that hold {held}", w.len());
+            let mut weights = w.iter();
+            for (suffix, names) in &layout {
+                let params = names.iter().zip(weights.by_ref()).map(|(n, t)| (format!("blocks.{b}.{n}"), t.shallow_clone())).collect();
+                rt.register_block(&format!("blocks.{b}{suffix}"), params)?;
             }
         }
         rt
@@ -434,7 +442,7 @@ fn run_streamed(
         None
     };
     let units: Vec<Vec<BlockId>> = (0..blocks)
-        .map(|b| unit_names.iter().map(|u| rt.block_id(&format!("blocks.{b}{u}"))).collect::<Result<_, _>>())
+        .map(|b| layout.iter().map(|(u, _)| rt.block_id(&format!("blocks.{b}{u}"))).collect::<Result<_, _>>())
         .collect::<Result<_, _>>()?;
     let ids: Vec<BlockId> = units.iter().map(|u| u[0]).collect();
     let store = Arc::new(WeightStore::new(rt.resolver()));
