@@ -78,12 +78,23 @@ fn main() -> anyhow::Result<()> {
             whole / each
         );
     }
+    let unit_streams: Vec<usize> = std::env::var("STAGEHAND_UNIT_STREAMS")
+        .unwrap_or_else(|_| "1,2".into())
+        .split(',')
+        .map(|n| n.trim().parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| anyhow::anyhow!("STAGEHAND_UNIT_STREAMS: '{n}' is not a stream count")))
+        .collect::<Result<_, _>>()?;
+    let mut streams = vec![h2d_stream];
     for (mib, count) in sizes("STAGEHAND_UNIT_SIZES", if dev.is_cuda() { "384x12,128x37,64x73,32x146,16x292" } else { "4x8,1x32" })? {
-        let (each, whole) = unit_pattern(&dev, &h2d_stream, mib << 20, count, reps.min(5))?;
-        println!(
-            "units {count} x {mib} MiB: one copy per unit {each:.2} GB/s, one copy of all {whole:.2} GB/s ({:.2} us a copy beyond its bytes)",
-            (mib << 20) as f64 / 1e3 * (1.0 / each - 1.0 / whole)
-        );
+        for &n in &unit_streams {
+            while streams.len() < n {
+                streams.push(dev.copy_stream()?);
+            }
+            let (each, whole) = unit_pattern(&dev, &streams[..n], mib << 20, count, reps.min(5))?;
+            println!(
+                "units {count} x {mib} MiB on {n} stream(s): one copy per unit {each:.2} GB/s, one copy of all {whole:.2} GB/s ({:.2} us a copy beyond its bytes)",
+                (mib << 20) as f64 / 1e3 * (1.0 / each - 1.0 / whole)
+            );
+        }
     }
     Ok(())
 }
@@ -122,10 +133,11 @@ fn best_of(
 }
 
 /// H2D GB/s of `count` units of `bytes` loaded one copy each from one pinned buffer into their
-/// own device buffers, all issued then all awaited, and of the same bytes as one copy.
+/// own device buffers, the copies taking `streams` in turn (so one copy's start can overlap
+/// another's end), all issued then all awaited, and of the same bytes as one copy.
 fn unit_pattern(
     dev: &Device,
-    stream: &stagehand::device::CopyStream,
+    streams: &[stagehand::device::CopyStream],
     bytes: usize,
     count: usize,
     reps: usize,
@@ -141,7 +153,7 @@ fn unit_pattern(
             let pending = dsts
                 .iter()
                 .enumerate()
-                .map(|(i, d)| stream.h2d(d, host.clone(), i * bytes, Order::AfterCompute).map_err(|f| f.error))
+                .map(|(i, d)| streams[i % streams.len()].h2d(d, host.clone(), i * bytes, Order::AfterCompute).map_err(|f| f.error))
                 .collect::<Result<Vec<_>, _>>()?;
             for p in pending {
                 p.wait()?;
@@ -149,7 +161,7 @@ fn unit_pattern(
             Ok(())
         },
         || {
-            stream.h2d(&whole_dst, host.clone(), 0, Order::AfterCompute).map_err(|f| f.error)?.wait()?;
+            streams[0].h2d(&whole_dst, host.clone(), 0, Order::AfterCompute).map_err(|f| f.error)?.wait()?;
             Ok(())
         },
     )
