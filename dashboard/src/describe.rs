@@ -64,10 +64,14 @@ pub fn describe(k: &EventKind) -> String {
             fmt_bytes(*bytes)
         ),
         TransferCompleted { id, dir, owner, bytes, duration_ms } => format!(
-            "{} #{id} {} {} in {duration_ms:.2} ms",
+            "{} #{id} {} {}{}",
             dir.as_str(),
             owner.as_str(),
-            fmt_bytes(*bytes)
+            fmt_bytes(*bytes),
+            match duration_ms {
+                Some(ms) => format!(" in {ms:.2} ms"),
+                None => " (not timed)".to_owned(),
+            }
         ),
         PoolConfigured { pool, classes, pinned } => format!(
             "{} {} classes{}",
@@ -235,8 +239,16 @@ mod tests {
             dir: Direction::H2d,
             owner: Owner::Weights,
             bytes: 48 << 20,
-            duration_ms: 2.5,
+            duration_ms: Some(2.5),
         });
         assert_eq!(t, "h2d #7 weights 48.0 MiB in 2.50 ms");
+        let untimed = describe(&EventKind::TransferCompleted {
+            id: TransferId(8),
+            dir: Direction::H2d,
+            owner: Owner::Weights,
+            bytes: 48 << 20,
+            duration_ms: None,
+        });
+        assert_eq!(untimed, "h2d #8 weights 48.0 MiB (not timed)");
     }
 }

@@ -226,8 +226,9 @@ pub fn transfer_key(t: &TransferRecord, column: usize) -> Key<'_> {
         1 => Key::S(t.dir.as_str()),
         2 => Key::S(t.owner.as_str()),
         3 => Key::N(t.bytes as f64),
-        4 => Key::N(t.duration_ms),
-        5 => Key::N(if t.duration_ms > 0.0 { t.bytes as f64 / (t.duration_ms * 1e6) } else { 0.0 }),
+        // Copies that were not timed sort below every timed one.
+        4 => Key::N(t.duration_ms.unwrap_or(f64::NEG_INFINITY)),
+        5 => Key::N(t.gbps().unwrap_or(f64::NEG_INFINITY)),
         _ => Key::N(t.seq as f64),
     }
 }
@@ -294,6 +295,25 @@ mod tests {
         assert_eq!(by_num, [&(3, "b"), &(3, "a"), &(2, "c"), &(1, "a")]);
         let by_name = sorted(refs, Sort { column: 1, descending: false }, key);
         assert_eq!(by_name, [&(1, "a"), &(3, "a"), &(3, "b"), &(2, "c")]);
+    }
+
+    #[test]
+    fn copies_that_were_not_timed_sort_below_the_timed_ones() {
+        use stagehand::events::{Direction, Owner, TransferId};
+        let rec = |seq: u64, duration_ms: Option<f64>| TransferRecord {
+            seq,
+            t_ns: seq,
+            id: TransferId(seq),
+            dir: Direction::H2d,
+            owner: Owner::Weights,
+            bytes: 1 << 20,
+            duration_ms,
+        };
+        let rows = [rec(1, Some(2.0)), rec(2, None), rec(3, Some(1.0))];
+        let by_time = sorted(rows.iter().collect(), Sort { column: 4, descending: false }, transfer_key);
+        assert_eq!(by_time.iter().map(|r| r.seq).collect::<Vec<_>>(), [2, 3, 1]);
+        let by_rate = sorted(rows.iter().collect(), Sort { column: 5, descending: true }, transfer_key);
+        assert_eq!(by_rate.iter().map(|r| r.seq).collect::<Vec<_>>(), [3, 1, 2]);
     }
 
     #[test]

@@ -243,7 +243,8 @@ impl Mapper {
                 let l = [dir.as_str(), owner.as_str()];
                 out.push(obs(TransferBytes, &l, Value::Add(*bytes as f64)));
                 out.push(obs(Transfers, &l, one));
-                if let Some(s) = seconds(duration_ms / 1e3) {
+                // Only timed copies carry a duration (see `TransferCompleted`).
+                if let Some(s) = duration_ms.and_then(|ms| seconds(ms / 1e3)) {
                     out.push(obs(TransferDuration, &[dir.as_str()], Value::Observe(s)));
                 }
             }

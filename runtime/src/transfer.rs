@@ -66,6 +66,11 @@ impl Copier {
         self.stream.device()
     }
 
+    /// Times the next copy whatever its number: see [`CopyStream::time_next`].
+    pub fn time_next(&self) {
+        self.stream.time_next();
+    }
+
     fn issued(&self, dir: Direction, bytes: u64, subject: impl FnOnce() -> String) -> TransferId {
         let id = self.stream.device().next_transfer_id();
         let owner = self.owner;
@@ -121,7 +126,7 @@ impl Copier {
         })
     }
 
-    fn completed(&self, id: TransferId, dir: Direction, bytes: u64, ms: f64, slot: Option<SlotToken>) {
+    fn completed(&self, id: TransferId, dir: Direction, bytes: u64, ms: Option<f64>, slot: Option<SlotToken>) {
         let owner = self.owner;
         self.bus.publish_with(|| EventKind::TransferCompleted {
             id,
@@ -131,13 +136,13 @@ impl Copier {
             duration_ms: ms,
         });
         if let Some(s) = slot {
-            s.complete(bytes, Duration::from_secs_f64(ms.max(0.0) / 1e3));
+            s.complete(bytes, ms.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1e3)));
         }
     }
 
-    /// Reports a finished copy and returns its host memory and duration (ms); the transfer
-    /// itself while it is still in flight.
-    pub fn finish<H: HostMemory>(&self, t: Transfer<H>) -> std::result::Result<(H, f64), Transfer<H>> {
+    /// Reports a finished copy and returns its host memory and duration (ms, a timed copy's);
+    /// the transfer itself while it is still in flight.
+    pub fn finish<H: HostMemory>(&self, t: Transfer<H>) -> std::result::Result<(H, Option<f64>), Transfer<H>> {
         let Transfer {
             id,
             dir,
@@ -160,8 +165,9 @@ impl Copier {
         }
     }
 
-    /// Waits for a copy, reports it, and returns its host memory and duration (ms).
-    pub fn wait<H: HostMemory>(&self, t: Transfer<H>) -> Result<(H, f64)> {
+    /// Waits for a copy, reports it, and returns its host memory and duration (ms, a timed
+    /// copy's).
+    pub fn wait<H: HostMemory>(&self, t: Transfer<H>) -> Result<(H, Option<f64>)> {
         let (host, ms) = t.pending.wait()?;
         self.completed(t.id, t.dir, t.bytes, ms, t.slot);
         Ok((host, ms))

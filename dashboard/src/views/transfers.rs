@@ -34,8 +34,8 @@ pub(crate) fn reference_gbps(state: &State, dir: Direction) -> (f64, &'static st
         .transfers
         .recent
         .iter()
-        .filter(|t| t.dir == dir && t.duration_ms > 0.0)
-        .map(|t| t.bytes as f64 / (t.duration_ms * 1e6))
+        .filter(|t| t.dir == dir)
+        .filter_map(|t| t.gbps())
         .fold(0.0, f64::max);
     (peak, "peak seen")
 }
@@ -100,7 +100,8 @@ fn draw_recent(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
         .into_iter()
         .take(visible)
         .map(|t| {
-            let rate = if t.duration_ms > 0.0 { t.bytes as f64 / (t.duration_ms * 1e6) } else { 0.0 };
+            // A copy that was not timed shows "-" for its time and rate.
+            let rate = t.gbps().unwrap_or(f64::NAN);
             let cells = [
                 t.seq.to_string(),
                 run_time(t.t_ns),
@@ -108,7 +109,7 @@ fn draw_recent(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, the
                 t.owner.as_str().to_owned(),
                 t.id.to_string(),
                 bytes(t.bytes),
-                ms(t.duration_ms),
+                ms(t.duration_ms.unwrap_or(f64::NAN)),
                 gbps(rate),
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())

@@ -248,6 +248,7 @@ impl<W: Write> Converter<W> {
                 }
             }
             EventKind::TransferCompleted { id, dir, owner, bytes, duration_ms } => {
+                let timed_ms = duration_ms.filter(|ms| ms.is_finite() && *ms >= 0.0);
                 let key = (id.0, *dir, *owner);
                 // The most recent issue of this id: ids are unique per run, but a file may hold
                 // two runs or a writer that restarted its count.
@@ -262,12 +263,13 @@ impl<W: Write> Converter<W> {
                     }
                     None => {
                         self.unpaired += 1;
-                        let d = if duration_ms.is_finite() { (duration_ms.max(0.0) * 1e6) as u64 } else { 0 };
+                        let d = timed_ms.map_or(0, |ms| (ms * 1e6) as u64);
                         (e.t_ns.saturating_sub(d), String::new())
                     }
                 };
                 let end = e.t_ns.max(start);
-                let gbps = if *duration_ms > 0.0 { *bytes as f64 / (duration_ms * 1e6) } else { 0.0 };
+                // A rate only for a timed copy (null in the slice's arguments otherwise).
+                let gbps = timed_ms.filter(|ms| *ms > 0.0).map(|ms| *bytes as f64 / (ms * 1e6));
                 let name = if subject.is_empty() { format!("{} {}", dir.as_str(), owner.as_str()) } else { subject };
                 let tid = match dir {
                     Direction::H2d => H2D_TID + self.h2d.place(start, end),

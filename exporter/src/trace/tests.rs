@@ -19,7 +19,7 @@ fn complete(seq: u64, t: u64, id: u64, owner: Owner, duration_ns: u64) -> Event 
         dir: Direction::H2d,
         owner,
         bytes: 1 << 20,
-        duration_ms: duration_ns as f64 / 1e6,
+        duration_ms: Some(duration_ns as f64 / 1e6),
     })
 }
 

@@ -124,6 +124,10 @@ impl Restorer {
         let started = Instant::now();
         let dst = Tensor::f_empty(&meta.sizes, (meta.kind, device.tch_device()))?;
         let id = rec.id;
+        if !predicted {
+            // The compute stream stalls for this copy: its duration is the stall's.
+            self.copier.time_next();
+        }
         let t = match self.copier.h2d(&dst, host, 0, Order::AfterCompute, slot, || format!("tensor {id}")) {
             Ok(t) => t,
             Err(failed) => {
@@ -157,7 +161,7 @@ impl Restorer {
         // A stall lasts as long as the copy the compute stream waited for (the GPU's timing); on
         // the host device copies are synchronous, so the wall clock measures it.
         let stall_ms = match rec.stall_since.take() {
-            Some(_) if device.is_cuda() => elapsed.max(0.0),
+            Some(_) if device.is_cuda() => elapsed.ok_or_else(|| Error::internal(format!("the stalled restore of tensor {} was not timed", rec.id)))?.max(0.0),
             Some(since) => since.elapsed().as_secs_f64() * 1e3,
             None => 0.0,
         };

@@ -370,7 +370,7 @@ fn spill_copies(ev: &[EventKind]) -> Vec<(String, bool)> {
         .filter_map(|e| match e {
             EventKind::TransferIssued { id, dir: Direction::D2h, subject, .. } => Some((
                 subject.clone(),
-                ev.iter().any(|c| matches!(c, EventKind::TransferCompleted { id: done, duration_ms, .. } if done == id && *duration_ms >= 0.0)),
+                ev.iter().any(|c| matches!(c, EventKind::TransferCompleted { id: done, duration_ms, .. } if done == id && duration_ms.is_some_and(|ms| ms >= 0.0))),
             )),
             _ => None,
         })

@@ -226,11 +226,11 @@ impl Inner {
         }
     }
 
-    fn release_slot(&self, dir: Direction, owner: Owner, completed: Option<(u64, Duration)>) {
+    fn release_slot(&self, dir: Direction, owner: Owner, completed: Option<(u64, Option<Duration>)>) {
         let mut st = self.lock();
         if let Some((bytes, d)) = completed {
             st.transfer
-                .record_completion(dir, bytes, d.as_secs_f64() * 1e3);
+                .record_completion(dir, bytes, d.map(|d| d.as_secs_f64() * 1e3));
         }
         let inflight = st.transfer.release(dir);
         if self.config.debug_event_trace {
@@ -680,7 +680,7 @@ impl SlotToken {
     }
 
     /// Records the finished copy and releases the slot.
-    pub fn complete(mut self, bytes: u64, duration: Duration) {
+    pub fn complete(mut self, bytes: u64, duration: Option<Duration>) {
         if let Some(inner) = self.inner.take() {
             inner.release_slot(self.dir, self.owner, Some((bytes, duration)));
         }

@@ -5,6 +5,7 @@
 use super::backend::StreamBackend;
 use super::{Device, StreamEvent, HostMemory, HostTarget};
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tch::Tensor;
 
 /// What a copy waits for before it starts.
@@ -48,11 +49,12 @@ impl<H> From<Failed<H>> for Error {
 /// A copy in flight. It owns the host memory `H` (returned by [`wait`](Self::wait) and
 /// [`try_finish`](Self::try_finish)) and keeps the device tensor alive until the copy completed.
 /// Dropping an unfinished copy blocks until it completes, so the memory it touches is never
-/// freed under it.
+/// freed under it. A timed copy (one in [`CopyStream::timed_every`]) has a start event and a
+/// timed `done`, and reports its duration; the others report none.
 #[derive(Debug)]
 #[must_use = "a pending copy must be finished or kept until it completes"]
 pub struct Pending<H: HostMemory> {
-    start: StreamEvent,
+    start: Option<StreamEvent>,
     done: StreamEvent,
     bytes: usize,
     device: Option<Tensor>,
@@ -76,9 +78,10 @@ impl<H: HostMemory> Pending<H> {
     }
 
     /// The copy's duration in milliseconds, measured between events on its stream, once it
-    /// completed (GPU timing on CUDA, host timing on the host device).
+    /// completed (GPU timing on CUDA, host timing on the host device); `None` before that and
+    /// for a copy that is not timed.
     pub fn elapsed_ms(&self) -> Option<f64> {
-        self.start.elapsed_ms(&self.done)
+        self.start.as_ref()?.elapsed_ms(&self.done)
     }
 
     /// Stops keeping the device tensor alive. Sound only once the compute stream waits on
@@ -88,21 +91,23 @@ impl<H: HostMemory> Pending<H> {
         self.device = None;
     }
 
-    /// Blocks until the copy finished; returns the host memory and the copy's duration in ms.
-    pub fn wait(mut self) -> Result<(H, f64)> {
+    /// Blocks until the copy finished; returns the host memory and, for a timed copy, its
+    /// duration in ms.
+    pub fn wait(mut self) -> Result<(H, Option<f64>)> {
         self.done.synchronize()?;
-        let ms = self.elapsed_ms().unwrap_or(0.0);
+        let ms = self.elapsed_ms();
         self.device = None;
         let host = self.host.take().ok_or_else(|| Error::internal("a pending copy lost its host memory"))?;
         Ok((host, ms))
     }
 
-    /// The host memory and the duration, if the copy finished; the copy itself otherwise.
-    pub fn try_finish(mut self) -> std::result::Result<(H, f64), Pending<H>> {
+    /// The host memory and the duration (a timed copy's), if the copy finished; the copy
+    /// itself otherwise.
+    pub fn try_finish(mut self) -> std::result::Result<(H, Option<f64>), Pending<H>> {
         if !self.is_complete() {
             return Err(self);
         }
-        let ms = self.elapsed_ms().unwrap_or(0.0);
+        let ms = self.elapsed_ms();
         self.device = None;
         // The memory is taken only here and in `wait`, both of which consume the copy.
         match self.host.take() {
@@ -126,23 +131,23 @@ impl<H: HostMemory> Drop for Pending<H> {
 #[derive(Debug, Clone)]
 pub struct WaitProbe {
     before: StreamEvent,
-    copy_done: StreamEvent,
+    after: StreamEvent,
 }
 
 impl WaitProbe {
-    pub(super) fn new(before: StreamEvent, copy_done: StreamEvent) -> WaitProbe {
-        WaitProbe { before, copy_done }
+    pub(super) fn new(before: StreamEvent, after: StreamEvent) -> WaitProbe {
+        WaitProbe { before, after }
     }
 
-    /// Milliseconds the compute stream waited (0 when the copy had landed first), once both
-    /// events completed.
+    /// Milliseconds the compute stream spent between the events around its wait (the wait; the
+    /// µs it took to pass the wait when the copy had landed first), once both completed.
     pub fn stall_ms(&self) -> Option<f64> {
-        self.before.elapsed_ms(&self.copy_done).map(|ms| ms.max(0.0))
+        self.before.elapsed_ms(&self.after).map(|ms| ms.max(0.0))
     }
 
     /// Whether both events completed (the probe can be read).
     pub fn is_complete(&self) -> bool {
-        self.before.is_complete() && self.copy_done.is_complete()
+        self.before.is_complete() && self.after.is_complete()
     }
 }
 
@@ -151,11 +156,27 @@ impl WaitProbe {
 pub struct CopyStream {
     device: Device,
     stream: Box<dyn StreamBackend>,
+    /// Copies issued, for choosing the timed ones.
+    issued: AtomicU64,
+    /// The next copy is timed whatever its number.
+    time_next: AtomicBool,
 }
 
 impl CopyStream {
     pub(super) fn new(device: Device, stream: Box<dyn StreamBackend>) -> CopyStream {
-        CopyStream { device, stream }
+        CopyStream { device, stream, issued: AtomicU64::new(0), time_next: AtomicBool::new(false) }
+    }
+
+    /// One copy in this many reports its duration (1 on the host device; on CUDA a timed event
+    /// on the copy stream holds up the next copy, so copies are timed by sample).
+    pub fn timed_every(&self) -> u64 {
+        self.stream.timed_every().max(1)
+    }
+
+    /// Times the next copy issued on this stream, whatever its number: for a copy whose
+    /// duration is itself a figure (a restore the compute stream stalls on).
+    pub fn time_next(&self) {
+        self.time_next.store(true, Ordering::Relaxed);
     }
 
     /// The device this stream copies to and from.
@@ -168,9 +189,21 @@ impl CopyStream {
         self.stream.wait(event)
     }
 
-    /// Records an event on this stream.
+    /// Records an event on this stream (without timing on CUDA).
     pub fn record(&self) -> Result<StreamEvent> {
-        self.stream.record()
+        self.stream.record(false)
+    }
+
+    /// Queues one copy with `issue` between its events: a start and a timed end for a timed
+    /// copy (the first, then one in [`timed_every`](Self::timed_every), and one asked for by
+    /// [`time_next`](Self::time_next)), an end without timing for the others.
+    fn queue(&self, order: Order<'_>, issue: impl FnOnce() -> Result<()>) -> Result<(Option<StreamEvent>, StreamEvent)> {
+        self.order(order)?;
+        let sampled = self.issued.fetch_add(1, Ordering::Relaxed) % self.timed_every() == 0;
+        let timed = self.time_next.swap(false, Ordering::Relaxed) || sampled;
+        let start = if timed { Some(self.stream.record(true)?) } else { None };
+        issue()?;
+        Ok((start, self.stream.record(timed)?))
     }
 
     /// Blocks until everything on this stream finished.
@@ -202,14 +235,11 @@ impl CopyStream {
             Ok(b) => b,
             Err(error) => return Err(Failed { error, host: src }),
         };
-        let issued = self.order(order).and_then(|()| {
-            let start = self.stream.record()?;
+        let issued = self.queue(order, || {
             // SAFETY: `dst` is a live contiguous tensor of `bytes` bytes on this device, kept
             // alive by the Pending; `src` holds `offset + bytes` bytes (checked) and is owned by
             // the Pending until the copy completed.
-            unsafe { self.stream.h2d(dst.data_ptr() as u64, src.host_ptr().add(offset), bytes)? };
-            let done = self.stream.record()?;
-            Ok((start, done))
+            unsafe { self.stream.h2d(dst.data_ptr() as u64, src.host_ptr().add(offset), bytes) }
         });
         match issued {
             Ok((start, done)) => Ok(Pending {
@@ -239,14 +269,11 @@ impl CopyStream {
             Ok(b) => b,
             Err(error) => return Err(Failed { error, host: dst }),
         };
-        let issued = self.order(order).and_then(|()| {
-            let start = self.stream.record()?;
+        let issued = self.queue(order, || {
             // SAFETY: `src` is a live contiguous tensor of `bytes` bytes kept alive by the
             // Pending; `dst` holds `offset + bytes` bytes (checked) and is owned exclusively by
             // the Pending, so nothing reads it until the copy completed.
-            unsafe { self.stream.d2h(dst.host_ptr_mut().add(offset), src.data_ptr() as u64, bytes)? };
-            let done = self.stream.record()?;
-            Ok((start, done))
+            unsafe { self.stream.d2h(dst.host_ptr_mut().add(offset), src.data_ptr() as u64, bytes) }
         });
         match issued {
             Ok((start, done)) => Ok(Pending {

@@ -32,6 +32,11 @@ impl CudaBackend {
         ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(cuda_err("creating an event"))
     }
+
+    fn untimed_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
+        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(cuda_err("creating an event"))
+    }
 }
 
 fn cuda_event(e: &StreamEvent) -> Option<&CudaEventBackend> {
@@ -117,6 +122,11 @@ impl Backend for CudaBackend {
     }
 }
 
+/// One copy in this many on a CUDA copy stream is timed (see `StreamBackend::timed_every`): at
+/// 16, timing costs the link about 0.16 µs a copy on average and a step of 146 copies still
+/// measures nine.
+const TIMED_COPY_EVERY: u64 = 16;
+
 #[derive(Debug)]
 struct CudaStreamBackend {
     stream: Arc<CudaStream>,
@@ -130,10 +140,15 @@ impl StreamBackend for CudaStreamBackend {
         }
     }
 
-    fn record(&self) -> Result<StreamEvent> {
-        let ev = CudaBackend::timed_event(self.stream.context())?;
+    fn record(&self, timed: bool) -> Result<StreamEvent> {
+        let ctx = self.stream.context();
+        let ev = if timed { CudaBackend::timed_event(ctx)? } else { CudaBackend::untimed_event(ctx)? };
         ev.record(&self.stream).map_err(cuda_err("recording an event"))?;
         Ok(StreamEvent(Arc::new(CudaEventBackend(ev))))
+    }
+
+    fn timed_every(&self) -> u64 {
+        TIMED_COPY_EVERY
     }
 
     unsafe fn h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {

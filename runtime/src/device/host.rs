@@ -121,8 +121,12 @@ impl StreamBackend for HostStream {
         Ok(())
     }
 
-    fn record(&self) -> Result<StreamEvent> {
+    fn record(&self, _timed: bool) -> Result<StreamEvent> {
         Ok(now())
+    }
+
+    fn timed_every(&self) -> u64 {
+        1
     }
 
     unsafe fn h2d(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {

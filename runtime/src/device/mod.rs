@@ -202,12 +202,13 @@ impl Device {
     }
 
     /// Like [`compute_wait`](Self::compute_wait), and measures how long the compute stream will
-    /// sit idle for `event`: a timed event is recorded on the compute stream first; once both
-    /// have completed, the probe reads the time from that event to `event`.
+    /// sit idle for `event`: timed events recorded on the compute stream before and after the
+    /// wait (timed events cost the compute stream nothing measurable; `event`, a copy's, may
+    /// carry no time).
     pub fn compute_wait_timed(&self, event: &StreamEvent) -> Result<WaitProbe> {
         let before = self.record_compute()?;
         self.compute_wait(event)?;
-        Ok(WaitProbe::new(before, event.clone()))
+        Ok(WaitProbe::new(before, self.record_compute()?))
     }
 
     /// Blocks the host until the compute stream is idle (tests, step ends that read results,

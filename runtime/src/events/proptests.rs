@@ -62,7 +62,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
         prop::collection::vec(id(), 0..20).prop_map(|v| EventKind::ItineraryLearned {
             order: v.into_iter().map(BlockId).collect()
         }),
-        (big(), dir(), big(), ms()).prop_map(|(i, dir, bytes, duration_ms)| EventKind::TransferCompleted {
+        (big(), dir(), big(), prop::option::of(ms())).prop_map(|(i, dir, bytes, duration_ms)| EventKind::TransferCompleted {
             id: TransferId(i),
             dir,
             owner: Owner::Weights,
@@ -125,7 +125,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
             ..Default::default()
         })),
         big().prop_map(|n| EventKind::TransferStep(TransferStepMetrics {
-            h2d: CopyStats { count: n, bytes: n, busy_ms: 1.0, last_gbps: 1.0 },
+            h2d: CopyStats { count: n, bytes: n, untimed_bytes: 0, busy_ms: 1.0, last_gbps: 1.0 },
             ..Default::default()
         })),
         (phase(), phase()).prop_map(|(from, to)| EventKind::PhaseChanged { from, to, duration_s: 0.0 }),

@@ -107,7 +107,7 @@ mod tests {
                 dir: Direction::H2d,
                 owner: Owner::Weights,
                 bytes,
-                duration_ms: 1.0,
+                duration_ms: Some(1.0),
             },
         )
     }

@@ -110,12 +110,21 @@ mod tests {
             dir: Direction::H2d,
             owner: Owner::Weights,
             bytes: 1048576,
-            duration_ms: 0.00016999999999999999,
+            duration_ms: Some(0.00016999999999999999),
         });
         let l = line(42, &e);
         assert_eq!((l.i, l.seq, l.kind.as_str(), l.warn), (42, 7, "transfer_completed", false));
         assert!(l.text.contains("duration_ms=0.00017"), "{}", l.text);
         assert!(l.text.contains("bytes=1048576") && l.text.contains("dir=h2d"), "{}", l.text);
+        // A copy that was not timed shows no duration rather than a made-up one.
+        let untimed = Event::new(9, 1, 2, Phase::Forward, EventKind::TransferCompleted {
+            id: TransferId(4),
+            dir: Direction::H2d,
+            owner: Owner::Weights,
+            bytes: 1048576,
+            duration_ms: None,
+        });
+        assert!(!line(44, &untimed).text.contains("duration_ms"), "{}", line(44, &untimed).text);
 
         let w = Event::new(8, 1, 2, Phase::Forward, EventKind::Warning { source: Owner::Weights, message: "x".repeat(5000) });
         let l = line(43, &w);

@@ -259,9 +259,9 @@ pub(crate) fn transfers(s: &Snapshot) -> TransfersPanel {
             last_gbps: (v.last_gbps > 0.0).then(|| round(v.last_gbps, 2)),
         }
     };
-    let timed: Vec<_> = t.recent.iter().filter(|r| r.duration_ms > 0.0).collect();
+    let timed: Vec<_> = t.recent.iter().filter(|r| r.gbps().is_some()).collect();
     let gbps = |r: &&stagehand::events::snapshot::TransferRecord, d| {
-        (r.dir == d).then(|| round(r.bytes as f64 / (r.duration_ms * 1e6), 2))
+        (r.dir == d).then(|| r.gbps().map(|g| round(g, 2))).flatten()
     };
     let h2d_gbps: Vec<_> = timed.iter().map(|r| gbps(r, Direction::H2d)).collect();
     let d2h_gbps: Vec<_> = timed.iter().map(|r| gbps(r, Direction::D2h)).collect();

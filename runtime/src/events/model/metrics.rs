@@ -175,9 +175,13 @@ pub struct CopyStats {
     /// Copies completed.
     pub count: u64,
     pub bytes: u64,
-    /// Sum of the copies' durations.
+    /// Bytes of the copies that were not timed (see `TransferCompleted`): `bytes` less these
+    /// over `busy_ms` is the measured rate.
+    #[serde(default)]
+    pub untimed_bytes: u64,
+    /// Sum of the timed copies' durations.
     pub busy_ms: f64,
-    /// Throughput of the step's last completed copy, GB/s (0 when none had a duration).
+    /// Throughput of the step's last timed copy, GB/s (0 when none was timed).
     pub last_gbps: f64,
 }
 

@@ -152,13 +152,17 @@ pub enum EventKind {
         /// The block or tensor the copy is for.
         subject: String,
     },
-    /// A copy completed; `duration_ms` runs from issue to observed completion.
+    /// A copy completed. `duration_ms` is the copy's time on its stream, measured between
+    /// events around it, for the timed copies only: on CUDA one copy in 16 per stream (a timed
+    /// event on a copy stream holds up the next copy), on the host device every copy. Absent
+    /// for the others, never estimated.
     TransferCompleted {
         id: TransferId,
         dir: Direction,
         owner: Owner,
         bytes: u64,
-        duration_ms: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        duration_ms: Option<f64>,
     },
 
     // ---- pools ---------------------------------------------------------------------------

@@ -195,8 +195,9 @@ impl StepSum for CopyStats {
     fn add(&mut self, o: &Self) {
         self.count = self.count.saturating_add(o.count);
         self.bytes = self.bytes.saturating_add(o.bytes);
+        self.untimed_bytes = self.untimed_bytes.saturating_add(o.untimed_bytes);
         self.busy_ms += o.busy_ms;
-        if o.count > 0 {
+        if o.busy_ms > 0.0 {
             self.last_gbps = o.last_gbps;
         }
     }
@@ -210,18 +211,32 @@ impl StepSum for TransferStepMetrics {
 }
 
 impl CopyStats {
-    /// Adds one completed copy.
-    pub fn record(&mut self, bytes: u64, duration_ms: f64) {
+    /// Adds one completed copy, with its duration when it was timed.
+    pub fn record(&mut self, bytes: u64, duration_ms: Option<f64>) {
         let mut one = CopyStats {
             count: 1,
             bytes,
-            busy_ms: duration_ms,
+            untimed_bytes: 0,
+            busy_ms: 0.0,
             last_gbps: self.last_gbps,
         };
-        if duration_ms > 0.0 {
-            one.last_gbps = bytes as f64 / (duration_ms * 1e6);
+        match duration_ms.filter(|ms| ms.is_finite() && *ms > 0.0) {
+            Some(ms) => {
+                one.busy_ms = ms;
+                one.last_gbps = bytes as f64 / (ms * 1e6);
+            }
+            None => one.untimed_bytes = bytes,
         }
         self.add(&one);
+    }
+
+    /// The measured rate, GB/s: the timed copies' bytes over their time (0 when none).
+    pub fn mean_gbps(&self) -> f64 {
+        if self.busy_ms > 0.0 {
+            self.bytes.saturating_sub(self.untimed_bytes) as f64 / (self.busy_ms * 1e6)
+        } else {
+            0.0
+        }
     }
 }
 
@@ -253,6 +268,19 @@ pub struct Tallies {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copies_that_were_not_timed_count_their_bytes_and_stay_out_of_the_rate() {
+        let mut c = CopyStats::default();
+        c.record(2_000_000, Some(1.0));
+        c.record(6_000_000, None);
+        c.record(1_000_000, Some(f64::NAN));
+        assert_eq!((c.count, c.bytes, c.untimed_bytes), (3, 9_000_000, 7_000_000));
+        assert_eq!(c.busy_ms, 1.0);
+        assert!((c.mean_gbps() - 2.0).abs() < 1e-9, "{}", c.mean_gbps());
+        assert!((c.last_gbps - 2.0).abs() < 1e-9, "the last timed copy's rate: {}", c.last_gbps);
+        assert_eq!(CopyStats::default().mean_gbps(), 0.0);
+    }
 
     #[test]
     fn an_aggregate_replaces_its_steps_detail_and_later_steps_keep_theirs() {

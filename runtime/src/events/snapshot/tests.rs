@@ -207,7 +207,7 @@ fn huge_numbers_saturate_instead_of_overflowing() {
                 dir: Direction::H2d,
                 owner: Owner::Weights,
                 bytes: u64::MAX,
-                duration_ms: f64::MAX,
+                duration_ms: Some(f64::MAX),
             },
         ));
         s.apply(&ev(seq, 1, EventKind::PageableFallback { pool: PoolKind::Weights, bytes: u64::MAX }));

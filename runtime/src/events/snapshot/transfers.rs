@@ -61,6 +61,7 @@ fn refresh(s: &mut Snapshot) {
         let d = s.transfers.dir_mut(dir);
         d.count = c.count;
         d.bytes = c.bytes;
+        d.untimed_bytes = c.untimed_bytes;
         d.busy_ms = c.busy_ms;
         d.last_gbps = c.last_gbps;
     }

@@ -150,17 +150,20 @@ pub struct DirectionView {
     pub inflight: u32,
     pub count: u64,
     pub bytes: u64,
-    /// Sum of copy durations, for mean throughput.
+    /// Bytes of the copies that were not timed.
+    #[serde(default)]
+    pub untimed_bytes: u64,
+    /// Sum of the timed copies' durations, for mean throughput.
     pub busy_ms: f64,
-    /// Throughput of the last completed copy, GB/s.
+    /// Throughput of the last timed copy, GB/s.
     pub last_gbps: f64,
 }
 
 impl DirectionView {
-    /// Mean throughput over all completed copies, GB/s.
+    /// Mean throughput of the timed copies, GB/s.
     pub fn mean_gbps(&self) -> f64 {
         if self.busy_ms > 0.0 {
-            self.bytes as f64 / (self.busy_ms * 1e6)
+            self.bytes.saturating_sub(self.untimed_bytes) as f64 / (self.busy_ms * 1e6)
         } else {
             0.0
         }
@@ -177,7 +180,16 @@ pub struct TransferRecord {
     pub dir: Direction,
     pub owner: Owner,
     pub bytes: u64,
-    pub duration_ms: f64,
+    /// The copy's duration, when it was timed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<f64>,
+}
+
+impl TransferRecord {
+    /// The copy's rate, GB/s, when it was timed (and took measurable time).
+    pub fn gbps(&self) -> Option<f64> {
+        self.duration_ms.filter(|ms| ms.is_finite() && *ms > 0.0).map(|ms| self.bytes as f64 / (ms * 1e6))
+    }
 }
 
 /// Copies in both directions.

@@ -113,7 +113,7 @@ impl Gen {
             dir,
             owner,
             bytes,
-            duration_ms: us as f64 / 1000.0,
+            duration_ms: Some(us as f64 / 1000.0),
         });
     }
 
