@@ -142,7 +142,7 @@ catalog! {
     LastStepTime => "last_step.time", Gauge, Seconds, ["part"], "Time of the last finished step by part.";
     TransferBytes => "transfer", Counter, Bytes, ["direction", "owner"], "Bytes moved across PCIe by completed copies.";
     Transfers => "transfers", Counter, Count("{copy}"), ["direction", "owner"], "Completed copies.";
-    TransferDuration => "transfer.duration", Histogram(TRANSFER_BUCKETS), Seconds, ["direction"], "Duration of copies, from issue to observed completion.";
+    TransferDuration => "transfer.duration", Histogram(TRANSFER_BUCKETS), Seconds, ["direction"], "Duration of the timed copies (one in 16 per copy stream on CUDA, every copy on the host device), between events on the copy's stream.";
     TransfersInflight => "transfers.inflight", Gauge, Count("{copy}"), ["direction"], "Copies in flight.";
     StallDuration => "stall.duration", Histogram(STALL_BUCKETS), Seconds, ["source"], "Time the compute stream waited for a block (weights) or a restore (activations).";
     PrefetchHits => "prefetch.hits", Counter, Count("{block}"), [], "Blocks that were on the device when needed.";
