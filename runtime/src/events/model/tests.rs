@@ -49,6 +49,30 @@ fn per_step_metrics_keep_the_original_field_names() {
     assert_eq!(json["kind"], "activation_step");
 }
 
+#[test]
+fn copies_read_with_and_without_their_timing() {
+    // Files written before copies were timed by sample: every copy has its duration, per-step
+    // copy stats have no `untimed_bytes`.
+    let old = r#"{"v":2,"seq":1,"t_ns":5,"step":1,"phase":"forward","kind":"transfer_completed","id":3,"dir":"h2d","owner":"weights","bytes":1024,"duration_ms":0.5}"#;
+    let e: Event = serde_json::from_str(old).expect("an old completed copy reads");
+    assert!(matches!(e.kind, EventKind::TransferCompleted { duration_ms: Some(ms), .. } if ms == 0.5));
+    let old_step = r#"{"v":2,"seq":2,"t_ns":6,"step":1,"phase":"idle","kind":"transfer_step","h2d":{"count":1,"bytes":1024,"busy_ms":0.5,"last_gbps":2.0},"d2h":{"count":0,"bytes":0,"busy_ms":0.0,"last_gbps":0.0}}"#;
+    let e: Event = serde_json::from_str(old_step).expect("an old step aggregate reads");
+    let EventKind::TransferStep(m) = e.kind else { panic!("a transfer step: {:?}", e.kind) };
+    assert_eq!((m.h2d.untimed_bytes, m.h2d.bytes), (0, 1024), "every copy of an old file was timed");
+    // A copy that was not timed writes no duration and reads back as such.
+    let untimed = Event::new(3, 7, 1, Phase::Forward, EventKind::TransferCompleted {
+        id: TransferId(4),
+        dir: Direction::H2d,
+        owner: Owner::Weights,
+        bytes: 1024,
+        duration_ms: None,
+    });
+    let json = serde_json::to_value(&untimed).expect("serializes");
+    assert!(json.get("duration_ms").is_none(), "{json}");
+    assert_eq!(serde_json::from_value::<Event>(json).expect("reads back"), untimed);
+}
+
 /// serde lists every tag it accepts when it meets an unknown one; the derived names must be
 /// exactly that list, in order, so a new kind can never get a name serde does not use.
 fn serde_tags() -> Vec<String> {
