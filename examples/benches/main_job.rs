@@ -56,17 +56,9 @@ fn host_optimizer_step_s(params: i64, chunks: i64) -> f64 {
     best
 }
 
-/// The activation runtime's spill copies after step 1: how many, their bytes, and the bytes and
-/// durations of the timed ones (one in 16 on CUDA) as the copy stream's events measured them.
-#[derive(Default)]
-struct SpillCopies {
-    count: u64,
-    bytes: u64,
-    timed_bytes: u64,
-    ms: f64,
-}
-
-struct SpillCopySink(Arc<std::sync::Mutex<SpillCopies>>);
+/// The activation runtime's spill copies after step 1, tallied as the telemetry tallies a step's
+/// copies: how many, their bytes, and the rate of the timed ones (one in 16 on CUDA).
+struct SpillCopySink(Arc<std::sync::Mutex<stagehand::events::CopyStats>>);
 
 impl stagehand::events::EventSink for SpillCopySink {
     fn on_event(&mut self, e: &stagehand::events::Event) {
@@ -83,12 +75,7 @@ impl stagehand::events::EventSink for SpillCopySink {
                 return;
             }
             if let Ok(mut c) = self.0.lock() {
-                c.count += 1;
-                c.bytes += bytes;
-                if let Some(ms) = duration_ms {
-                    c.timed_bytes += bytes;
-                    c.ms += ms;
-                }
+                c.record(*bytes, *duration_ms);
             }
         }
     }
@@ -152,7 +139,7 @@ fn main() -> anyhow::Result<()> {
     hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
     let metrics = stagehand_exporter::Metrics::new();
     hub.add_sink(Box::new(metrics.clone()));
-    let spill_copies = Arc::new(std::sync::Mutex::new(SpillCopies::default()));
+    let spill_copies = Arc::new(std::sync::Mutex::new(stagehand::events::CopyStats::default()));
     hub.add_sink(Box::new(SpillCopySink(spill_copies.clone())));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let t_all = Instant::now();
@@ -271,7 +258,7 @@ fn main() -> anyhow::Result<()> {
             "spill copies per step after step 1: {:.1} ({:.2} MiB on average), {:.1} GB/s while copying (the timed ones)",
             c.count as f64 / n,
             c.bytes as f64 / c.count.max(1) as f64 / MIB,
-            if c.ms > 0.0 { c.timed_bytes as f64 / (c.ms / 1e3) / 1e9 } else { 0.0 }
+            c.mean_gbps()
         );
     }
     println!(

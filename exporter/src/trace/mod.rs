@@ -25,7 +25,7 @@ pub use validate::validate;
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
 use stagehand::events::jsonl::{self, ReadReport};
-use stagehand::events::model::{Direction, Event, EventKind, Owner, Phase, PoolKind};
+use stagehand::events::model::{copy_gbps, Direction, Event, EventKind, Owner, Phase, PoolKind};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufRead, Write};
 
@@ -269,7 +269,7 @@ impl<W: Write> Converter<W> {
                 };
                 let end = e.t_ns.max(start);
                 // A rate only for a timed copy (null in the slice's arguments otherwise).
-                let gbps = timed_ms.filter(|ms| *ms > 0.0).map(|ms| *bytes as f64 / (ms * 1e6));
+                let gbps = copy_gbps(*bytes, *duration_ms);
                 let name = if subject.is_empty() { format!("{} {}", dir.as_str(), owner.as_str()) } else { subject };
                 let tid = match dir {
                     Direction::H2d => H2D_TID + self.h2d.place(start, end),

@@ -185,6 +185,12 @@ pub struct CopyStats {
     pub last_gbps: f64,
 }
 
+/// GB/s of `bytes` copied in `duration_ms`, when that is a measured time (finite, above 0): the
+/// one rate formula for a timed copy and for the timed copies of a step or a run.
+pub fn copy_gbps(bytes: u64, duration_ms: Option<f64>) -> Option<f64> {
+    duration_ms.filter(|ms| ms.is_finite() && *ms > 0.0).map(|ms| bytes as f64 / (ms * 1e6))
+}
+
 /// Copies of one step, both directions ([`EventKind::TransferStep`](super::EventKind::TransferStep)).
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]

@@ -220,23 +220,19 @@ impl CopyStats {
             busy_ms: 0.0,
             last_gbps: self.last_gbps,
         };
-        match duration_ms.filter(|ms| ms.is_finite() && *ms > 0.0) {
-            Some(ms) => {
+        match (duration_ms, copy_gbps(bytes, duration_ms)) {
+            (Some(ms), Some(gbps)) => {
                 one.busy_ms = ms;
-                one.last_gbps = bytes as f64 / (ms * 1e6);
+                one.last_gbps = gbps;
             }
-            None => one.untimed_bytes = bytes,
+            _ => one.untimed_bytes = bytes,
         }
         self.add(&one);
     }
 
     /// The measured rate, GB/s: the timed copies' bytes over their time (0 when none).
     pub fn mean_gbps(&self) -> f64 {
-        if self.busy_ms > 0.0 {
-            self.bytes.saturating_sub(self.untimed_bytes) as f64 / (self.busy_ms * 1e6)
-        } else {
-            0.0
-        }
+        copy_gbps(self.bytes.saturating_sub(self.untimed_bytes), Some(self.busy_ms)).unwrap_or(0.0)
     }
 }
 

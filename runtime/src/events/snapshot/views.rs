@@ -162,11 +162,7 @@ pub struct DirectionView {
 impl DirectionView {
     /// Mean throughput of the timed copies, GB/s.
     pub fn mean_gbps(&self) -> f64 {
-        if self.busy_ms > 0.0 {
-            self.bytes.saturating_sub(self.untimed_bytes) as f64 / (self.busy_ms * 1e6)
-        } else {
-            0.0
-        }
+        copy_gbps(self.bytes.saturating_sub(self.untimed_bytes), Some(self.busy_ms)).unwrap_or(0.0)
     }
 }
 
@@ -188,7 +184,7 @@ pub struct TransferRecord {
 impl TransferRecord {
     /// The copy's rate, GB/s, when it was timed (and took measurable time).
     pub fn gbps(&self) -> Option<f64> {
-        self.duration_ms.filter(|ms| ms.is_finite() && *ms > 0.0).map(|ms| self.bytes as f64 / (ms * 1e6))
+        copy_gbps(self.bytes, self.duration_ms)
     }
 }
 
