@@ -574,3 +574,64 @@ fn shutdown_refuses_later_use_and_leaves_cpu_weights() {
     assert_eq!(m[0].0.ws.device(), tch::Device::Cpu);
     assert!(m[0].0.ws.equal(&r[0].0.ws.to_device(tch::Device::Cpu)));
 }
+
+/// After the host waited for the device, every copy of the step before has completed but most
+/// were not reported yet (the host ran ahead of them). The next step's first block use must
+/// issue its copies first and report those copies a few per use, not all of them before its
+/// first copy (which left the copy engine idle for as long, on CUDA 0.3-0.7 ms a step with
+/// telemetry on). On the host device copies complete as they are issued, so nothing is left to
+/// report late there.
+#[test]
+fn a_steps_first_copy_goes_out_before_the_last_steps_copies_are_all_reported() {
+    let device = Device::auto(1 << 30);
+    let cuda = device.is_cuda();
+    // Copies long enough on CUDA (16 MiB, about 0.3 ms) that the host enters blocks before
+    // their copies land.
+    let (n, elems) = (12usize, if cuda { 4 << 20 } else { 1 << 16 });
+    let bytes = elems as u64 * 4;
+    let cfg = WeightConfig::builder()
+        .pool(2 * bytes, bytes)
+        .watermarks(1 << 40, 1 << 39)
+        .weight_budget(4 * bytes)
+        .prefetch_window(4)
+        .inference_mode(true)
+        .build()
+        .expect("config");
+    let bus = Bus::new();
+    let mut sub = bus.hub().expect("hub").subscribe();
+    let rt = WeightRuntime::new(device.clone(), cfg, bus.clone()).expect("runtime");
+    let ids: Vec<BlockId> = (0..n)
+        .map(|i| rt.register_block(&format!("blocks.{i}"), vec![("w".into(), Tensor::full([elems], i as f64, (Kind::Float, tch::Device::Cpu)))]).expect("register"))
+        .collect();
+    let step = || {
+        rt.begin_step().expect("begin");
+        for &id in &ids {
+            let _g = rt.block(id).expect("block");
+        }
+        rt.end_step().expect("end");
+        device.synchronize().expect("wait for the device");
+    };
+    for _ in 0..3 {
+        step();
+    }
+    bus.flush();
+    while sub.rx.try_recv().is_ok() {}
+    step();
+    bus.flush();
+    let (mut before_first_issue, mut issued, mut completed) = (0, 0, 0);
+    while let Ok(u) = sub.rx.try_recv() {
+        if let Update::Event(e) = u {
+            match e.kind {
+                EventKind::TransferIssued { .. } => issued += 1,
+                EventKind::TransferCompleted { .. } if issued == 0 => before_first_issue += 1,
+                EventKind::TransferCompleted { .. } => completed += 1,
+                _ => {}
+            }
+        }
+    }
+    assert!(issued > 0, "a streamed step issues copies");
+    assert!(before_first_issue <= 2, "{before_first_issue} copies reported before the step's first copy went out");
+    if cuda {
+        assert!(before_first_issue + completed > 2, "the step before left copies to report: {before_first_issue} + {completed}");
+    }
+}

@@ -602,6 +602,24 @@ impl Conductor {
         }
     }
 
+    /// Whether every transfer slot in `dir` is held now (never when disabled or shut down). A
+    /// question only: nothing is counted or published, unlike a refused
+    /// [`Conductor::acquire_slot`]. A runtime that reports finished copies late asks it to know
+    /// whether reporting them first would free a slot.
+    pub fn slots_full(&self, dir: Direction) -> bool {
+        let Some(inner) = &self.inner else { return false };
+        let st = inner.lock();
+        if st.shut_down {
+            return false;
+        }
+        let hints = st.policy.hints();
+        let limit = match dir {
+            Direction::H2d => hints.max_inflight_h2d,
+            Direction::D2h => hints.max_inflight_d2h,
+        };
+        st.transfer.is_full(dir, limit)
+    }
+
     /// The hints in force (default when disabled).
     pub fn hints(&self) -> Hints {
         self.inner

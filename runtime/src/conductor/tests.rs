@@ -458,6 +458,25 @@ fn slot_tokens_release_on_drop_and_record_completions() {
 }
 
 #[test]
+fn asking_whether_slots_are_full_counts_and_publishes_nothing() {
+    let rig = Rig::new();
+    rig.conductor.begin_step(1).expect("begin");
+    rig.conductor.enter_forward().expect("forward");
+    assert!(!rig.conductor.slots_full(Direction::H2d));
+    let held: Vec<_> = (0..2)
+        .map(|_| rig.conductor.acquire_slot(Direction::H2d, Owner::Weights, Priority::Speculative).expect("slot"))
+        .collect();
+    assert!(rig.conductor.slots_full(Direction::H2d), "both H2D slots are held");
+    assert!(!rig.conductor.slots_full(Direction::D2h), "a separate pool");
+    let m = rig.conductor.metrics().expect("enabled");
+    assert_eq!((m.slot_grant_count, m.slot_deny_count), (2, 0));
+    assert!(!rig.kinds().iter().any(|k| matches!(k, EventKind::SlotDenied { .. })));
+    drop(held);
+    assert!(!rig.conductor.slots_full(Direction::H2d));
+    assert!(!Conductor::disabled().slots_full(Direction::H2d), "a disabled Conductor holds no slots");
+}
+
+#[test]
 fn the_optimizer_suppresses_speculative_slots_but_not_required_ones() {
     let rig = Rig::new();
     rig.conductor.begin_step(1).expect("begin");

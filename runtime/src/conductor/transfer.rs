@@ -83,6 +83,16 @@ impl TransferManager {
         }
     }
 
+    /// Whether a request in `dir` would find its pool full (`limit_hint` as for
+    /// [`TransferManager::acquire`]); changes nothing.
+    pub fn is_full(&self, dir: Direction, limit_hint: Option<u32>) -> bool {
+        let pool = match dir {
+            Direction::H2d => self.h2d,
+            Direction::D2h => self.d2h,
+        };
+        pool.inflight >= limit_hint.map_or(pool.slots, |h| h.min(pool.slots))
+    }
+
     /// Copies in flight in `dir`.
     pub fn inflight(&self, dir: Direction) -> u32 {
         match dir {

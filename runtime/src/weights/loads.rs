@@ -6,7 +6,7 @@ use crate::error::Result;
 use crate::events::BlockId;
 use crate::pinned::Lease;
 use crate::transfer::{Copier, Transfer};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// What a load reads: the block's canonical host copy, or a pinned slab a file-backed block was
@@ -39,8 +39,9 @@ unsafe impl HostMemory for LoadSource {
 #[derive(Debug, Default)]
 pub(crate) struct Loads {
     landing: HashMap<BlockId, Transfer<LoadSource>>,
-    /// Copies of blocks the compute stream already waits on, reported once complete.
-    retired: Vec<(BlockId, Transfer<LoadSource>)>,
+    /// Copies of blocks the compute stream already waits on, reported once complete, in the
+    /// order their blocks were used.
+    retired: VecDeque<(BlockId, Transfer<LoadSource>)>,
     /// How long the compute stream waited for each load it needed before it landed.
     probes: Vec<WaitProbe>,
 }
@@ -72,7 +73,7 @@ impl Loads {
                 }
                 // The destination is a slot the runtime owns: nothing to keep alive on the device.
                 t.release_device();
-                self.retired.push((block, t));
+                self.retired.push_back((block, t));
                 Ok(())
             }
         }
@@ -83,9 +84,32 @@ impl Loads {
         let retired = std::mem::take(&mut self.retired);
         for (b, t) in retired {
             if let Err(t) = copier.finish(t) {
-                self.retired.push((b, t));
+                self.retired.push_back((b, t));
             }
         }
+    }
+
+    /// Reports at most `max` retired copies that completed, oldest first, stopping at the first
+    /// still in flight (the copies of one stream complete in the order they were queued, so
+    /// the ones after it are mostly in flight too; any that are not wait for a later call).
+    /// The share of reporting a block use pays: after the host waited for the device, every
+    /// copy of the step before has completed, and reporting them all (a few us each with
+    /// telemetry on) before the step's first copy is issued left the copy engine idle for as
+    /// long.
+    pub(crate) fn reap_some(&mut self, copier: &Copier, max: usize) {
+        for _ in 0..max {
+            let Some((b, t)) = self.retired.pop_front() else { return };
+            if let Err(t) = copier.finish(t) {
+                self.retired.push_front((b, t));
+                return;
+            }
+        }
+    }
+
+    /// Whether copies wait to be reported (their Conductor slots and staging slabs are held
+    /// until then).
+    pub(crate) fn has_retired(&self) -> bool {
+        !self.retired.is_empty()
     }
 
     /// Waits for every copy (shutdown).

@@ -24,6 +24,11 @@ impl Load {
 /// At most this many evictions to make room for one load: more means a bug, not a full room.
 const MAX_EVICTIONS_PER_LOAD: usize = 4096;
 
+/// Finished copies a block use reports at most (see `Loads::reap_some`): more than the copies
+/// a use issues, so reporting keeps up, few enough that a step's first use issues its copies
+/// without first reporting the whole previous step's.
+const REPORTS_PER_USE: usize = 2;
+
 impl Scheduler {
     /// The room for streamed blocks, made on first use from the registered blocks: slots of the
     /// largest streamed block, as many as the weights' budget holds after resident blocks.
@@ -82,7 +87,8 @@ impl Scheduler {
     /// Makes `id` usable now: a hit when it is on the device or landing, a counted miss (a demand
     /// load) when it is not.
     pub(super) fn ensure_ready(&mut self, id: BlockId) -> Result<()> {
-        self.reap();
+        self.loads.reap_some(&self.loader, REPORTS_PER_USE);
+        self.grads.reap(&mut self.blocks);
         match self.residency.state(id)? {
             BlockState::GpuReady => self.hit(id),
             BlockState::Prefetching => {
@@ -183,6 +189,13 @@ impl Scheduler {
         // A prefetch that could not be given a slot of the room asks the Conductor for nothing.
         if !demand && !self.may_free_slot(id, distance)? {
             return Ok(false);
+        }
+        // Copies not reported yet hold their Conductor slots (and staging slabs, which a file-
+        // backed load waits for): report them all before asking when that may free one.
+        if self.loads.has_retired()
+            && (self.conductor.slots_full(Direction::H2d) || matches!(self.blocks[id.0 as usize].source, Source::File(_)))
+        {
+            self.loads.reap(&self.loader);
         }
         // Refusals are published by the Conductor; a required request is never refused.
         let Ok(slot_token) = self.conductor.acquire_slot(Direction::H2d, Owner::Weights, why.priority()) else {
