@@ -550,13 +550,9 @@ impl Conductor {
             return Ok(SlotToken::inert(dir, owner));
         }
         let hints = st.policy.hints();
-        let limit = match dir {
-            Direction::H2d => hints.max_inflight_h2d,
-            Direction::D2h => hints.max_inflight_d2h,
-        };
         let decision = st
             .transfer
-            .acquire(dir, priority, limit, hints.suppress_speculative);
+            .acquire(dir, priority, hints.max_inflight(dir), hints.suppress_speculative);
         let consecutive_full = st.transfer.consecutive_full();
         if st.policy.contention_fires(consecutive_full) {
             st.transfer.reset_contention();
@@ -612,12 +608,7 @@ impl Conductor {
         if st.shut_down {
             return false;
         }
-        let hints = st.policy.hints();
-        let limit = match dir {
-            Direction::H2d => hints.max_inflight_h2d,
-            Direction::D2h => hints.max_inflight_d2h,
-        };
-        st.transfer.is_full(dir, limit)
+        st.transfer.is_full(dir, st.policy.hints().max_inflight(dir))
     }
 
     /// The hints in force (default when disabled).

@@ -361,6 +361,16 @@ pub struct Hints {
     pub suppress_speculative: bool,
 }
 
+impl Hints {
+    /// The limit on copies in flight in `dir` (`None`: the transfer pool's own size).
+    pub fn max_inflight(&self, dir: Direction) -> Option<u32> {
+        match dir {
+            Direction::H2d => self.max_inflight_h2d,
+            Direction::D2h => self.max_inflight_d2h,
+        }
+    }
+}
+
 /// One size class of a pool, as configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolClass {
