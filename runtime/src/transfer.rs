@@ -7,7 +7,6 @@ use crate::conductor::SlotToken;
 use crate::device::{CopyStream, Device, StreamEvent, Failed, HostMemory, HostTarget, Order, Pending};
 use crate::error::Result;
 use crate::events::{Bus, Direction, EventKind, Owner, TransferId};
-use std::time::Duration;
 use tch::Tensor;
 
 /// A copy in flight, as every runtime tracks it.
@@ -136,7 +135,7 @@ impl Copier {
             duration_ms: ms,
         });
         if let Some(s) = slot {
-            s.complete(bytes, ms.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1e3)));
+            s.complete(bytes);
         }
     }
 

@@ -145,7 +145,6 @@ use crate::events::model::{
 };
 use crate::events::Bus;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 const MIB_F: f64 = (1u64 << 20) as f64;
 
@@ -226,11 +225,11 @@ impl Inner {
         }
     }
 
-    fn release_slot(&self, dir: Direction, owner: Owner, completed: Option<(u64, Option<Duration>)>) {
+    /// Gives a transfer slot back; `completed`: the bytes of a copy that finished.
+    fn release_slot(&self, dir: Direction, owner: Owner, completed: Option<u64>) {
         let mut st = self.lock();
-        if let Some((bytes, d)) = completed {
-            st.transfer
-                .record_completion(dir, bytes, d.map(|d| d.as_secs_f64() * 1e3));
+        if let Some(bytes) = completed {
+            st.transfer.record_completion(dir, bytes);
         }
         let inflight = st.transfer.release(dir);
         if self.config.debug_event_trace {
@@ -689,9 +688,9 @@ impl SlotToken {
     }
 
     /// Records the finished copy and releases the slot.
-    pub fn complete(mut self, bytes: u64, duration: Option<Duration>) {
+    pub fn complete(mut self, bytes: u64) {
         if let Some(inner) = self.inner.take() {
-            inner.release_slot(self.dir, self.owner, Some((bytes, duration)));
+            inner.release_slot(self.dir, self.owner, Some(bytes));
         }
     }
 }

@@ -417,10 +417,10 @@ fn slot_tokens_release_on_drop_and_record_completions() {
         .acquire_slot(Direction::D2h, Owner::Activations, Priority::Speculative)
         .expect("separate pool");
     assert_eq!(rig.conductor.metrics().expect("enabled").h2d_inflight, 3);
-    t1.complete(4 * MIB, Some(Duration::from_millis(2)));
+    t1.complete(4 * MIB);
     drop(t2);
     drop(over);
-    d2h.complete(MIB, Some(Duration::from_millis(1)));
+    d2h.complete(MIB);
     let m = rig.conductor.metrics().expect("enabled");
     assert_eq!((m.h2d_inflight, m.d2h_inflight), (0, 0));
     assert_eq!((m.h2d_bytes, m.d2h_bytes), (4 * MIB, MIB));
@@ -711,7 +711,7 @@ fn tokens_and_handles_cross_threads() {
             let t = c
                 .acquire_slot(Direction::H2d, Owner::Activations, Priority::Required)
                 .expect("slot");
-            t.complete(3 * MIB, Some(Duration::from_micros(500)));
+            t.complete(3 * MIB);
             c.metrics().map(|m| m.h2d_bytes)
         })
     };

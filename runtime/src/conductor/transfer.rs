@@ -46,8 +46,6 @@ pub struct TransferCounts {
     pub over_limit_grants: u64,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
-    /// Time of the timed copies (see `EventKind::TransferCompleted`).
-    pub transfer_ms: f64,
 }
 
 /// The two slot pools and the contention counter.
@@ -170,13 +168,12 @@ impl TransferManager {
         p.inflight
     }
 
-    /// Records a finished copy, with its duration when it was timed.
-    pub fn record_completion(&mut self, dir: Direction, bytes: u64, duration_ms: Option<f64>) {
+    /// Records a finished copy's bytes.
+    pub fn record_completion(&mut self, dir: Direction, bytes: u64) {
         match dir {
             Direction::H2d => self.counts.h2d_bytes += bytes,
             Direction::D2h => self.counts.d2h_bytes += bytes,
         }
-        self.counts.transfer_ms += duration_ms.unwrap_or(0.0);
     }
 }
 
@@ -274,11 +271,11 @@ mod tests {
     #[test]
     fn completions_add_bytes_per_direction() {
         let mut t = TransferManager::new(1, 1);
-        t.record_completion(Direction::H2d, 10, Some(1.5));
-        t.record_completion(Direction::D2h, 3, Some(0.5));
-        t.record_completion(Direction::H2d, 5, None);
+        t.record_completion(Direction::H2d, 10);
+        t.record_completion(Direction::D2h, 3);
+        t.record_completion(Direction::H2d, 5);
         let c = t.counts();
-        assert_eq!((c.h2d_bytes, c.d2h_bytes, c.transfer_ms), (15, 3, 2.0), "a copy that was not timed adds bytes, no time");
+        assert_eq!((c.h2d_bytes, c.d2h_bytes), (15, 3));
         t.reset_counts();
         assert_eq!(t.counts(), TransferCounts::default());
     }

@@ -28,14 +28,11 @@ impl CudaBackend {
         Ok(CudaBackend { ctx, name, total })
     }
 
-    fn timed_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
-        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(cuda_err("creating an event"))
-    }
-
-    fn untimed_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
-        ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(cuda_err("creating an event"))
+    /// A new event; only `timed` ones can be measured against each other (an event without
+    /// timing costs a copy stream nothing, see `StreamBackend::timed_every`).
+    fn event(ctx: &Arc<CudaContext>, timed: bool) -> Result<CudaEvent> {
+        let flags = if timed { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        ctx.new_event(Some(flags)).map_err(cuda_err("creating an event"))
     }
 }
 
@@ -97,7 +94,7 @@ impl Backend for CudaBackend {
     }
 
     fn record_compute(&self) -> Result<StreamEvent> {
-        let ev = Self::timed_event(&self.ctx)?;
+        let ev = Self::event(&self.ctx, true)?;
         // SAFETY: the null stream is libtorch's (legacy default) compute stream; the event is live.
         unsafe { result::event::record(ev.cu_event(), std::ptr::null_mut()) }
             .map_err(cuda_err("recording on the compute stream"))?;
@@ -142,7 +139,7 @@ impl StreamBackend for CudaStreamBackend {
 
     fn record(&self, timed: bool) -> Result<StreamEvent> {
         let ctx = self.stream.context();
-        let ev = if timed { CudaBackend::timed_event(ctx)? } else { CudaBackend::untimed_event(ctx)? };
+        let ev = CudaBackend::event(ctx, timed)?;
         ev.record(&self.stream).map_err(cuda_err("recording an event"))?;
         Ok(StreamEvent(Arc::new(CudaEventBackend(ev))))
     }
