@@ -18,7 +18,9 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -556,6 +558,46 @@ int stagehand_cuda_mem_info(int device, uint64_t* free_bytes, uint64_t* total_by
     return 2;
   }
 }
+
+// ---- mixed precision ------------------------------------------------------------------------
+
+static c10::DeviceType autocast_device(int cuda) { return cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU; }
+
+// This thread's autocast state for a device type (0 CPU, 1 CUDA): enabled, and the dtype as
+// libtorch's ScalarType code.
+void stagehand_autocast_get(int cuda, int* enabled, int* dtype) {
+  auto d = autocast_device(cuda);
+  *enabled = at::autocast::is_autocast_enabled(d) ? 1 : 0;
+  *dtype = static_cast<int>(at::autocast::get_autocast_dtype(d));
+}
+
+// Sets this thread's autocast state for a device type and enters (or, `enter` 0, leaves) one
+// level of nesting; leaving the outermost level clears the cache of casts made inside it.
+int stagehand_autocast_set(int cuda, int enabled, int dtype, int enter, char* err, size_t err_len) {
+  try {
+    auto d = autocast_device(cuda);
+    at::autocast::set_autocast_dtype(d, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(d, enabled != 0);
+    if (enter) {
+      at::autocast::increment_nesting();
+    } else if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
+
+// TF32 for float32 matmuls (cuBLAS) and convolutions (cuDNN), process-wide, as
+// torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32.
+void stagehand_set_tf32(int on) {
+  at::globalContext().setFloat32MatmulPrecision(on ? "high" : "highest");
+  at::globalContext().setAllowTF32CuDNN(on != 0);
+}
+
+int stagehand_tf32() { return at::globalContext().allowTF32CuBLAS() ? 1 : 0; }
 
 // libgomp's (libtorch's OpenMP runtime): sets the calling thread's team size for its parallel
 // regions, and no other thread's.

@@ -17,6 +17,7 @@ pub mod nn;
 pub mod optim;
 #[cfg(feature = "torch")]
 pub(crate) mod pinned;
+pub mod precision;
 #[cfg(feature = "torch")]
 pub mod saved;
 #[cfg(feature = "torch")]
@@ -29,5 +30,6 @@ pub(crate) mod transfer;
 pub mod weights;
 
 pub use error::{Error, Result};
+pub use precision::{LossScaler, Precision, StateStorage};
 #[cfg(feature = "torch")]
 pub use session::{OomReport, Plan, Stagehand, StagehandBuilder, StepReport};

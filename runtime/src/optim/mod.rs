@@ -21,6 +21,7 @@
 mod clip;
 pub(crate) mod groups;
 mod host;
+pub(crate) mod kernel;
 mod optimizer;
 pub mod state;
 pub(crate) mod stepper;

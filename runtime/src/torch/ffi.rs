@@ -141,6 +141,17 @@ extern "C" {
     ) -> c_int;
     pub(crate) fn stagehand_cuda_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     pub(crate) fn stagehand_set_local_intra_op_threads(n: c_int);
+    pub(crate) fn stagehand_autocast_get(cuda: c_int, enabled: *mut c_int, dtype: *mut c_int);
+    pub(crate) fn stagehand_autocast_set(
+        cuda: c_int,
+        enabled: c_int,
+        dtype: c_int,
+        enter: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    pub(crate) fn stagehand_set_tf32(on: c_int);
+    pub(crate) fn stagehand_tf32() -> c_int;
     pub(crate) fn stagehand_cuda_mem_info(
         device: c_int,
         free_bytes: *mut u64,

@@ -2,6 +2,7 @@
 //! the device allocator's statistics, and libtorch's optimizers with their groups and state.
 
 pub mod alloc;
+pub mod amp;
 pub(crate) mod ffi;
 pub mod hooks;
 mod init;
