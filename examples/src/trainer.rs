@@ -282,6 +282,7 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
             step_time_s: dt,
             tokens: cfg.tokens(),
             vram_peak_bytes: mem.peak,
+            ..Default::default()
         }));
         s.peak_bytes = s.peak_bytes.max(mem.peak);
         s.step_peaks.push(mem.peak);

@@ -60,6 +60,16 @@ impl Precision {
         self == Precision::Fp16
     }
 
+    /// The 16-bit dtype floating weights stream and compute in (`None`: their own).
+    #[cfg(feature = "torch")]
+    pub fn compute_kind(self) -> Option<tch::Kind> {
+        match self {
+            Precision::Bf16 => Some(tch::Kind::BFloat16),
+            Precision::Fp16 => Some(tch::Kind::Half),
+            Precision::Fp32 | Precision::Tf32 => None,
+        }
+    }
+
     /// Bytes of one streamed weight element on the device and over PCIe.
     pub fn weight_bytes(self) -> u64 {
         if self.is_mixed() {

@@ -22,6 +22,7 @@ use super::state::{Shared, State};
 use crate::error::{Error, Result};
 use crate::events::{BlockId, EventKind, PackDecision, TensorId};
 use crate::saved::WeightSave;
+use crate::torch::amp::AutocastState;
 use crate::torch::{HookError, Recompute, RecomputeFn, StorageWatch, TensorIdentity};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::Instant;
@@ -50,11 +51,21 @@ where
 }
 
 /// [`recompute`], returning the runtime's errors.
-pub fn f_recompute<F>(sources: &[&Tensor], f: F) -> Result<Tensor>
+pub fn f_recompute<F>(sources: &[&Tensor], mut f: F) -> Result<Tensor>
 where
     F: FnMut(&[Tensor]) -> Tensor + Send + 'static,
 {
-    let f = RecomputeFn::new(f);
+    // Backward recomputes on another thread: under the autocast the forward ran with, or the
+    // recomputation would compute other values (and save tensors of other dtypes).
+    let autocast = [AutocastState::current(false), AutocastState::current(true)];
+    let f = if autocast.iter().any(|a| a.enabled) {
+        RecomputeFn::new(move |s: &[Tensor]| {
+            let _guards: Vec<_> = autocast.iter().filter_map(|a| a.apply().ok()).collect();
+            f(s)
+        })
+    } else {
+        RecomputeFn::new(f)
+    };
     let args: Vec<Tensor> = sources.iter().map(|t| t.shallow_clone()).collect();
     let Some(store) = crate::torch::hooks::current_store() else { return Ok(f.call(&args)) };
     if !crate::torch::hooks::outside_hooks("opening a recompute scope", || store.open_recompute())? {

@@ -41,7 +41,7 @@ fn variables(vars: &Mutex<tch::nn::Variables>, rt: Option<&WeightRuntime>) -> Ve
     if let Some(rt) = rt {
         for b in rt.blocks() {
             for (i, p) in b.params.iter().enumerate() {
-                managed.insert(p.name.clone(), (b.id, i, p.kind, p.shape.clone()));
+                managed.insert(p.name.clone(), (b.id, i, p.declared, p.shape.clone()));
             }
         }
     }

@@ -101,6 +101,10 @@ pub struct LayerOptions {
     /// Storage dtype for managed weights. Default `None`: keep the VarStore's dtype (a cast is
     /// opt-in so an f32 model stays exact).
     pub dtype: Option<Kind>,
+    /// What managed weights stream and compute in: under mixed precision (bf16, fp16)
+    /// floating weights stream in 16 bits and trained ones keep a float32 master on the host
+    /// ([`crate::precision`]). Default fp32: the VarStore's dtypes.
+    pub precision: crate::precision::Precision,
     /// Forward only: no backward in the itinerary, no saved-tensor hooks.
     pub inference_mode: bool,
     /// In inference mode, blocks pinned along the forward so that every copy overlaps compute
@@ -134,6 +138,7 @@ impl Default for LayerOptions {
             ram_budget: None,
             prefetch_k: crate::weights::config::DEFAULT_PREFETCH_WINDOW,
             dtype: None,
+            precision: crate::precision::Precision::Fp32,
             inference_mode: false,
             cyclic_pins: true,
             telemetry: Bus::disabled(),

@@ -227,6 +227,7 @@ impl ManagedVarStore {
         let total = device.is_cuda().then(|| device.info().total_bytes);
         let mut cfg = WeightConfig::layer_auto(1, opts.prefetch_k, opts.vram_budget, opts.ram_budget, total);
         cfg.inference_mode = opts.inference_mode;
+        cfg.precision = opts.precision;
         cfg.cyclic_pins = opts.cyclic_pins;
         if let Some(room) = opts.weight_room {
             cfg.weight_budget_bytes = Some(room);

@@ -14,17 +14,18 @@ use super::state::fit_state;
 use super::stepper::{self, Stepper};
 use super::{Algorithm, GradClip, Kernel};
 use crate::error::{Error, Result};
+use crate::precision::StateStorage;
 use crate::torch::optim::set_grad;
 use crate::torch::{ParamState, TorchOptimizer, VariableId};
 use crate::weights::runtime::Origin;
 use crate::weights::WeightRuntime;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// The maker of host steps the weight runtime calls (on the training thread, when a block's
 /// step is queued), over the blocks' optimizer states and the group options of that moment.
-fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>, groups: Arc<Mutex<Groups>>) -> stepper::JobMaker {
+fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>, groups: Arc<Mutex<Groups>>, grad_scale: f32) -> stepper::JobMaker {
     Box::new(move |id, received, ready| {
         let state = host
             .get(&id.0)
@@ -33,6 +34,7 @@ fn job_maker(host: Arc<HashMap<u32, Arc<Mutex<BlockOptimizer>>>>, groups: Arc<Mu
             state: state.clone(),
             received: received.to_vec(),
             groups: lock_groups(&groups).clone(),
+            grad_scale,
             ready,
         }) as Box<dyn stepper::Job>)
     })
@@ -51,6 +53,9 @@ pub(super) struct DeviceParam {
     pub id: VariableId,
     pub var: Tensor,
     pub name: Option<String>,
+    /// A 16-bit variable's float32 master on its device: the device optimizer steps the master
+    /// and the variable gets its rounding, so 16-bit weights are never updated in 16 bits.
+    pub master: Option<Tensor>,
 }
 
 /// A trainable variable of the origin VarStore, in the store's order (tch's optimizer order).
@@ -94,6 +99,10 @@ pub struct Optimizer {
     pub(super) groups: Arc<Mutex<Groups>>,
     pub(super) algorithm: Algorithm,
     kernel: Kernel,
+    /// How host optimizer state is stored.
+    storage: StateStorage,
+    /// Gradients are multiplied by this before the update (1 / the loss scale under fp16).
+    grad_scale: f32,
     cover: Cover,
     pub(super) origin: Option<Origin>,
     clip: Option<GradClip>,
@@ -170,6 +179,8 @@ impl Optimizer {
             groups: Arc::new(Mutex::new(Groups::new(algorithm.group_defaults(lr), count))),
             algorithm,
             kernel,
+            storage: StateStorage::Fp32,
+            grad_scale: 1.0,
             cover,
             origin,
             clip: None,
@@ -189,6 +200,61 @@ impl Optimizer {
     /// The algorithm.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
+    }
+
+    /// Stores the host optimizer's state of streamed blocks in `storage` (default float32):
+    /// bfloat16 halves it, 8 bits block-wise quarters it. Compressed state needs the fused
+    /// kernel and Adam or AdamW. Only before the first step.
+    pub fn set_state_storage(&mut self, storage: StateStorage) -> Result<()> {
+        if !self.host.is_empty() {
+            return Err(Error::misuse("changing the optimizer state's storage", "set it before the first step"));
+        }
+        if storage != StateStorage::Fp32 && (self.kernel != Kernel::Fused || self.algorithm.fused().is_none()) {
+            return Err(Error::Config {
+                field: "optimizer_state",
+                value: storage.name().into(),
+                expected: format!(
+                    "fp32 for {} with the {:?} kernel (compressed state needs Adam or AdamW with the fused kernel)",
+                    self.algorithm.name(),
+                    self.kernel
+                ),
+            });
+        }
+        self.storage = storage;
+        Ok(())
+    }
+
+    /// How the host optimizer's state is stored.
+    pub fn state_storage(&self) -> StateStorage {
+        self.storage
+    }
+
+    /// Whether a gradient of this window holds an infinity or NaN (fp16's overflow check): the
+    /// streamed blocks' host gradients (complete once `collect_grads` returned) and the device
+    /// variables' gradients.
+    pub(crate) fn found_inf(&mut self) -> Result<bool> {
+        self.ensure_built()?;
+        let finite = |t: &Tensor| -> Result<bool> { Ok(t.f_isfinite()?.f_all()?.f_int64_value(&[])? != 0) };
+        let ids: Vec<u32> = self.host.keys().copied().collect();
+        for id in ids {
+            for (_, g) in self.rt.received_grads(crate::events::BlockId(id))? {
+                if !finite(&g)? {
+                    return Ok(true);
+                }
+            }
+        }
+        for p in &self.device_params {
+            let g = p.var.grad();
+            if g.defined() && !finite(&g)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Multiplies every gradient by `scale` before the next updates (fp16's 1 / loss scale).
+    pub(crate) fn set_grad_scale(&mut self, scale: f32) {
+        self.grad_scale = scale;
     }
 
     /// Clips gradients in every [`step`](Self::step) from now on (`None`: no clipping). Steps
@@ -219,20 +285,18 @@ impl Optimizer {
             }
             let hp = self.rt.lock().host_params(id)?;
             let spec = specs.get(id.0 as usize).ok_or_else(|| Error::UnknownBlock(id.to_string()))?;
-            let params = hp
-                .params
+            let params: Vec<HostParam> = hp
                 .into_iter()
-                .map(|(i, value, grad)| {
-                    let name = spec.params[i].name.clone();
+                .map(|p| {
+                    let name = spec.params[p.index].name.clone();
                     let group = group_by_name.get(name.as_str()).copied().unwrap_or(0);
-                    let grad = grad.ok_or_else(|| Error::internal("a trained parameter without a host gradient"))?;
-                    Ok(HostParam { name, value, grad, group })
+                    HostParam { name, value: p.value, grad: p.grad, copy: p.copy, group }
                 })
-                .collect::<Result<Vec<_>>>()?;
+                .collect();
             if let Some(g) = params.iter().map(|p| p.group).max() {
                 lock_groups(&self.groups).ensure(g);
             }
-            let mut state = BlockOptimizer::new(params, self.algorithm, self.kernel)?;
+            let mut state = BlockOptimizer::new(params, self.algorithm, self.kernel, self.storage)?;
             for i in 0..state.params().len() {
                 if let Some(st) = self.pending.remove(&state.params()[i].name) {
                     let st = fit_state(&self.algorithm, &state.params()[i].name, &st, &state.params()[i].value)?;
@@ -265,14 +329,22 @@ impl Optimizer {
                 Some(o) => o,
                 None => self.device.insert(TorchOptimizer::new(&self.algorithm, lock_groups(&self.groups).get(0).lr)?),
             };
-            opt.add(&var, group)?;
+            // A 16-bit variable trains through a float32 master beside it.
+            let master = if matches!(var.kind(), Kind::BFloat16 | Kind::Half) && var.requires_grad() {
+                let m = tch::no_grad(|| var.f_to_kind(Kind::Float))?.f_detach_copy()?.set_requires_grad(true);
+                Some(m)
+            } else {
+                None
+            };
+            let stepped = master.as_ref().unwrap_or(&var);
+            opt.add(stepped, group)?;
             let name = name_by_id.get(&id).map(|n| n.to_string());
             if let Some(st) = name.as_ref().and_then(|n| self.pending.remove(n)) {
-                let st = fit_state(&self.algorithm, name.as_deref().unwrap_or("?"), &st, &var)?;
-                opt.set_state(&var, &st)?;
+                let st = fit_state(&self.algorithm, name.as_deref().unwrap_or("?"), &st, stepped)?;
+                opt.set_state(stepped, &st)?;
             }
             self.device_applied = 0;
-            self.device_params.push(DeviceParam { id, var, name });
+            self.device_params.push(DeviceParam { id, var, name, master });
         }
         self.built = Some(key);
         Ok(())
@@ -368,11 +440,55 @@ impl Optimizer {
             }
             None => {}
         }
-        if let Some(d) = &mut self.device {
-            d.step()?;
+        if self.device.is_some() {
+            self.device_params_in()?;
+            if let Some(d) = &mut self.device {
+                d.step()?;
+            }
+            self.device_params_out()?;
         }
-        let mut make = job_maker(self.host.clone(), self.groups.clone());
+        let mut make = job_maker(self.host.clone(), self.groups.clone(), self.grad_scale);
         self.rt.lock().submit_updates(|id, received, ready| make(id, received, ready))
+    }
+
+    /// Before the device step: 16-bit variables' gradients go to their masters in float32, and
+    /// every gradient is unscaled.
+    fn device_params_in(&self) -> Result<()> {
+        let scale = f64::from(self.grad_scale);
+        tch::no_grad(|| -> Result<()> {
+            for p in &self.device_params {
+                let mut g = p.var.grad();
+                match &p.master {
+                    Some(m) if g.defined() => {
+                        let mut g32 = g.f_to_kind(Kind::Float)?;
+                        if scale != 1.0 {
+                            g32 = g32.f_mul_scalar(scale)?;
+                        }
+                        set_grad(m, Some(&g32))?;
+                    }
+                    Some(m) => set_grad(m, None)?,
+                    None if g.defined() && scale != 1.0 => {
+                        let _ = g.f_mul_scalar_(scale)?;
+                    }
+                    None => {}
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// After the device step: 16-bit variables take their masters' rounding.
+    fn device_params_out(&self) -> Result<()> {
+        tch::no_grad(|| -> Result<()> {
+            for p in &self.device_params {
+                if let Some(m) = &p.master {
+                    if m.grad().defined() {
+                        p.var.detach().f_copy_(m)?;
+                    }
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Declares that an optimizer step follows the next backward: the host steps of streamed
@@ -384,7 +500,7 @@ impl Optimizer {
             return Ok(());
         }
         self.ensure_built()?;
-        self.rt.lock().arm_updates(job_maker(self.host.clone(), self.groups.clone()))
+        self.rt.lock().arm_updates(job_maker(self.host.clone(), self.groups.clone(), self.grad_scale))
     }
 
     /// `zero_grad`, `backward` of `loss`, `step` (tch's `backward_step`), with the host steps

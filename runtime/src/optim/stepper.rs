@@ -16,9 +16,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// One block's optimizer step.
+/// One block's optimizer step; `pool` is the worker's thread pool for kernels of Stagehand's
+/// own (`None`: rayon's global pool, one thread per core).
 pub(crate) trait Job: Send {
-    fn run(&mut self) -> Result<()>;
+    fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()>;
 }
 
 /// Makes a block's step: given the block, which of its parameters received a gradient in this
@@ -147,6 +148,8 @@ fn work(shared: &Shared) {
     // before this thread sets its own: what `None` goes back to.
     let default = usize::try_from(tch::get_num_threads()).unwrap_or(1).max(1);
     let mut applied = None;
+    // Stagehand's own kernels run on a pool of the same size (rayon's global pool when unset).
+    let mut pool: Option<rayon::ThreadPool> = None;
     let mut st = shared.lock();
     loop {
         if st.shutdown {
@@ -160,10 +163,17 @@ fn work(shared: &Shared) {
         drop(st);
         if threads != applied {
             crate::torch::optim::set_local_intra_op_threads(threads.unwrap_or(default));
+            pool = threads.and_then(|n| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n.max(1))
+                    .thread_name(|i| format!("stagehand-optim-{i}"))
+                    .build()
+                    .ok()
+            });
             applied = threads;
         }
         let t0 = Instant::now();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run()));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(pool.as_ref())));
         let took = t0.elapsed();
         st = shared.lock();
         st.busy += took;
@@ -194,7 +204,7 @@ mod tests {
 
     struct Record(Arc<Mutex<Vec<u32>>>, u32, Arc<AtomicU32>);
     impl Job for Record {
-        fn run(&mut self) -> Result<()> {
+        fn run(&mut self, _: Option<&rayon::ThreadPool>) -> Result<()> {
             // Hold the first job until every job is queued, so the order is the queue's.
             while self.2.load(Ordering::SeqCst) == 0 {
                 std::thread::yield_now();
@@ -225,8 +235,12 @@ mod tests {
     /// Reports the intra-op thread count its step would use.
     struct Threads(Arc<Mutex<Vec<i32>>>);
     impl Job for Threads {
-        fn run(&mut self) -> Result<()> {
+        fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()> {
             self.0.lock().expect("log").push(tch::get_num_threads());
+            // Stagehand's kernels get a pool of the same size.
+            if let Some(p) = pool {
+                assert_eq!(p.current_num_threads() as i32, tch::get_num_threads());
+            }
             Ok(())
         }
     }
@@ -253,7 +267,7 @@ mod tests {
     fn a_failed_step_is_reported_to_every_waiter() {
         struct Fail;
         impl Job for Fail {
-            fn run(&mut self) -> Result<()> {
+            fn run(&mut self, _: Option<&rayon::ThreadPool>) -> Result<()> {
                 Err(Error::internal("boom"))
             }
         }

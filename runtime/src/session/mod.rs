@@ -51,6 +51,7 @@ use crate::error::{Error, Result};
 use crate::events::{Bus, EventKind, Hub, Owner};
 use crate::nn::{Grouping, LayerOptions, ManagedVarStore, Path};
 use crate::optim::{Algorithm, Kernel, Optimizer};
+use crate::precision::{Precision, StateStorage};
 use crate::weights::WeightRuntime;
 use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -78,6 +79,8 @@ pub struct StagehandBuilder {
     telemetry: Option<crate::events::TelemetryConfig>,
     guards: bool,
     checksums: bool,
+    precision: Precision,
+    optimizer_state: StateStorage,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -90,11 +93,30 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("telemetry", &self.telemetry)
             .field("guards", &self.guards)
             .field("checksums", &self.checksums)
+            .field("precision", &self.precision)
+            .field("optimizer_state", &self.optimizer_state)
             .finish_non_exhaustive()
     }
 }
 
 impl StagehandBuilder {
+    /// What the run computes and updates in (default fp32; see [`crate::precision`]). Under
+    /// bf16 and fp16, streamed weights and their gradients cross PCIe and live on the device in
+    /// 16 bits, the host optimizer updates float32 masters, and the forward runs under autocast
+    /// (losses, softmaxes and norms in float32); fp16 adds dynamic loss scaling. tf32 keeps
+    /// float32 storage with TF32 matmuls on CUDA.
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.precision = p;
+        self
+    }
+
+    /// How the host optimizer stores its state (default fp32; bf16 halves it, int8 quarters it:
+    /// see [`StateStorage`]). Compressed state needs Adam or AdamW.
+    pub fn optimizer_state(mut self, s: StateStorage) -> Self {
+        self.optimizer_state = s;
+        self
+    }
+
     /// The device memory the run may use, in bytes (required).
     pub fn budget_bytes(mut self, bytes: u64) -> Self {
         self.budget = Some(bytes);
@@ -219,6 +241,7 @@ impl StagehandBuilder {
             });
         }
         let bus = self.bus.unwrap_or_default();
+        let tf32 = (self.precision == Precision::Tf32 && device.is_cuda()).then(|| crate::torch::amp::set_tf32(true));
         // First, so the file and the flight recorder see the run from its first event.
         let telemetry = self.telemetry.map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
         let guards = self.guards.then(|| device.arm_guards(&bus));
@@ -248,6 +271,7 @@ impl StagehandBuilder {
                 auto_step: false,
                 // The plan measures the device before it places them.
                 place_unmanaged: false,
+                precision: self.precision,
                 ..LayerOptions::default()
             },
         )?;
@@ -267,6 +291,9 @@ impl StagehandBuilder {
             telemetry,
             guards,
             checksums: self.checksums,
+            precision: self.precision,
+            optimizer_state: self.optimizer_state,
+            tf32_before: tf32,
             _attached: attached,
         })
     }
@@ -290,8 +317,20 @@ pub struct Stagehand {
     telemetry: Option<crate::events::Telemetry>,
     guards: Option<Arc<crate::guards::Guards>>,
     checksums: bool,
+    precision: Precision,
+    optimizer_state: StateStorage,
+    /// Whether TF32 was on before this handle turned it on (put back when it drops).
+    tf32_before: Option<bool>,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
+}
+
+impl Drop for Stagehand {
+    fn drop(&mut self) {
+        if let Some(was) = self.tf32_before {
+            crate::torch::amp::set_tf32(was);
+        }
+    }
 }
 
 impl std::fmt::Debug for Stagehand {
@@ -322,7 +361,14 @@ impl Stagehand {
             telemetry: None,
             guards: false,
             checksums: crate::activations::config::DEFAULT_DEBUG_CHECKSUMS,
+            precision: Precision::Fp32,
+            optimizer_state: StateStorage::Fp32,
         }
+    }
+
+    /// The run's precision.
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The root path to build the model on (Stagehand's layers stream; `tch::nn` layers made on
@@ -380,8 +426,13 @@ impl Stagehand {
     /// an [`Algorithm`]).
     pub fn optimizer(&self, algorithm: impl Into<Algorithm>, lr: f64) -> Result<Optimizer> {
         let algorithm = algorithm.into();
-        let kernel = self.kernel.unwrap_or_else(|| Kernel::auto(&algorithm, self.device.is_cuda()));
-        let opt = Optimizer::for_var_store(self.weights(), algorithm, lr, kernel)?;
+        // Compressed state lives only in the fused kernel.
+        let compressed = self.optimizer_state != StateStorage::Fp32;
+        let kernel = self
+            .kernel
+            .unwrap_or_else(|| if compressed { Kernel::Fused } else { Kernel::auto(&algorithm, self.device.is_cuda()) });
+        let mut opt = Optimizer::for_var_store(self.weights(), algorithm, lr, kernel)?;
+        opt.set_state_storage(self.optimizer_state)?;
         opt.set_host_threads(self.optimizer_threads);
         self.run().optimizer_state_factor = match algorithm {
             Algorithm::Adam { .. } | Algorithm::AdamW { .. } => 2,
@@ -439,6 +490,14 @@ impl Stagehand {
             unmanaged_frozen_bytes: unmanaged.1,
             optimizer_state_factor: run.optimizer_state_factor,
             baseline_bytes: baseline,
+            precision: self.precision,
+            state_storage: self.optimizer_state,
+            trained_elements: specs
+                .iter()
+                .flat_map(|b| b.params.iter().filter(|p| p.trainable))
+                .map(|p| p.numel().max(0) as u64)
+                .sum(),
+            master_elements: specs.iter().flat_map(|b| b.params.iter().filter(|p| p.has_master())).map(|p| p.numel().max(0) as u64).sum(),
         };
         let machine = Machine {
             device_bytes: self.device.info().total_bytes,

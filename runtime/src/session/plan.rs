@@ -23,6 +23,7 @@
 //! fit in the memory the host has available.
 
 use crate::error::{Error, Result};
+use crate::precision::{Precision, StateStorage};
 use serde::{Deserialize, Serialize};
 
 const MIB: u64 = 1 << 20;
@@ -49,6 +50,20 @@ pub struct ModelFacts {
     /// counts against the budget.
     #[serde(default)]
     pub baseline_bytes: u64,
+    /// The run's precision: under mixed precision trained blocks never stay resident (they
+    /// train on the host, against their float32 masters).
+    #[serde(default)]
+    pub precision: Precision,
+    /// How the host optimizer stores its state.
+    #[serde(default)]
+    pub state_storage: StateStorage,
+    /// Elements of the managed blocks' trainable parameters (the host optimizer's state is
+    /// sized from them).
+    #[serde(default)]
+    pub trained_elements: u64,
+    /// Elements with a float32 master on the host (trained parameters streamed in 16 bits).
+    #[serde(default)]
+    pub master_elements: u64,
 }
 
 /// The machine the plan must fit.
@@ -104,6 +119,9 @@ pub struct Plan {
     pub pool_limit_bytes: u64,
     /// Host bytes of optimizer state (pageable).
     pub optimizer_state_bytes: u64,
+    /// Host bytes of float32 masters (pageable; mixed precision).
+    #[serde(default)]
+    pub master_bytes: u64,
     /// The derivation, one line per decision.
     pub reasons: Vec<String>,
 }
@@ -161,7 +179,10 @@ impl Plan {
             mib(usable)
         ));
         let all: u64 = model.blocks.iter().map(|&(b, t)| cost(b, t)).sum();
-        if all <= usable / 2 {
+        // Under mixed precision a trained block trains on the host against its float32 master:
+        // it streams, whatever its size.
+        let may_stay = |trainable: bool| !(trainable && model.precision.is_mixed());
+        if all <= usable / 2 && model.blocks.iter().all(|b| may_stay(b.1)) {
             p.resident_blocks = (0..model.blocks.len()).collect();
             p.resident_bytes = all;
             p.reasons.push(format!(
@@ -171,7 +192,7 @@ impl Plan {
         } else {
             let small = largest / SMALL_BLOCK_FRACTION;
             for (i, &(b, t)) in model.blocks.iter().enumerate() {
-                if b <= small {
+                if b <= small && may_stay(t) {
                     p.resident_blocks.push(i);
                     p.resident_bytes += cost(b, t);
                 }
@@ -266,10 +287,12 @@ impl Plan {
         let weights_host: u64 = model.blocks.iter().map(|b| b.0).sum();
         let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum();
         p.pinned_bytes = weights_host + grads_host;
-        p.optimizer_state_bytes = grads_host * state;
-        let host_left = machine
-            .host_available_bytes
-            .saturating_sub(p.pinned_bytes + p.optimizer_state_bytes);
+        // Facts from before the element counts (serde default): each trained byte a float32.
+        let trained = if model.trained_elements > 0 { model.trained_elements } else { grads_host / 4 };
+        p.optimizer_state_bytes = (trained as f64 * model.state_storage.bytes_per_param(state)).ceil() as u64;
+        p.master_bytes = model.master_elements * 4;
+        let host_need = p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes;
+        let host_left = machine.host_available_bytes.saturating_sub(host_need);
         // The activation pool is sized from what a traced step spills at once, which depends on
         // the model's activations, not on the device's room: a model whose activations are many
         // times the room needs that much pinned memory. The limit only keeps the pool within
@@ -279,21 +302,31 @@ impl Plan {
         } else {
             8 * activations.max(MIB)
         };
-        if machine.host_available_bytes > 0 && p.pinned_bytes + p.optimizer_state_bytes > machine.host_available_bytes {
+        let per_param = host_bytes_per_param(model, state);
+        if machine.host_available_bytes > 0 && host_need > machine.host_available_bytes {
             return Err(Error::Config {
                 field: "model",
                 value: format!(
-                    "{} of host weights and gradients plus {} of optimizer state",
+                    "{} of host weights and gradients plus {} of optimizer state ({}) plus {} of float32 masters: {} in all, {per_param}",
                     mib(p.pinned_bytes),
-                    mib(p.optimizer_state_bytes)
+                    mib(p.optimizer_state_bytes),
+                    model.state_storage,
+                    mib(p.master_bytes),
+                    mib(host_need)
                 ),
-                expected: format!("at most the host's available memory, {}", mib(machine.host_available_bytes)),
+                expected: format!(
+                    "at most the host's available memory, {}{}",
+                    mib(machine.host_available_bytes),
+                    if model.state_storage == StateStorage::Int8 { "" } else { " (optimizer_state(StateStorage::Int8) stores the state in about a quarter of the bytes)" }
+                ),
             });
         }
         p.reasons.push(format!(
-            "host: {} pinned for weights and gradients, {} of optimizer state, activation pool at most {}",
+            "host: {} pinned for weights and gradients, {} of optimizer state ({}), {} of float32 masters, activation pool at most {}; {per_param}",
             mib(p.pinned_bytes),
             mib(p.optimizer_state_bytes),
+            model.state_storage,
+            mib(p.master_bytes),
             mib(p.pool_limit_bytes)
         ));
         Ok(p)
@@ -312,6 +345,21 @@ impl Plan {
         let high = self.spill_high_bytes - kept / 2;
         (high, high.saturating_sub(self.spill_high_bytes - self.spill_low_bytes))
     }
+}
+
+/// "16.0 host bytes per trained parameter (float32 master 4, pinned bf16 copy 2, ...)".
+fn host_bytes_per_param(model: &ModelFacts, state_tensors: u64) -> String {
+    let mixed = model.master_elements > 0;
+    let (copy, grad) = if model.precision.is_mixed() { (2.0, 2.0) } else { (4.0, 4.0) };
+    let master = if mixed { 4.0 } else { 0.0 };
+    let st = model.state_storage.bytes_per_param(state_tensors);
+    let dtype = if model.precision.is_mixed() { model.precision.name() } else { "float32" };
+    format!(
+        "{:.1} host bytes per trained parameter ({}pinned {dtype} copy {copy}, pinned {dtype} gradient {grad}, optimizer state {st:.2} in {})",
+        master + copy + grad + st,
+        if mixed { "float32 master 4, " } else { "" },
+        model.state_storage
+    )
 }
 
 /// Host memory available now (`MemAvailable`), or 0 when it cannot be read.

@@ -27,6 +27,8 @@ pub(super) struct Run {
     pub tokens: u64,
     /// Said once: the spill watermarks cannot go lower and steps still exceed the budget.
     pub warned_floor: bool,
+    /// fp16's dynamic loss scale.
+    pub scaler: crate::precision::LossScaler,
 }
 
 impl Default for Run {
@@ -37,6 +39,7 @@ impl Default for Run {
             optimizer_state_factor: 2,
             tokens: 0,
             warned_floor: false,
+            scaler: crate::precision::LossScaler::default(),
         }
     }
 }
@@ -54,6 +57,11 @@ pub struct StepReport {
     pub vram_peak_bytes: u64,
     /// The first NaN or infinity the numeric guards found in the step (guards on only).
     pub non_finite: Option<crate::guards::Finding>,
+    /// fp16: the loss scale the step's backward used.
+    pub loss_scale: Option<f64>,
+    /// fp16: the step's gradients held an infinity or NaN, so its update was skipped (and the
+    /// loss scale lowered).
+    pub skipped: bool,
 }
 
 impl Stagehand {
@@ -75,6 +83,18 @@ impl Stagehand {
             _ => conductor.end_step()?,
         }
         Ok(())
+    }
+
+    /// Runs `f` under the run's autocast (bf16 and fp16: matmuls in 16 bits, losses, softmaxes
+    /// and norms in float32, float32 variables cast per op); other precisions run it as it is.
+    /// Every forward through [`train_step`](Self::train_step) runs so; call it for a forward of
+    /// your own (an evaluation) under mixed precision.
+    pub fn autocast<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        let _guard = match self.precision.compute_kind() {
+            Some(kind) => Some(crate::torch::amp::Autocast::enter(self.device.is_cuda(), kind)?),
+            None => None,
+        };
+        Ok(f())
     }
 
     /// Device memory by owner now.
@@ -102,12 +122,13 @@ impl Stagehand {
     }
 
     fn step_inner(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
-        let (acts, conductor, step, tokens, (floor, planned)) = {
+        let (acts, conductor, step, tokens, (floor, planned), loss_scale) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
             run.step += 1;
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
-            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes))
+            let scale = self.precision.scales_loss().then(|| run.scaler.scale());
+            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes), scale)
         };
         let weights = self.weights();
         let t0 = Instant::now();
@@ -127,15 +148,22 @@ impl Stagehand {
                 Some(a) => Box::new(a.managed_forward()?),
                 None => Box::new(weights.hooks()?),
             };
-            super::forensics::catch_oom(forward)?
+            self.autocast(|| super::forensics::catch_oom(forward))??
         };
         self.guard_loss(&loss);
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
         self.enter(&conductor, step, Phase::Backward)?;
         opt.zero_grad()?;
-        // The host steps of streamed blocks start as backward leaves each one.
-        opt.overlap_next_backward()?;
-        loss.f_backward()?;
+        match loss_scale {
+            // fp16: whether the step updates is known once every gradient is in, so the host
+            // steps wait for the end of backward.
+            Some(scale) => (&loss * scale).f_backward()?,
+            None => {
+                // The host steps of streamed blocks start as backward leaves each one.
+                opt.overlap_next_backward()?;
+                loss.f_backward()?;
+            }
+        }
         weights.after_backward()?;
         self.guard_gradients();
         let e2 = self.device.record_compute()?;
@@ -148,7 +176,31 @@ impl Stagehand {
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
         self.enter(&conductor, step, Phase::Optimizer)?;
         let t_opt = Instant::now();
-        opt.step()?;
+        let skipped = match loss_scale {
+            Some(scale) => {
+                weights.collect_grads()?;
+                let overflow = opt.found_inf()?;
+                let update = self.run().scaler.update(overflow);
+                if overflow {
+                    self.bus.publish(EventKind::Warning {
+                        source: crate::events::Owner::Trainer,
+                        message: format!(
+                            "step {step}: an infinite or NaN gradient at loss scale {scale}: the update is skipped and the scale lowered to {}",
+                            update.next_scale
+                        ),
+                    });
+                } else {
+                    opt.set_grad_scale((1.0 / scale) as f32);
+                    opt.step()?;
+                    opt.set_grad_scale(1.0);
+                }
+                overflow
+            }
+            None => {
+                opt.step()?;
+                false
+            }
+        };
         weights.end_step()?;
         let e3 = self.device.record_compute()?;
         e3.synchronize()?;
@@ -193,6 +245,8 @@ impl Stagehand {
             step_time_s: step_ms / 1e3,
             tokens,
             vram_peak_bytes: mem.peak,
+            loss_scale,
+            skipped,
         }));
         self.bus.publish(EventKind::StepTime(time));
         if let Some(a) = &acts {
@@ -205,6 +259,8 @@ impl Stagehand {
             time,
             vram_peak_bytes: mem.peak,
             non_finite: self.guards_end()?,
+            loss_scale,
+            skipped,
         })
     }
 

@@ -17,8 +17,13 @@ use tch::{COptimizer, Kind, Tensor};
 /// CPU tensor viewing each parameter in it. Copies to the device read the buffer through an
 /// `Arc` clone, so `Arc::strong_count(&buf) == 1` proves no copy reads it: only then may the
 /// host optimizer write it. Field order matters: the views drop before the buffer.
+///
+/// A parameter streamed in 16 bits that trains ([`ParamSpec::has_master`]) also has a float32
+/// **master**, an ordinary CPU tensor: the optimizer updates the master and writes its 16-bit
+/// rounding into the view, so 16-bit weights are never updated in 16 bits.
 pub(crate) struct HostCopy {
     pub views: Vec<Tensor>,
+    pub masters: Vec<Option<Tensor>>,
     pub buf: Arc<HostBuffer>,
 }
 
@@ -80,10 +85,13 @@ impl Block {
     pub(crate) fn from_module(spec: BlockSpec, params: Vec<(String, Tensor)>, device: &Device) -> Result<Block> {
         let buf = device.alloc_host(spec.bytes)?;
         let mut views = Vec::with_capacity(params.len());
+        let mut masters = Vec::with_capacity(params.len());
         for (p, (_, var)) in spec.params.iter().zip(&params) {
             let mut view = host_view(&buf, p)?;
+            // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
             tch::no_grad(|| view.f_copy_(var))?;
             views.push(view);
+            masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
         }
         let mut grads = Vec::new();
         let mut grad_release = None;
@@ -121,6 +129,7 @@ impl Block {
             placeholders,
             source: Source::Host(HostCopy {
                 views,
+                masters,
                 buf: Arc::new(buf),
             }),
             placement: None,
@@ -164,11 +173,14 @@ impl Block {
             .get(i)
             .ok_or_else(|| Error::UnknownBlock(format!("{} parameter {i}", self.spec.name)))?;
         if matches!(self.placement, Some(Placement::Own(_))) {
-            return Ok(self.vars[i].detach());
+            return declared(self.vars[i].detach(), p);
         }
         match &self.source {
-            Source::Host(h) => Ok(h.views[i].detach()),
-            Source::File(f) => f.read_param(i, p),
+            Source::Host(h) => match &h.masters[i] {
+                Some(m) => declared(m.detach(), p),
+                None => declared(h.views[i].detach(), p),
+            },
+            Source::File(f) => declared(f.read_param(i, p)?, p),
         }
     }
 
@@ -179,6 +191,23 @@ impl Block {
         tch::no_grad(|| out.detach().f_copy_(&v))?;
         Ok(out)
     }
+}
+
+/// `t` in the parameter's declared dtype (a conversion only where its copy is in another).
+fn declared(t: Tensor, p: &ParamSpec) -> Result<Tensor> {
+    if t.kind() == p.declared {
+        Ok(t)
+    } else {
+        Ok(t.f_to_kind(p.declared)?)
+    }
+}
+
+/// A float32 copy of a variable's value, detached from it (the variable is re-pointed at a
+/// placeholder afterwards, so the copy must not share its memory).
+fn master_of(var: &Tensor) -> Result<Tensor> {
+    let m = Tensor::f_empty(var.size().as_slice(), (Kind::Float, tch::Device::Cpu))?;
+    tch::no_grad(|| m.detach().f_copy_(var))?;
+    Ok(m)
 }
 
 /// A CPU tensor over `bytes` of `buf` at `offset`, with `shape` and `kind`.

@@ -74,6 +74,11 @@ pub struct WeightConfig {
     /// budget"); empty: the field it was set by.
     #[serde(default)]
     pub room_origin: String,
+    /// What the blocks stream and compute in: under mixed precision (bf16, fp16) floating
+    /// parameters are registered in the 16-bit dtype, trained ones with a float32 master on the
+    /// host ([`crate::precision`]).
+    #[serde(default)]
+    pub precision: crate::precision::Precision,
 }
 
 impl Default for WeightConfig {
@@ -91,6 +96,7 @@ impl Default for WeightConfig {
             cyclic_pins: true,
             max_inflight_grad_bytes: None,
             room_origin: String::new(),
+            precision: crate::precision::Precision::Fp32,
         }
     }
 }

@@ -13,8 +13,11 @@ use tch::{Kind, Tensor};
 pub struct ParamSpec {
     /// Full VarStore path of the parameter.
     pub name: String,
-    /// Its real dtype.
+    /// Its dtype on the device and in the host copy that streams: the variable's own, or the
+    /// run's 16-bit compute dtype under mixed precision.
     pub kind: Kind,
+    /// The dtype the model made it in (checkpoints read and write this one).
+    pub declared: Kind,
     /// Its shape.
     pub shape: Vec<i64>,
     /// Byte offset inside the block (a multiple of [`PARAM_ALIGNMENT`]).
@@ -26,6 +29,12 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// Whether its host copy is a 16-bit copy of a float32 master: a trainable parameter
+    /// streamed in 16 bits, which is never updated in 16 bits.
+    pub fn has_master(&self) -> bool {
+        self.trainable && matches!(self.kind, Kind::BFloat16 | Kind::Half)
+    }
+
     /// Offset in elements of its own dtype (the storage offset of its view).
     pub fn elem_offset(&self) -> i64 {
         (self.offset / self.kind.elt_size_in_bytes()) as i64
@@ -49,8 +58,14 @@ pub struct BlockSpec {
 }
 
 impl BlockSpec {
-    /// Lays out `params` (name, tensor) back to back with aligned offsets.
+    /// Lays out `params` (name, tensor) back to back with aligned offsets, each in its own dtype.
     pub fn layout(id: BlockId, name: &str, params: &[(String, Tensor)]) -> Result<BlockSpec> {
+        BlockSpec::layout_as(id, name, params, None)
+    }
+
+    /// [`layout`](Self::layout) with floating parameters in `compute` (a mixed-precision run's
+    /// 16-bit dtype) when given.
+    pub fn layout_as(id: BlockId, name: &str, params: &[(String, Tensor)], compute: Option<Kind>) -> Result<BlockSpec> {
         if params.is_empty() {
             return Err(Error::Config {
                 field: "block",
@@ -61,11 +76,16 @@ impl BlockSpec {
         let mut offset = 0usize;
         let mut specs = Vec::with_capacity(params.len());
         for (pname, t) in params {
-            let kind = t.kind();
+            let declared = t.kind();
+            let kind = match compute {
+                Some(c) if t.is_floating_point() => c,
+                _ => declared,
+            };
             let bytes = t.numel() * kind.elt_size_in_bytes();
             specs.push(ParamSpec {
                 name: pname.clone(),
                 kind,
+                declared,
                 shape: t.size(),
                 offset,
                 bytes,
@@ -173,6 +193,27 @@ mod tests {
         assert_eq!(spec.param_at(10), Some(0));
         assert_eq!(spec.param_at(100), None, "padding belongs to no parameter");
         assert_eq!(spec.param_at(260), Some(1));
+        assert!(!spec.params[0].has_master() && !spec.params[1].has_master());
+    }
+
+    #[test]
+    fn mixed_precision_lays_floating_parameters_out_in_the_compute_dtype() {
+        let w = Tensor::zeros([3, 5], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let frozen = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
+        let ids = Tensor::zeros([2], (Kind::Int64, tch::Device::Cpu));
+        let spec = BlockSpec::layout_as(
+            BlockId(0),
+            "l",
+            &[("l.w".into(), w), ("l.f".into(), frozen), ("l.i".into(), ids)],
+            Some(Kind::BFloat16),
+        )
+        .expect("layout");
+        let p = &spec.params;
+        assert_eq!((p[0].kind, p[0].declared, p[0].bytes), (Kind::BFloat16, Kind::Float, 30));
+        assert!(p[0].has_master(), "a trained 16-bit parameter has a float32 master");
+        assert_eq!((p[1].kind, p[1].declared), (Kind::BFloat16, Kind::Float));
+        assert!(!p[1].has_master(), "a frozen one streams its 16-bit copy alone");
+        assert_eq!((p[2].kind, p[2].declared), (Kind::Int64, Kind::Int64), "integers keep their dtype");
     }
 
     #[test]

@@ -139,6 +139,12 @@ pub struct TrainStepMetrics {
     pub tokens: u64,
     /// Peak bytes allocated on the device during the step.
     pub vram_peak_bytes: u64,
+    /// The loss scale the step's backward used (fp16's dynamic loss scaling; absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// The step's update was skipped: an infinite or NaN gradient under fp16 loss scaling.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 /// Where one step's wall time went. The parts `compute_ms` .. `other_ms` add up to `step_ms`.

@@ -115,10 +115,17 @@ impl FileSource {
             let kind = kind_of(info.dtype);
             let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
             if kind != Some(p.kind) || shape != p.shape {
+                // A file in the model's own dtype, under mixed precision: the blocks stream the
+                // file's bytes as they are, so the file must hold the 16-bit copy.
+                let hint = if kind == Some(p.declared) && p.kind != p.declared && shape == p.shape {
+                    format!(" (the run streams weights in {:?}: write the file in that dtype)", p.kind)
+                } else {
+                    String::new()
+                };
                 return Err(invalid(
                     &file,
                     format!(
-                        "tensor '{key}' is {:?} {:?}, expected {:?} {:?}",
+                        "tensor '{key}' is {:?} {:?}, expected {:?} {:?}{hint}",
                         info.dtype, shape, p.kind, p.shape
                     ),
                 ));

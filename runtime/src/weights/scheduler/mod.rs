@@ -312,7 +312,7 @@ impl Scheduler {
             ));
         }
         let id = BlockId(self.blocks.len() as u32);
-        let spec = BlockSpec::layout(id, name, &params)?;
+        let spec = BlockSpec::layout_as(id, name, &params, self.cfg.precision.compute_kind())?;
         let room = self.cfg.weight_budget();
         if spec.bytes as u64 > room {
             return Err(Error::TooLarge {

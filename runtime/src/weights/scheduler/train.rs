@@ -10,11 +10,18 @@ use crate::optim::stepper::{Job, JobMaker, Stepper};
 use std::sync::Arc;
 use tch::Tensor;
 
-/// What the host optimizer gets for one block: each trainable parameter's host value and, when
-/// a gradient arrived in this accumulation window, its host gradient.
+/// What the host optimizer gets for one trainable parameter of a streamed block.
 #[derive(Debug)]
-pub(crate) struct HostParams {
-    pub params: Vec<(usize, Tensor, Option<Tensor>)>,
+pub(crate) struct HostParam {
+    /// Its index in the block.
+    pub index: usize,
+    /// The value the optimizer updates: the float32 master, or the host copy itself.
+    pub value: Tensor,
+    /// Its host gradient buffer (in the dtype it streams in).
+    pub grad: Tensor,
+    /// The 16-bit host copy the next load streams, which the optimizer writes after updating
+    /// the master (`None`: `value` is that copy).
+    pub copy: Option<Tensor>,
 }
 
 impl Scheduler {
@@ -92,17 +99,21 @@ impl Scheduler {
     }
 
     /// The host values and gradients of a trained streamed block (for building its optimizer).
-    pub(crate) fn host_params(&self, id: BlockId) -> Result<HostParams> {
+    pub(crate) fn host_params(&self, id: BlockId) -> Result<Vec<HostParam>> {
         let b = self.block(id)?;
         let Source::Host(h) = &b.source else {
             return Err(Error::internal(format!("trained block {id} has no host copy")));
         };
-        let params = b
-            .grads
+        Ok(b.grads
             .iter()
-            .map(|g: &ParamGrad| (g.param, h.views[g.param].shallow_clone(), Some(g.view.shallow_clone())))
-            .collect();
-        Ok(HostParams { params })
+            .map(|g: &ParamGrad| {
+                let view = h.views[g.param].shallow_clone();
+                match &h.masters[g.param] {
+                    Some(m) => HostParam { index: g.param, value: m.shallow_clone(), grad: g.view.shallow_clone(), copy: Some(view) },
+                    None => HostParam { index: g.param, value: view, grad: g.view.shallow_clone(), copy: None },
+                }
+            })
+            .collect())
     }
 
     /// Trained blocks stepped on the host (streamed) and trained parameters kept on the device
@@ -254,7 +265,17 @@ impl Scheduler {
             return Err(Error::misuse("choosing resident blocks", "choose them before the first step"));
         }
         for &id in ids {
-            self.block(id)?;
+            let b = self.block(id)?;
+            // A resident block trains on the device, where it has no float32 master.
+            if let Some(p) = b.spec.params.iter().find(|p| p.has_master()) {
+                return Err(Error::misuse(
+                    format!("keeping block '{}' resident", b.spec.name),
+                    format!(
+                        "a block without trained 16-bit parameters ('{}' is {:?} with a float32 master on the host, stepped there): resident blocks train on the device",
+                        p.name, p.kind
+                    ),
+                ));
+            }
             self.blocks[id.0 as usize].resident = true;
             self.residency.set_protected(id, true, &self.bus)?;
         }

@@ -35,10 +35,10 @@ impl Scheduler {
                 .params
                 .get(i)
                 .ok_or_else(|| Error::UnknownBlock(format!("{} parameter {i}", b.spec.name)))?;
-            if value.size() != p.shape || value.kind() != p.kind {
+            if value.size() != p.shape || value.kind() != p.declared {
                 return Err(Error::misuse(
                     format!("loading '{}' as {:?} {:?}", p.name, value.kind(), value.size()),
-                    format!("the parameter's dtype and shape, {:?} {:?}", p.kind, p.shape),
+                    format!("the parameter's dtype and shape, {:?} {:?}", p.declared, p.shape),
                 ));
             }
             p.name.clone()
@@ -55,7 +55,7 @@ impl Scheduler {
         let on_device = matches!(self.blocks[id.0 as usize].placement, Some(Placement::Own(_)));
         if let Source::File(f) = &self.blocks[id.0 as usize].source {
             let p = &self.blocks[id.0 as usize].spec.params[i];
-            if f.read_param(i, p)?.equal(value) {
+            if f.read_param(i, p)?.f_to_kind(p.declared)?.equal(value) {
                 return Ok(());
             }
             return Err(Error::misuse(
@@ -98,8 +98,17 @@ impl Scheduler {
             return Err(Error::internal(format!("block {id}: a copy still reads its host weights")));
         }
         let view = h.views[i].shallow_clone();
-        tch::no_grad(|| view.detach().f_copy_(value))?;
-        Ok(())
+        let master = h.masters[i].as_ref().map(Tensor::shallow_clone);
+        tch::no_grad(|| -> Result<()> {
+            // The master holds the value; the copy that streams is its rounding.
+            if let Some(m) = &master {
+                m.detach().f_copy_(value)?;
+                view.detach().f_copy_(m)?;
+            } else {
+                view.detach().f_copy_(value)?;
+            }
+            Ok(())
+        })
     }
 
     /// Copies a resident block's device values into its host copy, before its device copy goes
@@ -113,8 +122,11 @@ impl Scheduler {
             return Err(Error::internal(format!("resident block {id} has no host copy")));
         };
         tch::no_grad(|| -> Result<()> {
-            for (view, var) in h.views.iter().zip(&b.vars) {
+            for ((view, master), var) in h.views.iter().zip(&h.masters).zip(&b.vars) {
                 view.detach().f_copy_(var)?;
+                if let Some(m) = master {
+                    m.detach().f_copy_(var)?;
+                }
             }
             Ok(())
         })
