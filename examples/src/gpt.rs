@@ -61,6 +61,17 @@ fn norm(x: &Tensor) -> Tensor {
     x.layer_norm([d], None::<&Tensor>, None::<&Tensor>, 1e-5, false)
 }
 
+/// How a block computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Attention {
+    /// Matmuls and a softmax, the probabilities recomputed in backward rather than stored.
+    #[default]
+    Recomputed,
+    /// libtorch's fused scaled-dot-product attention (flash attention on CUDA in 16 bits): the
+    /// probabilities are never materialised. What 16-bit training uses.
+    Fused,
+}
+
 /// Model size.
 #[derive(Debug, Clone, Copy)]
 pub struct GptConfig {
@@ -69,6 +80,7 @@ pub struct GptConfig {
     pub n_layer: i64,
     pub n_head: i64,
     pub n_embd: i64,
+    pub attention: Attention,
 }
 
 impl GptConfig {
@@ -89,6 +101,7 @@ pub struct Block {
     fc: Box<dyn Module>,
     fc_out: Box<dyn Module>,
     n_head: i64,
+    attention: Attention,
 }
 
 impl Block {
@@ -101,6 +114,7 @@ impl Block {
             fc: layers.linear(&at(path, "fc"), d, 4 * d),
             fc_out: layers.linear(&at(path, "fc_out"), 4 * d, d),
             n_head: cfg.n_head,
+            attention: cfg.attention,
         }
     }
 
@@ -111,6 +125,10 @@ impl Block {
         let q = qkv.select(2, 0).transpose(1, 2);
         let k = qkv.select(2, 1).transpose(1, 2);
         let v = qkv.select(2, 2).transpose(1, 2);
+        if self.attention == Attention::Fused {
+            let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
+            return self.proj.forward(&y.transpose(1, 2).contiguous().view([b, t, c]));
+        }
         let scale = 1.0 / (hd as f64).sqrt();
         // The probabilities are the block's largest activation (batch x heads x t x t) and cost
         // one batched matmul to compute again: recomputed in backward, not stored.

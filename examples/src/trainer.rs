@@ -3,13 +3,13 @@
 //! tch, or under one [`Stagehand`] handle with a device budget.
 
 use crate::data::progression_batch;
-use crate::gpt::{Gpt, GptConfig, StreamedLayers, TchLayers};
+use crate::gpt::{Attention, Gpt, GptConfig, StreamedLayers, TchLayers};
 use anyhow::Result;
 use serde::Serialize;
 use stagehand::device::Device;
 use stagehand::events::{Bus, EventKind, Phase, StepTimeBreakdown, TrainStepMetrics};
 use stagehand::optim::Kernel;
-use stagehand::{Plan, Stagehand};
+use stagehand::{Plan, Precision, Stagehand, StateStorage};
 use std::time::Instant;
 use tch::nn::{self, OptimizerConfig};
 
@@ -40,6 +40,11 @@ pub struct TrainConfig {
     /// The host optimizer's kernel (Stagehand only; `None`: the handle's choice).
     #[serde(skip)]
     pub kernel: Option<Kernel>,
+    /// What the run computes and updates in; the resident reference uses the same (bf16:
+    /// bf16 weights, float32 masters, AdamW on the masters).
+    pub precision: Precision,
+    /// How the host optimizer stores its state (Stagehand only).
+    pub optimizer_state: StateStorage,
 }
 
 /// The demo's default shape: what `stagehand-demo` runs with no flags.
@@ -109,6 +114,7 @@ impl TrainConfig {
                 n_layer: layers,
                 n_head: 4,
                 n_embd: d_model,
+                attention: Attention::Recomputed,
             },
             batch,
             // Wider models need smaller steps: AdamW at 3e-3 trains d=128 well but diverges from
@@ -117,18 +123,43 @@ impl TrainConfig {
             budget_bytes,
             seed: 0,
             kernel: None,
+            precision: Precision::Fp32,
+            optimizer_state: StateStorage::Fp32,
         }
     }
 
-    /// "gpt L=8 d=128 seq=64 (1.6M params)".
+    /// Trains in `p`. Under 16-bit precisions attention is libtorch's fused kernel (flash
+    /// attention on CUDA) with heads of 128 (at least 4 heads), as 16-bit training runs it; the
+    /// float32 model keeps its recomputed attention.
+    pub fn with_precision(mut self, p: Precision) -> TrainConfig {
+        self.precision = p;
+        if p.is_mixed() {
+            self.model.attention = Attention::Fused;
+            self.model.n_head = (self.model.n_embd / 128).max(4);
+        }
+        self
+    }
+
+    /// The default precision on `device`: bf16 where it computes bf16 fast (CUDA compute
+    /// capability 8.0 or later), fp32 elsewhere (the host device).
+    pub fn default_precision(device: &Device) -> Precision {
+        if device.is_cuda() && device.computes_bf16_fast() {
+            Precision::Bf16
+        } else {
+            Precision::Fp32
+        }
+    }
+
+    /// "gpt L=8 d=128 seq=64 (1.6M params), fp32".
     pub fn describe(&self) -> String {
         let m = &self.model;
         format!(
-            "gpt L={} d={} seq={} ({:.1}M params)",
+            "gpt L={} d={} seq={} ({:.1}M params), {}",
             m.n_layer,
             m.n_embd,
             m.block_size,
-            m.parameters() as f64 / 1e6
+            m.parameters() as f64 / 1e6,
+            self.precision
         )
     }
 
@@ -243,7 +274,8 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
     let mut vs = nn::VarStore::new(tch::Device::Cpu);
     let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
     vs.set_device(device.tch_device());
-    let mut opt = nn::AdamW::default().build(&vs, cfg.learning_rate)?;
+    let mut opt = ResidentOptimizer::new(&vs, cfg, device)?;
+    let tf32 = (cfg.precision == Precision::Tf32 && device.is_cuda()).then(|| stagehand::torch::amp::set_tf32(true));
     let mut s = Summary {
         steps: cfg.steps,
         losses: Vec::new(),
@@ -261,12 +293,18 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         bus.enter_phase(step, Phase::StepBegin);
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         bus.enter_phase(step, Phase::Forward);
-        let loss = Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets);
+        let loss = {
+            let _autocast = match cfg.precision.compute_kind() {
+                Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
+                None => None,
+            };
+            Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets)
+        };
         bus.enter_phase(step, Phase::Backward);
-        opt.zero_grad();
+        opt.zero_grad()?;
         loss.backward();
         bus.enter_phase(step, Phase::Optimizer);
-        opt.step();
+        opt.step()?;
         let loss_v = loss.double_value(&[]);
         device.synchronize()?;
         bus.enter_phase(step, Phase::StepEnd);
@@ -292,7 +330,134 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
     }
     bus.enter_phase(cfg.steps, Phase::Idle);
     bus.publish(EventKind::RunEnded { steps: cfg.steps });
+    if let Some(was) = tf32 {
+        stagehand::torch::amp::set_tf32(was);
+    }
     Ok(s)
+}
+
+/// The resident run's optimizer: tch's AdamW over the model in fp32 and tf32; under 16-bit
+/// precisions the standard recipe: the model's weights in 16 bits, float32 masters beside them
+/// on the device, AdamW over the masters (libtorch's fused kernel on CUDA, its exact optimizer
+/// on the host device, as the handle's host optimizer there), and the masters' rounding copied
+/// back into the weights after each step.
+enum ResidentOptimizer {
+    Plain(nn::Optimizer),
+    Mixed {
+        weights: Vec<tch::Tensor>,
+        master_list: Vec<tch::Tensor>,
+        exact: Option<nn::Optimizer>,
+        fused: Option<(Vec<tch::Tensor>, Vec<tch::Tensor>, Vec<tch::Tensor>)>,
+        lr: f64,
+    },
+}
+
+impl ResidentOptimizer {
+    fn new(vs: &nn::VarStore, cfg: &TrainConfig, device: &Device) -> Result<ResidentOptimizer> {
+        let Some(kind) = cfg.precision.compute_kind() else {
+            return Ok(ResidentOptimizer::Plain(nn::AdamW::default().build(vs, cfg.learning_rate)?));
+        };
+        let masters = nn::VarStore::new(device.tch_device());
+        let mut weights = Vec::new();
+        let mut master_list = Vec::new();
+        let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, mut w) in named {
+            let m = masters.root().var_copy(&name.replace('.', "_"), &w);
+            tch::no_grad(|| w.set_data(&w.to_kind(kind)));
+            weights.push(w);
+            master_list.push(m);
+        }
+        let (exact, fused) = if device.is_cuda() {
+            let z = || master_list.iter().map(|m| m.zeros_like()).collect::<Vec<_>>();
+            let steps = master_list.iter().map(|_| tch::Tensor::zeros([], (tch::Kind::Float, device.tch_device()))).collect();
+            (None, Some((z(), z(), steps)))
+        } else {
+            (Some(nn::AdamW::default().build(&masters, cfg.learning_rate)?), None)
+        };
+        Ok(ResidentOptimizer::Mixed { weights, master_list, exact, fused, lr: cfg.learning_rate })
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        match self {
+            ResidentOptimizer::Plain(o) => o.zero_grad(),
+            ResidentOptimizer::Mixed { weights, .. } => {
+                for w in weights {
+                    let mut g = w.grad();
+                    if g.defined() {
+                        let _ = g.zero_();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<()> {
+        match self {
+            ResidentOptimizer::Plain(o) => o.step(),
+            ResidentOptimizer::Mixed { weights, master_list, exact, fused, lr } => {
+                for (w, m) in weights.iter().zip(master_list.iter()) {
+                    let g = w.grad();
+                    let g32 = if g.defined() { Some(g.to_kind(tch::Kind::Float)) } else { None };
+                    stagehand::torch::optim::set_grad(m, g32.as_ref())?;
+                }
+                if let Some(o) = exact {
+                    o.step();
+                }
+                if let Some((m1, m2, steps)) = fused {
+                    let d = nn::AdamW::default();
+                    let grads: Vec<tch::Tensor> = master_list.iter().map(|m| m.grad()).collect();
+                    let h = stagehand::torch::optim::AdamStep { lr: *lr, beta1: d.beta1, beta2: d.beta2, weight_decay: d.wd, eps: d.eps };
+                    tch::no_grad(|| stagehand::torch::optim::fused_adam(stagehand::torch::optim::FusedAdam::AdamW, master_list, &grads, m1, m2, steps, h))?;
+                }
+                tch::no_grad(|| {
+                    for (w, m) in weights.iter().zip(master_list.iter()) {
+                        w.detach().copy_(m);
+                    }
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The resident model's forward and backward alone, no optimizer (for a model whose optimizer
+/// does not fit on the device beside it): each step's wall time, the device synchronized at its
+/// end. The model is in `cfg.precision`'s compute dtype under its autocast.
+pub fn time_forward_backward(cfg: &TrainConfig, device: &Device) -> Result<Vec<f64>> {
+    tch::manual_seed(cfg.seed);
+    let vs = nn::VarStore::new(device.tch_device());
+    let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
+    if let Some(kind) = cfg.precision.compute_kind() {
+        tch::no_grad(|| {
+            for (_, mut w) in vs.variables() {
+                w.set_data(&w.to_kind(kind));
+            }
+        });
+    }
+    let mut times = Vec::new();
+    for _ in 0..cfg.steps {
+        let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
+        let t0 = Instant::now();
+        let loss = {
+            let _autocast = match cfg.precision.compute_kind() {
+                Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
+                None => None,
+            };
+            Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets)
+        };
+        for (_, w) in vs.variables() {
+            let mut g = w.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        loss.backward();
+        device.synchronize()?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(times)
 }
 
 /// Trains under a [`Stagehand`] handle built from `cfg` on `device` and `bus`; `customize` may
@@ -308,7 +473,9 @@ pub fn train_stagehand(
         .budget_bytes(cfg.budget_bytes)
         .device(device.clone())
         .bus(bus.clone())
-        .conductor(cfg.conductor);
+        .conductor(cfg.conductor)
+        .precision(cfg.precision)
+        .optimizer_state(cfg.optimizer_state);
     if let Some(k) = cfg.kernel {
         builder = builder.kernel(k);
     }

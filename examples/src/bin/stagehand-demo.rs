@@ -9,6 +9,7 @@ use stagehand::device::Device;
 use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::Bus;
 use stagehand_examples::trainer::{announce_with, demo_budget, train, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
+use stagehand::{Precision, StateStorage};
 use stagehand_web::cli::ServeArgs;
 use std::path::{Path, PathBuf};
 
@@ -59,6 +60,16 @@ struct Args {
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
+    /// What the run computes and updates in: fp32, tf32 (float32 storage, TF32 matmuls on
+    /// CUDA), bf16 or fp16 (16-bit weights and gradients on the device and over PCIe, float32
+    /// masters and optimizer state on the host; fp16 with dynamic loss scaling), or auto: bf16
+    /// where the device computes bf16 fast (CUDA compute capability 8.0 or later), else fp32.
+    #[arg(long, value_name = "PRECISION", default_value = "auto", value_parser = parse_precision)]
+    precision: Option<Precision>,
+    /// How the host optimizer stores its state: fp32, bf16 (half the bytes) or int8 (8-bit
+    /// block-wise, about a quarter).
+    #[arg(long, value_name = "STORAGE", default_value = "fp32", value_parser = parse_state)]
+    optimizer_state: StateStorage,
     #[command(flatten)]
     serve: ServeArgs,
     /// Do not serve the API and dashboards.
@@ -76,6 +87,18 @@ struct Args {
 }
 
 fn parse_level(s: &str) -> Result<Level, String> {
+    s.parse()
+}
+
+/// `auto` is `None`: the device decides.
+fn parse_precision(s: &str) -> Result<Option<Precision>, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(None);
+    }
+    s.parse().map(Some).map_err(|e: String| format!("{e}, or auto"))
+}
+
+fn parse_state(s: &str) -> Result<StateStorage, String> {
     s.parse()
 }
 
@@ -143,7 +166,9 @@ fn main() -> Result<()> {
     // OTLP whenever the standard OTEL_* variables ask for it.
     let otlp = stagehand_exporter::otlp::attach_from_env(&hub).context("the OTLP exporter (OTEL_* variables)")?;
 
-    let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget);
+    let precision = args.precision.unwrap_or_else(|| TrainConfig::default_precision(&device));
+    let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget).with_precision(precision);
+    cfg.optimizer_state = args.optimizer_state;
     if args.resident {
         cfg.memory = Memory::Resident;
     }
@@ -159,6 +184,12 @@ fn main() -> Result<()> {
         "  device     {}{}",
         info.name,
         if info.host_simulated() { " (no CUDA: VRAM is simulated on the host)" } else { "" }
+    );
+    println!(
+        "  precision  {}{}{}",
+        precision,
+        if args.precision.is_none() { " (auto: bf16 where the device computes bf16 fast)" } else { "" },
+        if args.optimizer_state == StateStorage::Fp32 { String::new() } else { format!(", optimizer state in {}", args.optimizer_state) }
     );
     if let Some(server) = &server {
         let url = server.url();

@@ -11,6 +11,10 @@ use std::fmt;
 pub(crate) trait Backend: Send + Sync + fmt::Debug {
     fn tch_device(&self) -> tch::Device;
     fn info(&self) -> DeviceInfo;
+    /// The CUDA compute capability (major, minor); `None` on the host device.
+    fn compute_capability(&self) -> Option<(u32, u32)> {
+        None
+    }
     fn memory(&self) -> MemoryReading;
     fn reset_peak(&self);
     /// Simulated VRAM bookkeeping (the host backend); a no-op where an allocator counts.

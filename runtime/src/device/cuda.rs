@@ -54,6 +54,11 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn compute_capability(&self) -> Option<(u32, u32)> {
+        let (major, minor) = self.ctx.compute_capability().ok()?;
+        Some((u32::try_from(major).ok()?, u32::try_from(minor).ok()?))
+    }
+
     fn memory(&self) -> MemoryReading {
         match crate::torch::alloc::cuda_stats(self.ctx.ordinal()) {
             Ok(Some(s)) => MemoryReading {

@@ -107,6 +107,12 @@ impl Device {
         self.backend().tch_device()
     }
 
+    /// Whether the device computes bfloat16 at full speed: CUDA compute capability 8.0 or
+    /// later (Ampere, Hopper), whose tensor cores take bf16. The host device does not.
+    pub fn computes_bf16_fast(&self) -> bool {
+        self.backend().compute_capability().is_some_and(|(major, _)| major >= 8)
+    }
+
     /// What dashboards show about this device.
     pub fn info(&self) -> DeviceInfo {
         self.backend().info()

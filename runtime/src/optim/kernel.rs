@@ -18,11 +18,11 @@ use crate::precision::QUANT_BLOCK;
 use rayon::prelude::*;
 
 /// Elements one task updates (a multiple of [`QUANT_BLOCK`]).
-pub(crate) const CHUNK: usize = 64 * QUANT_BLOCK;
+pub const CHUNK: usize = 64 * QUANT_BLOCK;
 
 /// One Adam step's hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct AdamHyper {
+pub struct AdamHyper {
     pub lr: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -38,7 +38,7 @@ pub(crate) struct AdamHyper {
 
 /// A gradient as it landed on the host.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Grad<'a> {
+pub enum Grad<'a> {
     F32(&'a [f32]),
     /// Bfloat16 bit patterns.
     Bf16(&'a [u16]),
@@ -57,7 +57,7 @@ impl Grad<'_> {
 
 /// The first and second moments in their storage.
 #[derive(Debug)]
-pub(crate) enum Moments<'a> {
+pub enum Moments<'a> {
     F32 { m: &'a mut [f32], v: &'a mut [f32] },
     Bf16 { m: &'a mut [u16], v: &'a mut [u16] },
     /// Codes (see [`encode_signed`], [`encode_unsigned`]) with a float32 scale per
@@ -72,7 +72,7 @@ pub(crate) enum Moments<'a> {
 
 /// Where the 16-bit copy of the updated parameter goes, if anywhere.
 #[derive(Debug)]
-pub(crate) enum Copy16<'a> {
+pub enum Copy16<'a> {
     None,
     Bf16(&'a mut [u16]),
     F16(&'a mut [u16]),
@@ -81,18 +81,18 @@ pub(crate) enum Copy16<'a> {
 /// What a kernel call was given that does not fit together.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("adam kernel: {0}")]
-pub(crate) struct KernelError(String);
+pub struct KernelError(String);
 
 // ---- conversions --------------------------------------------------------------------------
 
 #[inline(always)]
-pub(crate) fn bf16_to_f32(b: u16) -> f32 {
+pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits(u32::from(b) << 16)
 }
 
 /// Round to nearest even, as libtorch's float -> bfloat16 conversion (NaN stays NaN).
 #[inline(always)]
-pub(crate) fn f32_to_bf16(x: f32) -> u16 {
+pub fn f32_to_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
     if x.is_nan() {
         return ((bits >> 16) | 0x40) as u16;
@@ -119,7 +119,7 @@ fn f32_to_f16(x: f32) -> u16 {
 /// per-step change falls under half the code spacing, which biases every later update). Relative
 /// error at most 1/8 down to 2^-14 of the block's largest magnitude.
 #[inline(always)]
-pub(crate) fn encode_signed(x: f32, r: u32) -> u8 {
+pub fn encode_signed(x: f32, r: u32) -> u8 {
     let sign = if x.is_sign_negative() { 0x80 } else { 0 };
     sign | encode_magnitude(x.abs(), 15, r)
 }
@@ -127,7 +127,7 @@ pub(crate) fn encode_signed(x: f32, r: u32) -> u8 {
 /// The second moment's 8-bit code of `x` in [0, 1]: 5 exponent bits and 3 mantissa bits, the
 /// same rule with `e` up to 31 (down to 2^-30 of the block's largest value).
 #[inline(always)]
-pub(crate) fn encode_unsigned(x: f32, r: u32) -> u8 {
+pub fn encode_unsigned(x: f32, r: u32) -> u8 {
     encode_magnitude(x.max(0.0), 31, r)
 }
 
@@ -162,7 +162,7 @@ fn encode_magnitude(x: f32, emax: u32, r: u32) -> u8 {
 /// Bfloat16 of `x` rounded stochastically with the random bits `r` (state storage only; the
 /// weights' copy rounds to nearest, as libtorch does).
 #[inline(always)]
-pub(crate) fn f32_to_bf16_stochastic(x: f32, r: u32) -> u16 {
+pub fn f32_to_bf16_stochastic(x: f32, r: u32) -> u16 {
     let bits = x.to_bits();
     if !x.is_finite() {
         return f32_to_bf16(x);
@@ -210,12 +210,12 @@ fn unsigned_table() -> &'static [f32; 256] {
 }
 
 /// The value of a first-moment code times its block's scale.
-pub(crate) fn decode_signed(code: u8, scale: f32) -> f32 {
+pub fn decode_signed(code: u8, scale: f32) -> f32 {
     signed_table()[code as usize] * scale
 }
 
 /// The value of a second-moment code times its block's scale.
-pub(crate) fn decode_unsigned(code: u8, scale: f32) -> f32 {
+pub fn decode_unsigned(code: u8, scale: f32) -> f32 {
     unsigned_table()[code as usize] * scale
 }
 
@@ -307,7 +307,7 @@ const O_BF16: u8 = 1;
 const O_F16: u8 = 2;
 
 /// One Adam(W) step over one parameter. `pool`: the threads to use (`None`: rayon's global pool).
-pub(crate) fn adam(
+pub fn adam(
     param: &mut [f32],
     grad: Grad<'_>,
     moments: Moments<'_>,

@@ -21,7 +21,7 @@
 mod clip;
 pub(crate) mod groups;
 mod host;
-pub(crate) mod kernel;
+pub mod kernel;
 mod optimizer;
 pub mod state;
 pub(crate) mod stepper;

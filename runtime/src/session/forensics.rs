@@ -19,7 +19,6 @@ use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::LazyLock;
-use tch::Tensor;
 
 /// Blocks a report lists at most (largest first); the count of the rest is kept.
 const MAX_BLOCKS_REPORTED: usize = 256;
@@ -114,7 +113,7 @@ fn classify(e: &Error) -> Option<Oom> {
 
 /// Runs the user's forward; a panic that reports an out-of-memory becomes an error (any other
 /// panic unwinds on).
-pub(super) fn catch_oom(forward: impl FnOnce() -> Tensor) -> crate::Result<Tensor> {
+pub(super) fn catch_oom<T>(forward: impl FnOnce() -> T) -> crate::Result<T> {
     match catch_unwind(AssertUnwindSafe(forward)) {
         Ok(t) => Ok(t),
         Err(payload) => {
@@ -292,6 +291,7 @@ impl Stagehand {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::Tensor;
 
     #[test]
     fn out_of_memory_texts_are_recognised() {

@@ -118,10 +118,30 @@ impl Stagehand {
     /// [`Error::OutOfMemory`](crate::Error::OutOfMemory): what held the device, what the runtime
     /// was about to do, and the flight record written for it.
     pub fn train_step(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
-        self.step_inner(opt, forward).map_err(|e| self.explain_failure(e))
+        let mut once = Some(forward);
+        let forward = move |_: usize| once.take().map(|f| f());
+        self.step_inner(opt, 1, forward).map_err(|e| self.explain_failure(e))
     }
 
-    fn step_inner(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
+    /// One training step over `micro_batches` micro-batches (gradient accumulation): for each
+    /// `i`, `forward(i)` runs under the saved-tensor hooks and returns micro-batch `i`'s loss,
+    /// whose backward adds `loss / micro_batches` to the gradients; after the last, one
+    /// optimizer step. The update equals one step over the whole batch when each loss is its
+    /// micro-batch's mean; the report's loss is the mean of the micro-batches' losses. Streamed
+    /// weights are loaded for every micro-batch, so a micro-batch should hold enough tokens to
+    /// cover its weights' copies; the host optimizer's step, run once, is spread over all of them.
+    pub fn train_step_micro(&self, opt: &mut Optimizer, micro_batches: usize, mut forward: impl FnMut(usize) -> Tensor) -> Result<StepReport> {
+        if micro_batches == 0 {
+            return Err(crate::Error::Config {
+                field: "micro_batches",
+                value: "0".into(),
+                expected: "at least 1".into(),
+            });
+        }
+        self.step_inner(opt, micro_batches, |i| Some(forward(i))).map_err(|e| self.explain_failure(e))
+    }
+
+    fn step_inner(&self, opt: &mut Optimizer, micro_batches: usize, mut forward: impl FnMut(usize) -> Option<Tensor>) -> Result<StepReport> {
         let (acts, conductor, step, tokens, (floor, planned), loss_scale) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
@@ -140,35 +160,48 @@ impl Stagehand {
             a.begin_step(step);
         }
         let e0 = self.device.record_compute()?;
-        self.enter(&conductor, step, Phase::Forward)?;
-        let loss = {
-            // The activation runtime's store hands weights to the weight runtime; without
-            // spilling the weight runtime's own store is used. Either is on until the forward ends.
-            let _hooks: Box<dyn std::any::Any> = match &acts {
-                Some(a) => Box::new(a.managed_forward()?),
-                None => Box::new(weights.hooks()?),
+        let mut loss_total = 0.0;
+        for i in 0..micro_batches {
+            let last = i + 1 == micro_batches;
+            self.enter(&conductor, step, Phase::Forward)?;
+            let loss = {
+                // The activation runtime's store hands weights to the weight runtime; without
+                // spilling the weight runtime's own store is used. Either is on until the
+                // forward ends.
+                let _hooks: Box<dyn std::any::Any> = match &acts {
+                    Some(a) => Box::new(a.managed_forward()?),
+                    None => Box::new(weights.hooks()?),
+                };
+                self.autocast(|| super::forensics::catch_oom(|| forward(i)))??
+                    .ok_or_else(|| crate::Error::internal("a step's forward ran twice"))?
             };
-            self.autocast(|| super::forensics::catch_oom(forward))??
-        };
-        self.guard_loss(&loss);
-        self.bus.publish(EventKind::VramOwners(self.vram_owners()));
-        self.enter(&conductor, step, Phase::Backward)?;
-        opt.zero_grad()?;
-        match loss_scale {
-            // fp16: whether the step updates is known once every gradient is in, so the host
-            // steps wait for the end of backward.
-            Some(scale) => (&loss * scale).f_backward()?,
-            None => {
-                // The host steps of streamed blocks start as backward leaves each one.
-                opt.overlap_next_backward()?;
-                loss.f_backward()?;
+            self.guard_loss(&loss);
+            self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+            self.enter(&conductor, step, Phase::Backward)?;
+            if i == 0 {
+                opt.zero_grad()?;
             }
+            // Each micro-batch adds its share: one step over the whole batch.
+            let share = if micro_batches > 1 { &loss / micro_batches as f64 } else { loss.shallow_clone() };
+            match loss_scale {
+                // fp16: whether the step updates is known once every gradient is in, so the
+                // host steps wait for the end of backward.
+                Some(scale) => (&share * scale).f_backward()?,
+                None => {
+                    // The host steps of streamed blocks start as the last backward leaves each
+                    // one.
+                    if last {
+                        opt.overlap_next_backward()?;
+                    }
+                    share.f_backward()?;
+                }
+            }
+            loss_total += loss.f_double_value(&[])?;
         }
         weights.after_backward()?;
         self.guard_gradients();
         let e2 = self.device.record_compute()?;
-        let loss_value = loss.f_double_value(&[])?;
-        drop(loss);
+        let loss_value = loss_total / micro_batches as f64;
         let am = match &acts {
             Some(a) => Some(a.end_step()?),
             None => None,

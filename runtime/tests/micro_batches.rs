@@ -1,0 +1,94 @@
+//! Gradient accumulation through the handle: `train_step_micro` over two micro-batches trains as
+//! plain tch does accumulating `loss / 2` of each before one optimizer step (bit-identical on the
+//! host device), with the streamed blocks' gradients summed on the host.
+
+use stagehand::device::Device;
+use stagehand::nn as snn;
+use stagehand::optim::Kernel;
+use stagehand::Stagehand;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Kind, Tensor};
+
+mod common;
+use common::rng;
+
+const D: i64 = 32;
+const LAYERS: i64 = 4;
+
+fn net(layers: impl Fn(i64) -> Box<dyn Module>) -> Vec<Box<dyn Module>> {
+    (0..LAYERS).map(layers).collect()
+}
+
+fn loss(model: &[Box<dyn Module>], x: &Tensor) -> Tensor {
+    model.iter().fold(x.shallow_clone(), |h, l| l.forward(&h).tanh()).square().mean(Kind::Float)
+}
+
+fn micro(step: i64, i: usize, dev: tch::Device) -> Tensor {
+    let _g = rng();
+    tch::manual_seed(1000 + step * 10 + i as i64);
+    Tensor::randn([8, D], (Kind::Float, dev))
+}
+
+#[test]
+fn two_micro_batches_equal_plain_accumulation() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let (steps, lr) = (4, 1e-2);
+
+    let (vs, plain) = common::seeded_on_cpu(3, dev, |vs| {
+        net(|i| Box::new(nn::linear(vs.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
+    });
+    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
+    let mut want = Vec::new();
+    for s in 0..steps {
+        opt.zero_grad();
+        let mut total = 0.0;
+        for i in 0..2 {
+            let l = loss(&plain, &micro(s, i, dev));
+            (&l / 2.0).backward();
+            total += l.double_value(&[]);
+        }
+        opt.step();
+        want.push(total / 2.0);
+    }
+
+    let cuda = device.is_cuda();
+    let budget = (96 << 10) + if cuda { device.memory().allocated } else { 0 };
+    let sh = Stagehand::builder()
+        .budget_bytes(budget)
+        .device(if cuda { device.clone() } else { Device::host(budget) })
+        .kernel(Kernel::Exact)
+        .build()
+        .expect("handle");
+    let model = {
+        let _g = rng();
+        tch::manual_seed(3);
+        net(|i| Box::new(snn::linear(sh.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
+    };
+    let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
+    let mut got = Vec::new();
+    for s in 0..steps {
+        got.push(sh.train_step_micro(&mut opt, 2, |i| loss(&model, &micro(s, i, dev))).expect("step").loss);
+    }
+    assert!(sh.plan().expect("plan").streams(), "blocks stream");
+    if cuda {
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4 * b.abs().max(1e-3), "{got:?} vs {want:?}");
+        }
+    } else {
+        assert_eq!(got, want);
+    }
+    opt.wait().expect("host steps");
+    let snap = sh.var_store().expect("snapshot").variables();
+    for (n, t) in vs.variables() {
+        let t = t.to_device(tch::Device::Cpu);
+        let g = snap[&n].to_device(tch::Device::Cpu);
+        if cuda {
+            assert!(g.allclose(&t, 1e-4, 1e-5, false), "{n}");
+        } else {
+            assert!(g.equal(&t), "{n}: parameters differ");
+        }
+    }
+    let e = sh.train_step_micro(&mut opt, 0, |i| loss(&model, &micro(9, i, dev))).expect_err("no micro-batches");
+    assert!(e.to_string().contains("micro_batches = 0"), "{e}");
+}
