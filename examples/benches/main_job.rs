@@ -121,8 +121,14 @@ fn mixed_kernel_step_s(params: i64, chunks: i64, precision: Precision, storage: 
         for c in 0..n {
             let grad = if precision.is_mixed() { Grad::Bf16(&g[c]) } else { Grad::F32(&g32[c]) };
             let moments = match storage {
-                StateStorage::Fp32 => Moments::F32 { m: &mut m32[c].0, v: &mut m32[c].1 },
-                StateStorage::Bf16 => Moments::Bf16 { m: &mut m16[c].0, v: &mut m16[c].1 },
+                StateStorage::Fp32 => {
+                    let (m, v) = &mut m32[c];
+                    Moments::F32 { m, v }
+                }
+                StateStorage::Bf16 => {
+                    let (m, v) = &mut m16[c];
+                    Moments::Bf16 { m, v }
+                }
                 StateStorage::Int8 => {
                     let (m, v, ms, vs) = &mut m8[c];
                     Moments::Int8 { m, v, m_scale: ms, v_scale: vs }
