@@ -405,8 +405,12 @@ pub(crate) struct BlockJob {
 
 impl Job for BlockJob {
     fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()> {
+        let t0 = std::time::Instant::now();
         for e in &self.ready {
             e.synchronize()?;
+        }
+        if super::stepper::trace_on() {
+            eprintln!("TRACE optim ready-wait {:.2} ms", t0.elapsed().as_secs_f64() * 1e3);
         }
         self.state
             .lock()

@@ -160,6 +160,9 @@ impl Stagehand {
             a.begin_step(step);
         }
         let e0 = self.device.record_compute()?;
+        if crate::optim::stepper::trace_on() {
+            eprintln!("TRACE step {step} begins at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
+        }
         let mut loss_total = 0.0;
         for i in 0..micro_batches {
             let last = i + 1 == micro_batches;
@@ -201,12 +204,18 @@ impl Stagehand {
         weights.after_backward()?;
         self.guard_gradients();
         let e2 = self.device.record_compute()?;
+        if crate::optim::stepper::trace_on() {
+            eprintln!("TRACE step {step} backward issued at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
+        }
         let loss_value = loss_total / micro_batches as f64;
         let am = match &acts {
             Some(a) => Some(a.end_step()?),
             None => None,
         };
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+        if crate::optim::stepper::trace_on() {
+            eprintln!("TRACE step {step} activations ended at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
+        }
         self.enter(&conductor, step, Phase::Optimizer)?;
         let t_opt = Instant::now();
         let skipped = match loss_scale {

@@ -176,7 +176,11 @@ impl Scheduler {
                 }
                 // What the wait costs is the compute stream's idle time during it.
                 let probe = self.device.idle_probe()?;
+                let t0 = std::time::Instant::now();
                 s.wait(id)?;
+                if crate::optim::stepper::trace_on() {
+                    eprintln!("TRACE load-wait block {id} at {:.1} ms waited {:.2}", crate::optim::stepper::since_epoch(t0), t0.elapsed().as_secs_f64() * 1e3);
+                }
                 self.update_waits.push(probe.end(&self.device)?);
             }
         }

@@ -32,10 +32,23 @@ impl Scheduler {
         if b.grads.is_empty() || b.resident {
             return Ok(());
         }
-        // The host optimizer may still read the buffers the copies would overwrite.
-        if let Some(s) = &self.stepper {
+        // Nothing on the device to send: no copy would touch the host buffers, so a host step
+        // still running on them is no reason to wait (after backward every block is flushed,
+        // most of them already sent and stepping).
+        if !b.grads.iter().any(|g| b.vars[g.param].grad().defined()) {
+            return Ok(());
+        }
+        // The host optimizer may still read the buffers the copies would overwrite (its step of
+        // this block from the last step): what the wait costs is the compute stream's idle time.
+        if let Some(s) = self.stepper.clone() {
             if s.is_pending(id) {
+                let probe = self.device.idle_probe()?;
+                let t0 = std::time::Instant::now();
                 s.wait(id)?;
+                if crate::optim::stepper::trace_on() {
+                    eprintln!("TRACE flush-wait block {id} at {:.1} ms waited {:.2}", crate::optim::stepper::since_epoch(t0), t0.elapsed().as_secs_f64() * 1e3);
+                }
+                self.update_waits.push(probe.end(&self.device)?);
             }
         }
         let conductor = self.conductor.clone();
@@ -68,12 +81,12 @@ impl Scheduler {
     }
 
     /// Starts a new accumulation window: device gradients of streamed blocks are dropped and the
-    /// next gradient of each parameter replaces its host gradient (never evicts a block).
+    /// next gradient of each parameter replaces its host gradient (never evicts a block). Host
+    /// steps still running go on: each job holds its own copy of which gradients it steps, and a
+    /// block's next gradients wait for its step before they overwrite its buffers
+    /// (`flush_grads`), so the next forward and backward overlap the last step's host steps.
     pub(crate) fn zero_grads(&mut self) -> Result<()> {
         self.check_live()?;
-        if let Some(s) = &self.stepper {
-            s.wait_all()?;
-        }
         self.grads.wait_all(&mut self.blocks)?;
         for b in &mut self.blocks {
             if b.resident {
@@ -240,6 +253,9 @@ impl Scheduler {
         ready.extend(self.loads.pending_events(id));
         let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
         let priority = self.forward_position(id);
+        if crate::optim::stepper::trace_on() {
+            eprintln!("TRACE submit block {id} at {:.1} ms", crate::optim::stepper::since_epoch(std::time::Instant::now()));
+        }
         let stepper = self.stepper.clone().ok_or_else(|| Error::internal("armed without a stepper"))?;
         let job = match &mut self.eager {
             Some(make) => make(id, &received, ready)?,
