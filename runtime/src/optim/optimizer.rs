@@ -97,6 +97,8 @@ pub struct Optimizer {
     cover: Cover,
     pub(super) origin: Option<Origin>,
     clip: Option<GradClip>,
+    /// Host steps of streamed blocks start during backward (see `overlap_next_backward`).
+    overlap: bool,
     /// What the optimizers were last built for: (trainable variables of the VarStore, streamed
     /// trained blocks, resident trained variables); nothing to do while it is unchanged.
     built: Option<(usize, usize, usize)>,
@@ -173,6 +175,7 @@ impl Optimizer {
             cover,
             origin,
             clip: None,
+            overlap: true,
             built: None,
             checked: None,
             pending: HashMap::new(),
@@ -195,6 +198,13 @@ impl Optimizer {
     /// that clip start the host steps of streamed blocks after backward instead of during it.
     pub fn set_grad_clip(&mut self, clip: Option<GradClip>) {
         self.clip = clip;
+    }
+
+    /// Whether the host steps of streamed blocks start while backward runs, each as soon as
+    /// backward has left its block and its gradients are complete (default on; results are the
+    /// same either way). Off, they start when the optimizer steps.
+    pub fn set_overlap_backward(&mut self, on: bool) {
+        self.overlap = on;
     }
 
     /// Makes the host optimizers of trained blocks that have none yet, and adds device
@@ -380,7 +390,7 @@ impl Optimizer {
     /// its block), instead of when [`step`](Self::step) is called. `step` must follow. A no-op
     /// while gradients are clipped (clipping needs every gradient first).
     pub fn overlap_next_backward(&mut self) -> Result<()> {
-        if self.clip.is_some() {
+        if self.clip.is_some() || !self.overlap {
             return Ok(());
         }
         self.ensure_built()?;

@@ -584,6 +584,15 @@ impl Scheduler {
             self.flush_grads(left)?;
             self.eager_update(left)?;
         }
+        if self.eager.is_some() && self.submitted.contains(&id) {
+            // Its host step was queued when backward left it, because the itinerary said
+            // backward would not read it again; this step ran another order. Reading it now
+            // would read the stepped values.
+            return Err(Error::misuse(
+                format!("backward reading block '{}' after its optimizer step started", self.blocks[id.0 as usize].spec.name),
+                "the order of the traced steps (a step whose backward reads blocks in another order than the step before it cannot overlap the host optimizer with backward: turn it off with Optimizer::set_overlap_backward(false))",
+            ));
+        }
         self.ensure_ready(id)?;
         self.prefetch()
     }
