@@ -97,6 +97,7 @@ impl Binding {
             State::Block { rt, hooks, .. } => (rt, *hooks),
         };
         let block = self.block()?;
+        rt.ensure_planned()?;
         if hooks {
             let key = rt.identity();
             HOOKS.with(|h| -> Result<()> {
@@ -108,7 +109,17 @@ impl Binding {
             })?;
         }
         rt.before_block(block)?;
+        // Outside a step (evaluation, sampling) saved weights are handles whose backward is an
+        // error: the block's slot holds another block by the time a backward could come.
+        let eval = match rt.evaluation_hooks() {
+            Ok(h) => h,
+            Err(e) => {
+                rt.after_block(block)?;
+                return Err(e);
+            }
+        };
         let out = f();
+        drop(eval);
         rt.after_block(block)?;
         Ok(out)
     }

@@ -52,6 +52,7 @@ pub use layers::{
 pub use managed::{release_hooks, Managed, ManagedT};
 pub use path::Path;
 pub use store::ManagedVarStore;
+pub(crate) use store::Table;
 
 use crate::events::Bus;
 use crate::device::Device;

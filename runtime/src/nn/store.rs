@@ -155,6 +155,17 @@ impl Table {
             .ok_or_else(|| Error::internal(format!("layer {i} has no block")))
     }
 
+    /// The VarStore paths of every managed parameter (of layers made so far).
+    pub(crate) fn managed_names(&self) -> HashSet<String> {
+        let l = self.lock();
+        let mut names: HashSet<String> = l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(n, _)| n.clone())).collect();
+        drop(l);
+        for b in self.rt.blocks() {
+            names.extend(b.params.into_iter().map(|p| p.name));
+        }
+        names
+    }
+
     /// Whether the layers are registered.
     fn sealed(&self) -> bool {
         self.lock().blocks.is_some()
@@ -290,13 +301,17 @@ impl ManagedVarStore {
 
     /// The VarStore paths of every managed parameter (of layers made so far).
     pub fn managed_names(&self) -> HashSet<String> {
-        let l = self.table.lock();
-        let mut names: HashSet<String> = l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(n, _)| n.clone())).collect();
-        drop(l);
-        for b in self.rt.blocks() {
-            names.extend(b.params.into_iter().map(|p| p.name));
-        }
-        names
+        self.table.managed_names()
+    }
+
+    /// The layer table (for the handle's planner).
+    pub(crate) fn table(&self) -> Arc<Table> {
+        self.table.clone()
+    }
+
+    /// The wrapped VarStore's variables.
+    pub(crate) fn vars(&self) -> Arc<Mutex<tch::nn::Variables>> {
+        self.vs.variables_.clone()
     }
 
     /// The trainable variables the runtime does not manage (layer norms, custom parameters).

@@ -22,8 +22,6 @@ pub(super) struct Ready {
 pub(super) struct Run {
     pub ready: Option<Ready>,
     pub step: u64,
-    /// Optimizer state per trainable byte, from the optimizer made (Adam's 2 until then).
-    pub optimizer_state_factor: u64,
     pub tokens: u64,
     /// Said once: the spill watermarks cannot go lower and steps still exceed the budget.
     pub warned_floor: bool,
@@ -34,7 +32,6 @@ impl Default for Run {
         Run {
             ready: None,
             step: 0,
-            optimizer_state_factor: 2,
             tokens: 0,
             warned_floor: false,
         }
@@ -110,6 +107,8 @@ impl Stagehand {
             (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes))
         };
         let weights = self.weights();
+        // An evaluation since the last step (forwards outside a step) ends before this one.
+        weights.end_evaluation()?;
         let t0 = Instant::now();
         self.device.reset_peak();
         self.guards_begin();
@@ -210,6 +209,7 @@ impl Stagehand {
 
     /// Ends the run's telemetry: the last phase is idle and `run_ended` is published.
     pub fn finish(&self) -> Result<()> {
+        self.weights().end_evaluation()?;
         let run = self.run();
         if let Some(r) = &run.ready {
             r.conductor.shutdown();

@@ -31,7 +31,7 @@ pub(crate) mod residency;
 mod route;
 pub mod runtime;
 pub(crate) mod scheduler;
-mod slots;
+pub(crate) mod slots;
 
 pub use config::{parse_bytes, WeightConfig, WeightConfigBuilder};
 pub use handles::WeightStore;

@@ -28,6 +28,14 @@ pub(crate) struct Route {
 }
 
 impl Route {
+    /// A route that starts with `itinerary` (a guess, replaced by the first traced step).
+    pub(crate) fn with_itinerary(itinerary: Itinerary) -> Route {
+        Route {
+            itinerary: Some(itinerary),
+            ..Route::default()
+        }
+    }
+
     /// The itinerary, once learned.
     pub(crate) fn itinerary(&self) -> Option<&Itinerary> {
         self.itinerary.as_ref()

@@ -17,6 +17,7 @@
 //! and exit) stays in one place, where its ordering rules read together; loading, eviction and
 //! gradients live in the sibling files.
 
+mod eval;
 mod room;
 mod train;
 mod values;
@@ -65,8 +66,10 @@ enum StepState {
     Closed,
     /// A step is open; `backward` once a backward use happened in it.
     Open { backward: bool },
-    /// Shut down: every call fails.
-    ShutDown,
+    /// Between steps, forwards outside a step (evaluation, sampling): see `eval`.
+    Eval,
+    /// Shut down: every call fails; `dropped` when the handle that owned the runtime went.
+    ShutDown { dropped: bool },
 }
 
 /// Why a block is being loaded: it decides the slot priority, whether the load may wait, and
@@ -127,6 +130,10 @@ pub(crate) struct Scheduler {
     /// Inference mode: the blocks the plan pinned along the cyclic itinerary, and the streamed
     /// order and slot count they were chosen for ([`super::evictor::spread_pins`]).
     pins: Option<Pins>,
+    /// The evaluation's route while training runs, the training's while evaluating (`eval`).
+    other_route: Route,
+    /// The evaluation under way: its forwards and when it began.
+    evaluation: Option<eval::Evaluation>,
 }
 
 /// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
@@ -198,14 +205,20 @@ impl Scheduler {
             update_waits: IdleSpans::default(),
             min_bytes: None,
             pins: None,
+            other_route: Route::default(),
+            evaluation: None,
         })
     }
 
     fn check_live(&self) -> Result<()> {
-        if self.state == StepState::ShutDown {
-            return Err(Error::Shutdown("weight runtime"));
+        match self.state {
+            StepState::ShutDown { dropped: false } => Err(Error::Shutdown("weight runtime")),
+            StepState::ShutDown { dropped: true } => Err(Error::misuse(
+                "using a model whose Stagehand handle was dropped",
+                "the handle alive for as long as the model is used (take sh.var_store() before dropping it for a plain tch copy of the weights)",
+            )),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     pub(crate) fn block(&self, id: BlockId) -> Result<&Block> {
@@ -386,6 +399,7 @@ impl Scheduler {
 
     pub(crate) fn begin_step(&mut self) -> Result<()> {
         self.check_live()?;
+        self.end_evaluation()?;
         if self.state != StepState::Closed {
             return Err(Error::misuse(
                 format!("begin_step (step {})", self.step + 1),
@@ -417,7 +431,7 @@ impl Scheduler {
 
     pub(crate) fn end_step(&mut self) -> Result<()> {
         self.check_live()?;
-        if self.state == StepState::Closed {
+        if matches!(self.state, StepState::Closed | StepState::Eval) {
             return Err(Error::misuse("end_step", "begin a step first"));
         }
         self.reap();
@@ -497,7 +511,7 @@ impl Scheduler {
         if matches!(self.state, StepState::Open { .. }) {
             self.end_step()?;
         }
-        Ok(())
+        self.end_evaluation()
     }
 
     // ---- block use ------------------------------------------------------------------------
@@ -530,14 +544,14 @@ impl Scheduler {
                         self.begin_step()?;
                     }
                 }
-                StepState::ShutDown => {}
+                StepState::Eval | StepState::ShutDown { .. } => {}
             }
         }
-        if self.state == StepState::Closed {
-            return Err(Error::misuse(
-                format!("block '{}' used outside a step", self.blocks[id.0 as usize].spec.name),
-                "a forward inside a step: run it in Stagehand::train_step (with the handle), or after WeightRuntime::begin_step (block mode), or turn on automatic steps (WeightRuntime::set_auto_step)",
-            ));
+        match self.state {
+            // A forward outside a step: an evaluation, along its own itinerary.
+            StepState::Closed => self.begin_evaluation()?,
+            StepState::Eval => self.next_forward(id),
+            _ => {}
         }
         self.first_entered.get_or_insert(id);
         self.route.enter(id, false);
@@ -572,6 +586,12 @@ impl Scheduler {
     fn backward_use_inner(&mut self, id: BlockId) -> Result<()> {
         self.check_live()?;
         self.block(id)?;
+        if !matches!(self.state, StepState::Open { .. }) {
+            return Err(Error::misuse(
+                format!("backward reading block '{}' outside a training step", self.blocks[id.0 as usize].spec.name),
+                "the forward and its backward inside one step (Stagehand::train_step with the handle)",
+            ));
+        }
         if let StepState::Open { backward } = &mut self.state {
             if !*backward && self.auto_step {
                 self.bus.enter_phase(self.step + 1, Phase::Backward);
@@ -653,9 +673,10 @@ impl Scheduler {
 
     /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
     pub(crate) fn shutdown(&mut self) -> Result<()> {
-        if self.state == StepState::ShutDown {
+        if matches!(self.state, StepState::ShutDown { .. }) {
             return Ok(());
         }
+        self.end_evaluation()?;
         if let Some(s) = &self.stepper {
             s.wait_all()?;
         }
@@ -681,7 +702,7 @@ impl Scheduler {
         if let Some(p) = &self.staging {
             p.shutdown();
         }
-        self.state = StepState::ShutDown;
+        self.state = StepState::ShutDown { dropped: false };
         Ok(())
     }
 }
