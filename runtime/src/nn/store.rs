@@ -125,7 +125,8 @@ impl Table {
         }
         l.blocks = Some(names.iter().map(|n| ids[n]).collect());
         drop(l);
-        self.place_unmanaged(&managed)
+        self.place_unmanaged(&managed)?;
+        self.check_references()
     }
 
     /// Moves every variable not in `managed` to the compute device (the VarStore may be on the
@@ -153,6 +154,48 @@ impl Table {
             .as_ref()
             .and_then(|b| b.get(i).copied())
             .ok_or_else(|| Error::internal(format!("layer {i} has no block")))
+    }
+
+    /// Every managed variable is held only where Stagehand knows: the VarStore, the layer, the
+    /// table and the runtime. Another handle (a clone kept from the layer's constructor or from
+    /// `Managed::run`, tch's `Path::get` or `Entry` reached through `Deref`, a view made at
+    /// construction) reads the variable's placeholder whenever its block is not on the device,
+    /// so it is an error naming the variable, never a computation with a placeholder. A graph's
+    /// gradient accumulator is not counted; a layer is taken to hold each variable once.
+    pub(crate) fn check_references(&self) -> Result<()> {
+        let l = self.lock();
+        if l.blocks.is_none() {
+            return Ok(());
+        }
+        let held = self.rt.held_references();
+        let mut in_store: HashMap<VariableId, usize> = HashMap::new();
+        {
+            let vars = self.vars.lock().unwrap_or_else(|p| p.into_inner());
+            for t in vars.named_variables.values() {
+                *in_store.entry(VariableId::of(t)).or_default() += 1;
+            }
+            for v in &vars.trainable_variables {
+                *in_store.entry(VariableId::of(&v.tensor)).or_default() += 1;
+            }
+        }
+        for (layer, params) in &l.pending {
+            for (name, t) in params {
+                let id = VariableId::of(t);
+                // The VarStore's, the table's, the layer's, the runtime's.
+                let known = in_store.get(&id).copied().unwrap_or(0) + 2 + held.get(&id).copied().unwrap_or(0);
+                let handles = crate::torch::variable::handles(t);
+                if handles > known {
+                    return Err(Error::misuse(
+                        format!(
+                            "variable '{name}' of layer '{layer}' has {} handle(s) Stagehand does not know of: a clone kept from its constructor or from Managed::run, tch's Path::get or Path::entry reached through Deref, or a view made from it; between uses the variable points at a placeholder, so such a handle reads no weight",
+                            handles - known
+                        ),
+                        "the weight used inside the layer's Managed::run (its block resident), its value read with Managed::variables or Stagehand::var_store, and no handle of it kept (a layer holds each variable once)",
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The VarStore paths of every managed parameter (of layers made so far).
@@ -257,7 +300,9 @@ impl ManagedVarStore {
         let weak: Weak<Table> = Arc::downgrade(&table);
         rt.set_origin(Origin {
             vars: vs.variables_.clone(),
-            seal: Some(Arc::new(move || weak.upgrade().map_or(Ok(()), |t| t.seal()))),
+            // Each optimizer step: layers registered, and no handle of a managed variable
+            // kept where it would read a placeholder.
+            seal: Some(Arc::new(move || weak.upgrade().map_or(Ok(()), |t| t.seal().and_then(|_| t.check_references())))),
         });
         Ok(ManagedVarStore { vs, rt, opts, table })
     }

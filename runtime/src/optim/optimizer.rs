@@ -51,6 +51,8 @@ pub(super) struct DeviceParam {
     pub id: VariableId,
     pub var: Tensor,
     pub name: Option<String>,
+    /// A resident block's variable, whose handles here the runtime was told of.
+    pub noted: bool,
 }
 
 /// A trainable variable of the origin VarStore, in the store's order (tch's optimizer order).
@@ -107,6 +109,15 @@ pub struct Optimizer {
     /// Loaded state of parameters whose optimizer is not made yet, by name.
     pub(super) pending: HashMap<String, ParamState>,
     pub(super) rt: WeightRuntime,
+}
+
+impl Drop for Optimizer {
+    fn drop(&mut self) {
+        let mut s = self.rt.lock();
+        for p in self.device_params.iter().filter(|p| p.noted) {
+            s.note_references(p.id, -2);
+        }
+    }
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -252,6 +263,7 @@ impl Optimizer {
             Arc::make_mut(&mut self.host).insert(id.0, Arc::new(Mutex::new(state)));
         }
         let managed: HashSet<&str> = specs.iter().flat_map(|b| b.params.iter().map(|p| p.name.as_str())).collect();
+        let resident_ids: HashSet<VariableId> = resident.iter().map(VariableId::of).collect();
         let mut want: Vec<Tensor> = resident;
         match &self.cover {
             Cover::All => want.extend(
@@ -282,7 +294,12 @@ impl Optimizer {
                 opt.set_state(&var, &st)?;
             }
             self.device_applied = 0;
-            self.device_params.push(DeviceParam { id, var, name });
+            let noted = resident_ids.contains(&id);
+            if noted {
+                // A resident block's variable: this handle and the device optimizer's.
+                self.rt.lock().note_references(id, 2);
+            }
+            self.device_params.push(DeviceParam { id, var, name, noted });
         }
         self.built = Some(key);
         Ok(())

@@ -298,6 +298,16 @@ pub struct Stagehand {
     _attached: Vec<Attachment>,
 }
 
+impl Drop for Stagehand {
+    fn drop(&mut self) {
+        // The model's layers may outlive the handle: its runtime lets go of the device, and a
+        // layer used later says the handle is gone instead of reading a placeholder.
+        if let Err(e) = self.weights().close() {
+            self.bus.publish(EventKind::Warning { source: Owner::Weights, message: format!("closing the weight runtime: {e}") });
+        }
+    }
+}
+
 impl std::fmt::Debug for Stagehand {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stagehand")

@@ -109,6 +109,8 @@ impl Stagehand {
         let weights = self.weights();
         // An evaluation since the last step (forwards outside a step) ends before this one.
         weights.end_evaluation()?;
+        // No handle of a managed variable kept where it would read a placeholder.
+        self.store.table().check_references()?;
         let t0 = Instant::now();
         self.device.reset_peak();
         self.guards_begin();

@@ -19,6 +19,7 @@
 //! [`crate::optim`].
 
 mod block;
+mod claims;
 pub mod config;
 pub(crate) mod evictor;
 pub mod file;

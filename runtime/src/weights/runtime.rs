@@ -512,6 +512,19 @@ impl WeightRuntime {
         self.lock().set_param(id, param, value)
     }
 
+    /// Handles of each managed variable the runtime itself holds (see
+    /// `Scheduler::held_references`).
+    pub(crate) fn held_references(&self) -> std::collections::HashMap<crate::torch::VariableId, usize> {
+        self.lock().held_references()
+    }
+
+    /// Closes the runtime when the handle that owns it goes: host steps finish, every block
+    /// leaves the device and the room is freed; later calls are errors that say the handle is
+    /// gone. Idempotent; a no-op after `shutdown`.
+    pub(crate) fn close(&self) -> Result<()> {
+        self.lock().close()
+    }
+
     /// Views of the host gradients of `id` that arrived in this accumulation window.
     pub(crate) fn received_grads(&self, id: BlockId) -> Result<Vec<(usize, Tensor)>> {
         self.lock().received_grads(id)

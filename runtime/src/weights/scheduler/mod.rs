@@ -134,6 +134,11 @@ pub(crate) struct Scheduler {
     other_route: Route,
     /// The evaluation under way: its forwards and when it began.
     evaluation: Option<eval::Evaluation>,
+    /// This runtime's id in the process-wide claims on variables (`super::claims`).
+    owner: u64,
+    /// Handles of managed variables that other parts of the runtime hold (the device
+    /// optimizer of resident blocks), beside the block's own.
+    noted: HashMap<crate::torch::VariableId, usize>,
 }
 
 /// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
@@ -157,6 +162,7 @@ impl Drop for Scheduler {
         if let Some(s) = &self.stepper {
             let _ = s.wait_all();
         }
+        super::claims::release(self.owner);
     }
 }
 
@@ -207,6 +213,8 @@ impl Scheduler {
             pins: None,
             other_route: Route::default(),
             evaluation: None,
+            owner: super::claims::owner(),
+            noted: HashMap::new(),
         })
     }
 
@@ -340,7 +348,15 @@ impl Scheduler {
         }
         let trainable = spec.trainable();
         let bytes = spec.bytes as u64;
-        let block = Block::from_module(spec, params, &self.device)?;
+        super::claims::claim(self.owner, name, &params)?;
+        let ids: Vec<crate::torch::VariableId> = params.iter().map(|(_, t)| crate::torch::VariableId::of(t)).collect();
+        let block = match Block::from_module(spec, params, &self.device) {
+            Ok(b) => b,
+            Err(e) => {
+                super::claims::unclaim(&ids);
+                return Err(e);
+            }
+        };
         self.residency.add(name);
         self.names.insert(name.to_string(), id);
         self.bus.publish(EventKind::BlockRegistered {
@@ -671,11 +687,23 @@ impl Scheduler {
         self.block(id)?.host_param(i)
     }
 
-    /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
-    pub(crate) fn shutdown(&mut self) -> Result<()> {
+    /// The owner is gone: host steps finish, every block is evicted (a trained resident block's
+    /// values written home first), the room and staging pool are freed, later calls fail.
+    pub(crate) fn close(&mut self) -> Result<()> {
         if matches!(self.state, StepState::ShutDown { .. }) {
             return Ok(());
         }
+        let result = self.evict_all();
+        self.slots = None;
+        if let Some(p) = &self.staging {
+            p.shutdown();
+        }
+        self.state = StepState::ShutDown { dropped: true };
+        result
+    }
+
+    /// Waits for the host optimizer, ends an evaluation or open step, evicts every block.
+    fn evict_all(&mut self) -> Result<()> {
         self.end_evaluation()?;
         if let Some(s) = &self.stepper {
             s.wait_all()?;
@@ -688,11 +716,23 @@ impl Scheduler {
             self.residency.set_protected(id, false, &self.bus)?;
             self.blocks[i].resident = false;
             if self.residency.state(id)? == BlockState::GpuReady {
+                // A block still held (a forward that failed midway) is released first.
+                while self.residency.get(id)?.refcount > 0 {
+                    self.residency.release(id)?;
+                }
                 self.evict(id, crate::events::EvictionReason::Shutdown, 0.0)?;
             }
         }
         self.grads.wait_all(&mut self.blocks)?;
-        self.loads.drain(&self.loader)?;
+        self.loads.drain(&self.loader)
+    }
+
+    /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
+    pub(crate) fn shutdown(&mut self) -> Result<()> {
+        if matches!(self.state, StepState::ShutDown { .. }) {
+            return Ok(());
+        }
+        self.evict_all()?;
         for i in 0..self.blocks.len() {
             for j in 0..self.blocks[i].vars.len() {
                 let t = self.blocks[i].host_param(j)?;
