@@ -52,17 +52,11 @@ impl Table {
         &self.rt
     }
 
-    /// Adds a layer: `Ok(index)`, or `Err(why)` when it cannot be registered (the model has run).
-    /// A name already used (two layers on one path, as tch allows) gets tch's `__N` suffix.
+    /// Adds a layer: `Ok(index)`, or `Err(why)` when it cannot be registered (made after the
+    /// model ran and too large for the room's slots). A name already used (two layers on one
+    /// path, as tch allows) gets tch's `__N` suffix.
     fn add(&self, name: String, params: Vec<(String, Tensor)>) -> std::result::Result<usize, String> {
         let mut l = self.lock();
-        if l.blocks.is_some() {
-            let why = format!(
-                "layer '{name}' was made after the model first ran: make every layer before the first forward (the weights' device room is sized from them)"
-            );
-            l.failed.push(why.clone());
-            return Err(why);
-        }
         let taken = |n: &str| l.pending.iter().any(|(m, _)| m == n);
         let name = if name.is_empty() {
             // A layer on the root path: named after its first variable, as tch names that.
@@ -71,6 +65,25 @@ impl Table {
             name
         };
         let name = if taken(&name) { format!("{name}__{}", l.pending.len()) } else { name };
+        if l.blocks.is_some() {
+            // Made after the model first ran: a block of its own now (it streams through the
+            // room's slots when it fits one, or stays resident beside blocks the plan keeps).
+            let block = if self.rt.block_id(&name).is_ok() { format!("{name}__{}", l.pending.len()) } else { name.clone() };
+            let bytes: u64 = params.iter().map(|(_, t)| crate::torch::tensor_bytes(t)).sum();
+            let kept: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+            let id = self.rt.register_block(&block, params).map_err(|e| format!("layer '{name}' made after the model first ran: {e}"))?;
+            self.rt.bus().publish(crate::events::EventKind::Warning {
+                source: crate::events::Owner::Weights,
+                message: format!(
+                    "layer '{name}' was made after the model first ran: block '{block}' of its own ({bytes} bytes), which the memory plan did not count"
+                ),
+            });
+            l.pending.push((name, kept));
+            if let Some(b) = &mut l.blocks {
+                b.push(id);
+            }
+            return Ok(l.pending.len() - 1);
+        }
         l.pending.push((name, params));
         Ok(l.pending.len() - 1)
     }

@@ -6,7 +6,7 @@ use super::{Plan, Stagehand};
 use crate::activations::ActivationRuntime;
 use crate::conductor::Conductor;
 use crate::error::Result;
-use crate::events::{EventKind, Phase, StepTimeBreakdown, TrainStepMetrics, VramByOwner};
+use crate::events::{EventKind, Owner, Phase, StepTimeBreakdown, TrainStepMetrics, VramByOwner};
 use crate::optim::Optimizer;
 use std::time::Instant;
 use tch::Tensor;
@@ -25,6 +25,8 @@ pub(super) struct Run {
     pub tokens: u64,
     /// Said once: the spill watermarks cannot go lower and steps still exceed the budget.
     pub warned_floor: bool,
+    /// Steps whose optimizer step the guards skipped (a non-finite loss).
+    pub skipped: u64,
 }
 
 impl Default for Run {
@@ -34,6 +36,7 @@ impl Default for Run {
             step: 0,
             tokens: 0,
             warned_floor: false,
+            skipped: 0,
         }
     }
 }
@@ -51,9 +54,18 @@ pub struct StepReport {
     pub vram_peak_bytes: u64,
     /// The first NaN or infinity the numeric guards found in the step (guards on only).
     pub non_finite: Option<crate::guards::Finding>,
+    /// With guards on, the loss was NaN or infinite: no backward ran and the optimizer did not
+    /// step (a `warning` says so, [`Stagehand::skipped_steps`] counts them).
+    pub optimizer_skipped: bool,
 }
 
 impl Stagehand {
+    /// Steps whose optimizer step the numeric guards skipped because the loss was NaN or
+    /// infinite (guards on only).
+    pub fn skipped_steps(&self) -> u64 {
+        self.run().skipped
+    }
+
     /// Tokens (or samples) one step processes, for the throughput figures.
     pub fn set_tokens_per_step(&self, tokens: u64) {
         self.run().tokens = tokens;
@@ -102,15 +114,15 @@ impl Stagehand {
         let (acts, conductor, step, tokens, (floor, planned)) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
+            // An evaluation since the last step (forwards outside a step) ends before this one.
+            self.weights().end_evaluation()?;
+            // No handle of a managed variable kept where it would read a placeholder.
+            self.store.table().check_references()?;
             run.step += 1;
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
             (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes))
         };
         let weights = self.weights();
-        // An evaluation since the last step (forwards outside a step) ends before this one.
-        weights.end_evaluation()?;
-        // No handle of a managed variable kept where it would read a placeholder.
-        self.store.table().check_references()?;
         let t0 = Instant::now();
         self.device.reset_peak();
         self.guards_begin();
@@ -131,14 +143,22 @@ impl Stagehand {
             super::forensics::catch_oom(forward)?
         };
         self.guard_loss(&loss);
+        // With guards on, a loss that is NaN or infinite is read before backward (one wait for
+        // the forward): its gradients would be too, and the host steps start during backward.
+        let skipped = match &self.guards {
+            Some(_) => Some(loss.f_double_value(&[])?).filter(|v| !v.is_finite()),
+            None => None,
+        };
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
         self.enter(&conductor, step, Phase::Backward)?;
-        opt.zero_grad()?;
-        // The host steps of streamed blocks start as backward leaves each one.
-        opt.overlap_next_backward()?;
-        loss.f_backward()?;
-        weights.after_backward()?;
-        self.guard_gradients();
+        if skipped.is_none() {
+            opt.zero_grad()?;
+            // The host steps of streamed blocks start as backward leaves each one.
+            opt.overlap_next_backward()?;
+            loss.f_backward()?;
+            weights.after_backward()?;
+            self.guard_gradients();
+        }
         let e2 = self.device.record_compute()?;
         let loss_value = loss.f_double_value(&[])?;
         drop(loss);
@@ -147,9 +167,26 @@ impl Stagehand {
             None => None,
         };
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
-        self.enter(&conductor, step, Phase::Optimizer)?;
         let t_opt = Instant::now();
-        opt.step()?;
+        match skipped {
+            None => {
+                self.enter(&conductor, step, Phase::Optimizer)?;
+                opt.step()?;
+            }
+            Some(v) => {
+                let total = {
+                    let mut run = self.run();
+                    run.skipped += 1;
+                    run.skipped
+                };
+                self.bus.publish(EventKind::Warning {
+                    source: Owner::Device,
+                    message: format!(
+                        "step {step}: the loss is {v}: no backward, the optimizer step was skipped ({total} step(s) skipped so far)"
+                    ),
+                });
+            }
+        }
         weights.end_step()?;
         let e3 = self.device.record_compute()?;
         e3.synchronize()?;
@@ -206,6 +243,7 @@ impl Stagehand {
             time,
             vram_peak_bytes: mem.peak,
             non_finite: self.guards_end()?,
+            optimizer_skipped: skipped.is_some(),
         })
     }
 

@@ -326,14 +326,21 @@ impl Scheduler {
                 expected: "a name not registered yet".into(),
             });
         }
-        if self.slots.is_some() {
-            return Err(Error::misuse(
-                format!("registering block '{name}'"),
-                "register every block before the first step (the device room is sized from them)",
-            ));
-        }
         let id = BlockId(self.blocks.len() as u32);
         let spec = BlockSpec::layout(id, name, &params)?;
+        if let Some(room) = &self.slots {
+            // The room exists: a block made now streams through its slots.
+            if spec.bytes > room.slot_bytes() {
+                return Err(Error::TooLarge {
+                    what: format!("block '{name}', registered after the weights' room was made,"),
+                    needed: spec.bytes as u64,
+                    limit: format!(
+                        "a slot of the room holds {} bytes (the largest block registered before it): register it before the first step, when the room is sized",
+                        room.slot_bytes()
+                    ),
+                });
+            }
+        }
         let room = self.cfg.weight_budget();
         if spec.bytes as u64 > room {
             return Err(Error::TooLarge {
@@ -367,7 +374,13 @@ impl Scheduler {
             file_backed: false,
             trainable,
         });
+        // Every block registered so far kept resident (a plan where nothing streams, so no room
+        // was made): one registered now stays resident too.
+        let all_resident = !self.blocks.is_empty() && self.blocks.iter().all(|b| b.resident);
         self.blocks.push(block);
+        if all_resident {
+            self.set_resident(&[id])?;
+        }
         Ok(id)
     }
 
