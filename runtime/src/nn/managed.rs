@@ -199,7 +199,8 @@ macro_rules! wrapper {
             /// Runs `f` on the tch layer with its block resident, so its variables hold their
             /// values: how a tied weight is used outside its own layer's forward
             /// (`emb.run(|e| xs.matmul(&e.ws.tr()))`). Do not keep the layer's tensors past the
-            /// call: afterwards they point at placeholders again.
+            /// call: afterwards they point at placeholders again (a kept handle is refused at the
+            /// next step).
             pub fn run<T>(&self, f: impl FnOnce(&M) -> T) -> Result<T> {
                 self.binding.run(|| f(&self.inner))
             }

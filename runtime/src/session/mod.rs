@@ -28,7 +28,11 @@
 //! When the model first runs, its layers are grouped into blocks (every layer under `blocks.N`
 //! is block `blocks.N`), and the memory plan is derived from the budget and the model
 //! ([`plan`]): which blocks stream through how much device room, where activations spill, what
-//! the Conductor allows. Each step's phases are tagged for the Conductor and the telemetry, the
+//! the Conductor allows. A budget too small is [`Error::BudgetTooSmall`], stating the smallest
+//! one; [`Stagehand::budget_guide`] says what larger ones buy. A forward outside
+//! [`train_step`](Stagehand::train_step) (evaluation, sampling) evaluates: the model runs with
+//! its weights streamed along the evaluation's own order, in the `eval` phase, never counted as
+//! a step. Each step's phases are tagged for the Conductor and the telemetry, the
 //! saved-tensor hooks are on during the forward, the block being run is the activation region,
 //! and at the end of the step its time breakdown and VRAM by owner are published.
 
