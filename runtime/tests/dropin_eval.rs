@@ -203,8 +203,33 @@ fn handle(device: &Device, budget: u64, bus: Bus) -> Stagehand {
         .expect("handle")
 }
 
+/// The loop through the handle at `budget`, with every event it published.
+fn through_the_handle(device: &Device, budget: u64) -> (Run, Vec<Event>, Stagehand, stagehand::optim::Optimizer) {
+    let dev = device.tch_device();
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let hub = Arc::new(Hub::new());
+    hub.add_sink(Box::new(Collect(events.clone())));
+    let bus = Bus::with_hub(hub, 1 << 20);
+    let sh = handle(device, budget, bus.clone());
+    let model = {
+        let _g = rng();
+        tch::manual_seed(21);
+        gpt!(sh.root(), snn)
+    };
+    let mut opt = sh.optimizer(nn::AdamW::default(), 3e-3).expect("adamw");
+    let got = run(&model, dev, |x, y| {
+        sh.train_step(&mut opt, || loss(&model.forward_t(x, true), y))
+            .unwrap_or_else(|e| panic!("budget {budget}: {e}"))
+            .loss
+    });
+    sh.finish().expect("finish");
+    bus.flush();
+    let events = events.lock().expect("events").clone();
+    (got, events, sh, opt)
+}
+
 #[test]
-fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch() {
+fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch_at_every_budget() {
     let device = common::device();
     let dev = device.tch_device();
     let cuda = device.is_cuda();
@@ -216,68 +241,75 @@ fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch() {
         popt.backward_step(&l);
         l.double_value(&[])
     });
+    let trained = values(&vs);
 
-    let events = Arc::new(Mutex::new(Vec::new()));
-    let hub = Arc::new(Hub::new());
-    hub.add_sink(Box::new(Collect(events.clone())));
-    let bus = Bus::with_hub(hub, 1 << 20);
-    let sh = handle(&device, BUDGET, bus.clone());
-    let model = {
-        let _g = rng();
-        tch::manual_seed(21);
-        gpt!(sh.root(), snn)
+    // From the smallest budget the plan states to past the one where nothing streams.
+    let guide = {
+        let sh = handle(&device, 1 << 10, Bus::disabled());
+        let _model = {
+            let _g = rng();
+            tch::manual_seed(21);
+            gpt!(sh.root(), snn)
+        };
+        let _opt = sh.optimizer(nn::AdamW::default(), 3e-3).expect("adamw");
+        sh.budget_guide().expect("guide")
     };
-    let mut opt = sh.optimizer(nn::AdamW::default(), 3e-3).expect("adamw");
-    let got = run(&model, dev, |x, y| sh.train_step(&mut opt, || loss(&model.forward_t(x, true), y)).expect("step").loss);
-    sh.finish().expect("finish");
-    bus.flush();
+    let mut budgets = vec![guide.minimum_bytes, guide.full_window_bytes, BUDGET, guide.resident_bytes, guide.resident_bytes * 2];
+    budgets.extend((1..4).map(|k| guide.minimum_bytes + (guide.resident_bytes - guide.minimum_bytes) * k / 4));
+    budgets.sort_unstable();
+    budgets.dedup();
+    for budget in budgets {
+        let (got, events, sh, opt) = through_the_handle(&device, budget);
+        let plan = sh.plan().expect("plan");
+        assert_eq!(plan.streams(), budget < guide.resident_bytes, "budget {budget}");
+        assert_losses(&got.losses, &want.losses, cuda);
+        assert_losses(&got.evals, &want.evals, cuda);
+        if !cuda {
+            assert_eq!(got.samples, want.samples, "budget {budget}: sampled tokens");
+        }
+        opt.wait().expect("host steps");
+        assert_same(&cpu(sh.var_store().expect("snapshot").variables()), &trained, cuda, &format!("budget {budget}"));
 
-    assert!(sh.plan().expect("plan").streams(), "blocks stream");
-    assert_losses(&got.losses, &want.losses, cuda);
-    assert_losses(&got.evals, &want.evals, cuda);
-    if !cuda {
-        assert_eq!(got.samples, want.samples, "sampled tokens");
+        // Telemetry: every evaluation is its own phase and its own event; the steps are the
+        // training steps only.
+        let train_steps = events.iter().filter(|e| matches!(e.kind, EventKind::TrainStep(_))).count();
+        assert_eq!(train_steps as i64, STEPS, "evaluations are not training steps");
+        let begins: Vec<u64> = events
+            .iter()
+            .filter(|e| matches!(e.kind, EventKind::PhaseChanged { to: Phase::StepBegin, .. }))
+            .map(|e| e.step)
+            .collect();
+        assert_eq!(begins, (1..=STEPS as u64).collect::<Vec<_>>());
+        let evals: Vec<(u64, EvaluationMetrics)> = events
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::Evaluation(m) => Some((e.step, m.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(evals.len() as i64, STEPS / EVAL_EVERY, "{evals:?}");
+        let eval_phases = events.iter().filter(|e| matches!(e.kind, EventKind::PhaseChanged { to: Phase::Eval, .. })).count();
+        assert_eq!(eval_phases, evals.len());
+        for (i, (step, m)) in evals.iter().enumerate() {
+            assert_eq!(*step, (i as u64 + 1) * EVAL_EVERY as u64, "an evaluation belongs to the step before it");
+            // One evaluation forward and the samples, each using the embedding, every block
+            // and the head.
+            let uses = (1 + SAMPLES as u64) * (LAYERS as u64 + 2);
+            assert!(m.block_uses >= uses, "{m:?}");
+            assert_eq!(m.prefetch_hits + m.prefetch_misses, m.block_uses, "{m:?}");
+            if plan.streams() {
+                // Prefetched along the evaluation's itinerary: a miss is the first use of a
+                // forward, at most.
+                assert!(m.prefetch_misses <= 1 + SAMPLES as u64, "budget {budget}: {m:?}");
+            }
+        }
+        // What happened during an evaluation is tagged with its phase.
+        assert!(events
+            .iter()
+            .any(|e| e.phase == Phase::Eval && matches!(e.kind, EventKind::PrefetchHit { .. } | EventKind::PrefetchMiss { .. })));
+        let snap = sh.hub().expect("hub").snapshot();
+        assert_eq!(snap.step, STEPS as u64);
     }
-    opt.wait().expect("host steps");
-    assert_same(&cpu(sh.var_store().expect("snapshot").variables()), &values(&vs), cuda, "after training");
-
-    // Telemetry: every evaluation is its own phase and its own event; the steps are the
-    // training steps only.
-    let events = events.lock().expect("events").clone();
-    let train_steps = events.iter().filter(|e| matches!(e.kind, EventKind::TrainStep(_))).count();
-    assert_eq!(train_steps as i64, STEPS, "evaluations are not training steps");
-    let begins: Vec<u64> = events
-        .iter()
-        .filter(|e| matches!(e.kind, EventKind::PhaseChanged { to: Phase::StepBegin, .. }))
-        .map(|e| e.step)
-        .collect();
-    assert_eq!(begins, (1..=STEPS as u64).collect::<Vec<_>>());
-    let evals: Vec<(u64, EvaluationMetrics)> = events
-        .iter()
-        .filter_map(|e| match &e.kind {
-            EventKind::Evaluation(m) => Some((e.step, m.clone())),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(evals.len() as i64, STEPS / EVAL_EVERY, "{evals:?}");
-    for (i, (step, m)) in evals.iter().enumerate() {
-        assert_eq!(*step, (i as u64 + 1) * EVAL_EVERY as u64, "an evaluation belongs to the step before it");
-        // One evaluation forward and the samples, each using the embedding, every block and
-        // the head: prefetched along the evaluation's order, most uses are hits.
-        let uses = (1 + SAMPLES as u64) * (LAYERS as u64 + 2);
-        assert!(m.block_uses >= uses, "{m:?}");
-        assert_eq!(m.prefetch_hits + m.prefetch_misses, m.block_uses, "{m:?}");
-        assert!(m.prefetch_hits >= m.block_uses * 3 / 4, "prefetched along the evaluation's itinerary: {m:?}");
-    }
-    let eval_phases = events.iter().filter(|e| matches!(e.kind, EventKind::PhaseChanged { to: Phase::Eval, .. })).count();
-    assert_eq!(eval_phases, evals.len());
-    // What happened during an evaluation is tagged with its phase.
-    assert!(events
-        .iter()
-        .any(|e| e.phase == Phase::Eval && matches!(e.kind, EventKind::PrefetchHit { .. } | EventKind::PrefetchMiss { .. })));
-    // The snapshot's step tallies hold the training steps' uses only.
-    let snap = sh.hub().expect("hub").snapshot();
-    assert_eq!(snap.step, STEPS as u64);
 }
 
 #[test]

@@ -311,3 +311,33 @@ fn guards_skip_the_optimizer_step_on_a_non_finite_loss_say_so_and_count_it() {
         assert_eq!(sh.skipped_steps(), 1);
     }
 }
+
+#[test]
+fn a_model_built_after_the_plan_was_made_trains_like_tch() {
+    // The plan made before any layer existed (nothing streams): the layers made afterwards are
+    // late blocks, kept resident with their memory taken when they are made.
+    let device = common::device();
+    let dev = device.tch_device();
+    let cuda = device.is_cuda();
+    let (vs, plain) = common::seeded_on_cpu(3, dev, |vs| {
+        (0..3).map(|i| nn::linear(vs.root() / "blocks" / i / "fc", D, D, Default::default())).collect::<Vec<_>>()
+    });
+    let mut popt = nn::Adam::default().build(&vs, 1e-2).expect("adam");
+    let sh = handle(&device, 1 << 20);
+    let plan = sh.prepare().expect("a plan for no model yet");
+    assert!(!plan.streams());
+    let model = layers(&sh);
+    let mut opt = sh.optimizer(nn::Adam::default(), 1e-2).expect("adam");
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let l = forward(&plain, &x(dev));
+        popt.backward_step(&l);
+        want.push(l.double_value(&[]));
+        got.push(sh.train_step(&mut opt, || forward(&model, &x(dev))).expect("step").loss);
+    }
+    assert_losses(&got, &want, cuda);
+    opt.wait().expect("host steps");
+    assert_same(&cpu(sh.var_store().expect("snapshot").variables()), &values(&vs), cuda, "built after the plan");
+    let m = sh.weights().last_step_metrics();
+    assert_eq!((m.h2d_bytes, m.evictions), (0, 0), "resident, nothing streams: {m:?}");
+}

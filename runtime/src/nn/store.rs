@@ -159,6 +159,15 @@ impl Table {
         Ok(())
     }
 
+    /// Ends registration even when no layer was made (the handle's plan is made): a layer made
+    /// from now on is a late one, a block of its own.
+    pub(crate) fn close_registration(&self) {
+        let mut l = self.lock();
+        if l.blocks.is_none() && l.pending.is_empty() && l.failed.is_empty() {
+            l.blocks = Some(Vec::new());
+        }
+    }
+
     /// Layer `i`'s block, sealing first.
     pub(crate) fn block_of(&self, i: usize) -> Result<BlockId> {
         self.seal()?;

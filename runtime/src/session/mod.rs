@@ -304,8 +304,8 @@ pub struct Stagehand {
 
 impl Drop for Stagehand {
     fn drop(&mut self) {
-        // The model's layers may outlive the handle: its runtime lets go of the device, and a
-        // layer used later says the handle is gone instead of reading a placeholder.
+        // The model's layers may outlive the handle: a layer used later says the handle is gone
+        // instead of running without its plan.
         if let Err(e) = self.weights().close() {
             self.bus.publish(EventKind::Warning { source: Owner::Weights, message: format!("closing the weight runtime: {e}") });
         }

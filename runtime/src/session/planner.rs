@@ -117,6 +117,7 @@ impl Planner {
         }
         let (facts, machine) = self.facts()?;
         let plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
+        self.table.close_registration();
         let dev = self.device.tch_device();
         let managed = self.table.managed_names();
         for (name, mut t) in self.variables() {

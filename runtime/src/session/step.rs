@@ -19,6 +19,7 @@ pub(super) struct Ready {
 }
 
 /// The handle's mutable state.
+#[derive(Default)]
 pub(super) struct Run {
     pub ready: Option<Ready>,
     pub step: u64,
@@ -27,18 +28,6 @@ pub(super) struct Run {
     pub warned_floor: bool,
     /// Steps whose optimizer step the guards skipped (a non-finite loss).
     pub skipped: u64,
-}
-
-impl Default for Run {
-    fn default() -> Self {
-        Run {
-            ready: None,
-            step: 0,
-            tokens: 0,
-            warned_floor: false,
-            skipped: 0,
-        }
-    }
 }
 
 /// What one step did.
@@ -133,6 +122,8 @@ impl Stagehand {
         }
         let e0 = self.device.record_compute()?;
         self.enter(&conductor, step, Phase::Forward)?;
+        // The plan's resident blocks take their memory before the forward's activations can.
+        weights.load_residents()?;
         let loss = {
             // The activation runtime's store hands weights to the weight runtime; without
             // spilling the weight runtime's own store is used. Either is on until the forward ends.

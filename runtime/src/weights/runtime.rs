@@ -274,6 +274,19 @@ impl WeightRuntime {
         self.lock().make_room()
     }
 
+    /// Loads every block kept resident that is not on the device yet (the handle does this
+    /// before each step's forward, so the activations the forward keeps never take their
+    /// memory). On failure, [`failed_block`](Self::failed_block) names the block that did not fit.
+    pub fn load_residents(&self) -> Result<()> {
+        let r = self.lock().load_residents();
+        r.map_err(|(id, e)| {
+            if id.is_some() {
+                *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner()) = id;
+            }
+            e
+        })
+    }
+
     /// Makes `id` resident (a prefetch hit or a counted stall), holds it, prefetches ahead.
     pub fn before_block(&self, id: BlockId) -> Result<()> {
         let name = {
@@ -518,9 +531,8 @@ impl WeightRuntime {
         self.lock().held_references()
     }
 
-    /// Closes the runtime when the handle that owns it goes: host steps finish, every block
-    /// leaves the device and the room is freed; later calls are errors that say the handle is
-    /// gone. Idempotent; a no-op after `shutdown`.
+    /// Closes the runtime when the handle that owns it goes: host steps finish; later calls are
+    /// errors that say the handle is gone. Idempotent; a no-op after `shutdown`.
     pub(crate) fn close(&self) -> Result<()> {
         self.lock().close()
     }

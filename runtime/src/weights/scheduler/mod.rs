@@ -136,6 +136,9 @@ pub(crate) struct Scheduler {
     evaluation: Option<eval::Evaluation>,
     /// This runtime's id in the process-wide claims on variables (`super::claims`).
     owner: u64,
+    /// The room was made with every block resident (a plan where nothing streams): blocks
+    /// registered since stay resident too.
+    new_blocks_resident: bool,
     /// Handles of managed variables that other parts of the runtime hold (the device
     /// optimizer of resident blocks), beside the block's own.
     noted: HashMap<crate::torch::VariableId, usize>,
@@ -214,6 +217,7 @@ impl Scheduler {
             other_route: Route::default(),
             evaluation: None,
             owner: super::claims::owner(),
+            new_blocks_resident: false,
             noted: HashMap::new(),
         })
     }
@@ -374,11 +378,10 @@ impl Scheduler {
             file_backed: false,
             trainable,
         });
-        // Every block registered so far kept resident (a plan where nothing streams, so no room
-        // was made): one registered now stays resident too.
-        let all_resident = !self.blocks.is_empty() && self.blocks.iter().all(|b| b.resident);
         self.blocks.push(block);
-        if all_resident {
+        if self.new_blocks_resident {
+            // The plan keeps every block resident (no room was made): one registered since
+            // stays resident too (loaded before the next step's forward).
             self.set_resident(&[id])?;
         }
         Ok(id)
@@ -454,6 +457,21 @@ impl Scheduler {
         self.check_live()?;
         if self.blocks.iter().any(|b| !b.resident) {
             self.room()?;
+        }
+        self.new_blocks_resident = self.slots.is_none();
+        Ok(())
+    }
+
+    /// Loads every resident block not on the device yet (before a step's forward: loaded at
+    /// their first use, they would find their memory held by the activations the forward keeps
+    /// before them). On failure, the block that did not fit.
+    pub(crate) fn load_residents(&mut self) -> std::result::Result<(), (Option<BlockId>, Error)> {
+        for i in 0..self.blocks.len() {
+            let id = BlockId(i as u32);
+            let unloaded = self.residency.state(id).map_err(|e| (None, e))? == BlockState::Unloaded;
+            if self.blocks[i].resident && unloaded {
+                self.load(id, Load::Demand, None).and_then(|_| self.finalize(id, true)).map_err(|e| (Some(id), e))?;
+            }
         }
         Ok(())
     }
@@ -700,17 +718,17 @@ impl Scheduler {
         self.block(id)?.host_param(i)
     }
 
-    /// The owner is gone: host steps finish, every block is evicted (a trained resident block's
-    /// values written home first), the room and staging pool are freed, later calls fail.
+    /// The owner is gone: an evaluation under way ends, host steps finish, later calls fail.
+    /// Nothing else is published (the run is over); the device memory goes with the runtime,
+    /// when the last layer holding it does.
     pub(crate) fn close(&mut self) -> Result<()> {
         if matches!(self.state, StepState::ShutDown { .. }) {
             return Ok(());
         }
-        let result = self.evict_all();
-        self.slots = None;
-        if let Some(p) = &self.staging {
-            p.shutdown();
-        }
+        let result = self.end_evaluation().and_then(|_| match &self.stepper {
+            Some(s) => s.wait_all().map(|_| ()),
+            None => Ok(()),
+        });
         self.state = StepState::ShutDown { dropped: true };
         result
     }
@@ -729,10 +747,6 @@ impl Scheduler {
             self.residency.set_protected(id, false, &self.bus)?;
             self.blocks[i].resident = false;
             if self.residency.state(id)? == BlockState::GpuReady {
-                // A block still held (a forward that failed midway) is released first.
-                while self.residency.get(id)?.refcount > 0 {
-                    self.residency.release(id)?;
-                }
                 self.evict(id, crate::events::EvictionReason::Shutdown, 0.0)?;
             }
         }
