@@ -298,9 +298,10 @@ fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch_at_every_budget(
             assert!(m.block_uses >= uses, "{m:?}");
             assert_eq!(m.prefetch_hits + m.prefetch_misses, m.block_uses, "{m:?}");
             if plan.streams() {
-                // Prefetched along the evaluation's itinerary: a miss is the first use of a
-                // forward, at most.
-                assert!(m.prefetch_misses <= 1 + SAMPLES as u64, "budget {budget}: {m:?}");
+                // Prefetched along the evaluation's itinerary: the first use of the evaluation
+                // may miss (its block was just stepped on the host), then every use is a hit
+                // (measured: 0 or 1 misses in 182 uses at every budget).
+                assert!(m.prefetch_misses <= 2, "budget {budget}: {m:?}");
             }
         }
         // What happened during an evaluation is tagged with its phase.

@@ -80,7 +80,9 @@ impl Scheduler {
             return Ok(());
         }
         self.reap();
-        self.end_forward();
+        // The forward under way may be a part of one (with a tied head, the head alone): the
+        // itinerary keeps what the finished forwards taught it.
+        self.route.begin();
         std::mem::swap(&mut self.route, &mut self.other_route);
         let m = std::mem::take(&mut self.metrics);
         let h2d_wait_ms = self.loads.take_wait_ms(false);
