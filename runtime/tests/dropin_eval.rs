@@ -191,9 +191,10 @@ impl EventSink for Collect {
     }
 }
 
+/// A handle with `budget` bytes in all (on CUDA counting what the device holds already, as the
+/// sizes a plan states do).
 fn handle(device: &Device, budget: u64, bus: Bus) -> Stagehand {
     let cuda = device.is_cuda();
-    let budget = budget + if cuda { device.memory().allocated } else { 0 };
     Stagehand::builder()
         .budget_bytes(budget)
         .device(if cuda { device.clone() } else { Device::host(budget) })
@@ -244,8 +245,9 @@ fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch_at_every_budget(
     let trained = values(&vs);
 
     // From the smallest budget the plan states to past the one where nothing streams.
+    let held = if cuda { device.memory().allocated } else { 0 };
     let guide = {
-        let sh = handle(&device, 1 << 10, Bus::disabled());
+        let sh = handle(&device, held + (1 << 10), Bus::disabled());
         let _model = {
             let _g = rng();
             tch::manual_seed(21);
@@ -254,7 +256,7 @@ fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch_at_every_budget(
         let _opt = sh.optimizer(nn::AdamW::default(), 3e-3).expect("adamw");
         sh.budget_guide().expect("guide")
     };
-    let mut budgets = vec![guide.minimum_bytes, guide.full_window_bytes, BUDGET, guide.resident_bytes, guide.resident_bytes * 2];
+    let mut budgets = vec![guide.minimum_bytes, guide.full_window_bytes, held + BUDGET, guide.resident_bytes, guide.resident_bytes * 2];
     budgets.extend((1..4).map(|k| guide.minimum_bytes + (guide.resident_bytes - guide.minimum_bytes) * k / 4));
     budgets.sort_unstable();
     budgets.dedup();
@@ -319,7 +321,8 @@ fn gradients_through_a_forward_outside_a_step_are_an_error_not_a_panic() {
     // the optimizer's `backward_step`. The forward evaluates; its backward is refused.
     let device = common::device();
     let dev = device.tch_device();
-    let sh = handle(&device, BUDGET, Bus::disabled());
+    let held = if device.is_cuda() { device.memory().allocated } else { 0 };
+    let sh = handle(&device, held + BUDGET, Bus::disabled());
     let model = {
         let _g = rng();
         tch::manual_seed(21);
