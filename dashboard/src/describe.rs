@@ -158,6 +158,10 @@ pub fn describe(k: &EventKind) -> String {
             m.grant_count, m.partial_count, m.deny_count
         ),
         TrainStep(m) => format!("loss {:.4} in {:.1} ms", m.loss, m.step_time_s * 1e3),
+        Evaluation(m) => format!(
+            "{} block uses, hits {} misses {} in {:.1} ms",
+            m.block_uses, m.prefetch_hits, m.prefetch_misses, m.duration_ms
+        ),
         TransferStep(m) => format!(
             "h2d {} copies {}, d2h {} copies {}",
             m.h2d.count,

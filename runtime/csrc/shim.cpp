@@ -252,6 +252,15 @@ const void* stagehand_tensor_impl(const at::Tensor* t) {
   return t->defined() ? static_cast<const void*>(t->unsafeGetTensorImpl()) : nullptr;
 }
 
+// Handles of a variable alive now (every shallow clone, every view's base), less the one its
+// gradient accumulator holds while an autograd graph that uses it is alive: who else keeps it.
+int64_t stagehand_tensor_handles(const at::Tensor* t) {
+  if (!t->defined()) return 0;
+  int64_t n = static_cast<int64_t>(t->use_count());
+  if (t->requires_grad() && torch::autograd::impl::try_get_grad_accumulator(*t)) n -= 1;
+  return n;
+}
+
 // ---- libtorch optimizers -----------------------------------------------------------------
 //
 // Made exactly as tch's `ato_adam` & co. make them (same classes, same options, parameters

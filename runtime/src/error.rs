@@ -43,6 +43,14 @@ pub enum Error {
     /// A block id or name that is not registered.
     #[error("unknown block '{0}'")]
     UnknownBlock(String),
+    /// A device budget too small for the model: what does not fit, and the smallest budget the
+    /// model trains in (its plan was derived, so following the advice works).
+    #[error(
+        "budget {budget_bytes} bytes ({:.1} MiB) is too small for this model: {why}; the smallest budget it trains in is {minimum_bytes} bytes ({:.1} MiB): budget_bytes({minimum_bytes})",
+        *budget_bytes as f64 / 1048576.0,
+        *minimum_bytes as f64 / 1048576.0
+    )]
+    BudgetTooSmall { budget_bytes: u64, minimum_bytes: u64, why: String },
     /// A request larger than what can ever satisfy it.
     #[error("{what} needs {needed} bytes, but {limit}")]
     TooLarge {

@@ -239,15 +239,18 @@ fn the_misuses_of_a_port_are_errors_that_say_what_to_do() {
     let ids = Tensor::zeros([2], (Kind::Int64, device.tch_device()));
     assert!(emb.try_forward(&ids).is_err(), "a Result, not a panic");
 
-    // A layer made after the model first ran.
+    // A layer made after the model first ran is a block of its own; one larger than the room's
+    // slots cannot stream through them.
     let ms = layer_store(&device, 1 << 20);
     let r = ms.root();
     let first = snn::linear(&r / "a", 4, 4, Default::default());
     let x = Tensor::zeros([1, 4], (Kind::Float, device.tch_device()));
     let _ = first.try_forward(&x).expect("runs");
     let late = snn::linear(&r / "b", 4, 4, Default::default());
-    let e = late.try_forward(&x).expect_err("made late");
-    assert!(e.to_string().contains("made after the model first ran") && e.to_string().contains("before the first forward"), "{e}");
+    assert_eq!(late.try_forward(&x).expect("registered when made").size(), [1, 4]);
+    let wide = snn::linear(&r / "c", 64, 64, Default::default());
+    let e = wide.try_forward(&Tensor::zeros([1, 64], (Kind::Float, device.tch_device()))).expect_err("larger than a slot");
+    assert!(e.to_string().contains("made after the model first ran") && e.to_string().contains("before the first step"), "{e}");
 
     // A managed variable asked for by name: where its value is, not a placeholder's zeros.
     let e = (&r / "a").get("weight").expect_err("managed");

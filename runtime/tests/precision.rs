@@ -78,7 +78,7 @@ fn batch(seed: i64, dev: tch::Device) -> (Tensor, Tensor) {
 /// masters. Returns each step's loss and the final masters.
 fn reference(seed: i64, dev: tch::Device, steps: i64, lr: f64) -> (Vec<f64>, Vec<(String, Tensor)>) {
     let (master, _) = common::seeded_on_cpu(seed, dev, |vs| build(&vs.root(), None));
-    let (mut compute, net) = common::seeded_on_cpu(seed, dev, |vs| build(&vs.root(), None));
+    let (compute, net) = common::seeded_on_cpu(seed, dev, |vs| build(&vs.root(), None));
     // The managed weights compute in bf16; the norm is shared with the masters (it trains in
     // float32 on the device, as an unmanaged variable does).
     let managed = |n: &str| !n.starts_with("ln.");
@@ -157,7 +157,7 @@ fn bf16_through_the_handle_equals_the_standard_recipe_in_plain_tch() {
     for s in 0..steps {
         let (ids, targets) = batch(100 + s, dev);
         let r = sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step");
-        assert_eq!((r.loss_scale, r.skipped), (None, false));
+        assert_eq!((r.loss_scale, r.optimizer_skipped), (None, false));
         got.push(r.loss);
     }
     let plan = sh.plan().expect("planned");
@@ -273,7 +273,7 @@ fn fp16_skips_an_overflowing_step_lowers_the_scale_and_trains_on() {
     }
     let scales: Vec<f64> = reports.iter().map(|r| r.loss_scale.expect("fp16 reports its scale")).collect();
     assert_eq!(scales[0], stagehand::precision::DEFAULT_INITIAL_SCALE);
-    assert!(reports[5].skipped && reports.iter().filter(|r| r.skipped).count() == 1, "{reports:?}");
+    assert!(reports[5].optimizer_skipped && reports.iter().filter(|r| r.optimizer_skipped).count() == 1, "{reports:?}");
     assert_eq!(scales[6], scales[5] / 2.0, "the scale halves after the overflow");
     let early: f64 = reports[..3].iter().map(|r| r.loss).sum();
     let late: f64 = reports[9..].iter().map(|r| r.loss).sum();

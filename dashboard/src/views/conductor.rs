@@ -24,6 +24,7 @@ fn phase_glyph(p: Phase) -> (&'static str, Color) {
         Phase::Backward => ("B", Color::Blue),
         Phase::Optimizer => ("O", Color::Magenta),
         Phase::StepEnd => ("e", Color::DarkGray),
+        Phase::Eval => ("v", Color::Cyan),
     }
 }
 

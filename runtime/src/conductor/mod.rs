@@ -445,6 +445,11 @@ impl Conductor {
         self.transition(None, Phase::Optimizer)
     }
 
+    /// EVAL: forwards outside a step (evaluation, sampling), between two steps.
+    pub fn enter_eval(&self) -> Result<()> {
+        self.transition(None, Phase::Eval)
+    }
+
     /// STEP_END (publishes the step's metrics every `telemetry_interval_steps`).
     pub fn end_step(&self) -> Result<()> {
         self.transition(None, Phase::StepEnd)

@@ -7,8 +7,9 @@
 //!                        next micro-batch     accumulation step, no optimizer
 //! ```
 //!
-//! Any phase may go to `Idle` (shutdown). Everything else is an
-//! [`Error::InvalidPhaseTransition`].
+//! Between steps (`Idle`, `StepEnd`) a run may evaluate (`Eval`: forwards outside a step), and
+//! the next step begins from there. Any phase may go to `Idle` (shutdown). Everything else is
+//! an [`Error::InvalidPhaseTransition`].
 
 use super::error::{Error, Result};
 use crate::events::model::{Phase, PhaseDurations};
@@ -19,12 +20,13 @@ pub fn can_transition(from: Phase, to: Phase) -> bool {
     use Phase::*;
     match (from, to) {
         (_, Idle) => from != Idle,
-        (Idle, StepBegin) | (StepEnd, StepBegin) => true,
+        (Idle, StepBegin) | (StepEnd, StepBegin) | (Eval, StepBegin) => true,
+        (Idle, Eval) | (StepEnd, Eval) => true,
         (StepBegin, Forward) => true,
         (Forward, Backward) => true,
         (Backward, Forward) | (Backward, Optimizer) | (Backward, StepEnd) => true,
         (Optimizer, StepEnd) => true,
-        (Idle, _) | (StepBegin, _) | (Forward, _) | (Backward, _) | (Optimizer, _) | (StepEnd, _) => {
+        (Idle, _) | (StepBegin, _) | (Forward, _) | (Backward, _) | (Optimizer, _) | (StepEnd, _) | (Eval, _) => {
             false
         }
     }
@@ -109,7 +111,7 @@ impl PhaseCoordinator {
             Phase::Forward => self.durations.forward += duration_s,
             Phase::Backward => self.durations.backward += duration_s,
             Phase::Optimizer => self.durations.optimizer += duration_s,
-            Phase::Idle | Phase::StepBegin | Phase::StepEnd => {}
+            Phase::Idle | Phase::StepBegin | Phase::StepEnd | Phase::Eval => {}
         }
         if to == Phase::StepBegin {
             self.durations = PhaseDurations::default();
@@ -157,7 +159,7 @@ mod tests {
                 from, to, expected, ..
             } => {
                 assert_eq!((*from, *to), (Phase::Idle, Phase::Forward));
-                assert_eq!(expected, "step_begin");
+                assert_eq!(expected, "step_begin, eval");
             }
             other => panic!("unexpected {other:?}"),
         }

@@ -134,7 +134,8 @@ impl PolicyBridge {
             | Phase::StepBegin
             | Phase::Forward
             | Phase::Backward
-            | Phase::StepEnd => {}
+            | Phase::StepEnd
+            | Phase::Eval => {}
         }
         if self.contention_fires(inputs.consecutive_full) {
             let from = hints.prefetch_window_cap.unwrap_or(self.baseline_window);

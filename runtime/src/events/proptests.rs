@@ -24,7 +24,7 @@ fn state() -> impl Strategy<Value = BlockState> {
 }
 
 fn phase() -> impl Strategy<Value = Phase> {
-    (0usize..6).prop_map(|i| Phase::ALL[i])
+    (0usize..Phase::ALL.len()).prop_map(|i| Phase::ALL[i])
 }
 
 fn dir() -> impl Strategy<Value = Direction> {

@@ -32,7 +32,7 @@ impl StepCloser {
     /// were never closed (a loop that publishes no phases).
     pub fn before(&mut self, e: &Event) -> Option<(u64, TransferStepMetrics)> {
         match e.kind {
-            EventKind::TransferCompleted { .. } if e.step != self.step => self.take(),
+            EventKind::TransferCompleted { .. } if e.step != self.step && e.phase != Phase::Eval => self.take(),
             _ => None,
         }
     }
@@ -40,6 +40,8 @@ impl StepCloser {
     /// Counts `e`; an aggregate to publish right *after* it when it closes a step.
     pub fn after(&mut self, e: &Event) -> Option<(u64, TransferStepMetrics)> {
         match &e.kind {
+            // An evaluation's copies belong to no step (its `evaluation` event counts them).
+            EventKind::TransferCompleted { .. } if e.phase == Phase::Eval => None,
             EventKind::TransferCompleted { dir, bytes, duration_ms, .. } => {
                 self.step = e.step;
                 self.open.dir_mut(*dir).record(*bytes, *duration_ms);
@@ -50,7 +52,7 @@ impl StepCloser {
                 self.open = TransferStepMetrics::default();
                 None
             }
-            EventKind::PhaseChanged { to: Phase::Idle | Phase::StepBegin, .. }
+            EventKind::PhaseChanged { to: Phase::Idle | Phase::StepBegin | Phase::Eval, .. }
             | EventKind::RunEnded { .. } => self.take(),
             _ => None,
         }

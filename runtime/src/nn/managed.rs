@@ -97,6 +97,7 @@ impl Binding {
             State::Block { rt, hooks, .. } => (rt, *hooks),
         };
         let block = self.block()?;
+        rt.ensure_planned()?;
         if hooks {
             let key = rt.identity();
             HOOKS.with(|h| -> Result<()> {
@@ -108,7 +109,17 @@ impl Binding {
             })?;
         }
         rt.before_block(block)?;
+        // Outside a step (evaluation, sampling) saved weights are handles whose backward is an
+        // error: the block's slot holds another block by the time a backward could come.
+        let eval = match rt.evaluation_hooks() {
+            Ok(h) => h,
+            Err(e) => {
+                rt.after_block(block)?;
+                return Err(e);
+            }
+        };
         let out = f();
+        drop(eval);
         rt.after_block(block)?;
         Ok(out)
     }
@@ -188,7 +199,8 @@ macro_rules! wrapper {
             /// Runs `f` on the tch layer with its block resident, so its variables hold their
             /// values: how a tied weight is used outside its own layer's forward
             /// (`emb.run(|e| xs.matmul(&e.ws.tr()))`). Do not keep the layer's tensors past the
-            /// call: afterwards they point at placeholders again.
+            /// call: afterwards they point at placeholders again (a kept handle is refused at the
+            /// next step).
             pub fn run<T>(&self, f: impl FnOnce(&M) -> T) -> Result<T> {
                 self.binding.run(|| f(&self.inner))
             }

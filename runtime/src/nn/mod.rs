@@ -27,10 +27,12 @@
 //!   Stagehand paths, groups kept (`set_group`), duplicate names renamed as tch renames them
 //!   (`weight__3`), [`Path::device`] the compute device, on which every variable Stagehand does
 //!   not manage is placed when the model first runs.
-//! - **Values, never placeholders**: between uses a managed variable points at a placeholder, so
-//!   reading a weight goes through [`Managed::run`] (the block resident, for tied weights),
-//!   [`Managed::variables`], [`ManagedVarStore::var_store`] (a snapshot), or
-//!   [`ManagedVarStore::save`].
+//! - **Values, never placeholders**: between uses a managed variable points at a placeholder
+//!   (NaN), so reading a weight goes through [`Managed::run`] (the block resident, for tied
+//!   weights), [`Managed::variables`], [`ManagedVarStore::var_store`] (a snapshot), or
+//!   [`ManagedVarStore::save`]; a handle of a managed variable kept elsewhere is refused at the
+//!   next optimizer step, naming it.
+//! - **Layers made later**: a layer made after the model first ran is a block of its own.
 //!
 //! Layers are grouped into blocks when the model first runs, from the model's repeated structure
 //! ([`Grouping::Repeated`]: every layer under `blocks.N` joins block `blocks.N`), so a transformer
@@ -52,6 +54,7 @@ pub use layers::{
 pub use managed::{release_hooks, Managed, ManagedT};
 pub use path::Path;
 pub use store::ManagedVarStore;
+pub(crate) use store::Table;
 
 use crate::events::Bus;
 use crate::device::Device;

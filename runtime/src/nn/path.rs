@@ -76,6 +76,13 @@ impl<'a> Path<'a> {
     /// manage. A managed variable points at a placeholder between uses, so asking for one is an
     /// error that says where its value is instead (never a tensor of zeros).
     pub fn get(&self, name: &str) -> Result<Option<tch::Tensor>> {
+        if name.contains('.') {
+            return Err(Error::Config {
+                field: "name",
+                value: format!("'{name}'"),
+                expected: "a variable's name under this path, without '.' (a sub-path is `&path / \"blocks\" / 0`)".into(),
+            });
+        }
         let Some(t) = self.inner.get(name) else { return Ok(None) };
         let full = self.inner.path(name);
         if self.store.managed_names().contains(&full) {

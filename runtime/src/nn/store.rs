@@ -52,17 +52,11 @@ impl Table {
         &self.rt
     }
 
-    /// Adds a layer: `Ok(index)`, or `Err(why)` when it cannot be registered (the model has run).
-    /// A name already used (two layers on one path, as tch allows) gets tch's `__N` suffix.
+    /// Adds a layer: `Ok(index)`, or `Err(why)` when it cannot be registered (made after the
+    /// model ran and too large for the room's slots). A name already used (two layers on one
+    /// path, as tch allows) gets tch's `__N` suffix.
     fn add(&self, name: String, params: Vec<(String, Tensor)>) -> std::result::Result<usize, String> {
         let mut l = self.lock();
-        if l.blocks.is_some() {
-            let why = format!(
-                "layer '{name}' was made after the model first ran: make every layer before the first forward (the weights' device room is sized from them)"
-            );
-            l.failed.push(why.clone());
-            return Err(why);
-        }
         let taken = |n: &str| l.pending.iter().any(|(m, _)| m == n);
         let name = if name.is_empty() {
             // A layer on the root path: named after its first variable, as tch names that.
@@ -71,6 +65,25 @@ impl Table {
             name
         };
         let name = if taken(&name) { format!("{name}__{}", l.pending.len()) } else { name };
+        if l.blocks.is_some() {
+            // Made after the model first ran: a block of its own now (it streams through the
+            // room's slots when it fits one, or stays resident beside blocks the plan keeps).
+            let block = if self.rt.block_id(&name).is_ok() { format!("{name}__{}", l.pending.len()) } else { name.clone() };
+            let bytes: u64 = params.iter().map(|(_, t)| crate::torch::tensor_bytes(t)).sum();
+            let kept: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+            let id = self.rt.register_block(&block, params).map_err(|e| format!("layer '{name}' made after the model first ran: {e}"))?;
+            self.rt.bus().publish(crate::events::EventKind::Warning {
+                source: crate::events::Owner::Weights,
+                message: format!(
+                    "layer '{name}' was made after the model first ran: block '{block}' of its own ({bytes} bytes), which the memory plan did not count"
+                ),
+            });
+            l.pending.push((name, kept));
+            if let Some(b) = &mut l.blocks {
+                b.push(id);
+            }
+            return Ok(l.pending.len() - 1);
+        }
         l.pending.push((name, params));
         Ok(l.pending.len() - 1)
     }
@@ -125,7 +138,8 @@ impl Table {
         }
         l.blocks = Some(names.iter().map(|n| ids[n]).collect());
         drop(l);
-        self.place_unmanaged(&managed)
+        self.place_unmanaged(&managed)?;
+        self.check_references()
     }
 
     /// Moves every variable not in `managed` to the compute device (the VarStore may be on the
@@ -145,6 +159,15 @@ impl Table {
         Ok(())
     }
 
+    /// Ends registration even when no layer was made (the handle's plan is made): a layer made
+    /// from now on is a late one, a block of its own.
+    pub(crate) fn close_registration(&self) {
+        let mut l = self.lock();
+        if l.blocks.is_none() && l.pending.is_empty() && l.failed.is_empty() {
+            l.blocks = Some(Vec::new());
+        }
+    }
+
     /// Layer `i`'s block, sealing first.
     pub(crate) fn block_of(&self, i: usize) -> Result<BlockId> {
         self.seal()?;
@@ -153,6 +176,59 @@ impl Table {
             .as_ref()
             .and_then(|b| b.get(i).copied())
             .ok_or_else(|| Error::internal(format!("layer {i} has no block")))
+    }
+
+    /// Every managed variable is held only where Stagehand knows: the VarStore, the layer, the
+    /// table and the runtime. Another handle (a clone kept from the layer's constructor or from
+    /// `Managed::run`, tch's `Path::get` or `Entry` reached through `Deref`, a view made at
+    /// construction) reads the variable's placeholder whenever its block is not on the device,
+    /// so it is an error naming the variable, never a computation with a placeholder. A graph's
+    /// gradient accumulator is not counted; a layer is taken to hold each variable once.
+    pub(crate) fn check_references(&self) -> Result<()> {
+        let l = self.lock();
+        if l.blocks.is_none() {
+            return Ok(());
+        }
+        let held = self.rt.held_references();
+        let mut in_store: HashMap<VariableId, usize> = HashMap::new();
+        {
+            let vars = self.vars.lock().unwrap_or_else(|p| p.into_inner());
+            for t in vars.named_variables.values() {
+                *in_store.entry(VariableId::of(t)).or_default() += 1;
+            }
+            for v in &vars.trainable_variables {
+                *in_store.entry(VariableId::of(&v.tensor)).or_default() += 1;
+            }
+        }
+        for (layer, params) in &l.pending {
+            for (name, t) in params {
+                let id = VariableId::of(t);
+                // The VarStore's, the table's, the layer's, the runtime's.
+                let known = in_store.get(&id).copied().unwrap_or(0) + 2 + held.get(&id).copied().unwrap_or(0);
+                let handles = crate::torch::variable::handles(t);
+                if handles > known {
+                    return Err(Error::misuse(
+                        format!(
+                            "variable '{name}' of layer '{layer}' has {} handle(s) Stagehand does not know of: a clone kept from its constructor or from Managed::run, tch's Path::get or Path::entry reached through Deref, or a view made from it; between uses the variable points at a placeholder, so such a handle reads no weight",
+                            handles - known
+                        ),
+                        "the weight used inside the layer's Managed::run (its block resident), its value read with Managed::variables or Stagehand::var_store, and no handle of it kept (a layer holds each variable once)",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The VarStore paths of every managed parameter (of layers made so far).
+    pub(crate) fn managed_names(&self) -> HashSet<String> {
+        let l = self.lock();
+        let mut names: HashSet<String> = l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(n, _)| n.clone())).collect();
+        drop(l);
+        for b in self.rt.blocks() {
+            names.extend(b.params.into_iter().map(|p| p.name));
+        }
+        names
     }
 
     /// Whether the layers are registered.
@@ -247,7 +323,9 @@ impl ManagedVarStore {
         let weak: Weak<Table> = Arc::downgrade(&table);
         rt.set_origin(Origin {
             vars: vs.variables_.clone(),
-            seal: Some(Arc::new(move || weak.upgrade().map_or(Ok(()), |t| t.seal()))),
+            // Each optimizer step: layers registered, and no handle of a managed variable
+            // kept where it would read a placeholder.
+            seal: Some(Arc::new(move || weak.upgrade().map_or(Ok(()), |t| t.seal().and_then(|_| t.check_references())))),
         });
         Ok(ManagedVarStore { vs, rt, opts, table })
     }
@@ -291,13 +369,17 @@ impl ManagedVarStore {
 
     /// The VarStore paths of every managed parameter (of layers made so far).
     pub fn managed_names(&self) -> HashSet<String> {
-        let l = self.table.lock();
-        let mut names: HashSet<String> = l.pending.iter().flat_map(|(_, ps)| ps.iter().map(|(n, _)| n.clone())).collect();
-        drop(l);
-        for b in self.rt.blocks() {
-            names.extend(b.params.into_iter().map(|p| p.name));
-        }
-        names
+        self.table.managed_names()
+    }
+
+    /// The layer table (for the handle's planner).
+    pub(crate) fn table(&self) -> Arc<Table> {
+        self.table.clone()
+    }
+
+    /// The wrapped VarStore's variables.
+    pub(crate) fn vars(&self) -> Arc<Mutex<tch::nn::Variables>> {
+        self.vs.variables_.clone()
     }
 
     /// The trainable variables the runtime does not manage (layer norms, custom parameters).

@@ -56,6 +56,8 @@ pub(super) struct DeviceParam {
     /// A 16-bit variable's float32 master on its device: the device optimizer steps the master
     /// and the variable gets its rounding, so 16-bit weights are never updated in 16 bits.
     pub master: Option<Tensor>,
+    /// A resident block's variable, whose handles here the runtime was told of.
+    pub noted: bool,
 }
 
 /// A trainable variable of the origin VarStore, in the store's order (tch's optimizer order).
@@ -106,6 +108,8 @@ pub struct Optimizer {
     cover: Cover,
     pub(super) origin: Option<Origin>,
     clip: Option<GradClip>,
+    /// Host steps of streamed blocks start during backward (see `overlap_next_backward`).
+    overlap: bool,
     /// What the optimizers were last built for: (trainable variables of the VarStore, streamed
     /// trained blocks, resident trained variables); nothing to do while it is unchanged.
     built: Option<(usize, usize, usize)>,
@@ -114,6 +118,15 @@ pub struct Optimizer {
     /// Loaded state of parameters whose optimizer is not made yet, by name.
     pub(super) pending: HashMap<String, ParamState>,
     pub(super) rt: WeightRuntime,
+}
+
+impl Drop for Optimizer {
+    fn drop(&mut self) {
+        let mut s = self.rt.lock();
+        for p in self.device_params.iter().filter(|p| p.noted) {
+            s.note_references(p.id, -2);
+        }
+    }
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -184,6 +197,7 @@ impl Optimizer {
             cover,
             origin,
             clip: None,
+            overlap: true,
             built: None,
             checked: None,
             pending: HashMap::new(),
@@ -263,6 +277,13 @@ impl Optimizer {
         self.clip = clip;
     }
 
+    /// Whether the host steps of streamed blocks start while backward runs, each as soon as
+    /// backward has left its block and its gradients are complete (default on; results are the
+    /// same either way). Off, they start when the optimizer steps.
+    pub fn set_overlap_backward(&mut self, on: bool) {
+        self.overlap = on;
+    }
+
     /// Makes the host optimizers of trained blocks that have none yet, and adds device
     /// variables the device optimizer does not hold yet.
     pub(super) fn ensure_built(&mut self) -> Result<()> {
@@ -306,6 +327,7 @@ impl Optimizer {
             Arc::make_mut(&mut self.host).insert(id.0, Arc::new(Mutex::new(state)));
         }
         let managed: HashSet<&str> = specs.iter().flat_map(|b| b.params.iter().map(|p| p.name.as_str())).collect();
+        let resident_ids: HashSet<VariableId> = resident.iter().map(VariableId::of).collect();
         let mut want: Vec<Tensor> = resident;
         match &self.cover {
             Cover::All => want.extend(
@@ -344,7 +366,13 @@ impl Optimizer {
                 opt.set_state(stepped, &st)?;
             }
             self.device_applied = 0;
-            self.device_params.push(DeviceParam { id, var, name, master });
+            let noted = resident_ids.contains(&id);
+            if noted {
+                // A resident block's variable: this handle, and the device optimizer's unless
+                // it steps a float32 master instead.
+                self.rt.lock().note_references(id, if master.is_some() { 1 } else { 2 });
+            }
+            self.device_params.push(DeviceParam { id, var, name, master, noted });
         }
         self.built = Some(key);
         Ok(())
@@ -496,7 +524,7 @@ impl Optimizer {
     /// its block), instead of when [`step`](Self::step) is called. `step` must follow. A no-op
     /// while gradients are clipped (clipping needs every gradient first).
     pub fn overlap_next_backward(&mut self) -> Result<()> {
-        if self.clip.is_some() {
+        if self.clip.is_some() || !self.overlap {
             return Ok(());
         }
         self.ensure_built()?;

@@ -28,7 +28,11 @@
 //! When the model first runs, its layers are grouped into blocks (every layer under `blocks.N`
 //! is block `blocks.N`), and the memory plan is derived from the budget and the model
 //! ([`plan`]): which blocks stream through how much device room, where activations spill, what
-//! the Conductor allows. Each step's phases are tagged for the Conductor and the telemetry, the
+//! the Conductor allows. A budget too small is [`Error::BudgetTooSmall`], stating the smallest
+//! one; [`Stagehand::budget_guide`] says what larger ones buy. A forward outside
+//! [`train_step`](Stagehand::train_step) (evaluation, sampling) evaluates: the model runs with
+//! its weights streamed along the evaluation's own order, in the `eval` phase, never counted as
+//! a step. Each step's phases are tagged for the Conductor and the telemetry, the
 //! saved-tensor hooks are on during the forward, the block being run is the activation region,
 //! and at the end of the step its time breakdown and VRAM by owner are published.
 
@@ -36,12 +40,13 @@ mod checkpoint;
 mod forensics;
 mod numerics;
 pub mod plan;
+mod planner;
 mod adapt;
 mod step;
 mod telemetry;
 
 pub use forensics::OomReport;
-pub use plan::{Machine, ModelFacts, Plan};
+pub use plan::{BudgetGuide, Machine, ModelFacts, Plan};
 pub use step::StepReport;
 
 use crate::activations::{ActivationConfig, ActivationRuntime};
@@ -262,7 +267,9 @@ impl StagehandBuilder {
         let store = ManagedVarStore::new(
             tch::nn::VarStore::new(tch::Device::Cpu),
             LayerOptions {
-                weight_room: Some(budget),
+                // The plan sizes the room once the model is known (and says what budget a
+                // block too large for it needs); until then nothing is refused.
+                weight_room: Some(u64::MAX / 4),
                 prefetch_k: prefetch_window,
                 telemetry: bus.clone(),
                 device: Some(device.clone()),
@@ -275,12 +282,20 @@ impl StagehandBuilder {
                 ..LayerOptions::default()
             },
         )?;
+        let planner = planner::Planner::new(
+            device.clone(),
+            budget,
+            prefetch_window,
+            (self.precision, self.optimizer_state),
+            store.table(),
+            store.vars(),
+        );
         Ok(Stagehand {
+            planner,
             device,
             bus,
             store,
             budget,
-            prefetch_window,
             conductor_on: self.conductor,
             spill: self.spill,
             kernel: self.kernel,
@@ -302,11 +317,11 @@ impl StagehandBuilder {
 /// The handle: a device budget, a model built on its managed VarStore, and the runtimes that
 /// stream its weights and spill its activations under one memory plan.
 pub struct Stagehand {
+    planner: Arc<planner::Planner>,
     device: Device,
     bus: Bus,
     store: ManagedVarStore,
     budget: u64,
-    prefetch_window: u32,
     conductor_on: bool,
     spill: bool,
     kernel: Option<Kernel>,
@@ -329,6 +344,11 @@ impl Drop for Stagehand {
     fn drop(&mut self) {
         if let Some(was) = self.tf32_before {
             crate::torch::amp::set_tf32(was);
+        }
+        // The model's layers may outlive the handle: a layer used later says the handle is gone
+        // instead of running without its plan.
+        if let Err(e) = self.weights().close() {
+            self.bus.publish(EventKind::Warning { source: Owner::Weights, message: format!("closing the weight runtime: {e}") });
         }
     }
 }
@@ -434,12 +454,12 @@ impl Stagehand {
         let mut opt = Optimizer::for_var_store(self.weights(), algorithm, lr, kernel)?;
         opt.set_state_storage(self.optimizer_state)?;
         opt.set_host_threads(self.optimizer_threads);
-        self.run().optimizer_state_factor = match algorithm {
+        self.planner.set_state_factor(match algorithm {
             Algorithm::Adam { .. } | Algorithm::AdamW { .. } => 2,
             Algorithm::Sgd { momentum, .. } if momentum > 0.0 => 1,
             Algorithm::Sgd { .. } => 0,
             Algorithm::RmsProp { momentum, centered, .. } => 1 + u64::from(momentum > 0.0) + u64::from(centered),
-        };
+        });
         Ok(opt)
     }
 
@@ -454,67 +474,20 @@ impl Stagehand {
             .ok_or_else(|| Error::internal("prepared without a plan"))
     }
 
+    /// What budgets buy this model (the model's layers registered first): the smallest budget
+    /// it trains in, where the prefetch window is covered, where nothing streams. The budget a
+    /// [`Error::BudgetTooSmall`] states is this guide's minimum.
+    pub fn budget_guide(&self) -> Result<BudgetGuide> {
+        self.planner.guide()
+    }
+
     fn ensure_ready(&self, run: &mut step::Run) -> Result<()> {
         if run.ready.is_some() {
             return Ok(());
         }
-        self.store.seal()?;
         let weights = self.weights();
-        // What the device holds before the run's own memory (other models, libtorch's
-        // workspaces, allocated first so the reading counts them).
-        self.device.warm_up()?;
-        let baseline = self.device.memory().allocated;
-        // Unmanaged variables live on the compute device.
-        let dev = self.device.tch_device();
-        let managed = self.store.managed_names();
-        let mut unmanaged = (0u64, 0u64);
-        for (name, mut t) in self.store.raw_var_store().variables() {
-            if managed.contains(&name) {
-                continue;
-            }
-            let bytes = crate::torch::tensor_bytes(&t);
-            if t.requires_grad() {
-                unmanaged.0 += bytes;
-            } else {
-                unmanaged.1 += bytes;
-            }
-            if t.device() != dev {
-                let moved = t.f_to_device(dev)?;
-                t.set_data(&moved);
-            }
-        }
-        let specs = weights.blocks();
-        let facts = ModelFacts {
-            blocks: specs.iter().map(|b| (b.bytes as u64, b.trainable())).collect(),
-            unmanaged_trainable_bytes: unmanaged.0,
-            unmanaged_frozen_bytes: unmanaged.1,
-            optimizer_state_factor: run.optimizer_state_factor,
-            baseline_bytes: baseline,
-            precision: self.precision,
-            state_storage: self.optimizer_state,
-            trained_elements: specs
-                .iter()
-                .flat_map(|b| b.params.iter().filter(|p| p.trainable))
-                .map(|p| p.numel().max(0) as u64)
-                .sum(),
-            master_elements: specs.iter().flat_map(|b| b.params.iter().filter(|p| p.has_master())).map(|p| p.numel().max(0) as u64).sum(),
-        };
-        let machine = Machine {
-            device_bytes: self.device.info().total_bytes,
-            host_available_bytes: plan::host_available_bytes(),
-        };
-        let plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
-        let resident: Vec<_> = plan.resident_blocks.iter().map(|&i| specs[i].id).collect();
-        weights.set_resident(&resident)?;
-        let room = if plan.streams() { plan.weight_room_bytes } else { u64::MAX / 4 };
-        weights.configure(
-            room,
-            format!("the plan for a {} MiB budget", self.budget >> 20),
-            plan.prefetch_window,
-            plan.max_inflight_h2d,
-        )?;
-        // The plan keeps room for the gradients of two blocks on their way to the host.
-        weights.set_max_inflight_grad_bytes((plan.gradient_bytes > 0).then_some(plan.gradient_bytes));
+        // Made already if the model ran outside a step first (an evaluation before training).
+        let plan = self.planner.ensure()?;
         let acts = if self.spill {
             let (high, low) = plan.first_spill_watermarks();
             let cfg = ActivationConfig::builder()
@@ -572,8 +545,6 @@ impl Stagehand {
         } else {
             Conductor::disabled()
         };
-        // The room is made now, against the baseline the plan measured.
-        weights.make_room()?;
         if self.conductor_on {
             self.bus.publish(EventKind::LimitsSet {
                 owner: Owner::Conductor,

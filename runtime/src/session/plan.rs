@@ -88,6 +88,10 @@ pub struct Plan {
     pub resident_blocks: Vec<usize>,
     /// Device bytes of resident blocks with their gradients and optimizer state.
     pub resident_bytes: u64,
+    /// Device bytes of the resident blocks' weights alone (what the weight runtime holds for
+    /// them beside its streaming room).
+    #[serde(default)]
+    pub resident_weight_bytes: u64,
     /// The streaming room: slots of `slot_bytes` each (0 when nothing streams).
     pub slots: u32,
     pub slot_bytes: u64,
@@ -126,21 +130,122 @@ pub struct Plan {
     pub reasons: Vec<String>,
 }
 
+/// Bytes in MiB, or in KiB under one MiB (small models' plans say something then).
 fn mib(b: u64) -> String {
-    format!("{:.1} MiB", b as f64 / MIB as f64)
+    if b < MIB {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    } else {
+        format!("{:.1} MiB", b as f64 / MIB as f64)
+    }
+}
+
+/// Why a budget does not fit a model, before the smallest one that does is known.
+enum Misfit {
+    /// The budget is too small: what does not fit.
+    Budget(String),
+    /// Something no budget changes (the device's or the host's memory).
+    Other(Error),
+}
+
+impl From<Error> for Misfit {
+    fn from(e: Error) -> Misfit {
+        Misfit::Other(e)
+    }
+}
+
+/// What budgets buy a model: the sizes where the plan changes what it does. Every size is a
+/// budget the plan accepts (each was derived).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetGuide {
+    /// The smallest budget the model trains in: the reserve, the unmanaged variables, the small
+    /// resident blocks, the gradients of two streamed blocks, two slots of the largest streamed
+    /// block (one in use, one loading, so each block's copy waits for the block before it) and
+    /// the least room for activations.
+    pub minimum_bytes: u64,
+    /// From here the streaming room holds the prefetch window ahead of the block in use and
+    /// one more (or every streamed block): copies run ahead of compute.
+    pub full_window_bytes: u64,
+    /// From here every block stays on the device with its gradients and optimizer state:
+    /// nothing streams after the first step's loads.
+    pub resident_bytes: u64,
 }
 
 impl Plan {
-    /// Derives the plan for `budget` bytes of device memory. Errors say which part does not fit
-    /// and what would.
+    /// Derives the plan for `budget` bytes of device memory. A budget too small for the model is
+    /// [`Error::BudgetTooSmall`], which states the smallest budget that fits (the plan derived
+    /// for it trains); other errors say which part does not fit.
     pub fn derive(budget: u64, model: &ModelFacts, machine: Machine, prefetch_window: u32) -> Result<Plan> {
-        let bad = |expected: String| Error::Config {
-            field: "budget",
-            value: format!("{budget} bytes ({})", mib(budget)),
-            expected,
+        match Plan::fit(budget, model, machine, prefetch_window) {
+            Ok(p) => Ok(p),
+            Err(Misfit::Other(e)) => Err(e),
+            Err(Misfit::Budget(why)) => {
+                let guide = Plan::guide(model, machine, prefetch_window)?;
+                Err(Error::BudgetTooSmall {
+                    budget_bytes: budget,
+                    minimum_bytes: guide.minimum_bytes,
+                    why: format!(
+                        "{why}; from {} the streaming room holds the prefetch window, from {} nothing streams",
+                        mib(guide.full_window_bytes),
+                        mib(guide.resident_bytes)
+                    ),
+                })
+            }
+        }
+    }
+
+    /// The budgets where the plan for `model` changes what it does (see [`BudgetGuide`]).
+    /// Fails when no budget up to the device's memory fits the model, or the host cannot hold it.
+    pub fn guide(model: &ModelFacts, machine: Machine, prefetch_window: u32) -> Result<BudgetGuide> {
+        // The search's upper end: the device's memory, or where a budget stops being a number
+        // anyone could mean.
+        let top = if machine.device_bytes > 0 { machine.device_bytes } else { 1 << 60 };
+        let fits = |b: u64| match Plan::fit(b, model, machine, prefetch_window) {
+            Ok(p) => Ok(Some(p)),
+            Err(Misfit::Budget(_)) => Ok(None),
+            Err(Misfit::Other(e)) => Err(e),
         };
+        let Some(at_top) = fits(top)? else {
+            return Err(Error::Config {
+                field: "model",
+                value: format!("{} of managed blocks", mib(model.blocks.iter().map(|b| b.0).sum())),
+                expected: format!("a model whose plan fits the device's memory, {}", mib(top)),
+            });
+        };
+        // The smallest budget in `[lo, top]` whose plan satisfies `want` (plans grow with the
+        // budget, so the first success is the boundary).
+        let smallest = |want: &dyn Fn(&Plan) -> bool| -> Result<u64> {
+            let (mut lo, mut hi) = (1u64, top);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                match fits(mid)? {
+                    Some(p) if want(&p) => hi = mid,
+                    _ => lo = mid + 1,
+                }
+            }
+            Ok(hi)
+        };
+        let minimum_bytes = smallest(&|_| true)?;
+        let resident_bytes = if at_top.streams() { top } else { smallest(&|p| !p.streams())? };
+        let window = |p: &Plan| {
+            let streamed = (model.blocks.len() - p.resident_blocks.len()) as u64;
+            !p.streams() || u64::from(p.slots) >= (u64::from(p.prefetch_window) + 2).min(streamed)
+        };
+        let full_window_bytes = smallest(&window)?.max(minimum_bytes);
+        Ok(BudgetGuide {
+            minimum_bytes,
+            full_window_bytes,
+            resident_bytes: resident_bytes.max(full_window_bytes),
+        })
+    }
+
+    fn fit(budget: u64, model: &ModelFacts, machine: Machine, prefetch_window: u32) -> std::result::Result<Plan, Misfit> {
+        let short = |why: String| Misfit::Budget(why);
         if machine.device_bytes > 0 && budget > machine.device_bytes {
-            return Err(bad(format!("at most the device's memory, {}", mib(machine.device_bytes))));
+            return Err(Misfit::Other(Error::Config {
+                field: "budget",
+                value: format!("{budget} bytes ({})", mib(budget)),
+                expected: format!("at most the device's memory, {}", mib(machine.device_bytes)),
+            }));
         }
         let state = model.optimizer_state_factor;
         let cost = |bytes: u64, trainable: bool| if trainable { bytes.saturating_mul(2 + state) } else { bytes };
@@ -150,12 +255,10 @@ impl Plan {
             prefetch_window: prefetch_window.max(1),
             ..Plan::default()
         };
-        let available = budget.checked_sub(model.baseline_bytes).filter(|&a| a > 0).ok_or_else(|| {
-            bad(format!(
-                "more than the {} the device already holds",
-                mib(model.baseline_bytes)
-            ))
-        })?;
+        let available = budget
+            .checked_sub(model.baseline_bytes)
+            .filter(|&a| a > 0)
+            .ok_or_else(|| short(format!("the device already holds {}", mib(model.baseline_bytes))))?;
         p.baseline_bytes = model.baseline_bytes;
         p.reserve_bytes = ((available as f64 * RESERVE_FRACTION) as u64).max(MIB.min(available / 4));
         p.unmanaged_bytes = cost(model.unmanaged_trainable_bytes, true).saturating_add(model.unmanaged_frozen_bytes);
@@ -164,8 +267,8 @@ impl Plan {
             .and_then(|b| b.checked_sub(p.unmanaged_bytes))
             .filter(|&u| u > 0)
             .ok_or_else(|| {
-                bad(format!(
-                    "more than the reserve {} plus the unmanaged variables with gradients and optimizer state {}",
+                short(format!(
+                    "the reserve {} and the unmanaged variables with gradients and optimizer state {} leave nothing",
                     mib(p.reserve_bytes),
                     mib(p.unmanaged_bytes)
                 ))
@@ -185,6 +288,7 @@ impl Plan {
         if all <= usable / 2 && model.blocks.iter().all(|b| may_stay(b.1)) {
             p.resident_blocks = (0..model.blocks.len()).collect();
             p.resident_bytes = all;
+            p.resident_weight_bytes = model.blocks.iter().map(|b| b.0).sum();
             p.reasons.push(format!(
                 "every block stays on the device: {} with gradients and optimizer state is within half of the usable budget",
                 mib(all)
@@ -195,15 +299,17 @@ impl Plan {
                 if b <= small && may_stay(t) {
                     p.resident_blocks.push(i);
                     p.resident_bytes += cost(b, t);
+                    p.resident_weight_bytes += b;
                 }
             }
             let streamed_trainable = model
                 .blocks
                 .iter()
                 .enumerate()
-                .any(|(i, b)| b.1 && !p.resident_blocks.contains(&i));
+                .filter(|(i, b)| b.1 && !p.resident_blocks.contains(i))
+                .count() as u64;
             // The block backward is leaving and the one it works on hold device gradients.
-            p.gradient_bytes = if streamed_trainable { 2 * largest } else { 0 };
+            p.gradient_bytes = streamed_trainable.min(2) * largest;
             let left = usable.saturating_sub(p.resident_bytes + p.gradient_bytes);
             let streamed = model.blocks.len() - p.resident_blocks.len();
             let want = (left as f64 * WEIGHT_SHARE) as u64 / largest.max(1);
@@ -211,15 +317,21 @@ impl Plan {
             // At least two slots (one in use, one landing), and the room may take at most
             // half of what is left: activations need the rest.
             let max_slots = (left / 2) / largest.max(1);
-            if max_slots < 2.min(streamed as u64) {
-                return Err(bad(format!(
-                    "room for two of the largest block ({} each) in half of {} left after resident blocks and gradients; at least {} in all",
+            let least = 2.min(streamed as u64);
+            if max_slots < least {
+                return Err(short(format!(
+                    "{least} slot(s) of the largest streamed block ({} each) need {} left after the resident blocks ({}) and the gradients in flight ({}), twice the room, and {} is left",
                     mib(largest),
-                    mib(left),
-                    mib(budget.saturating_sub(left) + 4 * largest)
+                    mib(2 * least * largest),
+                    mib(p.resident_bytes),
+                    mib(p.gradient_bytes),
+                    mib(left)
                 )));
             }
-            p.slots = slots.min(max_slots) as u32;
+            // The weight runtime is handed the resident blocks' bytes and the room, and cuts
+            // the room into slots with the same rule.
+            let room = slots.min(max_slots).saturating_mul(largest);
+            p.slots = crate::weights::slots::room_slots(p.resident_weight_bytes + room, p.resident_weight_bytes, largest, streamed) as u32;
             p.slot_bytes = largest;
             p.weight_room_bytes = u64::from(p.slots) * largest;
             p.reasons.push(format!(
@@ -236,10 +348,11 @@ impl Plan {
         let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
         let activations = usable.saturating_sub(weights);
         if activations < MIB.min(usable / 8) {
-            return Err(bad(format!(
-                "room for activations after {} of weights; at least {} more",
+            return Err(short(format!(
+                "activations need at least {} beside {} of weights, and {} is left",
+                mib(MIB.min(usable / 8)),
                 mib(weights),
-                mib(MIB.min(usable / 8))
+                mib(activations)
             )));
         }
         // Activations kept through the forward fill two thirds; a fifth is for spills still
@@ -304,7 +417,7 @@ impl Plan {
         };
         let per_param = host_bytes_per_param(model, state);
         if machine.host_available_bytes > 0 && host_need > machine.host_available_bytes {
-            return Err(Error::Config {
+            return Err(Misfit::Other(Error::Config {
                 field: "model",
                 value: format!(
                     "{} of host weights and gradients plus {} of optimizer state ({}) plus {} of float32 masters: {} in all, {per_param}",
@@ -319,7 +432,7 @@ impl Plan {
                     mib(machine.host_available_bytes),
                     if model.state_storage == StateStorage::Int8 { "" } else { " (optimizer_state(StateStorage::Int8) stores the state in about a quarter of the bytes)" }
                 ),
-            });
+            }));
         }
         p.reasons.push(format!(
             "host: {} pinned for weights and gradients, {} of optimizer state ({}), {} of float32 masters, activation pool at most {}; {per_param}",
@@ -335,6 +448,12 @@ impl Plan {
     /// Whether anything streams.
     pub fn streams(&self) -> bool {
         self.slots > 0
+    }
+
+    /// The device bytes the weight runtime may hold: the resident blocks' weights and the
+    /// streaming room (it cuts the room into slots with the rule the plan used).
+    pub fn weights_budget_bytes(&self) -> u64 {
+        self.resident_weight_bytes + self.weight_room_bytes
     }
 
     /// The first step's spill watermarks, high then low: half the activations the plan keeps
@@ -434,6 +553,57 @@ mod tests {
         let small_host = Machine { device_bytes: 80 * GB, host_available_bytes: 2 * GB };
         let e = Plan::derive(8 * GB, &gpt(24, block), small_host, 2).expect_err("host too small");
         assert!(e.to_string().contains("host's available memory"), "{e}");
+    }
+
+    /// The shape of tch's mnist_conv: two small convolutions, a 4 MiB linear, a small head.
+    fn mnist() -> ModelFacts {
+        ModelFacts {
+            blocks: vec![(3_328, true), (204_928, true), (4_198_400, true), (41_000, true)],
+            optimizer_state_factor: 2,
+            ..ModelFacts::default()
+        }
+    }
+
+    #[test]
+    fn the_guide_states_budgets_the_plan_accepts_and_the_one_below_it_does_not() {
+        for (model, window) in [(mnist(), 2), (gpt(8, 800 << 10), 2), (gpt(24, 50 * MIB), 3)] {
+            let g = Plan::guide(&model, HOST, window).expect("guide");
+            assert!(g.minimum_bytes <= g.full_window_bytes && g.full_window_bytes <= g.resident_bytes, "{g:?}");
+            let p = Plan::derive(g.minimum_bytes, &model, HOST, window).expect("the minimum is a plan");
+            assert!(p.streams() && p.slots >= 1, "{p:?}");
+            match Plan::derive(g.minimum_bytes - 1, &model, HOST, window) {
+                Err(Error::BudgetTooSmall { budget_bytes, minimum_bytes, why }) => {
+                    assert_eq!((budget_bytes, minimum_bytes), (g.minimum_bytes - 1, g.minimum_bytes));
+                    assert!(!why.is_empty());
+                }
+                other => panic!("one byte less: {other:?}"),
+            }
+            let p = Plan::derive(g.full_window_bytes, &model, HOST, window).expect("full window");
+            let streamed = (model.blocks.len() - p.resident_blocks.len()) as u32;
+            assert!(!p.streams() || p.slots >= (window + 2).min(streamed), "{p:?}");
+            assert!(!Plan::derive(g.resident_bytes, &model, HOST, window).expect("resident").streams());
+            assert!(Plan::derive(g.resident_bytes - 1, &model, HOST, window).expect("streams").streams());
+        }
+    }
+
+    #[test]
+    fn every_budget_from_the_minimum_up_is_a_plan_whose_room_the_runtime_cuts_the_same() {
+        let model = mnist();
+        let g = Plan::guide(&model, HOST, 2).expect("guide");
+        let mut b = g.minimum_bytes;
+        while b <= g.resident_bytes + MIB {
+            let p = Plan::derive(b, &model, HOST, 2).expect("a plan at every budget from the minimum");
+            if p.streams() {
+                // The resident blocks are not counted twice: the runtime, handed the plan's
+                // weights budget, cuts the plan's slots.
+                let resident: u64 = p.resident_blocks.iter().map(|&i| model.blocks[i].0).sum();
+                assert_eq!(p.resident_weight_bytes, resident);
+                let streamed = model.blocks.len() - p.resident_blocks.len();
+                let cut = crate::weights::slots::room_slots(p.weights_budget_bytes(), resident, p.slot_bytes, streamed);
+                assert_eq!(cut, u64::from(p.slots), "{p:?}");
+            }
+            b += 256 << 10;
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use super::{Plan, Stagehand};
 use crate::activations::ActivationRuntime;
 use crate::conductor::Conductor;
 use crate::error::Result;
-use crate::events::{EventKind, Phase, StepTimeBreakdown, TrainStepMetrics, VramByOwner};
+use crate::events::{EventKind, Owner, Phase, StepTimeBreakdown, TrainStepMetrics, VramByOwner};
 use crate::optim::Optimizer;
 use std::time::Instant;
 use tch::Tensor;
@@ -19,29 +19,18 @@ pub(super) struct Ready {
 }
 
 /// The handle's mutable state.
+#[derive(Default)]
 pub(super) struct Run {
     pub ready: Option<Ready>,
     pub step: u64,
-    /// Optimizer state per trainable byte, from the optimizer made (Adam's 2 until then).
-    pub optimizer_state_factor: u64,
     pub tokens: u64,
     /// Said once: the spill watermarks cannot go lower and steps still exceed the budget.
     pub warned_floor: bool,
+    /// Steps whose optimizer step was skipped: a NaN or infinite loss with guards on, or an
+    /// fp16 step whose gradients overflowed.
+    pub skipped: u64,
     /// fp16's dynamic loss scale.
     pub scaler: crate::precision::LossScaler,
-}
-
-impl Default for Run {
-    fn default() -> Self {
-        Run {
-            ready: None,
-            step: 0,
-            optimizer_state_factor: 2,
-            tokens: 0,
-            warned_floor: false,
-            scaler: crate::precision::LossScaler::default(),
-        }
-    }
 }
 
 /// What one step did.
@@ -57,14 +46,21 @@ pub struct StepReport {
     pub vram_peak_bytes: u64,
     /// The first NaN or infinity the numeric guards found in the step (guards on only).
     pub non_finite: Option<crate::guards::Finding>,
+    /// The optimizer did not step: with guards on the loss was NaN or infinite (no backward
+    /// ran), or under fp16 a gradient overflowed (the loss scale was lowered). A `warning` says
+    /// which; [`Stagehand::skipped_steps`] counts them.
+    pub optimizer_skipped: bool,
     /// fp16: the loss scale the step's backward used.
     pub loss_scale: Option<f64>,
-    /// fp16: the step's gradients held an infinity or NaN, so its update was skipped (and the
-    /// loss scale lowered).
-    pub skipped: bool,
 }
 
 impl Stagehand {
+    /// Steps whose optimizer step the numeric guards skipped because the loss was NaN or
+    /// infinite (guards on only).
+    pub fn skipped_steps(&self) -> u64 {
+        self.run().skipped
+    }
+
     /// Tokens (or samples) one step processes, for the throughput figures.
     pub fn set_tokens_per_step(&self, tokens: u64) {
         self.run().tokens = tokens;
@@ -145,6 +141,10 @@ impl Stagehand {
         let (acts, conductor, step, tokens, (floor, planned), loss_scale) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
+            // An evaluation since the last step (forwards outside a step) ends before this one.
+            self.weights().end_evaluation()?;
+            // No handle of a managed variable kept where it would read a placeholder.
+            self.store.table().check_references()?;
             run.step += 1;
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
             let scale = self.precision.scales_loss().then(|| run.scaler.scale());
@@ -164,9 +164,16 @@ impl Stagehand {
             eprintln!("TRACE step {step} begins at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
         }
         let mut loss_total = 0.0;
+        // With guards on, a loss that is NaN or infinite: its value.
+        let mut non_finite_loss = None;
         for i in 0..micro_batches {
             let last = i + 1 == micro_batches;
             self.enter(&conductor, step, Phase::Forward)?;
+            if i == 0 {
+                // The plan's resident blocks take their memory before the forward's activations
+                // can.
+                weights.load_residents()?;
+            }
             let loss = {
                 // The activation runtime's store hands weights to the weight runtime; without
                 // spilling the weight runtime's own store is used. Either is on until the
@@ -179,8 +186,20 @@ impl Stagehand {
                     .ok_or_else(|| crate::Error::internal("a step's forward ran twice"))?
             };
             self.guard_loss(&loss);
+            // With guards on, a loss that is NaN or infinite is read before backward (one wait
+            // for the forward): its gradients would be too, and the host steps start during
+            // backward.
+            if self.guards.is_some() {
+                let v = loss.f_double_value(&[])?;
+                if !v.is_finite() {
+                    non_finite_loss = Some(v);
+                }
+            }
             self.bus.publish(EventKind::VramOwners(self.vram_owners()));
             self.enter(&conductor, step, Phase::Backward)?;
+            if non_finite_loss.is_some() {
+                break;
+            }
             if i == 0 {
                 opt.zero_grad()?;
             }
@@ -201,13 +220,15 @@ impl Stagehand {
             }
             loss_total += loss.f_double_value(&[])?;
         }
-        weights.after_backward()?;
-        self.guard_gradients();
+        if non_finite_loss.is_none() {
+            weights.after_backward()?;
+            self.guard_gradients();
+        }
         let e2 = self.device.record_compute()?;
         if crate::optim::stepper::trace_on() {
             eprintln!("TRACE step {step} backward issued at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
         }
-        let loss_value = loss_total / micro_batches as f64;
+        let loss_value = non_finite_loss.unwrap_or(loss_total / micro_batches as f64);
         let am = match &acts {
             Some(a) => Some(a.end_step()?),
             None => None,
@@ -216,29 +237,43 @@ impl Stagehand {
         if crate::optim::stepper::trace_on() {
             eprintln!("TRACE step {step} activations ended at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
         }
-        self.enter(&conductor, step, Phase::Optimizer)?;
         let t_opt = Instant::now();
-        let skipped = match loss_scale {
-            Some(scale) => {
+        let skip = |why: String| {
+            let total = {
+                let mut run = self.run();
+                run.skipped += 1;
+                run.skipped
+            };
+            self.bus.publish(EventKind::Warning {
+                source: Owner::Trainer,
+                message: format!("step {step}: {why} ({total} step(s) skipped so far)"),
+            });
+        };
+        let optimizer_skipped = match (non_finite_loss, loss_scale) {
+            (Some(v), _) => {
+                skip(format!("the loss is {v}: no backward, the optimizer step was skipped"));
+                true
+            }
+            (None, Some(scale)) => {
+                self.enter(&conductor, step, Phase::Optimizer)?;
                 weights.collect_grads()?;
                 let overflow = opt.found_inf()?;
                 let update = self.run().scaler.update(overflow);
                 if overflow {
-                    self.bus.publish(EventKind::Warning {
-                        source: crate::events::Owner::Trainer,
-                        message: format!(
-                            "step {step}: an infinite or NaN gradient at loss scale {scale}: the update is skipped and the scale lowered to {}",
-                            update.next_scale
-                        ),
-                    });
+                    skip(format!(
+                        "an infinite or NaN gradient at loss scale {scale}: the update was skipped and the scale lowered to {}",
+                        update.next_scale
+                    ));
                 } else {
                     opt.set_grad_scale((1.0 / scale) as f32);
-                    opt.step()?;
+                    let stepped = opt.step();
                     opt.set_grad_scale(1.0);
+                    stepped?;
                 }
                 overflow
             }
-            None => {
+            (None, None) => {
+                self.enter(&conductor, step, Phase::Optimizer)?;
                 opt.step()?;
                 false
             }
@@ -288,7 +323,7 @@ impl Stagehand {
             tokens,
             vram_peak_bytes: mem.peak,
             loss_scale,
-            skipped,
+            skipped: optimizer_skipped,
         }));
         self.bus.publish(EventKind::StepTime(time));
         if let Some(a) = &acts {
@@ -301,13 +336,14 @@ impl Stagehand {
             time,
             vram_peak_bytes: mem.peak,
             non_finite: self.guards_end()?,
+            optimizer_skipped,
             loss_scale,
-            skipped,
         })
     }
 
     /// Ends the run's telemetry: the last phase is idle and `run_ended` is published.
     pub fn finish(&self) -> Result<()> {
+        self.weights().end_evaluation()?;
         let run = self.run();
         if let Some(r) = &run.ready {
             r.conductor.shutdown();

@@ -101,6 +101,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     pub(crate) fn stagehand_tensor_impl(t: *const C_tensor) -> *const c_void;
+    pub(crate) fn stagehand_tensor_handles(t: *const C_tensor) -> i64;
     pub(crate) fn stagehand_optim_new(c: *const OptimConfig, err: *mut c_char, err_len: usize) -> *mut COptim;
     pub(crate) fn stagehand_optim_free(o: *mut COptim);
     pub(crate) fn stagehand_optim_add(

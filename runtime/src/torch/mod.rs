@@ -8,7 +8,7 @@ pub mod hooks;
 mod init;
 pub mod optim;
 pub(crate) mod optimizer;
-mod variable;
+pub(crate) mod variable;
 
 pub use alloc::{AllocatorStats, MemoryInfo};
 pub use hooks::{HookError, Recompute, RecomputeFn, SavedTensorHooks, SavedTensorStore, StorageWatch, TensorIdentity};

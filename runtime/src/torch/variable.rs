@@ -19,6 +19,14 @@ impl VariableId {
     }
 }
 
+/// Handles of `t`'s variable alive now (shallow clones, the bases of its views), less the one
+/// a live autograd graph's gradient accumulator holds; `t` itself counts.
+pub(crate) fn handles(t: &Tensor) -> usize {
+    // SAFETY: `t` is a live tensor; the shim only reads reference counts.
+    let n = unsafe { ffi::stagehand_tensor_handles(t.as_ptr()) };
+    usize::try_from(n).unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -34,5 +42,20 @@ mod tests {
         assert_eq!(VariableId::of(&a), VariableId::of(&b));
         assert_eq!(b.size(), [5]);
         assert_ne!(VariableId::of(&a.detach()), VariableId::of(&a), "a detached view is another variable");
+    }
+
+    #[test]
+    fn handles_count_clones_and_views_but_not_a_live_graph() {
+        let a = Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        assert_eq!(handles(&a), 1);
+        let b = a.shallow_clone();
+        assert_eq!(handles(&a), 2);
+        let v = a.tr();
+        assert_eq!(handles(&a), 3, "a view keeps its base");
+        drop((b, v));
+        let y = (&a * 2.0).sum(tch::Kind::Float);
+        assert_eq!(handles(&a), 1, "the graph's accumulator is not a handle");
+        drop(y);
+        assert_eq!(handles(&a), 1);
     }
 }

@@ -247,8 +247,15 @@ pub(crate) fn device_view(buf: &Tensor, p: &ParamSpec) -> Result<Tensor> {
 /// whose block is evicted (an embedding's weight is never read in backward), and it lays the new
 /// gradient out after the parameter; an expanded tensor is not dense, so libtorch keeps a
 /// contiguous gradient, which the next flush moves to the host.
+///
+/// The element is NaN (zero for integer kinds): anything that reads a placeholder (a handle of
+/// the variable used outside its layer, which the step boundaries refuse when it is kept)
+/// computes NaN, never a plausible result from zeros.
 pub(crate) fn placeholder(kind: Kind, shape: &[i64], dev: tch::Device) -> Result<Tensor> {
-    let one = Tensor::f_zeros([1], (kind, dev))?;
+    let one = match kind {
+        Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double => Tensor::f_full([1], f64::NAN, (kind, dev))?,
+        _ => Tensor::f_zeros([1], (kind, dev))?,
+    };
     let t = one.f_view(vec![1i64; shape.len()].as_slice())?;
     Ok(t.f_expand(shape, false)?)
 }

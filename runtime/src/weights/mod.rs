@@ -10,7 +10,9 @@
 //! - `slots`: the device room, one allocation cut into equal slots the runtime owns, so a load
 //!   waits only for its slot's last use.
 //! - `scheduler`: loads, prefetch, finalisation on copy events, eviction, gradients sent home
-//!   as backward leaves each block, host optimizer steps gating loads.
+//!   as backward leaves each block, host optimizer steps gating loads, evaluations (forwards
+//!   outside a step).
+//! - `claims`: each variable managed by one block of one runtime, process-wide.
 //! - [`runtime`]: [`WeightRuntime`], the block-mode API.
 //! - `handles`: the saved-tensor store that turns saved weights into block handles.
 //! - `file`: safetensors-backed frozen blocks.
@@ -19,6 +21,7 @@
 //! [`crate::optim`].
 
 mod block;
+mod claims;
 pub mod config;
 pub(crate) mod evictor;
 pub mod file;
@@ -31,7 +34,7 @@ pub(crate) mod residency;
 mod route;
 pub mod runtime;
 pub(crate) mod scheduler;
-mod slots;
+pub(crate) mod slots;
 
 pub use config::{parse_bytes, WeightConfig, WeightConfigBuilder};
 pub use handles::WeightStore;

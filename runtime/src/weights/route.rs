@@ -23,9 +23,19 @@ pub(crate) struct Route {
     backward: bool,
     /// The block entered last, in either direction.
     current: Option<BlockId>,
+    /// The step left the itinerary: a block came that was not the next one on it.
+    diverged: bool,
 }
 
 impl Route {
+    /// A route that starts with `itinerary` (a guess, replaced by the first traced step).
+    pub(crate) fn with_itinerary(itinerary: Itinerary) -> Route {
+        Route {
+            itinerary: Some(itinerary),
+            ..Route::default()
+        }
+    }
+
     /// The itinerary, once learned.
     pub(crate) fn itinerary(&self) -> Option<&Itinerary> {
         self.itinerary.as_ref()
@@ -46,22 +56,40 @@ impl Route {
         self.current
     }
 
+    /// Whether this step has followed the itinerary so far (false before one is learned, and
+    /// once a block came that was not the next on it): only then does the itinerary tell what
+    /// the rest of the step will use.
+    pub(crate) fn following(&self) -> bool {
+        self.itinerary.is_some() && !self.diverged
+    }
+
     /// Starts a step: forward, at no position yet.
     pub(crate) fn begin(&mut self) {
         self.trace.clear();
         self.pos = None;
         self.backward = false;
         self.current = None;
+        self.diverged = false;
     }
 
     /// Enters `block` in the given direction; returns the block left behind when this is a
     /// different block than the last one (in the same direction or across the turn).
     pub(crate) fn enter(&mut self, block: BlockId, backward: bool) -> Option<BlockId> {
         self.trace.record(block, backward);
-        self.backward = backward;
         let left = self.current.filter(|&c| c != block);
+        let moved = left.is_some() || backward != self.backward || self.current.is_none();
+        self.backward = backward;
         // Idempotent for a block entered again: its next use in this direction is where it is.
-        if let Some(p) = self.itinerary.as_ref().and_then(|it| it.position(block, backward, self.pos)) {
+        let found = self.itinerary.as_ref().and_then(|it| it.position(block, backward, self.pos));
+        if moved && !self.diverged {
+            let next = match (&self.itinerary, self.pos) {
+                (Some(it), Some(p)) => Some((p + 1) % it.len().max(1)),
+                (Some(it), None) => Some(if backward { it.forward().len() } else { 0 }),
+                (None, _) => None,
+            };
+            self.diverged = found.is_none() || found != next;
+        }
+        if let Some(p) = found {
             self.pos = Some(p);
         }
         self.current = Some(block);
@@ -170,5 +198,8 @@ mod tests {
         assert_eq!(r.pos(), Some(3));
         assert_eq!(r.to_step_end(), 2);
         assert_eq!(r.enter(BlockId(1), true), Some(BlockId(2)));
+        assert!(r.following(), "the step followed the itinerary");
+        r.enter(BlockId(2), true);
+        assert!(!r.following(), "block 2 again is not the next one");
     }
 }

@@ -16,6 +16,7 @@ use crate::events::{BlockId, BlockState, Bus, EvictionReason, WeightStepMetrics}
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::SavedTensorHooks;
 use regex::Regex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
@@ -46,11 +47,17 @@ pub(crate) struct Inner {
     current: Mutex<Option<Arc<str>>>,
     /// The block whose `before_block` failed last in this step (for out-of-memory reports).
     failed: Mutex<Option<BlockId>>,
+    /// Makes the memory plan before the first block use (the handle's), and whether it ran.
+    planner: Mutex<Option<Planner>>,
+    planned: AtomicBool,
     index: PtrIndex,
     knobs: Arc<Knobs>,
     device: Device,
     bus: Bus,
 }
+
+/// Makes the memory plan that sizes a runtime's room (set by the `Stagehand` handle).
+pub(crate) type Planner = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 /// The weight runtime. Cheap to clone; clones share one runtime.
 #[derive(Clone)]
@@ -101,6 +108,8 @@ impl WeightRuntime {
                 origin: Mutex::new(None),
                 current: Mutex::new(None),
                 failed: Mutex::new(None),
+                planner: Mutex::new(None),
+                planned: AtomicBool::new(false),
                 index,
                 knobs,
                 device,
@@ -145,6 +154,25 @@ impl WeightRuntime {
         }
         rt.set_origin(Origin { vars: vs.variables_.clone(), seal: None });
         Ok(rt)
+    }
+
+    /// Sets what makes the memory plan before the first block use.
+    pub(crate) fn set_planner(&self, planner: Planner) {
+        *self.inner.planner.lock().unwrap_or_else(|p| p.into_inner()) = Some(planner);
+    }
+
+    /// Makes the memory plan if one is set and not made yet (a block used outside a step before
+    /// the first step: the room is the plan's, never one sized without it).
+    pub(crate) fn ensure_planned(&self) -> Result<()> {
+        if self.inner.planned.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let planner = self.inner.planner.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(p) = planner {
+            p()?;
+        }
+        self.inner.planned.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Records the VarStore the blocks come from.
@@ -218,6 +246,23 @@ impl WeightRuntime {
         *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Ends an evaluation under way (forwards outside a step), publishing its totals; a no-op
+    /// when none is. The next step does it too.
+    pub fn end_evaluation(&self) -> Result<()> {
+        self.lock().end_evaluation()
+    }
+
+    /// While forwards run outside a step (an evaluation): hooks that keep the saved weights of
+    /// a forward with gradients on as handles, whose backward is an error (its blocks' slots
+    /// hold other blocks by then); `None` during a step.
+    pub(crate) fn evaluation_hooks(&self) -> Result<Option<SavedTensorHooks>> {
+        if !self.lock().evaluating() {
+            return Ok(None);
+        }
+        let resolver: Arc<dyn WeightResolver> = Arc::new(Evaluated(self.clone()));
+        Ok(Some(SavedTensorHooks::enable(Arc::new(WeightStore::new(resolver)))?))
+    }
+
     /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.
     pub fn end_step(&self) -> Result<()> {
         self.lock().end_step()
@@ -227,6 +272,19 @@ impl WeightRuntime {
     /// handle does this once its plan is made).
     pub fn make_room(&self) -> Result<()> {
         self.lock().make_room()
+    }
+
+    /// Loads every block kept resident that is not on the device yet (the handle does this
+    /// before each step's forward, so the activations the forward keeps never take their
+    /// memory). On failure, [`failed_block`](Self::failed_block) names the block that did not fit.
+    pub fn load_residents(&self) -> Result<()> {
+        let r = self.lock().load_residents();
+        r.map_err(|(id, e)| {
+            if id.is_some() {
+                *self.inner.failed.lock().unwrap_or_else(|p| p.into_inner()) = id;
+            }
+            e
+        })
     }
 
     /// Makes `id` resident (a prefetch hit or a counted stall), holds it, prefetches ahead.
@@ -467,6 +525,18 @@ impl WeightRuntime {
         self.lock().set_param(id, param, value)
     }
 
+    /// Handles of each managed variable the runtime itself holds (see
+    /// `Scheduler::held_references`).
+    pub(crate) fn held_references(&self) -> std::collections::HashMap<crate::torch::VariableId, usize> {
+        self.lock().held_references()
+    }
+
+    /// Closes the runtime when the handle that owns it goes: host steps finish; later calls are
+    /// errors that say the handle is gone. Idempotent; a no-op after `shutdown`.
+    pub(crate) fn close(&self) -> Result<()> {
+        self.lock().close()
+    }
+
     /// Views of the host gradients of `id` that arrived in this accumulation window.
     pub(crate) fn received_grads(&self, id: BlockId) -> Result<Vec<(usize, Tensor)>> {
         self.lock().received_grads(id)
@@ -488,6 +558,34 @@ impl WeightRuntime {
     /// fail with `Shutdown`; the pool wakes its waiters. Idempotent.
     pub fn shutdown(&self) -> Result<()> {
         self.lock().shutdown()
+    }
+}
+
+/// The weights an evaluation's forward saved: handles, so no graph keeps a view of a slot that
+/// later holds another block; a backward through them is an error, never a read of another
+/// block's bytes.
+struct Evaluated(WeightRuntime);
+
+impl WeightResolver for Evaluated {
+    fn resolve(&self, tensor: &Tensor) -> Option<WeightSave> {
+        self.0.resolve(tensor)
+    }
+
+    fn materialize(&self, save: &WeightSave) -> std::result::Result<Tensor, crate::error::HookError> {
+        let name = self.0.blocks().get(save.block.0 as usize).map(|b| b.name.clone()).unwrap_or_default();
+        Err(Error::misuse(
+            format!("backward through a forward that ran outside a training step (it read block '{name}')"),
+            "gradients from forwards run in Stagehand::train_step (with the handle; WeightRuntime::begin_step in block mode): a forward outside a step evaluates",
+        )
+        .into())
+    }
+
+    fn release(&self, save: &WeightSave) {
+        self.0.release(save)
+    }
+
+    fn current_region(&self) -> Option<Arc<str>> {
+        self.0.current_region()
     }
 }
 

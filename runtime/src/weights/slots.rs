@@ -11,6 +11,14 @@ use crate::error::{Error, Result};
 use crate::events::BlockId;
 use tch::Tensor;
 
+/// The slots of `slot_bytes` bytes a weights' device budget of `budget` bytes holds once the
+/// `resident` bytes of blocks kept on the device for good are taken out, at most one per
+/// streamed block. The one rule for the streaming room: the memory plan sizes the budget it
+/// hands the weight runtime with it, and the runtime cuts its room with it.
+pub(crate) fn room_slots(budget: u64, resident: u64, slot_bytes: u64, streamed: usize) -> u64 {
+    (budget.saturating_sub(resident) / slot_bytes.max(1)).min(streamed as u64)
+}
+
 /// Equal device slots, each free or holding one block.
 #[derive(Debug)]
 pub(crate) struct Slots {

@@ -182,6 +182,17 @@ pub mod dropin {
             .expect("handle")
     }
 
+    /// A handle whose budget is `budget` bytes in all (a size a plan stated: on CUDA it counts
+    /// what the device holds already), on CUDA or the host device with that budget.
+    pub fn handle_at(device: &Device, budget: u64) -> Stagehand {
+        Stagehand::builder()
+            .budget_bytes(budget)
+            .device(if device.is_cuda() { device.clone() } else { Device::host(budget) })
+            .kernel(Kernel::Exact)
+            .build()
+            .expect("handle")
+    }
+
     /// CPU copies of every variable of `vs`.
     pub fn values(vs: &tch::nn::VarStore) -> HashMap<String, Tensor> {
         vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).copy())).collect()

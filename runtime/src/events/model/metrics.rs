@@ -39,6 +39,25 @@ pub struct WeightStepMetrics {
     pub host_ms: f64,
 }
 
+/// What one evaluation did: the forwards a weight runtime ran outside training steps, between
+/// two steps (an evaluation pass, sampling, inference through the handle), published when it
+/// ends (the next step begins, the run finishes). It is never a training step.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct EvaluationMetrics {
+    /// Blocks entered (each use a prefetch hit or a miss).
+    pub block_uses: u64,
+    pub prefetch_hits: u64,
+    pub prefetch_misses: u64,
+    pub stall_time_ms: f64,
+    pub h2d_bytes: u64,
+    pub evictions: u64,
+    /// Milliseconds the compute stream waited for weight copies still landing.
+    pub h2d_wait_ms: f64,
+    /// Wall time from the first forward to the evaluation's end.
+    pub duration_ms: f64,
+}
+
 /// Activation runtime metrics of one step (field names kept from the original, as above).
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]

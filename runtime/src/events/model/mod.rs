@@ -296,6 +296,8 @@ pub enum EventKind {
     TrainStep(TrainStepMetrics),
     /// Where the step's time went.
     StepTime(StepTimeBreakdown),
+    /// Forwards run outside training steps (phase `eval`), summed when the evaluation ended.
+    Evaluation(EvaluationMetrics),
     /// The step's copies by direction. The bus adds it when a step closes (the next step
     /// begins, the run goes idle or ends), summed from the step's `transfer_completed` events,
     /// so that a summary-level file still carries the run's transfer totals.

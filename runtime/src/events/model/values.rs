@@ -17,17 +17,22 @@ pub enum Phase {
     Backward,
     Optimizer,
     StepEnd,
+    /// Between training steps, forwards outside a step: evaluation, sampling, inference through
+    /// the handle. Its events belong to the last training step (`step`), and it never counts as
+    /// a step.
+    Eval,
 }
 
 impl Phase {
-    /// Every phase, in step order.
-    pub const ALL: [Phase; 6] = [
+    /// Every phase, in step order (evaluation, outside steps, last).
+    pub const ALL: [Phase; 7] = [
         Phase::Idle,
         Phase::StepBegin,
         Phase::Forward,
         Phase::Backward,
         Phase::Optimizer,
         Phase::StepEnd,
+        Phase::Eval,
     ];
 
     /// The name used on the wire and in labels (derived from the variant, as serde's).

@@ -73,16 +73,21 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             count_state(s, old, -1);
             count_state(s, to, 1);
         }
+        // An evaluation's uses belong to no training step: its own totals come in `evaluation`.
         EventKind::PrefetchHit { block } => {
-            let t = tally(s, e.step);
-            t.prefetch_hits = t.prefetch_hits.saturating_add(1);
+            if e.phase != Phase::Eval {
+                let t = tally(s, e.step);
+                t.prefetch_hits = t.prefetch_hits.saturating_add(1);
+            }
             mark(s, *block, e.seq, "prefetch hit".into());
         }
         EventKind::PrefetchMiss { block, stall_ms } => {
-            let t = tally(s, e.step);
-            t.prefetch_misses = t.prefetch_misses.saturating_add(1);
-            t.stall_count = t.stall_count.saturating_add(1);
-            t.stall_time_ms += stall_ms;
+            if e.phase != Phase::Eval {
+                let t = tally(s, e.step);
+                t.prefetch_misses = t.prefetch_misses.saturating_add(1);
+                t.stall_count = t.stall_count.saturating_add(1);
+                t.stall_time_ms += stall_ms;
+            }
             mark(s, *block, e.seq, format!("miss, stalled {stall_ms:.2} ms"));
         }
         EventKind::Eviction {
@@ -91,8 +96,10 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             score,
             ..
         } => {
-            let t = tally(s, e.step);
-            t.evictions = t.evictions.saturating_add(1);
+            if e.phase != Phase::Eval {
+                let t = tally(s, e.step);
+                t.evictions = t.evictions.saturating_add(1);
+            }
             let last = format!("evicted ({}, score {score:.3e})", wire_name(reason));
             if let Some(b) = block_mut(s, *block) {
                 b.evictions = b.evictions.saturating_add(1);

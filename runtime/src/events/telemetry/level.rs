@@ -84,7 +84,7 @@ impl LevelFilter {
             RunStarted { .. } | RunEnded { .. } | PhaseChanged { .. } | LimitsSet { .. }
             | BlockRegistered { .. } | ItineraryLearned { .. } | ItineraryChanged { .. }
             | PoolConfigured { .. } | WeightStep(_) | ActivationStep(_) | ConductorStep(_)
-            | TrainStep(_) | StepTime(_) | TransferStep(_) | HintsChanged { .. }
+            | TrainStep(_) | StepTime(_) | TransferStep(_) | Evaluation(_) | HintsChanged { .. }
             | SpillingToggled { .. } | Warning { .. } | OutOfMemory { .. } | NonFinite { .. }
             | TelemetryLost { .. } | EventsDropped { .. } | FlightRecorded { .. } => true,
             VramSample { .. } => due(&mut self.last_sample_ns, e.t_ns),

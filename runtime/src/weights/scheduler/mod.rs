@@ -17,6 +17,7 @@
 //! and exit) stays in one place, where its ordering rules read together; loading, eviction and
 //! gradients live in the sibling files.
 
+mod eval;
 mod room;
 mod train;
 mod values;
@@ -65,8 +66,10 @@ enum StepState {
     Closed,
     /// A step is open; `backward` once a backward use happened in it.
     Open { backward: bool },
-    /// Shut down: every call fails.
-    ShutDown,
+    /// Between steps, forwards outside a step (evaluation, sampling): see `eval`.
+    Eval,
+    /// Shut down: every call fails; `dropped` when the handle that owned the runtime went.
+    ShutDown { dropped: bool },
 }
 
 /// Why a block is being loaded: it decides the slot priority, whether the load may wait, and
@@ -127,6 +130,18 @@ pub(crate) struct Scheduler {
     /// Inference mode: the blocks the plan pinned along the cyclic itinerary, and the streamed
     /// order and slot count they were chosen for ([`super::evictor::spread_pins`]).
     pins: Option<Pins>,
+    /// The evaluation's route while training runs, the training's while evaluating (`eval`).
+    other_route: Route,
+    /// The evaluation under way: its forwards and when it began.
+    evaluation: Option<eval::Evaluation>,
+    /// This runtime's id in the process-wide claims on variables (`super::claims`).
+    owner: u64,
+    /// The room was made with every block resident (a plan where nothing streams): blocks
+    /// registered since stay resident too.
+    new_blocks_resident: bool,
+    /// Handles of managed variables that other parts of the runtime hold (the device
+    /// optimizer of resident blocks), beside the block's own.
+    noted: HashMap<crate::torch::VariableId, usize>,
 }
 
 /// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
@@ -150,6 +165,7 @@ impl Drop for Scheduler {
         if let Some(s) = &self.stepper {
             let _ = s.wait_all();
         }
+        super::claims::release(self.owner);
     }
 }
 
@@ -198,14 +214,23 @@ impl Scheduler {
             update_waits: IdleSpans::default(),
             min_bytes: None,
             pins: None,
+            other_route: Route::default(),
+            evaluation: None,
+            owner: super::claims::owner(),
+            new_blocks_resident: false,
+            noted: HashMap::new(),
         })
     }
 
     fn check_live(&self) -> Result<()> {
-        if self.state == StepState::ShutDown {
-            return Err(Error::Shutdown("weight runtime"));
+        match self.state {
+            StepState::ShutDown { dropped: false } => Err(Error::Shutdown("weight runtime")),
+            StepState::ShutDown { dropped: true } => Err(Error::misuse(
+                "using a model whose Stagehand handle was dropped",
+                "the handle alive for as long as the model is used (take sh.var_store() before dropping it for a plain tch copy of the weights)",
+            )),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     pub(crate) fn block(&self, id: BlockId) -> Result<&Block> {
@@ -305,14 +330,21 @@ impl Scheduler {
                 expected: "a name not registered yet".into(),
             });
         }
-        if self.slots.is_some() {
-            return Err(Error::misuse(
-                format!("registering block '{name}'"),
-                "register every block before the first step (the device room is sized from them)",
-            ));
-        }
         let id = BlockId(self.blocks.len() as u32);
         let spec = BlockSpec::layout_as(id, name, &params, self.cfg.precision.compute_kind())?;
+        if let Some(room) = &self.slots {
+            // The room exists: a block made now streams through its slots.
+            if spec.bytes > room.slot_bytes() {
+                return Err(Error::TooLarge {
+                    what: format!("block '{name}', registered after the weights' room was made,"),
+                    needed: spec.bytes as u64,
+                    limit: format!(
+                        "a slot of the room holds {} bytes (the largest block registered before it): register it before the first step, when the room is sized",
+                        room.slot_bytes()
+                    ),
+                });
+            }
+        }
         let room = self.cfg.weight_budget();
         if spec.bytes as u64 > room {
             return Err(Error::TooLarge {
@@ -327,7 +359,15 @@ impl Scheduler {
         }
         let trainable = spec.trainable();
         let bytes = spec.bytes as u64;
-        let block = Block::from_module(spec, params, &self.device)?;
+        super::claims::claim(self.owner, name, &params)?;
+        let ids: Vec<crate::torch::VariableId> = params.iter().map(|(_, t)| crate::torch::VariableId::of(t)).collect();
+        let block = match Block::from_module(spec, params, &self.device) {
+            Ok(b) => b,
+            Err(e) => {
+                super::claims::unclaim(&ids);
+                return Err(e);
+            }
+        };
         self.residency.add(name);
         self.names.insert(name.to_string(), id);
         self.bus.publish(EventKind::BlockRegistered {
@@ -339,6 +379,11 @@ impl Scheduler {
             trainable,
         });
         self.blocks.push(block);
+        if self.new_blocks_resident {
+            // The plan keeps every block resident (no room was made): one registered since
+            // stays resident too (loaded before the next step's forward).
+            self.set_resident(&[id])?;
+        }
         Ok(id)
     }
 
@@ -386,6 +431,7 @@ impl Scheduler {
 
     pub(crate) fn begin_step(&mut self) -> Result<()> {
         self.check_live()?;
+        self.end_evaluation()?;
         if self.state != StepState::Closed {
             return Err(Error::misuse(
                 format!("begin_step (step {})", self.step + 1),
@@ -412,12 +458,27 @@ impl Scheduler {
         if self.blocks.iter().any(|b| !b.resident) {
             self.room()?;
         }
+        self.new_blocks_resident = self.slots.is_none();
+        Ok(())
+    }
+
+    /// Loads every resident block not on the device yet (before a step's forward: loaded at
+    /// their first use, they would find their memory held by the activations the forward keeps
+    /// before them). On failure, the block that did not fit.
+    pub(crate) fn load_residents(&mut self) -> std::result::Result<(), (Option<BlockId>, Error)> {
+        for i in 0..self.blocks.len() {
+            let id = BlockId(i as u32);
+            let unloaded = self.residency.state(id).map_err(|e| (None, e))? == BlockState::Unloaded;
+            if self.blocks[i].resident && unloaded {
+                self.load(id, Load::Demand, None).and_then(|_| self.finalize(id, true)).map_err(|e| (Some(id), e))?;
+            }
+        }
         Ok(())
     }
 
     pub(crate) fn end_step(&mut self) -> Result<()> {
         self.check_live()?;
-        if self.state == StepState::Closed {
+        if matches!(self.state, StepState::Closed | StepState::Eval) {
             return Err(Error::misuse("end_step", "begin a step first"));
         }
         self.reap();
@@ -497,7 +558,7 @@ impl Scheduler {
         if matches!(self.state, StepState::Open { .. }) {
             self.end_step()?;
         }
-        Ok(())
+        self.end_evaluation()
     }
 
     // ---- block use ------------------------------------------------------------------------
@@ -530,14 +591,14 @@ impl Scheduler {
                         self.begin_step()?;
                     }
                 }
-                StepState::ShutDown => {}
+                StepState::Eval | StepState::ShutDown { .. } => {}
             }
         }
-        if self.state == StepState::Closed {
-            return Err(Error::misuse(
-                format!("block '{}' used outside a step", self.blocks[id.0 as usize].spec.name),
-                "a forward inside a step: run it in Stagehand::train_step (with the handle), or after WeightRuntime::begin_step (block mode), or turn on automatic steps (WeightRuntime::set_auto_step)",
-            ));
+        match self.state {
+            // A forward outside a step: an evaluation, along its own itinerary.
+            StepState::Closed => self.begin_evaluation()?,
+            StepState::Eval => self.next_forward(id),
+            _ => {}
         }
         self.first_entered.get_or_insert(id);
         self.route.enter(id, false);
@@ -572,6 +633,12 @@ impl Scheduler {
     fn backward_use_inner(&mut self, id: BlockId) -> Result<()> {
         self.check_live()?;
         self.block(id)?;
+        if !matches!(self.state, StepState::Open { .. }) {
+            return Err(Error::misuse(
+                format!("backward reading block '{}' outside a training step", self.blocks[id.0 as usize].spec.name),
+                "the forward and its backward inside one step (Stagehand::train_step with the handle)",
+            ));
+        }
         if let StepState::Open { backward } = &mut self.state {
             if !*backward && self.auto_step {
                 self.bus.enter_phase(self.step + 1, Phase::Backward);
@@ -583,6 +650,15 @@ impl Scheduler {
             self.mark_used(left)?;
             self.flush_grads(left)?;
             self.eager_update(left)?;
+        }
+        if self.eager.is_some() && self.submitted.contains(&id) {
+            // Its host step was queued when backward left it, because the itinerary said
+            // backward would not read it again; this step ran another order. Reading it now
+            // would read the stepped values.
+            return Err(Error::misuse(
+                format!("backward reading block '{}' after its optimizer step started", self.blocks[id.0 as usize].spec.name),
+                "the order of the traced steps (a step whose backward reads blocks in another order than the step before it cannot overlap the host optimizer with backward: turn it off with Optimizer::set_overlap_backward(false))",
+            ));
         }
         self.ensure_ready(id)?;
         self.prefetch()
@@ -642,11 +718,24 @@ impl Scheduler {
         self.block(id)?.host_param(i)
     }
 
-    /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
-    pub(crate) fn shutdown(&mut self) -> Result<()> {
-        if self.state == StepState::ShutDown {
+    /// The owner is gone: an evaluation under way ends, host steps finish, later calls fail.
+    /// Nothing else is published (the run is over); the device memory goes with the runtime,
+    /// when the last layer holding it does.
+    pub(crate) fn close(&mut self) -> Result<()> {
+        if matches!(self.state, StepState::ShutDown { .. }) {
             return Ok(());
         }
+        let result = self.end_evaluation().and_then(|_| match &self.stepper {
+            Some(s) => s.wait_all().map(|_| ()),
+            None => Ok(()),
+        });
+        self.state = StepState::ShutDown { dropped: true };
+        result
+    }
+
+    /// Waits for the host optimizer, ends an evaluation or open step, evicts every block.
+    fn evict_all(&mut self) -> Result<()> {
+        self.end_evaluation()?;
         if let Some(s) = &self.stepper {
             s.wait_all()?;
         }
@@ -662,7 +751,15 @@ impl Scheduler {
             }
         }
         self.grads.wait_all(&mut self.blocks)?;
-        self.loads.drain(&self.loader)?;
+        self.loads.drain(&self.loader)
+    }
+
+    /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
+    pub(crate) fn shutdown(&mut self) -> Result<()> {
+        if matches!(self.state, StepState::ShutDown { .. }) {
+            return Ok(());
+        }
+        self.evict_all()?;
         for i in 0..self.blocks.len() {
             for j in 0..self.blocks[i].vars.len() {
                 let t = self.blocks[i].host_param(j)?;
@@ -672,7 +769,7 @@ impl Scheduler {
         if let Some(p) = &self.staging {
             p.shutdown();
         }
-        self.state = StepState::ShutDown;
+        self.state = StepState::ShutDown { dropped: false };
         Ok(())
     }
 }

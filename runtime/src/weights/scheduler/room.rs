@@ -39,7 +39,8 @@ impl Scheduler {
             let resident: u64 = self.blocks.iter().filter(|b| b.resident).map(|b| b.spec.bytes as u64).sum();
             let budget = self.cfg.weight_budget();
             let room = budget.saturating_sub(resident);
-            let count = usize::try_from(room / largest as u64).unwrap_or(usize::MAX).min(self.blocks.len().max(1));
+            let count = super::super::slots::room_slots(budget, resident, largest as u64, streamed().count().max(1));
+            let count = usize::try_from(count).unwrap_or(usize::MAX);
             if count == 0 {
                 return Err(Error::TooLarge {
                     what: "the largest streamed block".into(),

@@ -241,6 +241,14 @@ impl Scheduler {
         if b.grads.is_empty() || b.resident {
             return Ok(());
         }
+        // Autograd gives a parameter its gradient once it has summed every use of it: a weight
+        // that backward still has to reach elsewhere (a head tied to the embedding, read first
+        // by the head and last by the embedding) has none yet when backward leaves one of its
+        // uses. Stepping the block now would step it without that gradient and lose the rest;
+        // its step waits for the optimizer's own call instead.
+        if b.grads.iter().any(|g| !g.received) || self.used_again_in_backward(id) {
+            return Ok(());
+        }
         match self.residency.state(id)? {
             BlockState::GpuReady if self.residency.can_evict(id) => {
                 self.evict(id, crate::events::EvictionReason::Explicit, 0.0)?;
@@ -264,6 +272,19 @@ impl Scheduler {
         stepper.submit(id, priority, job);
         self.submitted.insert(id);
         Ok(())
+    }
+
+    /// Whether the itinerary's backward reads `id` again after the current position (a weight
+    /// also read through a `detach`ed use, whose gradient is complete before its last read):
+    /// stepping it now would let that read see the updated values.
+    /// Unknown (true) while the step does not follow a learned itinerary.
+    fn used_again_in_backward(&self, id: BlockId) -> bool {
+        if !self.route.following() {
+            return true;
+        }
+        let (Some(it), Some(pos)) = (self.route.itinerary(), self.route.pos()) else { return true };
+        let start = it.forward().len();
+        (pos.max(start) + 1..it.len()).any(|p| it.at(p) == id)
     }
 
     /// Where `id` first comes in the forward (the order its step is needed in).

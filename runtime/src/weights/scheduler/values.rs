@@ -7,10 +7,32 @@ use super::super::block::{Placement, Source};
 use super::{Scheduler, StepState};
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, EvictionReason};
+use crate::torch::VariableId;
+use std::collections::HashMap;
 use std::sync::Arc;
 use tch::Tensor;
 
 impl Scheduler {
+    /// Handles of each managed variable the runtime holds: the block's own, the one its
+    /// gradient release holds (trainable parameters) and those noted by the runtime's optimizer.
+    pub(crate) fn held_references(&self) -> HashMap<VariableId, usize> {
+        let mut held = HashMap::new();
+        for b in &self.blocks {
+            for (p, var) in b.spec.params.iter().zip(&b.vars) {
+                let id = VariableId::of(var);
+                let grad_release = usize::from(p.trainable && b.grad_release.is_some());
+                held.insert(id, 1 + grad_release + self.noted.get(&id).copied().unwrap_or(0));
+            }
+        }
+        held
+    }
+
+    /// Notes `n` more (or fewer) handles of a managed variable held by the runtime's optimizer.
+    pub(crate) fn note_references(&mut self, id: VariableId, n: isize) {
+        let e = self.noted.entry(id).or_default();
+        *e = e.saturating_add_signed(n);
+    }
+
     /// The canonical value of parameter `i` of `id`, after any pending host optimizer step of
     /// the block, sharing memory where it can (see `Block::value`). Valid until the next step
     /// or load. Also after shutdown (the host copy then holds every block's final values).
