@@ -65,7 +65,7 @@ struct Args {
     /// masters and optimizer state on the host; fp16 with dynamic loss scaling), or auto: bf16
     /// where the device computes bf16 fast (CUDA compute capability 8.0 or later), else fp32.
     #[arg(long, value_name = "PRECISION", default_value = "auto", value_parser = parse_precision)]
-    precision: Option<Precision>,
+    precision: PrecisionChoice,
     /// How the host optimizer stores its state: fp32, bf16 (half the bytes) or int8 (8-bit
     /// block-wise, about a quarter).
     #[arg(long, value_name = "STORAGE", default_value = "fp32", value_parser = parse_state)]
@@ -90,12 +90,18 @@ fn parse_level(s: &str) -> Result<Level, String> {
     s.parse()
 }
 
-/// `auto` is `None`: the device decides.
-fn parse_precision(s: &str) -> Result<Option<Precision>, String> {
+/// `--precision`: one precision, or `auto` (the device decides).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum PrecisionChoice {
+    Auto,
+    Fixed(Precision),
+}
+
+fn parse_precision(s: &str) -> Result<PrecisionChoice, String> {
     if s.eq_ignore_ascii_case("auto") {
-        return Ok(None);
+        return Ok(PrecisionChoice::Auto);
     }
-    s.parse().map(Some).map_err(|e: String| format!("{e}, or auto"))
+    s.parse().map(PrecisionChoice::Fixed).map_err(|e: String| format!("{e}, or auto"))
 }
 
 fn parse_state(s: &str) -> Result<StateStorage, String> {
@@ -166,7 +172,10 @@ fn main() -> Result<()> {
     // OTLP whenever the standard OTEL_* variables ask for it.
     let otlp = stagehand_exporter::otlp::attach_from_env(&hub).context("the OTLP exporter (OTEL_* variables)")?;
 
-    let precision = args.precision.unwrap_or_else(|| TrainConfig::default_precision(&device));
+    let precision = match args.precision {
+        PrecisionChoice::Fixed(p) => p,
+        PrecisionChoice::Auto => TrainConfig::default_precision(&device),
+    };
     let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget).with_precision(precision);
     cfg.optimizer_state = args.optimizer_state;
     if args.resident {
@@ -188,7 +197,7 @@ fn main() -> Result<()> {
     println!(
         "  precision  {}{}{}",
         precision,
-        if args.precision.is_none() { " (auto: bf16 where the device computes bf16 fast)" } else { "" },
+        if args.precision == PrecisionChoice::Auto { " (auto: bf16 where the device computes bf16 fast)" } else { "" },
         if args.optimizer_state == StateStorage::Fp32 { String::new() } else { format!(", optimizer state in {}", args.optimizer_state) }
     );
     if let Some(server) = &server {
