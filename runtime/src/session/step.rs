@@ -150,6 +150,8 @@ impl Stagehand {
             let scale = self.precision.scales_loss().then(|| run.scaler.scale());
             (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes), scale)
         };
+        // The host optimizers and their state are made now, with the plan, not in the step.
+        opt.prepare()?;
         let weights = self.weights();
         let t0 = Instant::now();
         self.device.reset_peak();
