@@ -34,6 +34,7 @@
 
 mod checkpoint;
 mod forensics;
+mod knobs;
 mod numerics;
 pub mod plan;
 mod adapt;
@@ -78,6 +79,7 @@ pub struct StagehandBuilder {
     telemetry: Option<crate::events::TelemetryConfig>,
     guards: bool,
     checksums: bool,
+    knobs: knobs::Knobs,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -90,6 +92,7 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("telemetry", &self.telemetry)
             .field("guards", &self.guards)
             .field("checksums", &self.checksums)
+            .field("knobs", &self.knobs)
             .finish_non_exhaustive()
     }
 }
@@ -201,6 +204,7 @@ impl StagehandBuilder {
         if let Some((below, max)) = self.spill_batches {
             crate::activations::config::check_batches(below, max)?;
         }
+        self.knobs.check()?;
         let device = match self.device {
             Some(d) => d,
             None => Device::auto(budget),
@@ -267,6 +271,7 @@ impl StagehandBuilder {
             telemetry,
             guards,
             checksums: self.checksums,
+            knobs: self.knobs,
             _attached: attached,
         })
     }
@@ -290,6 +295,7 @@ pub struct Stagehand {
     telemetry: Option<crate::events::Telemetry>,
     guards: Option<Arc<crate::guards::Guards>>,
     checksums: bool,
+    knobs: knobs::Knobs,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
 }
@@ -322,6 +328,7 @@ impl Stagehand {
             telemetry: None,
             guards: false,
             checksums: crate::activations::config::DEFAULT_DEBUG_CHECKSUMS,
+            knobs: knobs::Knobs::default(),
         }
     }
 
@@ -444,7 +451,8 @@ impl Stagehand {
             device_bytes: self.device.info().total_bytes,
             host_available_bytes: plan::host_available_bytes(),
         };
-        let plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
+        let mut plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
+        self.knobs.apply(&mut plan);
         let resident: Vec<_> = plan.resident_blocks.iter().map(|&i| specs[i].id).collect();
         weights.set_resident(&resident)?;
         let room = if plan.streams() { plan.weight_room_bytes } else { u64::MAX / 4 };
@@ -464,7 +472,8 @@ impl Stagehand {
                 // Spills still landing hold their device memory: at most the room above the
                 // high watermark.
                 .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
-                .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                .restore_ahead(self.knobs.restore_lookahead(), plan.restore_allowance_bytes.max(1))
+                .min_slabs_per_class(self.knobs.slabs_per_class.unwrap_or(0))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))

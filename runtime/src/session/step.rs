@@ -114,6 +114,7 @@ impl Stagehand {
         self.device.reset_peak();
         self.guards_begin();
         self.enter(&conductor, step, Phase::StepBegin)?;
+        self.publish_reading();
         weights.begin_step()?;
         if let Some(a) = &acts {
             a.begin_step(step);
@@ -130,7 +131,7 @@ impl Stagehand {
             super::forensics::catch_oom(forward)?
         };
         self.guard_loss(&loss);
-        self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+        self.publish_reading();
         self.enter(&conductor, step, Phase::Backward)?;
         opt.zero_grad()?;
         // The host steps of streamed blocks start as backward leaves each one.
@@ -145,7 +146,7 @@ impl Stagehand {
             Some(a) => Some(a.end_step()?),
             None => None,
         };
-        self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+        self.publish_reading();
         self.enter(&conductor, step, Phase::Optimizer)?;
         let t_opt = Instant::now();
         opt.step()?;
@@ -180,14 +181,8 @@ impl Stagehand {
             optimizer_ms,
             other_ms: (step_ms - parts).max(0.0),
         };
-        let mem = self.device.memory();
-        let owners = self.vram_owners();
-        self.bus.publish(EventKind::VramOwners(owners));
-        self.bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-        });
+        // The step's last reading carries its peak, which the step's figures repeat.
+        let mem = self.publish_reading();
         self.bus.publish(EventKind::TrainStep(TrainStepMetrics {
             loss: loss_value,
             step_time_s: step_ms / 1e3,

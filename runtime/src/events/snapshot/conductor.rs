@@ -9,7 +9,6 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
         EventKind::Reservation {
             owner,
             mode,
-            priority,
             granted_bytes,
             outcome,
             reason,
@@ -22,18 +21,13 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 ReservationOutcome::Denied => t.denials = t.denials.saturating_add(1),
                 ReservationOutcome::CapRecorded => {}
             }
+            // By mode, priority and reason: counts (`counts`).
             let c = &mut s.conductor;
-            bump(&mut c.by_mode, &wire_name(mode));
-            bump(&mut c.by_priority, &wire_name(priority));
-            if *outcome == ReservationOutcome::CapRecorded {
-                c.ceilings = c.ceilings.saturating_add(1);
-            }
             if matches!(outcome, ReservationOutcome::Granted | ReservationOutcome::Partial) {
                 c.active_reservations = c.active_reservations.saturating_add(1);
                 c.active_bytes = c.active_bytes.saturating_add(*granted_bytes);
             }
             if let Some(r) = reason {
-                bump(&mut c.denials_by_reason, r.as_str());
                 push_bounded(
                     &mut c.recent_denials,
                     DenialRecord {
@@ -72,7 +66,6 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             let t = s.tallies.conductor.detail(e.step);
             t.slot_denials = t.slot_denials.saturating_add(1);
             let c = &mut s.conductor;
-            bump(&mut c.denials_by_reason, reason.as_str());
             push_bounded(
                 &mut c.recent_denials,
                 DenialRecord {

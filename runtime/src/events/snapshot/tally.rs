@@ -27,6 +27,13 @@ pub struct Tally<T> {
     pub open_step: u64,
     /// Detail counts of `open_step`, until its aggregate replaces them.
     pub open: T,
+    /// What was last added to `committed` (a step's aggregate, or the detail of a step that
+    /// got none), and how many additions there were: exporters that count finished steps
+    /// read it, so they add the same numbers in the same order live and in a replay.
+    #[serde(default)]
+    pub last: T,
+    #[serde(default)]
+    pub commits: u64,
 }
 
 impl<T: StepSum> Tally<T> {
@@ -35,18 +42,24 @@ impl<T: StepSum> Tally<T> {
     pub fn detail(&mut self, step: u64) -> &mut T {
         if step != self.open_step {
             let open = std::mem::take(&mut self.open);
-            self.committed.add(&open);
+            self.commit(open);
             self.open_step = step;
         }
         &mut self.open
     }
 
-    /// `step`'s aggregate: it replaces that step's detail counts.
-    pub fn aggregate(&mut self, step: u64, agg: &T) {
-        if step == self.open_step {
-            self.open = T::default();
-        }
-        self.committed.add(agg);
+    /// `step`'s aggregate: it replaces that step's detail counts, which are returned (empty
+    /// when the open step is another).
+    pub fn aggregate(&mut self, step: u64, agg: &T) -> T {
+        let replaced = if step == self.open_step { std::mem::take(&mut self.open) } else { T::default() };
+        self.commit(agg.clone());
+        replaced
+    }
+
+    fn commit(&mut self, add: T) {
+        self.committed.add(&add);
+        self.last = add;
+        self.commits = self.commits.wrapping_add(1);
     }
 
     /// Committed plus open.
@@ -251,6 +264,12 @@ impl TransferStepMetrics {
     }
 }
 
+impl StepSum for StepCounts {
+    fn add(&mut self, o: &Self) {
+        StepCounts::add(self, o);
+    }
+}
+
 /// The tallies of every domain whose totals have a per-step aggregate.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -259,6 +278,9 @@ pub struct Tallies {
     pub activations: Tally<ActivationCounts>,
     pub conductor: Tally<ConductorCounts>,
     pub transfers: Tally<TransferStepMetrics>,
+    /// Detail events counted by label ([`StepCounts`]).
+    #[serde(default)]
+    pub counts: Tally<StepCounts>,
 }
 
 #[cfg(test)]

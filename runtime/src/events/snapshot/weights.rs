@@ -67,9 +67,6 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             b.refcount = refcount;
             b.last = last;
             b.last_seq = seq;
-            if to == BlockState::GpuReady {
-                b.loads = b.loads.saturating_add(1);
-            }
             count_state(s, old, -1);
             count_state(s, to, 1);
         }
@@ -94,9 +91,6 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             let t = tally(s, e.step);
             t.evictions = t.evictions.saturating_add(1);
             let last = format!("evicted ({}, score {score:.3e})", wire_name(reason));
-            if let Some(b) = block_mut(s, *block) {
-                b.evictions = b.evictions.saturating_add(1);
-            }
             mark(s, *block, e.seq, last);
         }
         EventKind::PrefetchWindow {

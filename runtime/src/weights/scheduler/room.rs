@@ -127,6 +127,13 @@ impl Scheduler {
     /// earlier was measured (forward only, room for 4 of 16 blocks) to evict the blocks a cyclic
     /// itinerary keeps across steps, 15 loads a step instead of 14, with no gain forward and
     /// backward (docs/benchmarks.md).
+    ///
+    /// The first block of the window that needs a load is loaded even when the host optimizer
+    /// is still stepping it: the thread waits for that step here (counted as waiting for the
+    /// optimizer, which it is) rather than at the block's use, so its copy overlaps the blocks
+    /// before it. At a step's start that is the first streamed block: the last step's backward
+    /// ends on it, so its host step is the last to start, and skipping it here made it a miss
+    /// in almost every step. Blocks further ahead are skipped while their step runs.
     pub(super) fn prefetch(&mut self) -> Result<()> {
         let k = self.knobs.prefetch_window() as usize;
         if k == 0 || self.route.itinerary().is_none() {
@@ -140,6 +147,7 @@ impl Scheduler {
             window: window.iter().map(|w| w.0).collect(),
         });
         let step_end = self.route.to_step_end();
+        let mut first_to_load = true;
         for (i, &(b, distance)) in window.iter().enumerate() {
             if self.residency.state(b)? != BlockState::Unloaded || self.blocks[b.0 as usize].resident {
                 continue;
@@ -153,8 +161,12 @@ impl Scheduler {
             {
                 continue;
             }
+            let first = std::mem::replace(&mut first_to_load, false);
             if self.stepper.as_ref().is_some_and(|s| s.is_pending(b)) {
-                continue;
+                if !first {
+                    continue;
+                }
+                self.wait_update(b)?;
             }
             let why = if i == 0 { Load::Next } else { Load::Ahead };
             if !self.load(b, why, Some(distance))? {
@@ -169,16 +181,11 @@ impl Scheduler {
     /// no staging slab is free, or its host copy is being updated).
     pub(super) fn load(&mut self, id: BlockId, why: Load, distance: Option<usize>) -> Result<bool> {
         let demand = why == Load::Demand;
-        if let Some(s) = self.stepper.clone() {
-            if s.is_pending(id) {
-                if !demand {
-                    return Ok(false);
-                }
-                // What the wait costs is the compute stream's idle time during it.
-                let probe = self.device.idle_probe()?;
-                s.wait(id)?;
-                self.update_waits.push(probe.end(&self.device)?);
+        if self.stepper.as_ref().is_some_and(|s| s.is_pending(id)) {
+            if !demand {
+                return Ok(false);
             }
+            self.wait_update(id)?;
         }
         if self.blocks[id.0 as usize].resident {
             return self.load_resident(id);
@@ -240,6 +247,16 @@ impl Scheduler {
         self.loads.start(id, t);
         self.metrics.h2d_bytes += bytes as u64;
         Ok(true)
+    }
+
+    /// Waits for the host optimizer's pending step of `id`; what the wait costs is the compute
+    /// stream's idle time during it, counted as waiting for the optimizer.
+    fn wait_update(&mut self, id: BlockId) -> Result<()> {
+        let Some(s) = self.stepper.clone() else { return Ok(()) };
+        let probe = self.device.idle_probe()?;
+        s.wait(id)?;
+        self.update_waits.push(probe.end(&self.device)?);
+        Ok(())
     }
 
     /// A block the plan keeps resident: loaded once into its own device buffer.
