@@ -2,4 +2,5 @@
 
 pub mod data;
 pub mod gpt;
+pub mod process;
 pub mod trainer;

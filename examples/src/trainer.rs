@@ -10,6 +10,7 @@ use stagehand::device::Device;
 use stagehand::events::{Bus, EventKind, Phase, StepTimeBreakdown, TrainStepMetrics};
 use stagehand::optim::Kernel;
 use stagehand::{Plan, Stagehand};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tch::nn::{self, OptimizerConfig};
 
@@ -40,6 +41,9 @@ pub struct TrainConfig {
     /// The host optimizer's kernel (Stagehand only; `None`: the handle's choice).
     #[serde(skip)]
     pub kernel: Option<Kernel>,
+    /// Intra-op threads of the training thread and of the host optimizer, the same for a
+    /// resident run and a Stagehand one (`None`: libtorch's default, every core).
+    pub threads: Option<usize>,
 }
 
 /// The demo's default shape: what `stagehand-demo` runs with no flags.
@@ -117,7 +121,13 @@ impl TrainConfig {
             budget_bytes,
             seed: 0,
             kernel: None,
+            threads: None,
         }
+    }
+
+    /// The intra-op threads the run uses: the setting, else libtorch's default.
+    pub fn thread_count(&self) -> usize {
+        self.threads.unwrap_or_else(|| usize::try_from(tch::get_num_threads()).unwrap_or(1)).max(1)
     }
 
     /// "gpt L=8 d=128 seq=64 (1.6M params)".
@@ -138,10 +148,35 @@ impl TrainConfig {
     }
 }
 
+/// What a caller adds to a run beyond each step's progress.
+#[derive(Default)]
+pub struct Hooks<'a> {
+    /// Called with the memory plan once it is known, before the first step (Stagehand only).
+    pub on_plan: Option<Box<dyn FnMut(&Plan) + 'a>>,
+    /// Set (by a signal handler, say) to end the run after the step in progress: the run then
+    /// ends as any run does (`run_ended`, the telemetry flushed).
+    pub stop: Option<&'a AtomicBool>,
+}
+
+impl std::fmt::Debug for Hooks<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks").field("on_plan", &self.on_plan.is_some()).field("stop", &self.stop).finish()
+    }
+}
+
+impl Hooks<'_> {
+    fn stopped(&self) -> bool {
+        self.stop.is_some_and(|s| s.load(Ordering::SeqCst))
+    }
+}
+
 /// What a run did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
+    /// Steps run (fewer than asked when the run was stopped).
     pub steps: u64,
+    /// Whether a stop ended the run before its last step.
+    pub stopped: bool,
     pub losses: Vec<f64>,
     /// Wall time of each step, in seconds.
     pub step_times: Vec<f64>,
@@ -156,6 +191,10 @@ pub struct Summary {
     pub step_peaks: Vec<u64>,
     /// The memory plan (Stagehand only).
     pub plan: Option<Plan>,
+    /// What the numeric guards checked (when on).
+    pub guards: Option<stagehand::guards::Checked>,
+    /// Spills checksummed and restores verified (when checksums are on).
+    pub checksums: Option<(u64, u64)>,
 }
 
 impl Summary {
@@ -231,13 +270,34 @@ pub fn announce_with(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str
 /// Trains the GPT for `cfg.steps` steps on `device`, publishing every phase and per-step
 /// metrics on `bus`. `on_step(step, loss, seconds)` runs after each step (progress display).
 pub fn train(cfg: &TrainConfig, device: &Device, bus: &Bus, on_step: impl FnMut(u64, f64, f64)) -> Result<Summary> {
+    train_with(cfg, device, bus, on_step, Hooks::default(), |b| b)
+}
+
+/// [`train`] with [`Hooks`], and `customize` for the handle's builder (Stagehand only).
+pub fn train_with(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
+    on_step: impl FnMut(u64, f64, f64),
+    hooks: Hooks<'_>,
+    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+) -> Result<Summary> {
+    // The training thread's intra-op threads, the same in both modes; the handle's host
+    // optimizer takes the same count.
+    tch::set_num_threads(cfg.thread_count() as i32);
     match cfg.memory {
-        Memory::Resident => train_resident(cfg, device, bus, on_step),
-        Memory::Stagehand => train_stagehand(cfg, device, bus, on_step, |b| b),
+        Memory::Resident => train_resident(cfg, device, bus, on_step, hooks),
+        Memory::Stagehand => stagehand_run(cfg, device, bus, on_step, hooks, customize),
     }
 }
 
-fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: impl FnMut(u64, f64, f64)) -> Result<Summary> {
+fn train_resident(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
+    mut on_step: impl FnMut(u64, f64, f64),
+    hooks: Hooks<'_>,
+) -> Result<Summary> {
     tch::manual_seed(cfg.seed);
     // Built on the CPU, as the streamed model is, so both start from the same weights.
     let mut vs = nn::VarStore::new(tch::Device::Cpu);
@@ -245,7 +305,8 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
     vs.set_device(device.tch_device());
     let mut opt = nn::AdamW::default().build(&vs, cfg.learning_rate)?;
     let mut s = Summary {
-        steps: cfg.steps,
+        steps: 0,
+        stopped: false,
         losses: Vec::new(),
         step_times: Vec::new(),
         breakdowns: Vec::new(),
@@ -254,8 +315,17 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         peak_bytes: 0,
         step_peaks: Vec::new(),
         plan: None,
+        guards: None,
+        checksums: None,
     };
+    // On the host device plain tch's tensors are not counted in the simulated VRAM: there is
+    // no reading to publish.
+    let measured = device.is_cuda();
     for step in 1..=cfg.steps {
+        if hooks.stopped() {
+            s.stopped = true;
+            break;
+        }
         let t0 = Instant::now();
         device.reset_peak();
         bus.enter_phase(step, Phase::StepBegin);
@@ -272,11 +342,13 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         bus.enter_phase(step, Phase::StepEnd);
         let dt = t0.elapsed().as_secs_f64();
         let mem = device.memory();
-        bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-        });
+        if measured {
+            bus.publish(EventKind::VramSample {
+                allocated_bytes: mem.allocated,
+                reserved_bytes: mem.reserved,
+                peak_allocated_bytes: mem.peak,
+            });
+        }
         bus.publish(EventKind::TrainStep(TrainStepMetrics {
             loss: loss_v,
             step_time_s: dt,
@@ -287,10 +359,11 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         s.step_peaks.push(mem.peak);
         s.losses.push(loss_v);
         s.step_times.push(dt);
+        s.steps = step;
         on_step(step, loss_v, dt);
     }
-    bus.enter_phase(cfg.steps, Phase::Idle);
-    bus.publish(EventKind::RunEnded { steps: cfg.steps });
+    bus.enter_phase(s.steps, Phase::Idle);
+    bus.publish(EventKind::RunEnded { steps: s.steps });
     Ok(s)
 }
 
@@ -300,14 +373,26 @@ pub fn train_stagehand(
     cfg: &TrainConfig,
     device: &Device,
     bus: &Bus,
+    on_step: impl FnMut(u64, f64, f64),
+    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+) -> Result<Summary> {
+    train_with(&TrainConfig { memory: Memory::Stagehand, ..cfg.clone() }, device, bus, on_step, Hooks::default(), customize)
+}
+
+fn stagehand_run(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
     mut on_step: impl FnMut(u64, f64, f64),
+    mut hooks: Hooks<'_>,
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Summary> {
     let mut builder = Stagehand::builder()
         .budget_bytes(cfg.budget_bytes)
         .device(device.clone())
         .bus(bus.clone())
-        .conductor(cfg.conductor);
+        .conductor(cfg.conductor)
+        .host_optimizer_threads(cfg.thread_count());
     if let Some(k) = cfg.kernel {
         builder = builder.kernel(k);
     }
@@ -316,8 +401,14 @@ pub fn train_stagehand(
     tch::manual_seed(cfg.seed);
     let model = Gpt::new(&StreamedLayers(sh.store()), cfg.model);
     let mut opt = sh.optimizer(nn::AdamW::default(), cfg.learning_rate)?;
+    // The plan is known once the model and its optimizer are: say it before the first step.
+    let plan = sh.prepare()?;
+    if let Some(f) = &mut hooks.on_plan {
+        f(&plan);
+    }
     let mut s = Summary {
-        steps: cfg.steps,
+        steps: 0,
+        stopped: false,
         losses: Vec::new(),
         step_times: Vec::new(),
         breakdowns: Vec::new(),
@@ -326,8 +417,14 @@ pub fn train_stagehand(
         peak_bytes: 0,
         step_peaks: Vec::new(),
         plan: None,
+        guards: None,
+        checksums: None,
     };
     for step in 1..=cfg.steps {
+        if hooks.stopped() {
+            s.stopped = true;
+            break;
+        }
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets))?;
         if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
@@ -339,10 +436,13 @@ pub fn train_stagehand(
         s.losses.push(r.loss);
         s.step_times.push(r.step_ms / 1e3);
         s.breakdowns.push(r.time);
+        s.steps = step;
         on_step(step, r.loss, r.step_ms / 1e3);
     }
     opt.wait()?;
     s.plan = sh.plan();
+    s.guards = sh.guard_checks();
+    s.checksums = sh.checksum_counts();
     sh.finish()?;
     Ok(s)
 }

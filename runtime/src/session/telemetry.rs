@@ -90,6 +90,20 @@ impl Stagehand {
         mem
     }
 
+    /// What the numeric guards checked over the run so far (`None` when they are off).
+    pub fn guard_checks(&self) -> Option<crate::guards::Checked> {
+        self.guards.as_ref().map(|g| g.checked())
+    }
+
+    /// Spills checksummed and restores verified over the run (`None` unless checksums are on
+    /// and activations spill).
+    pub fn checksum_counts(&self) -> Option<(u64, u64)> {
+        if !self.checksums {
+            return None;
+        }
+        self.activations().map(|a| a.checksums())
+    }
+
     /// The telemetry attached by the builder (its files, dumps on request, losses), if any.
     pub fn telemetry(&self) -> Option<&Telemetry> {
         self.telemetry.as_ref()
