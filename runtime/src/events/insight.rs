@@ -62,6 +62,11 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "restore_lookahead", code: "Stagehand::builder().restore_lookahead(tensors)", flag: "--restore-lookahead" },
     Knob { name: "slabs_per_class", code: "Stagehand::builder().slabs_per_class(slabs)", flag: "--slabs-per-class" },
     Knob { name: "learning_rate", code: "sh.optimizer(config, learning_rate)", flag: "--learning-rate" },
+    Knob {
+        name: "telemetry_level",
+        code: "Stagehand::builder().telemetry(TelemetryConfig { level, .. })",
+        flag: "--telemetry-level",
+    },
 ];
 
 /// A finding's knob text: the settings that change it (each one of [`KNOBS`]), then how.
@@ -104,6 +109,24 @@ pub fn findings(s: &Snapshot) -> Vec<Finding> {
     out
 }
 
+/// How weights reach the device when the run has no weight pool (blocks kept in host memory
+/// load straight from their pinned host copies; only blocks streamed from a file stage through
+/// a pool), with the pinned bytes that takes; `None` without such blocks.
+pub fn weights_without_pool(s: &Snapshot) -> Option<String> {
+    let host: Vec<_> = s.blocks.iter().filter(|b| !b.file_backed).collect();
+    if host.is_empty() {
+        return None;
+    }
+    let bytes = host.iter().fold(0u64, |t, b| t.saturating_add(b.bytes));
+    let grads = host.iter().filter(|b| b.trainable).fold(0u64, |t, b| t.saturating_add(b.bytes));
+    Some(format!(
+        "no staging pool: {} blocks load straight from their pinned host copies ({} pinned{})",
+        host.len(),
+        human_bytes(bytes),
+        if grads > 0 { format!(", and {} for their gradients", human_bytes(grads)) } else { String::new() }
+    ))
+}
+
 /// What the screens say when there are no findings.
 pub fn nothing_found(s: &Snapshot) -> &'static str {
     if s.ended {
@@ -138,7 +161,7 @@ fn incidents(s: &Snapshot, out: &mut Vec<Finding>) {
                 "{} events were dropped because a consumer fell behind; totals miss them",
                 s.dropped_events
             ),
-            "",
+            &knob(&["telemetry_level"], "summary writes a few KB a step where full writes every event, and keeps up"),
         ));
     }
     if s.telemetry_lost > 0 {
@@ -458,6 +481,9 @@ mod tests {
         s.apply(&at(7, 2, EventKind::NonFinite { block: None, tensor: "loss".into() }));
         let f = findings(&s);
         assert_eq!(f.iter().filter(|f| !f.knob.is_empty()).count(), 9, "{:?}", ids(&s));
+        let mut d = s.clone();
+        d.apply(&at(8, 2, EventKind::EventsDropped { total: 3 }));
+        assert!(findings(&d).iter().any(|f| f.id == "events_dropped" && f.knob.starts_with("telemetry_level: ")));
         for x in f.iter().filter(|f| !f.knob.is_empty()) {
             let (names, how) = x.knob.split_once(": ").expect("names, then how");
             assert!(!how.is_empty());

@@ -82,15 +82,11 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             t.stall_time_ms += stall_ms;
             mark(s, *block, e.seq, format!("miss, stalled {stall_ms:.2} ms"));
         }
-        EventKind::Eviction {
-            block,
-            reason,
-            score,
-            ..
-        } => {
+        EventKind::Eviction { block, reason, .. } => {
             let t = tally(s, e.step);
             t.evictions = t.evictions.saturating_add(1);
-            let last = format!("evicted ({}, score {score:.3e})", wire_name(reason));
+            // The score is in the event (its details); the view keeps what fits a column.
+            let last = format!("evicted: {}", wire_name(reason));
             mark(s, *block, e.seq, last);
         }
         EventKind::PrefetchWindow {
