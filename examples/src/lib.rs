@@ -3,4 +3,5 @@
 pub mod data;
 pub mod gpt;
 pub mod process;
+pub mod report;
 pub mod trainer;

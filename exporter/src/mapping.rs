@@ -209,7 +209,6 @@ pub fn last_finished_peak(s: &Snapshot) -> Option<(&StepRecord, VramByOwner)> {
 struct Seen {
     weights: u64,
     activations: u64,
-    conductor: u64,
     counts: u64,
 }
 
@@ -299,10 +298,6 @@ impl Mapper {
             add(out, ActivationRestore, &[], a.restore_bytes);
             add(out, ActivationRestores, &["true"], a.predicted);
             add(out, ActivationRestores, &["false"], a.restored.saturating_sub(a.predicted));
-        }
-        if t.conductor.commits != self.seen.conductor {
-            self.seen.conductor = t.conductor.commits;
-            add(out, ConductorGrants, &["slot"], t.conductor.last.slot_grants);
         }
         if t.counts.commits != self.seen.counts {
             self.seen.counts = t.counts.commits;
@@ -417,6 +412,7 @@ fn step_counts(c: &StepCounts, out: &mut Vec<Observation>) {
         }
     }
     add(out, ConductorGrants, &["reservation"], c.reservation_grants());
+    add(out, ConductorGrants, &["slot"], c.slot_grants);
     for (r, n) in &c.reservation_denials {
         add(out, ConductorDenials, &["reservation", r.as_str()], *n);
     }

@@ -14,6 +14,7 @@ use stagehand::device::Device;
 use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::{Bus, Event, EventKind, EventSink};
 use stagehand_examples::process::{sibling, Stop};
+use stagehand_examples::report::Report;
 use stagehand_examples::trainer::{announce_with, demo_budget, train_with, Hooks, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand_web::cli::ServeArgs;
 use std::path::PathBuf;
@@ -341,86 +342,18 @@ fn main() -> Result<()> {
     let stopped = stop.signal().filter(|_| summary.stopped);
 
     println!("summary");
-    if let Some((name, _)) = stopped {
-        println!("  stopped    by {name} after step {} of {}", summary.steps, args.steps);
+    let report = Report {
+        summary: &summary,
+        snapshot: &snap,
+        memory: cfg.memory,
+        budget,
+        vram_measured: cfg.memory == Memory::Stagehand || device.is_cuda(),
+        steps_asked: args.steps,
+        stopped_by: stopped.map(|s| s.0),
+    };
+    for line in report.lines() {
+        println!("{line}");
     }
-    if summary.losses.is_empty() {
-        println!("  loss       no step finished");
-    } else {
-        let (first, last) = summary.loss_drop();
-        println!("  loss       {first:.3} -> {last:.3} (mean of the first and last tenth)");
-    }
-    println!(
-        "  step time  {:.1} ms mean over steps 2 and later (step 1: {:.1} ms)",
-        summary.steady_step_s() * 1e3,
-        summary.step_times.first().copied().unwrap_or(0.0) * 1e3
-    );
-    // The run's peak, as the page, stagehand-top and /metrics show it.
-    match cfg.memory {
-        Memory::Stagehand => {
-            println!("  peak VRAM  {:.1} MiB of a {:.0} MiB budget", mib(snap.vram_peak_bytes), mib(budget))
-        }
-        Memory::Resident if device.is_cuda() => println!("  peak VRAM  {:.1} MiB (resident: no budget)", mib(snap.vram_peak_bytes)),
-        Memory::Resident => println!(
-            "  peak VRAM  not measured: on the host device plain tch's tensors are outside the simulated VRAM"
-        ),
-    }
-    if cfg.memory == Memory::Stagehand {
-        println!(
-            "  moved      {:.1} MiB H2D, {:.1} MiB D2H (weights, gradients, activations)",
-            mib(snap.transfers.h2d.bytes),
-            mib(snap.transfers.d2h.bytes)
-        );
-        let hits = snap.weights.prefetch_hits;
-        let misses = snap.weights.prefetch_misses;
-        println!(
-            "  weights    {hits} prefetch hits, {misses} misses ({:.1}% hit rate), {} evictions",
-            100.0 * hits as f64 / (hits + misses).max(1) as f64,
-            snap.weights.evictions
-        );
-        println!(
-            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} through pageable memory, {} recomputed ({:.1} MiB never stored)",
-            snap.activations.saved,
-            snap.activations.spilled,
-            mib(snap.activations.spill_bytes),
-            snap.activations.restored,
-            snap.activations.predicted,
-            snap.activations.pool_misses,
-            snap.activations.recomputed,
-            mib(snap.activations.recompute_bytes)
-        );
-        if let Some(g) = summary.guards {
-            let found = snap.non_finite.values().sum::<u64>();
-            println!(
-                "  guards     checked {} block outputs, {} gradients and {} losses in {} steps: {}",
-                g.outputs,
-                g.gradients,
-                g.losses,
-                g.steps,
-                if found == 0 { "no NaN or infinity".to_owned() } else { format!("{found} non-finite values (see the findings)") }
-            );
-        }
-        if let Some((written, verified)) = summary.checksums {
-            println!(
-                "  checksums  {written} spills checksummed, {verified} restores checked against them: every one unchanged"
-            );
-        }
-        if let Some(t) = summary.breakdowns.last() {
-            println!(
-                "  last step  {:.1} ms: compute {:.1}, waiting on copies {:.1} in / {:.1} out, stalls {:.1}, optimizer {:.1}",
-                t.step_ms,
-                t.compute_ms,
-                t.h2d_wait_ms,
-                t.d2h_wait_ms,
-                t.weight_stall_ms + t.restore_stall_ms,
-                t.optimizer_ms
-            );
-        }
-    }
-    println!(
-        "  events     {} recorded, {} dropped, {} lost writing the telemetry",
-        snap.events_applied, snap.dropped_events, snap.telemetry_lost
-    );
     if writes_file {
         let size = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
         println!(

@@ -195,6 +195,9 @@ pub struct StepCounts {
     /// Transfer slots refused, by reason.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub slot_denials: BTreeMap<DenyReason, u64>,
+    /// Transfer slots granted.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub slot_grants: u64,
     /// What the step left behind when it closed (not a count: it is not summed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub end: Option<StepEndState>,
@@ -337,6 +340,7 @@ impl StepCounts {
                 }
             }
             EventKind::SlotDenied { reason, .. } => bump(&mut self.slot_denials, *reason, 1),
+            EventKind::SlotGranted { .. } => self.slot_grants = self.slot_grants.saturating_add(1),
             _ => return false,
         }
         true
@@ -356,7 +360,8 @@ impl StepCounts {
             | EventKind::PoolExhausted { .. }
             | EventKind::PageableFallback { .. }
             | EventKind::Reservation { .. }
-            | EventKind::SlotDenied { .. } => true,
+            | EventKind::SlotDenied { .. }
+            | EventKind::SlotGranted { .. } => true,
             _ => false,
         }
     }
@@ -408,6 +413,7 @@ impl StepCounts {
         add_map(&mut self.priorities, &o.priorities);
         add_map(&mut self.reservation_denials, &o.reservation_denials);
         add_map(&mut self.slot_denials, &o.slot_denials);
+        self.slot_grants = self.slot_grants.saturating_add(o.slot_grants);
     }
 
     /// Whether the distributions fit their bounds and hold at most [`MAX_STEP_OBSERVATIONS`]
@@ -423,6 +429,11 @@ impl StepCounts {
             total = total.saturating_add(b.count());
         }
         total <= MAX_STEP_OBSERVATIONS
+    }
+
+    /// Reservation requests that ended with `outcome`.
+    pub fn reservations_with(&self, outcome: ReservationOutcome) -> u64 {
+        self.reservations.get(&outcome).map_or(0, |m| m.values().fold(0u64, |t, n| t.saturating_add(*n)))
     }
 
     /// Reservation requests that were granted (in full or in part).

@@ -46,6 +46,13 @@ fn fold(s: &mut Snapshot, c: &StepCounts, add: bool) {
         }
     }
     let con = &mut s.conductor;
+    // The Conductor's totals count its events (`conductor_step` repeats them per step, but has
+    // none for what happens before the first step, such as the weights' room being reserved).
+    f(&mut con.grants, c.reservations_with(ReservationOutcome::Granted));
+    f(&mut con.partials, c.reservations_with(ReservationOutcome::Partial));
+    f(&mut con.denials, c.reservations_with(ReservationOutcome::Denied));
+    f(&mut con.slot_grants, c.slot_grants);
+    f(&mut con.slot_denials, c.slot_denials.values().fold(0u64, |t, n| t.saturating_add(*n)));
     for (outcome, modes) in &c.reservations {
         for (mode, n) in modes {
             named(&mut con.by_mode, wire_name(mode), *n);

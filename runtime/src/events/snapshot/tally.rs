@@ -276,6 +276,8 @@ impl StepSum for StepCounts {
 pub struct Tallies {
     pub weights: Tally<WeightCounts>,
     pub activations: Tally<ActivationCounts>,
+    /// The Conductor's own per-step figures (`conductor_step` only). The views' totals count
+    /// its events instead (`counts`), which also covers what happens before the first step.
     pub conductor: Tally<ConductorCounts>,
     pub transfers: Tally<TransferStepMetrics>,
     /// Detail events counted by label ([`StepCounts`]).
