@@ -1,7 +1,7 @@
 //! VRAM: where device memory went. Who holds it now (resident weights, kept activations,
 //! restored activations waiting for backward, copies in flight, the rest) against the budget and
 //! the spill watermarks; the same over recent readings as a stacked chart, one column a reading
-//! (`vram_owners_history`); the last finished step at its peak (`vram_at_peak`); and the limits
+//! (`vram_owners_history`); the last finished step at its fullest reading (`vram_at_peak`) beside its true peak; and the limits
 //! each owner set, with any out-of-memory report.
 
 use super::parts::{owner_parts, owner_values, swatch, OWNER_PARTS};

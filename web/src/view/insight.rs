@@ -1,5 +1,5 @@
 //! The panels that say why a step is slow and where VRAM went: the findings, each step's time
-//! by cause, and device memory by owner over a step and at its peak.
+//! by cause, and device memory by owner over a step and at its fullest reading.
 
 use super::figures::{bytes_axis, decimal_axis, ms, Axis};
 use serde::Serialize;

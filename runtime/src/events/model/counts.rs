@@ -125,7 +125,7 @@ pub struct ClassCount {
 pub struct PoolCount {
     /// By class index (as `[class, counts]` pairs on the wire).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty", with = "pairs")]
-    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Vec<serde_json::Value>>))]
     pub classes: BTreeMap<u32, ClassCount>,
     #[serde(default)]
     pub pageable_fallbacks: u64,
@@ -159,7 +159,7 @@ pub struct StepCounts {
     /// Each block's loads and evictions (blocks with none are absent; as `[block, counts]`
     /// pairs on the wire).
     #[serde(skip_serializing_if = "BTreeMap::is_empty", with = "pairs")]
-    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Vec<serde_json::Value>>))]
     pub blocks: BTreeMap<BlockId, BlockCount>,
     /// Completed copies by direction, then owner.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
@@ -213,7 +213,7 @@ pub struct StepCounts {
 pub struct StepEndState {
     /// Blocks not unloaded, or protected, or in use (as `[block, state]` pairs on the wire).
     #[serde(with = "pairs")]
-    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Vec<serde_json::Value>>))]
     pub blocks: BTreeMap<BlockId, BlockEnd>,
     pub active_reservations: u64,
     pub active_bytes: u64,
