@@ -148,11 +148,14 @@ impl TrainConfig {
     }
 }
 
+/// Called with the memory plan once it is known.
+pub type OnPlan<'a> = Box<dyn FnMut(&Plan) + 'a>;
+
 /// What a caller adds to a run beyond each step's progress.
 #[derive(Default)]
 pub struct Hooks<'a> {
     /// Called with the memory plan once it is known, before the first step (Stagehand only).
-    pub on_plan: Option<Box<dyn FnMut(&Plan) + 'a>>,
+    pub on_plan: Option<OnPlan<'a>>,
     /// Set (by a signal handler, say) to end the run after the step in progress: the run then
     /// ends as any run does (`run_ended`, the telemetry flushed).
     pub stop: Option<&'a AtomicBool>,

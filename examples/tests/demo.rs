@@ -279,7 +279,7 @@ fn a_signal_ends_the_run_cleanly_and_a_second_at_once() {
     assert!(lines.iter().any(|l| l == "plan"), "the plan printed before the first step: {lines:#?}");
     let stopped = rest.iter().find(|l| l.contains("stopped    by SIGTERM after step")).unwrap_or_else(|| panic!("{rest:#?}"));
     assert!(rest.iter().any(|l| l.contains("peak VRAM")), "the summary: {rest:#?}");
-    let (events, report) = stagehand::events::jsonl::read_file(&dir.path().join("run.jsonl")).expect("the file reads");
+    let (events, report) = stagehand::events::jsonl::read_file(dir.path().join("run.jsonl")).expect("the file reads");
     assert_eq!(report.skipped_total, 0);
     let last = events.last().expect("events");
     let steps: u64 = stopped.split("after step ").nth(1).and_then(|s| s.split(' ').next()).and_then(|s| s.parse().ok()).expect("a step");

@@ -27,7 +27,7 @@ impl Closed {
             out.push(EventKind::TransferStep(t));
         }
         if let Some(c) = self.counts {
-            out.push(EventKind::StepCounts(c));
+            out.push(EventKind::StepCounts(Box::new(c)));
         }
         out
     }

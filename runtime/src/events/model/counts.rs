@@ -292,7 +292,8 @@ impl StepCounts {
                 self.stall_seconds.entry(Owner::Weights).or_default().record(STALL_SECONDS_BOUNDS, stall_ms.max(0.0) / 1e3);
             }
             EventKind::Restored { stall_ms, .. } => {
-                if !(*stall_ms > 0.0) {
+                // Only restores the compute stream waited for (NaN included in "not").
+                if *stall_ms <= 0.0 || stall_ms.is_nan() {
                     return false;
                 }
                 self.stall_seconds.entry(Owner::Activations).or_default().record(STALL_SECONDS_BOUNDS, stall_ms / 1e3);
@@ -510,10 +511,10 @@ mod tests {
             waited_ms: 0.5,
         }));
         // Through the envelope, which flattens the kind (number keys must survive it).
-        let e = Event::new(1, 1, 1, Phase::Idle, EventKind::StepCounts(sum.clone()));
+        let e = Event::new(1, 1, 1, Phase::Idle, EventKind::StepCounts(Box::new(sum.clone())));
         let json = serde_json::to_string(&e).expect("serializes");
         let back: Event = serde_json::from_str(&json).expect("reads back");
-        assert_eq!(back.kind, EventKind::StepCounts(sum));
+        assert_eq!(back.kind, EventKind::StepCounts(Box::new(sum)));
     }
 
     #[test]

@@ -322,7 +322,7 @@ pub enum EventKind {
     /// The step's detail events counted by label (see [`StepCounts`]). The bus adds it beside
     /// `transfer_step` when a step closes, so a summary-level file replays every breakdown and
     /// histogram the views and exporters keep.
-    StepCounts(StepCounts),
+    StepCounts(Box<StepCounts>),
 
     // ---- health --------------------------------------------------------------------------
     /// Something a user should know about.

@@ -38,11 +38,9 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             let Some(c) = class_mut(s, *pool, *class) else { return };
             c.in_use = c.in_use.saturating_sub(1);
         }
-        EventKind::PoolExhausted { pool, class, .. } => {
-            // The class must be one a pool can have (else refused); the miss is a count.
-            if class_mut(s, *pool, *class).is_some() {
-                super::counts::refresh_pools(s);
-            }
+        // The class must be one a pool can have (else refused); the miss is a count.
+        EventKind::PoolExhausted { pool, class, .. } if class_mut(s, *pool, *class).is_some() => {
+            super::counts::refresh_pools(s);
         }
         _ => {}
     }

@@ -111,7 +111,7 @@ mod tests {
         let mut f = LevelFilter::new(Level::Summary);
         assert!(!f.keeps(&at(0, 1, EventKind::PrefetchHit { block: BlockId(0) })), "detail");
         assert!(f.keeps(&at(0, 1, EventKind::RunEnded { steps: 1 })));
-        assert!(f.keeps(&at(0, 1, EventKind::StepCounts(Default::default()))));
+        assert!(f.keeps(&at(0, 1, EventKind::StepCounts(Box::default()))));
         // Readings close together are all kept: they are the step's shape.
         let ms = 1_000_000;
         for t in [0, ms, 2 * ms] {
