@@ -288,7 +288,9 @@ fn a_signal_ends_the_run_cleanly_and_a_second_at_once() {
     // A second signal, once the first was heard, while a step of the demo's own size runs: out
     // at once, no summary.
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut demo, _, mut out) = stoppable(dir.path(), &[], "step 1 traced");
+    // The first step traces the itinerary and takes over a second: signalled well inside it.
+    let (mut demo, _, mut out) = stoppable(dir.path(), &[], "activation pool at most");
+    std::thread::sleep(Duration::from_millis(300));
     signal(demo.id(), "INT");
     let mut rest = Vec::new();
     while !rest.last().is_some_and(|l: &String| l.contains("stopping after the step in progress")) {

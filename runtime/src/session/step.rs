@@ -206,6 +206,8 @@ impl Stagehand {
     /// Ends the run's telemetry: the last phase is idle and `run_ended` is published.
     pub fn finish(&self) -> Result<()> {
         let run = self.run();
+        // The next step's first block may be loading (it is loaded as a step ends).
+        self.weights().settle()?;
         if let Some(r) = &run.ready {
             r.conductor.shutdown();
         }

@@ -21,6 +21,8 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             }
             refresh_pools(s);
         }
+        // Detail of a step after its aggregate: in it, or in the next the bus adds for the step.
+        _ if s.tallies.counts.is_closed(e.step) => {}
         _ => {
             let mut one = StepCounts::default();
             if one.count(e) {

@@ -127,6 +127,10 @@ pub(crate) struct Scheduler {
     /// Inference mode: the blocks the plan pinned along the cyclic itinerary, and the streamed
     /// order and slot count they were chosen for ([`super::evictor::spread_pins`]).
     pins: Option<Pins>,
+    /// The next block to load, whose host optimizer step was still running when the forward
+    /// reached the block before it: loaded (after waiting for that step) once the block being
+    /// entered has queued its kernels, at its `leave` (see `room::prefetch`).
+    after_leave: Option<BlockId>,
 }
 
 /// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
@@ -198,6 +202,7 @@ impl Scheduler {
             update_waits: IdleSpans::default(),
             min_bytes: None,
             pins: None,
+            after_leave: None,
         })
     }
 
@@ -398,6 +403,7 @@ impl Scheduler {
         self.first_entered = None;
         self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
         self.submitted.clear();
+        self.after_leave = None;
         if self.auto_step {
             self.bus.enter_phase(self.step + 1, Phase::Forward);
         }
@@ -432,6 +438,7 @@ impl Scheduler {
             }),
         }
         self.plan_pins()?;
+        self.preload_next_step()?;
         let mem = self.device.memory();
         let min = self.min_h2d_bytes();
         let wait = self.loads.take_wait_ms(false);
@@ -551,7 +558,8 @@ impl Scheduler {
         self.timed(|s| {
             s.block(id)?;
             s.residency.release(id)?;
-            s.mark_used(id)
+            s.mark_used(id)?;
+            s.load_after_leave()
         })
     }
 

@@ -128,12 +128,14 @@ impl Scheduler {
     /// itinerary keeps across steps, 15 loads a step instead of 14, with no gain forward and
     /// backward (docs/benchmarks.md).
     ///
-    /// The first block of the window that needs a load is loaded even when the host optimizer
-    /// is still stepping it: the thread waits for that step here (counted as waiting for the
-    /// optimizer, which it is) rather than at the block's use, so its copy overlaps the blocks
-    /// before it. At a step's start that is the first streamed block: the last step's backward
-    /// ends on it, so its host step is the last to start, and skipping it here made it a miss
-    /// in almost every step. Blocks further ahead are skipped while their step runs.
+    /// In the forward, the first block of the window that needs a load is loaded even when the
+    /// host optimizer is still stepping it: once the block entered now has queued its kernels
+    /// (at its `leave`, so the device has work while the thread waits), the thread waits for
+    /// that step (counted as waiting for the optimizer, which it is) and issues the load, which
+    /// then overlaps the blocks before it instead of stalling the block's use. At a step's start
+    /// that is the first streamed block: the last step's backward ends on it, so its host step
+    /// is the last to start, and skipping it here made it a miss in almost every step. Blocks
+    /// further ahead, and blocks in the backward, are skipped while their step runs.
     pub(super) fn prefetch(&mut self) -> Result<()> {
         let k = self.knobs.prefetch_window() as usize;
         if k == 0 || self.route.itinerary().is_none() {
@@ -163,10 +165,10 @@ impl Scheduler {
             }
             let first = std::mem::replace(&mut first_to_load, false);
             if self.stepper.as_ref().is_some_and(|s| s.is_pending(b)) {
-                if !first {
-                    continue;
+                if first && !backward {
+                    self.after_leave = Some(b);
                 }
-                self.wait_update(b)?;
+                continue;
             }
             let why = if i == 0 { Load::Next } else { Load::Ahead };
             if !self.load(b, why, Some(distance))? {
@@ -247,6 +249,62 @@ impl Scheduler {
         self.loads.start(id, t);
         self.metrics.h2d_bytes += bytes as u64;
         Ok(true)
+    }
+
+    /// At a step's end, once the optimizer has queued the host steps: loads the first streamed
+    /// block of the next forward, after its host step. No block runs before it in the next step,
+    /// so nothing could prefetch it there (the window that wraps over the step's end leaves a
+    /// trained block alone until its step is queued): it was a miss in every step. The wait is
+    /// the optimizer's, counted in this step; the copy overlaps the device finishing this step
+    /// and the host's work between steps.
+    pub(super) fn preload_next_step(&mut self) -> Result<()> {
+        if self.knobs.prefetch_window() == 0 || self.slots.is_none() {
+            return Ok(());
+        }
+        let Some(first) = self
+            .route
+            .itinerary()
+            .and_then(|it| it.forward().iter().copied().find(|b| !self.blocks[b.0 as usize].resident))
+        else {
+            return Ok(());
+        };
+        if self.residency.state(first)? != BlockState::Unloaded {
+            return Ok(());
+        }
+        // A trained block whose step this step has not queued would load stale weights.
+        let trained = !self.blocks[first.0 as usize].grads.is_empty();
+        if trained && self.update_expected && !self.submitted.contains(&first) {
+            return Ok(());
+        }
+        if self.stepper.as_ref().is_some_and(|s| s.is_pending(first)) {
+            self.wait_update(first)?;
+        }
+        let distance = self.route.distance(first);
+        self.load(first, Load::Next, Some(distance)).map(|_| ())
+    }
+
+    /// Waits for the loads in flight (made usable) and reports every finished copy, so that
+    /// nothing of the weights is reported after the run's end.
+    pub(crate) fn settle(&mut self) -> Result<()> {
+        let landing: Vec<BlockId> =
+            (0..self.blocks.len() as u32).map(BlockId).filter(|&b| self.loads.is_landing(b)).collect();
+        for b in landing {
+            self.finalize(b, false)?;
+        }
+        self.reap();
+        Ok(())
+    }
+
+    /// The load [`prefetch`](Self::prefetch) left for the end of a forward use: waits for the
+    /// block's host step, then loads it as the next block.
+    pub(super) fn load_after_leave(&mut self) -> Result<()> {
+        let Some(b) = self.after_leave.take() else { return Ok(()) };
+        if self.residency.state(b)? != BlockState::Unloaded || self.blocks[b.0 as usize].resident {
+            return Ok(());
+        }
+        self.wait_update(b)?;
+        let distance = self.route.distance(b);
+        self.load(b, Load::Next, Some(distance)).map(|_| ())
     }
 
     /// Waits for the host optimizer's pending step of `id`; what the wait costs is the compute
