@@ -271,9 +271,10 @@ impl Scheduler {
         if self.residency.state(first)? != BlockState::Unloaded {
             return Ok(());
         }
-        // A trained block whose step this step has not queued would load stale weights.
+        // A frozen block is prefetched by the window wrapping over the step's end (inference
+        // loops keep their schedule); a trained one only once this step queued its host step.
         let trained = !self.blocks[first.0 as usize].grads.is_empty();
-        if trained && self.update_expected && !self.submitted.contains(&first) {
+        if !trained || (self.update_expected && !self.submitted.contains(&first)) {
             return Ok(());
         }
         if self.stepper.as_ref().is_some_and(|s| s.is_pending(first)) {
