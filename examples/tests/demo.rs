@@ -163,6 +163,19 @@ fn printed_commands_run(extra: &[&str]) {
     let step = body.lines().find(|l| l.starts_with("stagehand_step{")).and_then(|l| l.rsplit(' ').next());
     assert_eq!((status, step), (200, Some("4")), "{body}");
     let base = metrics[0].trim_end_matches("/metrics");
+    // The plan printed before the first step; the summary's figures are the page's.
+    let at = |head: &str| lines.iter().position(|l| l.trim_start().starts_with(head)).unwrap_or_else(|| panic!("no '{head}' in {lines:#?}"));
+    assert!(at("plan") < at("step 1 traced") && at("step 1 traced") < at("summary"), "{lines:#?}");
+    let (_, view) = get(&format!("{base}/api/view"), token.as_deref());
+    let view: serde_json::Value = serde_json::from_str(view.split_once("\r\n\r\n").map_or("", |(_, b)| b)).expect("/api/view is JSON");
+    let view = &view["view"];
+    let mib = |b: &serde_json::Value| format!("{:.1} MiB", b.as_u64().expect("bytes") as f64 / (1u64 << 20) as f64);
+    let line = |head: &str| lines[at(head)].clone();
+    assert!(line("peak VRAM").contains(&format!("peak VRAM  {} of", mib(&view["vram"]["peak_allocated_bytes"]))), "{lines:#?}\n{view}");
+    let r = &view["residency"];
+    assert!(line("weights").contains(&format!("{} prefetch hits, {} misses", r["prefetch_hits"], r["prefetch_misses"])), "{lines:#?}");
+    let t = &view["transfers"];
+    assert!(line("moved").contains(&format!("{} H2D, {} D2H", mib(&t["h2d"]["bytes"]), mib(&t["d2h"]["bytes"]))), "{lines:#?}");
     let (_, run) = get(&format!("{base}/api/run"), token.as_deref());
     let run = run.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     let run: serde_json::Value = serde_json::from_str(run).expect("/api/run is JSON");
@@ -220,6 +233,89 @@ fn printed_commands_run(extra: &[&str]) {
     } else {
         eprintln!("skipping the trace command: '{}' is not built (cargo build -p stagehand-exporter)", trace[0]);
     }
+}
+
+/// Sends `signal` (a name `kill` knows) to `pid`.
+fn signal(pid: u32, signal: &str) {
+    let ok = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().expect("kill runs");
+    assert!(ok.success(), "kill -{signal} {pid}");
+}
+
+/// The demo, long enough to be stopped, printing into a pipe; its lines until `until`.
+fn stoppable(
+    dir: &std::path::Path,
+    size: &[&str],
+    until: &str,
+) -> (std::process::Child, Vec<String>, std::io::Lines<BufReader<std::process::ChildStdout>>) {
+    let mut demo = Command::new(DEMO)
+        .args(["--steps", "100000"])
+        .args(size)
+        .args(["--cpu", "--no-serve", "--out", "run.jsonl"])
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the demo starts");
+    let mut out = BufReader::new(demo.stdout.take().expect("stdout")).lines();
+    let mut lines = Vec::new();
+    while !lines.last().is_some_and(|l: &String| l.contains(until)) {
+        lines.push(out.next().expect("the demo prints").expect("a line"));
+    }
+    (demo, lines, out)
+}
+
+#[test]
+fn a_signal_ends_the_run_cleanly_and_a_second_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    // SIGTERM after the first step: the step in progress ends, then the summary, the file's
+    // end, and 143.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let small = ["--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2", "--budget-mib", "4"];
+    let (mut demo, lines, out) = stoppable(dir.path(), &small, "step 1 traced");
+    signal(demo.id(), "TERM");
+    let rest: Vec<String> = out.map(|l| l.expect("a line")).collect();
+    let status = demo.wait().expect("exits");
+    assert_eq!((status.code(), status.signal()), (Some(143), None), "{lines:#?}\n{rest:#?}");
+    assert!(lines.iter().any(|l| l == "plan"), "the plan printed before the first step: {lines:#?}");
+    let stopped = rest.iter().find(|l| l.contains("stopped    by SIGTERM after step")).unwrap_or_else(|| panic!("{rest:#?}"));
+    assert!(rest.iter().any(|l| l.contains("peak VRAM")), "the summary: {rest:#?}");
+    let (events, report) = stagehand::events::jsonl::read_file(dir.path().join("run.jsonl")).expect("the file reads");
+    assert_eq!(report.skipped_total, 0);
+    let last = events.last().expect("events");
+    let steps: u64 = stopped.split("after step ").nth(1).and_then(|s| s.split(' ').next()).and_then(|s| s.parse().ok()).expect("a step");
+    assert!(matches!(last.kind, stagehand::events::EventKind::RunEnded { steps: n } if n == steps), "{last:?}");
+
+    // A second signal, once the first was heard, while a step of the demo's own size runs: out
+    // at once, no summary.
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The first step traces the itinerary and takes over a second: signalled well inside it.
+    let (mut demo, _, mut out) = stoppable(dir.path(), &[], "activation pool at most");
+    std::thread::sleep(Duration::from_millis(300));
+    signal(demo.id(), "INT");
+    let mut rest = Vec::new();
+    while !rest.last().is_some_and(|l: &String| l.contains("stopping after the step in progress")) {
+        rest.push(out.next().expect("the demo says it heard the signal").expect("a line"));
+    }
+    signal(demo.id(), "INT");
+    rest.extend(out.map(|l| l.expect("a line")));
+    assert_eq!(demo.wait().expect("exits").code(), Some(130), "{rest:#?}");
+    assert!(!rest.iter().any(|l| l == "summary"), "the second signal does not wait for the summary: {rest:#?}");
+}
+
+#[test]
+fn resident_prints_only_what_it_measured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let o = Command::new(DEMO)
+        .args(["--steps", "2", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2"])
+        .args(["--budget-mib", "4", "--cpu", "--no-serve", "--resident", "--threads", "1"])
+        .current_dir(dir.path())
+        .output()
+        .expect("the demo runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("threads    1 intra-op threads"), "{out}");
+    assert!(out.contains("peak VRAM  not measured") && !out.contains("MiB budget"), "no budget, no host peak: {out}");
+    assert!(!out.contains("\nplan"), "plain tch has no plan: {out}");
 }
 
 #[test]

@@ -80,10 +80,10 @@
   }
 
   // ---- insight ---------------------------------------------------------------------------------
-  function findings(list) {
+  function findings(list, note) {
     const el = $("findings");
     el.dataset.value = String(list.length);
-    if (!list.length) return fill(el, [h("li", { class: "none" }, "Nothing looks off so far.")]);
+    if (!list.length) return fill(el, [h("li", { class: "none", "data-testid": "findings-note" }, note)]);
     fill(el, list.map((f) => h("li", { class: "finding " + f.severity, "data-testid": "finding", "data-id": f.id, "data-severity": f.severity },
       h("span", { class: "sev" }, f.severity), h("span", { class: "msg" }, f.message),
       f.knob ? h("span", { class: "knob" }, "knob: ", h("b", {}, f.knob)) : null)));
@@ -128,6 +128,11 @@
     set("vram-allocated", v.allocated_bytes ?? 0, bytes(v.allocated_bytes));
     set("vram-reserved", v.reserved_bytes ?? 0, bytes(v.reserved_bytes));
     set("vram-peak", v.peak_allocated_bytes ?? 0, bytes(v.peak_allocated_bytes));
+    set("vram-last-step", v.last_step ?? "", v.last_step == null ? "-" : String(v.last_step));
+    set("vram-step-peak", v.last_step_peak_bytes ?? "", bytes(v.last_step_peak_bytes));
+    const moved = $("vram-moved");
+    moved.classList.toggle("hidden", !v.watermarks_moved);
+    moved.textContent = v.watermarks_moved ? "spill watermarks moved " + v.watermarks_moved : "";
     set("vram-high", v.high_watermark_bytes ?? 0, bytes(v.high_watermark_bytes));
     set("vram-low", v.low_watermark_bytes ?? 0, bytes(v.low_watermark_bytes));
     set("vram-budget", v.budget_bytes ?? 0, bytes(v.budget_bytes));
@@ -158,7 +163,8 @@
   }
   function pools(list) {
     if (!list.length) return fill($("pools"), [h("div", { class: "muted" }, "no pools configured")]);
-    fill($("pools"), list.map((p) => h("div", { class: "pool" }, h("h3", {}, p.name + (p.pinned ? " (pinned)" : " (pageable)")),
+    fill($("pools"), list.map((p) => p.note ? h("div", { class: "pool" }, h("h3", {}, p.name),
+      h("div", { class: "note", "data-testid": `pool-${p.name}-note` }, p.note)) : h("div", { class: "pool" }, h("h3", {}, p.name + (p.pinned ? " (pinned)" : " (pageable)")),
       ...p.classes.map((k, i) => h("div", { class: "cls" }, h("span", {}, bytes(k.slab_bytes)),
         h("div", { class: "bar" }, h("div", { style: `width:${k.slabs ? 100 * k.in_use / k.slabs : 0}%` })),
         h("span", { "data-testid": `pool-${p.name}-${i}`, "data-value": String(k.in_use) }, `${k.in_use}/${k.slabs}`))))));
@@ -196,8 +202,11 @@
     set("phase-legend", undefined, stepsShown.length ? `steps ${stepsShown[0]}-${stepsShown[stepsShown.length - 1]}: ` +
       ["forward", "backward", "optimizer"].map((ph) => `${ph} ${ms(spans.filter((p) => p.phase === ph).reduce((s, p) => s + p.ms, 0))}`).join(", ")
       : "no completed phases yet");
+    // Every reason with what it means and whether it is bad, then the latest refusals.
+    fill($("reasons"), c.denial_reasons.map((r) => h("div", { class: r.concern, "data-testid": "denial-reason", "data-reason": r.reason, "data-value": String(r.count) },
+      h("b", {}, `${r.reason} \u00d7${r.count}`), ": " + r.meaning + " ", h("span", { class: "verdict" }, "(" + r.verdict + ")"))));
     fill($("denials"), c.recent_denials.map((d) => h("tr", {}, h("td", {}, "step " + d.step), h("td", {}, d.phase), h("td", {}, d.owner),
-      h("td", {}, d.what), h("td", { class: "reason" }, d.reason))));
+      h("td", {}, d.what), h("td", { class: "reason " + d.concern }, d.reason))));
   }
 
   // ---- the run's own description (/api/run), nested config included -------------------------------
@@ -277,7 +286,7 @@
     view = msg.view;
     received += 1;
     header(view);
-    findings(view.findings);
+    findings(view.findings, view.findings_note);
     stepTime(view.step_time);
     owners(view.owners);
     vram(view.vram);

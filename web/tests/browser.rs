@@ -49,7 +49,7 @@ fn assert_page_matches(driver: &Driver, f: &HashMap<String, String>, api: &Snaps
     let (high, low) = api.spill_watermarks().expect("watermarks");
     for (id, want) in [
         ("vram-allocated", v.allocated_bytes), ("vram-reserved", v.reserved_bytes),
-        ("vram-peak", v.peak_allocated_bytes), ("vram-high", high), ("vram-low", low),
+        ("vram-peak", api.vram_peak_bytes), ("vram-high", high), ("vram-low", low),
         ("vram-budget", api.vram_budget_bytes().unwrap_or(0)),
         ("prefetch-hits", api.weights.prefetch_hits), ("prefetch-misses", api.weights.prefetch_misses),
         ("evictions", api.weights.evictions),

@@ -376,11 +376,13 @@ impl<W: Write> Converter<W> {
         if !self.named {
             self.emit(&json!({ "ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": { "name": "stagehand run" } }))?;
         }
+        // Only the lanes copies used: a summary-level file has no copies, and an empty track
+        // would say there were none.
         let mut tracks = vec![(COMPUTE_TID, "compute".to_owned())];
-        for lane in 0..self.h2d.ends.len().max(1) as u64 {
+        for lane in 0..self.h2d.ends.len() as u64 {
             tracks.push((H2D_TID + lane, lane_name("H2D", lane)));
         }
-        for lane in 0..self.d2h.ends.len().max(1) as u64 {
+        for lane in 0..self.d2h.ends.len() as u64 {
             tracks.push((D2H_TID + lane, lane_name("D2H", lane)));
         }
         for (tid, name) in tracks {

@@ -38,6 +38,7 @@
 
 mod checkpoint;
 mod forensics;
+mod knobs;
 mod numerics;
 pub mod plan;
 mod planner;
@@ -86,6 +87,7 @@ pub struct StagehandBuilder {
     checksums: bool,
     precision: Precision,
     optimizer_state: StateStorage,
+    knobs: knobs::Knobs,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -100,6 +102,7 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("checksums", &self.checksums)
             .field("precision", &self.precision)
             .field("optimizer_state", &self.optimizer_state)
+            .field("knobs", &self.knobs)
             .finish_non_exhaustive()
     }
 }
@@ -228,6 +231,7 @@ impl StagehandBuilder {
         if let Some((below, max)) = self.spill_batches {
             crate::activations::config::check_batches(below, max)?;
         }
+        self.knobs.check()?;
         let device = match self.device {
             Some(d) => d,
             None => Device::auto(budget),
@@ -287,6 +291,7 @@ impl StagehandBuilder {
             budget,
             prefetch_window,
             (self.precision, self.optimizer_state),
+            self.knobs,
             store.table(),
             store.vars(),
         );
@@ -309,6 +314,7 @@ impl StagehandBuilder {
             precision: self.precision,
             optimizer_state: self.optimizer_state,
             tf32_before: tf32,
+            knobs: self.knobs,
             _attached: attached,
         })
     }
@@ -336,6 +342,7 @@ pub struct Stagehand {
     optimizer_state: StateStorage,
     /// Whether TF32 was on before this handle turned it on (put back when it drops).
     tf32_before: Option<bool>,
+    knobs: knobs::Knobs,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
 }
@@ -383,6 +390,7 @@ impl Stagehand {
             checksums: crate::activations::config::DEFAULT_DEBUG_CHECKSUMS,
             precision: Precision::Fp32,
             optimizer_state: StateStorage::Fp32,
+            knobs: knobs::Knobs::default(),
         }
     }
 
@@ -496,7 +504,8 @@ impl Stagehand {
                 // Spills still landing hold their device memory: at most the room above the
                 // high watermark.
                 .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
-                .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                .restore_ahead(self.knobs.restore_lookahead(), plan.restore_allowance_bytes.max(1))
+                .min_slabs_per_class(self.knobs.slabs_per_class.unwrap_or(0))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))

@@ -157,6 +157,7 @@ impl Stagehand {
         self.device.reset_peak();
         self.guards_begin();
         self.enter(&conductor, step, Phase::StepBegin)?;
+        self.publish_reading();
         weights.begin_step()?;
         if let Some(a) = &acts {
             a.begin_step(step);
@@ -197,7 +198,7 @@ impl Stagehand {
                     non_finite_loss = Some(v);
                 }
             }
-            self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+            self.publish_reading();
             self.enter(&conductor, step, Phase::Backward)?;
             if non_finite_loss.is_some() {
                 break;
@@ -235,10 +236,7 @@ impl Stagehand {
             Some(a) => Some(a.end_step()?),
             None => None,
         };
-        self.bus.publish(EventKind::VramOwners(self.vram_owners()));
-        if crate::optim::stepper::trace_on() {
-            eprintln!("TRACE step {step} activations ended at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
-        }
+        self.publish_reading();
         let t_opt = Instant::now();
         let skip = |why: String| {
             let total = {
@@ -311,14 +309,8 @@ impl Stagehand {
             optimizer_ms,
             other_ms: (step_ms - parts).max(0.0),
         };
-        let mem = self.device.memory();
-        let owners = self.vram_owners();
-        self.bus.publish(EventKind::VramOwners(owners));
-        self.bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-        });
+        // The step's last reading carries its peak, which the step's figures repeat.
+        let mem = self.publish_reading();
         self.bus.publish(EventKind::TrainStep(TrainStepMetrics {
             loss: loss_value,
             step_time_s: step_ms / 1e3,
@@ -347,6 +339,8 @@ impl Stagehand {
     pub fn finish(&self) -> Result<()> {
         self.weights().end_evaluation()?;
         let run = self.run();
+        // The next step's first block may be loading (it is loaded as a step ends).
+        self.weights().settle()?;
         if let Some(r) = &run.ready {
             r.conductor.shutdown();
         }

@@ -487,6 +487,12 @@ impl WeightRuntime {
         self.lock().finish()
     }
 
+    /// Waits for the loads in flight and reports every finished copy (a run's end: nothing of
+    /// the weights is reported after it).
+    pub fn settle(&self) -> Result<()> {
+        self.lock().settle()
+    }
+
     /// After a backward: every trained streamed block still holding device gradients sends them
     /// to the host (asynchronously).
     pub fn after_backward(&self) -> Result<()> {

@@ -298,7 +298,7 @@ fn rotated_segments_each_read_alone_and_follow_as_one_run() {
     assert_eq!(segs[1].file_name().and_then(|n| n.to_str()), Some("run.0001.jsonl.zst"));
     for seg in &segs[1..] {
         let (events, report) = read_file(seg).expect("reads");
-        assert_eq!(report.skipped_total, 0);
+        assert_eq!(report.skipped_total, 0, "{report:?}");
         assert!(matches!(events[0].kind, EventKind::RunStarted { .. }), "{seg:?} starts with the run");
         let snap = crate::events::Snapshot::from_events(&events);
         assert_eq!(snap.blocks.len(), 8, "{seg:?} knows the blocks");

@@ -142,6 +142,10 @@ pub(crate) struct Scheduler {
     /// Handles of managed variables that other parts of the runtime hold (the device
     /// optimizer of resident blocks), beside the block's own.
     noted: HashMap<crate::torch::VariableId, usize>,
+    /// The next block to load, whose host optimizer step was still running when the forward
+    /// reached the block before it: loaded (after waiting for that step) once the block being
+    /// entered has queued its kernels, at its `leave` (see `room::prefetch`).
+    after_leave: Option<BlockId>,
 }
 
 /// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
@@ -219,6 +223,7 @@ impl Scheduler {
             owner: super::claims::owner(),
             new_blocks_resident: false,
             noted: HashMap::new(),
+            after_leave: None,
         })
     }
 
@@ -444,6 +449,7 @@ impl Scheduler {
         self.first_entered = None;
         self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
         self.submitted.clear();
+        self.after_leave = None;
         if self.auto_step {
             self.bus.enter_phase(self.step + 1, Phase::Forward);
         }
@@ -493,6 +499,7 @@ impl Scheduler {
             }),
         }
         self.plan_pins()?;
+        self.preload_next_step()?;
         let mem = self.device.memory();
         let min = self.min_h2d_bytes();
         let wait = self.loads.take_wait_ms(false);
@@ -612,7 +619,8 @@ impl Scheduler {
         self.timed(|s| {
             s.block(id)?;
             s.residency.release(id)?;
-            s.mark_used(id)
+            s.mark_used(id)?;
+            s.load_after_leave()
         })
     }
 
