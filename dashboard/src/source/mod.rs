@@ -2,7 +2,7 @@
 //! [`Source`] and hand the state the same [`SourceUpdate`]s, so nothing downstream can tell them apart.
 
 mod live;
-mod loader;
+mod vetting;
 mod replay;
 pub mod sse;
 

@@ -156,7 +156,8 @@ impl FileReplay {
 
     /// Events known so far (all of them once indexing is done).
     pub fn len(&self) -> usize {
-        self.index.lock().total.max(self.pos)
+        let st = self.index.lock();
+        self.known(&st)
     }
 
     /// True when the file has no events (as far as indexed).
@@ -177,6 +178,12 @@ impl FileReplay {
     /// Snapshot checkpoints indexed so far (seeks start from the nearest one).
     pub fn checkpoints(&self) -> usize {
         self.index.lock().checkpoints.len()
+    }
+
+    /// Bytes the checkpoints' snapshots take (measured as JSON): bounded by
+    /// [`index::CHECKPOINT_BUDGET`] whatever the file's size.
+    pub fn checkpoint_bytes(&self) -> u64 {
+        self.index.lock().checkpoints.iter().map(|c| c.bytes).sum()
     }
 
     /// Whether the file is followed as it grows.
@@ -242,12 +249,22 @@ impl FileReplay {
         self.recent.back().map_or(self.snapshot.t_ns, |e| e.t_ns)
     }
 
+    /// Events known: the index's count, or the position when playing ran ahead of the index; a
+    /// followed file that started over has only the new content's.
+    fn known(&self, st: &index::IndexState) -> usize {
+        if st.generation == self.generation {
+            st.total.max(self.pos)
+        } else {
+            st.total
+        }
+    }
+
     /// Where the replay is.
     pub fn status(&self) -> ReplayStatus {
         let st = self.index.lock();
         ReplayStatus {
             position: self.pos,
-            total: st.total.max(self.pos),
+            total: self.known(&st),
             paused: self.paused,
             speed: self.speed,
             t_ns: self.t_ns(),

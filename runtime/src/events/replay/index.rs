@@ -196,6 +196,12 @@ impl std::io::Write for Counter {
     }
 }
 
+/// A snapshot's size as JSON (what the checkpoint budget counts).
+#[cfg(test)]
+pub fn json_size_of(s: &Snapshot) -> u64 {
+    json_size(s)
+}
+
 fn json_size(s: &Snapshot) -> u64 {
     let mut c = Counter(0);
     // A snapshot always serializes; a failure only means it is measured as empty.
