@@ -392,6 +392,8 @@ impl<W: Write> Converter<W> {
         let mut other = std::mem::take(&mut self.other);
         other.insert("events".into(), json!(report.events));
         other.insert("lines_skipped".into(), json!(report.skipped_total));
+        other.insert("blank_lines".into(), json!(report.blank));
+        other.insert("events_lost_in_damaged_frames".into(), json!(report.damaged_events));
         other.insert("copies_unpaired".into(), json!(self.unpaired));
         self.out.write_all(b"\n],\"displayTimeUnit\":\"ms\",\"otherData\":")?;
         serde_json::to_writer(&mut self.out, &Value::Object(other))?;
