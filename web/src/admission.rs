@@ -5,17 +5,27 @@
 //! it lives (a stream, a WebSocket, keep-alive requests).
 //!
 //! A pending connection that takes too long is closed, and when the pending places are full the
-//! oldest pending connection is closed to make room for the new one. So clients without the
-//! token, or that never finish a handshake, can only churn the pending places: they never hold a
-//! slot an admitted client needs, and a real client (which sends its request at once) gets in
-//! however many idle sockets are opened.
+//! oldest pending connection is closed to make room for the new one, once it has had
+//! [`GRACE`] to send its request: a burst of real clients connecting at once (a hundred
+//! watchers after a restart) may briefly take up to [`BURST`] times the places; beyond that the
+//! oldest goes whatever its age. A new connection is never turned away. So clients without the token, or that never finish a
+//! handshake, can only churn the pending places: they never hold a slot an admitted client
+//! needs, and a real client (which sends its request at once) gets in however many idle sockets
+//! are opened.
 //!
 //! [`ServerConfig::max_connections`]: crate::ServerConfig::max_connections
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+/// How long a pending connection may not be pushed out: time for a real client's handshake and
+/// first request.
+pub(crate) const GRACE: Duration = Duration::from_millis(500);
+/// How many times the pending places new connections may take while all are within their grace.
+pub(crate) const BURST: usize = 4;
 
 /// One connection's standing, shared by its task and its requests (as a request extension).
 #[derive(Debug)]
@@ -75,7 +85,8 @@ pub(crate) struct Admission {
     main: Arc<Semaphore>,
     max_main: usize,
     max_pending: usize,
-    pending: Mutex<VecDeque<Weak<Ticket>>>,
+    /// Pending connections, oldest first, with when they came.
+    pending: Mutex<VecDeque<(Weak<Ticket>, Instant)>>,
 }
 
 impl Admission {
@@ -89,7 +100,8 @@ impl Admission {
     }
 
     /// A ticket for a new connection, in a pending place: when they are all taken, the oldest
-    /// pending connection is told to close.
+    /// pending connection is told to close (while it is within its grace, only once the places
+    /// are taken [`BURST`] times over).
     pub(crate) fn arrive(&self) -> Arc<Ticket> {
         let ticket = Arc::new(Ticket {
             admitted: AtomicBool::new(false),
@@ -99,21 +111,24 @@ impl Admission {
             evicted: AtomicBool::new(false),
         });
         let mut q = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        q.retain(|w| w.upgrade().is_some_and(|t| !t.admitted() && !t.evicted()));
+        q.retain(|(w, _)| w.upgrade().is_some_and(|t| !t.admitted() && !t.evicted()));
         while q.len() >= self.max_pending {
-            match q.pop_front().and_then(|w| w.upgrade()) {
-                Some(oldest) => oldest.evict(),
-                None => break,
+            let past_grace = q.front().is_some_and(|(_, at)| at.elapsed() >= GRACE);
+            if !past_grace && q.len() < self.max_pending * BURST {
+                break;
+            }
+            if let Some(oldest) = q.pop_front().and_then(|(w, _)| w.upgrade()) {
+                oldest.evict();
             }
         }
-        q.push_back(Arc::downgrade(&ticket));
+        q.push_back((Arc::downgrade(&ticket), Instant::now()));
         ticket
     }
 
     /// Connections waiting to be admitted now.
     pub(crate) fn pending(&self) -> usize {
         let q = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        q.iter().filter(|w| w.upgrade().is_some_and(|t| !t.admitted() && !t.evicted())).count()
+        q.iter().filter(|(w, _)| w.upgrade().is_some_and(|t| !t.admitted() && !t.evicted())).count()
     }
 
     /// Admitted connections now.
@@ -139,15 +154,23 @@ mod tests {
         first.admit().expect("a main slot");
         let pending: Vec<_> = (0..3).map(|_| a.arrive()).collect();
         assert_eq!(a.pending(), 3);
+        // Within their grace, a burst may take more places, up to its bound ...
+        let burst: Vec<_> = (0..3 * 3).map(|_| a.arrive()).collect();
+        assert!(pending.iter().chain(&burst).all(|t| !t.evicted()));
+        assert_eq!(a.pending(), 12);
+        // ... beyond which the oldest goes, whatever its age.
+        let over = a.arrive();
+        assert!(pending[0].evicted() && !over.evicted());
+        assert_eq!(a.pending(), 12);
+        std::thread::sleep(GRACE);
         let newest = a.arrive();
-        assert!(pending[0].evicted(), "the oldest pending one goes");
+        assert!(pending[1].evicted(), "past its grace, the oldest pending one goes");
         assert!(!first.evicted() && !newest.evicted());
-        assert_eq!(a.pending(), 3);
         newest.admit().expect("the second main slot");
-        assert_eq!(pending[1].admit(), Err(Full), "the main cap holds");
+        assert_eq!(pending[2].admit(), Err(Full), "the main cap holds");
         assert_eq!(a.admitted(), 2);
         drop(first);
         assert_eq!(a.admitted(), 1, "a closed connection gives its slot back");
-        pending[1].admit().expect("room again");
+        pending[2].admit().expect("room again");
     }
 }

@@ -271,8 +271,8 @@ async fn accept_loop(
                 continue;
             }
         };
-        let _ = tcp.set_nodelay(true);
         let ticket = admission.arrive();
+        let _ = tcp.set_nodelay(true);
         tokio::spawn(serve_connection(tcp, ticket, app.clone(), tls.clone(), limits, stop.clone()));
     }
     // Streams end on the stop signal; give their connections a moment to close cleanly.
