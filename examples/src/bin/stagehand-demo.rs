@@ -59,6 +59,10 @@ struct Args {
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
+    /// Exit 0 even when the loss went NaN or infinite (by default such a run, whether the
+    /// guards or the loss itself showed it, exits 1).
+    #[arg(long)]
+    allow_non_finite: bool,
     #[command(flatten)]
     serve: ServeArgs,
     /// Do not serve the API and dashboards.
@@ -167,13 +171,10 @@ fn main() -> Result<()> {
             None => println!("  metrics    {url}/metrics"),
             Some(t) => println!("  metrics    {url}/metrics (send 'Authorization: Bearer {t}')"),
         }
-        if url.starts_with("http://") {
-            let connect = match server.token() {
-                None => url.clone(),
-                Some(t) => format!("{url}/api/stream?token={t}"),
-            };
-            println!("  live TUI   {} --connect {connect}", sibling("stagehand-top", "stagehand-dashboard"));
-        }
+        // The token goes in the environment: a command line shows in `ps` to every user.
+        let token = server.token().map(|t| format!("STAGEHAND_TOKEN={t} ")).unwrap_or_default();
+        let cert = args.serve.tls_cert.as_ref().map(|c| format!(" --tls-cert {}", c.display())).unwrap_or_default();
+        println!("  live TUI   {token}{} --connect {url}{cert}", sibling("stagehand-top", "stagehand-dashboard"));
     }
     if writes_file {
         println!("  telemetry  {} ({} level)", out.display(), args.telemetry_level.as_str());
@@ -320,6 +321,11 @@ fn main() -> Result<()> {
             let _ = std::io::stdin().read_line(&mut line);
         }
         server.shutdown()?;
+    }
+    // A loss gone NaN or infinite is a failed run, unless asked otherwise.
+    let guards: Vec<&str> = snap.non_finite.keys().map(String::as_str).collect();
+    if let Some(why) = summary.non_finite(&guards).filter(|_| !args.allow_non_finite) {
+        anyhow::bail!("{why}; --allow-non-finite to exit 0 anyway");
     }
     // A run whose record is incomplete must not look like a clean one to a script.
     if snap.dropped_events > 0 || snap.telemetry_lost > 0 {
