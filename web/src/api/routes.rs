@@ -67,9 +67,16 @@ pub const SNAPSHOT_REUSE: std::time::Duration = std::time::Duration::from_millis
 /// not add up to a load on the run.
 #[derive(Debug, Default)]
 pub(crate) struct SnapshotCache {
-    /// When it was encoded, the snapshot's (events applied, last sequence number) then, and
-    /// the JSON.
-    last: tokio::sync::Mutex<Option<(std::time::Instant, (u64, u64), bytes::Bytes)>>,
+    last: tokio::sync::Mutex<Option<Encoding>>,
+}
+
+/// One encoding of the snapshot.
+#[derive(Debug)]
+struct Encoding {
+    at: std::time::Instant,
+    /// The snapshot's (events applied, last sequence number) then.
+    key: (u64, u64),
+    json: bytes::Bytes,
 }
 
 impl SnapshotCache {
@@ -79,16 +86,16 @@ impl SnapshotCache {
         // One encoding at a time: the requests that wait get its result.
         let mut last = self.last.lock().await;
         let now = hub.with_snapshot(|s| (s.events_applied, s.last_seq));
-        if let Some((at, key, body)) = &*last {
-            if *key == now || at.elapsed() < SNAPSHOT_REUSE {
-                return Ok(body.clone());
+        if let Some(e) = &*last {
+            if e.key == now || e.at.elapsed() < SNAPSHOT_REUSE {
+                return Ok(e.json.clone());
             }
         }
         // Serialized under the hub's lock, without a clone of the whole snapshot.
         let (key, json) = hub.with_snapshot(|s| ((s.events_applied, s.last_seq), serde_json::to_vec(s)));
-        let body = bytes::Bytes::from(json?);
-        *last = Some((std::time::Instant::now(), key, body.clone()));
-        Ok(body)
+        let json = bytes::Bytes::from(json?);
+        *last = Some(Encoding { at: std::time::Instant::now(), key, json: json.clone() });
+        Ok(json)
     }
 
     /// Forgets the encoding (the state jumped: a replay seek).

@@ -172,7 +172,7 @@ impl Follower {
         loop {
             let path = self.reader.source().current_path().to_path_buf();
             match self.reader.poll().map_err(|e| JsonlError::io(&path, e))? {
-                Next::Event { event, .. } => out.events.push(event),
+                Next::Event { event, .. } => out.events.push(*event),
                 Next::Pending => {
                     self.caught_up = !self.reader.out_of_budget();
                     break;

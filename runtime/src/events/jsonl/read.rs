@@ -226,12 +226,12 @@ impl ReadReport {
     }
 
     /// Accounts for one line's outcome.
-    pub(crate) fn record(&mut self, outcome: LineOutcome) -> Option<Event> {
+    pub(crate) fn record(&mut self, outcome: LineOutcome) -> Option<Box<Event>> {
         self.lines = self.lines.saturating_add(1);
         match outcome {
             LineOutcome::Event(e) => {
                 self.events = self.events.saturating_add(1);
-                Some(*e)
+                Some(e)
             }
             LineOutcome::Blank => {
                 self.blank = self.blank.saturating_add(1);
@@ -400,7 +400,7 @@ impl LineBuf {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Next {
     /// An event, the position of its line's first byte and the position just after its line.
-    Event { event: Event, at: Position, end: Position },
+    Event { event: Box<Event>, at: Position, end: Position },
     /// A file being followed (or a reader out of budget) has nothing more for now.
     Pending,
     /// The end.
@@ -649,7 +649,7 @@ impl<S: ByteSource> Reader<S> {
 
     /// Checks an event against the run (a later segment's first events), passing over the
     /// context a later segment repeats.
-    fn accept(&mut self, e: Event, at: Position, end: Position) -> io::Result<Option<Next>> {
+    fn accept(&mut self, e: Box<Event>, at: Position, end: Position) -> io::Result<Option<Next>> {
         if let Some(path) = &self.segment_start {
             let repeated = e.seq <= self.run.seen_seq && Preamble::is_context(&e.kind);
             if let EventKind::RunStarted { run_id, wall_clock_unix_ms, .. } = &e.kind {
@@ -741,7 +741,7 @@ impl<S: ByteSource> Iterator for Reader<S> {
     fn next(&mut self) -> Option<io::Result<Event>> {
         // Without a budget nothing is pending but a followed file's end, which ends iterating.
         match self.poll() {
-            Ok(Next::Event { event, .. }) => Some(Ok(event)),
+            Ok(Next::Event { event, .. }) => Some(Ok(*event)),
             Ok(Next::Pending | Next::End) => None,
             Err(e) => Some(Err(e)),
         }

@@ -323,7 +323,7 @@ impl FileReplay {
         if self.peeked.is_none() {
             if let Some(r) = &mut self.reader {
                 match r.poll() {
-                    Ok(Next::Event { event, .. }) => self.peeked = Some(event),
+                    Ok(Next::Event { event, .. }) => self.peeked = Some(*event),
                     // A followed file has nothing more yet, or this tick read its share.
                     Ok(Next::Pending) => {}
                     Ok(Next::End) => self.reader = None,

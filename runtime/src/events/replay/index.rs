@@ -243,7 +243,7 @@ impl<'a> Indexer<'a> {
             }
             match next? {
                 Next::Event { event, at, .. } => {
-                    self.event(event, at, reader.consumed(), reader.continuation());
+                    self.event(*event, at, reader.consumed(), reader.continuation());
                     if self.pos % PUBLISH_EVERY == 0 {
                         self.report = reader.report().clone();
                         self.bytes_read = reader.raw_read();
