@@ -118,6 +118,7 @@ fn a_large_snapshot_costs_the_index_its_budget_not_more() {
     let peak = peak_mib(|| {
         let r = FileReplay::open(&path).expect("opens");
         r.wait_indexed();
+        assert_eq!(r.len(), 1_530_000, "every event read: {:?}", r.report());
         checkpoints = r.checkpoints();
         assert!(r.checkpoint_bytes() <= 64 << 20, "{} bytes of checkpoints", r.checkpoint_bytes());
     });

@@ -8,9 +8,10 @@
 //! 3. `watchers`: a run shaped like a training job's host side (each step publishes a full
 //!    step's events, then works on every core at once, as the host optimizer does, then on the
 //!    training thread alone) with no client, then with 50 SSE and 50 WebSocket clients reading
-//!    the full stream from another process, alternating. Prints the step time of each, their
-//!    ratio, and where the CPU went (the training threads, the event dispatcher, the server's
-//!    threads, the readers' process).
+//!    the full stream from another process, alternating; then the same with 8 clients polling
+//!    `/api/snapshot` as fast as they can. Prints the step time of each, their ratio, and where
+//!    the CPU went (the training threads, the event dispatcher, the server's threads, the
+//!    readers' process).
 //!
 //! Run: `cargo bench -p stagehand-web --bench clients` (or `-- watchers`, `-- training`, `--
 //! memory` for one part).
@@ -179,9 +180,10 @@ fn cpu_of(pid: u32) -> f64 {
     (f(11) + f(12)) / 100.0
 }
 
-/// The readers' process: `clients readers ADDR SSE WS` opens that many streams and reads them
-/// (discarding what comes) until killed.
-fn readers(addr: &str, sse: usize, ws: usize) {
+/// The readers' process: `clients readers ADDR SSE WS POLL` opens that many streams and reads
+/// them (discarding what comes), and has POLL clients ask for `/api/snapshot` again and again on
+/// kept-alive connections, until killed.
+fn readers(addr: &str, sse: usize, ws: usize, poll: usize) {
     let addr: SocketAddr = addr.parse().expect("an address");
     let mut threads = Vec::new();
     for _ in 0..sse {
@@ -196,6 +198,37 @@ fn readers(addr: &str, sse: usize, ws: usize) {
         threads.push(std::thread::spawn(move || {
             let Ok((mut c, _)) = tungstenite::connect(format!("ws://{addr}/api/ws")) else { return };
             while c.read().is_ok() {}
+        }));
+    }
+    for _ in 0..poll {
+        threads.push(std::thread::spawn(move || {
+            let Ok(s) = TcpStream::connect(addr) else { return };
+            let mut r = std::io::BufReader::new(s.try_clone().expect("clone"));
+            let mut w = s;
+            let mut body = Vec::new();
+            loop {
+                if write!(w, "GET /api/snapshot HTTP/1.1\r\nhost: {addr}\r\n\r\n").is_err() {
+                    return;
+                }
+                let mut len = 0usize;
+                loop {
+                    let mut line = String::new();
+                    match std::io::BufRead::read_line(&mut r, &mut line) {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                body.resize(len, 0);
+                if r.read_exact(&mut body).is_err() {
+                    return;
+                }
+            }
         }));
     }
     println!("ready");
@@ -238,25 +271,25 @@ fn job(bus: &Bus, groups: &[Vec<Event>], repeat: usize, cores: usize) -> (f64, u
     (dt, bus.published(), bus.dropped())
 }
 
-fn watchers() {
+/// The job alone and watched, alternating: medians, and the CPU of each thread group a watched
+/// step costs.
+fn watched(server: &stagehand_web::ServerHandle, bus: &Bus, groups: &[Vec<Event>], what: &str, clients: [usize; 3]) {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let (hub, server) = server(256);
     let addr = server.addr();
-    // One bus for every round: its dispatcher thread lives on and is measured.
-    let bus = Bus::with_hub(hub.clone(), DEFAULT_QUEUE_CAPACITY);
-    let groups = steps();
     let repeat = 4;
     let exe = std::env::current_exe().expect("this program");
-    // Rounds alternate between no client and 100 clients, so the machine's drift touches both.
+    // Rounds alternate between no client and the clients, so the machine's drift touches both.
     let rounds = 5;
     let (mut alone, mut watched) = (Vec::new(), Vec::new());
     let mut cpu: std::collections::BTreeMap<&str, f64> = Default::default();
     let mut reader_cpu = 0.0;
+    let streams = clients[0] + clients[1];
     for _ in 0..rounds {
-        let (dt, _, _) = job(&bus, &groups, repeat, cores);
+        let (dt, _, _) = job(bus, groups, repeat, cores);
         alone.push(dt);
+        let [sse, ws, poll] = clients.map(|n| n.to_string());
         let mut child = std::process::Command::new(&exe)
-            .args(["readers", &addr.to_string(), "50", "50"])
+            .args(["readers", &addr.to_string(), &sse, &ws, &poll])
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("the readers start");
@@ -264,12 +297,12 @@ fn watchers() {
         let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
         let _ = std::io::BufRead::read_line(&mut out, &mut ready);
         let deadline = Instant::now() + Duration::from_secs(30);
-        while server.stream_clients() < 100 && Instant::now() < deadline {
+        while server.stream_clients() < streams && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
         let before = cpu_by_thread();
         let (process_before, child_before) = (cpu_of(std::process::id()), cpu_of(child.id()));
-        let (dt, published, dropped) = job(&bus, &groups, repeat, cores);
+        let (dt, _, dropped) = job(bus, groups, repeat, cores);
         let after = cpu_by_thread();
         reader_cpu += cpu_of(child.id()) - child_before;
         watched.push(dt);
@@ -288,10 +321,9 @@ fn watchers() {
             *cpu.entry(group).or_insert(0.0) += used;
         }
         *cpu.entry("training threads").or_insert(0.0) += cpu_of(std::process::id()) - process_before - rest;
-        println!(
-            "  {} clients connected: {published} events published so far, {dropped} dropped",
-            server.stream_clients()
-        );
+        if dropped > 0 {
+            println!("  {dropped} events dropped so far");
+        }
         let _ = child.kill();
         let _ = child.wait();
         while server.stream_clients() > 0 {
@@ -307,7 +339,7 @@ fn watchers() {
     let (a, w) = (median(&alone), median(&watched));
     let steps = (groups.len() * rounds) as f64;
     println!(
-        "watchers: {cores} cores; median step {:.2} ms alone, {:.2} ms with 50 SSE + 50 WebSocket readers: {:.3}x the speed alone",
+        "watchers: {cores} cores; median step {:.2} ms alone, {:.2} ms with {what}: {:.3}x the speed alone",
         a * 1e3,
         w * 1e3,
         a / w
@@ -319,11 +351,16 @@ fn watchers() {
         println!("    {group:<18} {:>7.2} ms", t * 1e3 / steps);
     }
     println!("    {:<18} {:>7.2} ms (another process)", "readers", reader_cpu * 1e3 / steps);
-    println!(
-        "  {} events a step, {:.0} events/s while watched",
-        groups.iter().map(Vec::len).sum::<usize>() * repeat / groups.len(),
-        (groups.iter().map(Vec::len).sum::<usize>() * repeat) as f64 / (groups.len() as f64 * w)
-    );
+    println!("  {} events a step", groups.iter().map(Vec::len).sum::<usize>() * repeat / groups.len());
+}
+
+fn watchers() {
+    let (hub, server) = server(256);
+    // One bus for every round: its dispatcher thread lives on and is measured.
+    let bus = Bus::with_hub(hub.clone(), DEFAULT_QUEUE_CAPACITY);
+    let groups = steps();
+    watched(&server, &bus, &groups, "50 SSE + 50 WebSocket readers", [50, 50, 0]);
+    watched(&server, &bus, &groups, "8 clients polling /api/snapshot", [0, 0, 8]);
     drop(server);
 }
 
@@ -332,9 +369,9 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return;
     }
-    if let [_, mode, addr, sse, ws, ..] = args.as_slice() {
+    if let [_, mode, addr, sse, ws, poll, ..] = args.as_slice() {
         if mode == "readers" {
-            readers(addr, sse.parse().unwrap_or(0), ws.parse().unwrap_or(0));
+            readers(addr, sse.parse().unwrap_or(0), ws.parse().unwrap_or(0), poll.parse().unwrap_or(0));
             return;
         }
     }

@@ -714,19 +714,19 @@ impl<S: ByteSource> Reader<S> {
     /// A record's count of the events before its frame: what the reader has not seen of them
     /// was lost in the damage since the last record.
     fn count(&mut self, before: u64) {
-        if let Some(seen) = self.seg_lines {
-            if before > seen {
-                let gap = before - seen;
-                let r = &mut self.report;
-                r.damaged_events = r.damaged_events.saturating_add(gap);
-                if self.uncounted > 0 {
-                    r.damaged_uncounted = r.damaged_uncounted.saturating_sub(self.uncounted);
-                } else {
-                    r.damaged = r.damaged.saturating_add(1);
-                }
-                if r.damage.len() < MAX_SKIPPED_KEPT {
-                    r.damage.push(format!("{gap} events lost before a frame that counts {before} before it"));
-                }
+        // A reader that started inside a segment has nothing to compare with.
+        let Some(seen) = self.seg_lines else { return };
+        if before > seen {
+            let gap = before - seen;
+            let r = &mut self.report;
+            r.damaged_events = r.damaged_events.saturating_add(gap);
+            if self.uncounted > 0 {
+                r.damaged_uncounted = r.damaged_uncounted.saturating_sub(self.uncounted);
+            } else {
+                r.damaged = r.damaged.saturating_add(1);
+            }
+            if r.damage.len() < MAX_SKIPPED_KEPT {
+                r.damage.push(format!("{gap} events lost before a frame that counts {before} before it"));
             }
         }
         // Behind the record (a file appended to by a new writer counts from 0 again): follow it.

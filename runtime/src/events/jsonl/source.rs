@@ -451,7 +451,20 @@ impl ByteSource for RunSource {
                     self.index += 1;
                     let path = rotation::segment_path(&self.base, self.index);
                     let start = Position { segment: self.index, raw: 0, skip: 0 };
-                    self.current = open_segment(&path, start, self.follow && self.index >= self.last)?;
+                    self.current = open_segment(&path, start, self.follow && self.index >= self.last).map_err(|e| {
+                        if e.kind() == io::ErrorKind::NotFound {
+                            io::Error::new(
+                                io::ErrorKind::NotFound,
+                                format!(
+                                    "segment '{}' of the rotated run '{}' is missing: it was there, and is no more",
+                                    path.display(),
+                                    self.base.display()
+                                ),
+                            )
+                        } else {
+                            e
+                        }
+                    })?;
                     return Ok(Piece::Segment { index: self.index, path });
                 }
                 Peeked::End => return Ok(Piece::End),

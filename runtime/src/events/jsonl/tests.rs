@@ -589,8 +589,18 @@ fn every_reader_reads_a_rotated_run_as_one_file_and_names_a_gap_or_a_foreign_seg
         let mut f = Follower::open(&path).expect("opens");
         let err = f.poll().expect_err("the follower refuses it too");
         assert!(err.to_string().contains("another run"), "{err}");
-        // A missing middle segment.
+        // A missing middle segment: a follower already past it, or one that starts now, says so.
+        let mut before_gap = Follower::open(&path).expect("opens");
+        before_gap.poll_limited(1).expect("polls");
         std::fs::remove_file(&victim).expect("rm");
+        let mut polled = Ok(());
+        while polled.is_ok() && !before_gap.caught_up() {
+            polled = before_gap.poll_limited(1).map(|_| ());
+        }
+        let err = polled.expect_err("the follower stops on the gap, with a word");
+        assert!(err.to_string().contains("missing"), "{err}");
+        let err = Follower::open(&path).expect_err("and does not start on it");
+        assert!(err.to_string().contains(&victim.display().to_string()), "{err}");
         let err = read_file(&path).expect_err("a gap is refused");
         assert!(err.to_string().contains(&victim.display().to_string()) && err.to_string().contains("missing"), "{err}");
         let err = crate::events::replay::FileReplay::open(&path).expect_err("the replay refuses it too");

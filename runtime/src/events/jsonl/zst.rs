@@ -223,8 +223,6 @@ pub(crate) struct ZstdStream<R> {
     next: u64,
     /// Raw bytes read from the source so far.
     read_total: u64,
-    /// The source had no more bytes at its last read.
-    src_end: bool,
     /// The source may grow (a file being written): its end is "not yet", not "the end".
     follow: bool,
     dec: Decoder<'static>,
@@ -265,7 +263,6 @@ impl<R: Read> ZstdStream<R> {
             raw_at: at,
             next: at,
             read_total: 0,
-            src_end: false,
             follow: false,
             dec,
             state: State::Between { record: None },
@@ -307,7 +304,6 @@ impl<R: Read> ZstdStream<R> {
                 Ok(n) => {
                     self.raw.truncate(len + n);
                     self.read_total += n as u64;
-                    self.src_end = n == 0;
                     return Ok(n > 0);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
