@@ -169,3 +169,27 @@ fn follow_plays_a_growing_file_as_it_is_written() {
     t.wait_for("Phase timeline");
     t.quit();
 }
+
+#[test]
+fn a_file_that_is_no_telemetry_never_holds_up_the_keys() {
+    // 4 GiB of zeros (a sparse file): the replay says what it is and `q` quits at once.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("zeros.jsonl");
+    std::fs::File::create(&path).and_then(|f| f.set_len(4 << 30)).expect("a sparse file");
+    for follow in [false, true] {
+        let mut args = vec!["--replay", path.to_str().expect("utf-8 path")];
+        if follow {
+            args.push("--follow");
+        }
+        let t = Tui::start(&args);
+        t.wait_for("no telemetry in");
+        t.quit();
+    }
+    // A device is refused before the terminal is taken: a replay reads its file more than once.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stagehand-top"))
+        .args(["--replay", "/dev/zero"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a regular file"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -239,6 +239,24 @@ impl Summary {
         (mean(&self.losses[..n]), mean(&self.losses[self.losses.len() - n..]))
     }
 
+    /// Why the run counts as failed for its numbers: a loss that was NaN or infinite, or
+    /// non-finite values the guards found (`guards`, the tensors they named). `None` when
+    /// every loss was finite and the guards found nothing.
+    pub fn non_finite(&self, guards: &[&str]) -> Option<String> {
+        let bad: Vec<usize> = (0..self.losses.len()).filter(|&i| !self.losses[i].is_finite()).collect();
+        if bad.is_empty() && guards.is_empty() {
+            return None;
+        }
+        let mut why = format!("the run went non-finite: {} of {} losses NaN or infinite", bad.len(), self.losses.len());
+        if let Some(first) = bad.first() {
+            why.push_str(&format!(" (the first at step {})", first + 1));
+        }
+        if !guards.is_empty() {
+            why.push_str(&format!("; the guards found non-finite values in {}", guards.join(", ")));
+        }
+        Some(why)
+    }
+
     /// Mean step time in seconds over steady state: every step after the first (which traces
     /// the itinerary and sizes the pools), or the only step.
     pub fn steady_step_s(&self) -> f64 {
@@ -621,6 +639,32 @@ fn stagehand_run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_non_finite_loss_or_a_guard_finding_fails_the_run() {
+        let mut s = Summary {
+            steps: 3,
+            losses: vec![2.0, 1.5, 1.2],
+            step_times: Vec::new(),
+            breakdowns: Vec::new(),
+            activations_spilled: 0,
+            spill_bytes: 0,
+            peak_bytes: 0,
+            step_peaks: Vec::new(),
+            plan: None,
+            stopped: false,
+            guards: None,
+            checksums: None,
+        };
+        assert_eq!(s.non_finite(&[]), None);
+        s.losses[1] = f64::NAN;
+        s.losses[2] = f64::INFINITY;
+        let why = s.non_finite(&[]).expect("failed");
+        assert!(why.contains("2 of 3") && why.contains("step 2"), "{why}");
+        s.losses = vec![1.0, 0.5];
+        let why = s.non_finite(&["blocks.3 output"]).expect("the guards' finding fails it too");
+        assert!(why.contains("blocks.3 output"), "{why}");
+    }
 
     #[test]
     fn the_configuration_is_structured_json() {

@@ -78,6 +78,10 @@ struct Args {
     /// block-wise, about a quarter).
     #[arg(long, value_name = "STORAGE", default_value = "fp32", value_parser = parse_state)]
     optimizer_state: StateStorage,
+    /// Exit 0 even when the loss went NaN or infinite (by default such a run, whether the
+    /// guards or the loss itself showed it, exits 1).
+    #[arg(long)]
+    allow_non_finite: bool,
     #[command(flatten)]
     serve: ServeArgs,
     /// Do not serve the API and dashboards.
@@ -276,13 +280,10 @@ fn main() -> Result<()> {
             None => println!("  metrics    {url}/metrics"),
             Some(t) => println!("  metrics    {url}/metrics (send 'Authorization: Bearer {t}')"),
         }
-        if url.starts_with("http://") {
-            let connect = match server.token() {
-                None => url.clone(),
-                Some(t) => format!("{url}/api/stream?token={t}"),
-            };
-            println!("  live TUI   {} --connect {connect}", sibling("stagehand-top", "stagehand-dashboard"));
-        }
+        // The token goes in the environment: a command line shows in `ps` to every user.
+        let token = server.token().map(|t| format!("STAGEHAND_TOKEN={t} ")).unwrap_or_default();
+        let cert = args.serve.tls_cert.as_ref().map(|c| format!(" --tls-cert {}", c.display())).unwrap_or_default();
+        println!("  live TUI   {token}{} --connect {url}{cert}", sibling("stagehand-top", "stagehand-dashboard"));
     }
     if writes_file {
         println!("  telemetry  {} ({} level)", out.display(), args.telemetry_level.as_str());
@@ -425,6 +426,11 @@ fn main() -> Result<()> {
             }
         }
         server.shutdown()?;
+    }
+    // A loss gone NaN or infinite is a failed run, unless asked otherwise.
+    let guards: Vec<&str> = snap.non_finite.keys().map(String::as_str).collect();
+    if let Some(why) = summary.non_finite(&guards).filter(|_| !args.allow_non_finite) {
+        anyhow::bail!("{why}; --allow-non-finite to exit 0 anyway");
     }
     // A run whose record is incomplete must not look like a clean one to a script.
     if snap.dropped_events > 0 || snap.telemetry_lost > 0 {

@@ -393,6 +393,11 @@ impl Scheduler {
     }
 
     /// Switches a frozen, unloaded block to stream from a safetensors file (its host copy goes).
+    /// How file-backed blocks are checked (the configuration's choice).
+    pub(crate) fn file_check(&self) -> super::file::FileCheck {
+        self.cfg.file_check
+    }
+
     pub(crate) fn back_with_file(&mut self, id: BlockId, file: FileSource) -> Result<()> {
         self.check_live()?;
         let b = self.block(id)?;
