@@ -252,7 +252,9 @@ impl Plan {
         let largest = model.blocks.iter().map(|b| b.0).max().unwrap_or(0);
         let mut p = Plan {
             budget_bytes: budget,
-            prefetch_window: prefetch_window.max(1),
+            // 0 is honoured (every block loads at its use, a baseline for what prefetching
+            // buys); the room keeps two slots whatever the window.
+            prefetch_window,
             ..Plan::default()
         };
         let available = budget
@@ -344,6 +346,9 @@ impl Plan {
                 p.resident_blocks.len(),
                 mib(p.resident_bytes)
             ));
+            if p.prefetch_window == 0 {
+                p.reasons.push("prefetch window 0: each streamed block loads when it is used (a counted miss)".into());
+            }
         }
         let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
         let activations = usable.saturating_sub(weights);
