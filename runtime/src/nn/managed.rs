@@ -145,7 +145,7 @@ impl Binding {
         };
         Err(Error::misuse(
             format!("layer '{}' given an input on {:?}", self.name, xs.device()),
-            format!("its input on {on:?}, where its weights are{hint}"),
+            format!("its input on {on:?}, where the layer computes{hint}"),
         ))
     }
 
