@@ -112,7 +112,8 @@ pub enum StateStorage {
     /// Float32: exact.
     #[default]
     Fp32,
-    /// Bfloat16, rounded to nearest at every step: half the bytes.
+    /// Bfloat16, rounded stochastically at every step (a moment's small steps survive in
+    /// expectation, where rounding to nearest would drop them): half the bytes.
     Bf16,
     /// 8 bits an element in blocks of 256 with a float32 scale each (the first moment signed,
     /// 4 exponent and 3 mantissa bits; the second unsigned, 5 and 3), as bitsandbytes' 8-bit
