@@ -23,10 +23,12 @@ mod copy;
 mod cuda;
 mod host;
 pub(crate) mod idle;
+pub mod pool;
 
 pub use buffer::{HostBuffer, HostMemory, HostTarget};
 pub use copy::{CopyStream, Failed, Order, Pending, WaitProbe};
 pub use idle::{IdleProbe, IdleSpan, IdleSpans};
+pub use pool::{HostPool, HostPoolStats};
 
 use crate::error::{Error, Result};
 use crate::events::{DeviceInfo, TransferId};
@@ -95,6 +97,11 @@ impl Device {
 
     fn backend(&self) -> &dyn Backend {
         &*self.shared.backend
+    }
+
+    /// Whether `other` is this device (a clone of the same handle).
+    pub fn same_as(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
     }
 
     /// Whether this is a real CUDA device.

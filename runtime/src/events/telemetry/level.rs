@@ -59,6 +59,7 @@ pub struct LevelFilter {
     level: Level,
     last_sample_ns: Option<u64>,
     last_owners_ns: Option<u64>,
+    last_models_ns: Option<u64>,
     /// The step and the largest allocation of the owners readings kept in it.
     owners_peak: (u64, u64),
 }
@@ -86,7 +87,9 @@ impl LevelFilter {
             | PoolConfigured { .. } | WeightStep(_) | ActivationStep(_) | ConductorStep(_)
             | TrainStep(_) | StepTime(_) | TransferStep(_) | Evaluation(_) | HintsChanged { .. }
             | SpillingToggled { .. } | Warning { .. } | OutOfMemory { .. } | NonFinite { .. }
-            | TelemetryLost { .. } | EventsDropped { .. } | FlightRecorded { .. } => true,
+            | TelemetryLost { .. } | EventsDropped { .. } | FlightRecorded { .. } | Quantized(_)
+            | ModelRegistered { .. } => true,
+            ModelMemory { .. } => due(&mut self.last_models_ns, e.t_ns),
             VramSample { .. } => due(&mut self.last_sample_ns, e.t_ns),
             // Every reading that is the step's largest so far is kept, so the step's record of
             // VRAM at its peak is the same as from a full file.
