@@ -99,11 +99,6 @@ impl Device {
         &*self.shared.backend
     }
 
-    /// Whether `other` is this device (a clone of the same handle).
-    pub fn same_as(&self, other: &Device) -> bool {
-        Arc::ptr_eq(&self.shared, &other.shared)
-    }
-
     /// Whether this is a real CUDA device.
     pub fn is_cuda(&self) -> bool {
         self.tch_device().is_cuda()

@@ -126,9 +126,11 @@ impl HostPool {
         Ok(())
     }
 
-    /// Whether `device` is the pool's device (a pool serves the runtimes of its own device).
+    /// Whether the pool serves `device`: the same CUDA device (pinned memory belongs to the
+    /// device's primary context, which every handle on that device shares), or a host device.
     pub fn is_on(&self, device: &Device) -> bool {
-        self.shared.device.same_as(device)
+        let (a, b) = (self.shared.device.info(), device.info());
+        a.kind == b.kind && a.index == b.index
     }
 
     /// A buffer of `bytes` bytes cut from a free range, pinning a new chunk when none holds it.

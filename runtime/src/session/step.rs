@@ -196,6 +196,7 @@ impl Stagehand {
                 }
             }
             self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+            self.publish_models();
             self.enter(&conductor, step, Phase::Backward)?;
             if non_finite_loss.is_some() {
                 break;
@@ -234,6 +235,7 @@ impl Stagehand {
             None => None,
         };
         self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+        self.publish_models();
         if crate::optim::stepper::trace_on() {
             eprintln!("TRACE step {step} activations ended at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
         }
@@ -312,6 +314,7 @@ impl Stagehand {
         let mem = self.device.memory();
         let owners = self.vram_owners();
         self.bus.publish(EventKind::VramOwners(owners));
+        self.publish_models();
         self.bus.publish(EventKind::VramSample {
             allocated_bytes: mem.allocated,
             reserved_bytes: mem.reserved,

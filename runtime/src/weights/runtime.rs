@@ -634,6 +634,11 @@ impl WeightRuntime {
         self.lock().model_memory()
     }
 
+    /// Every model's name and whether it is frozen, by index (the main model first).
+    pub(crate) fn model_entries(&self) -> Vec<(String, bool)> {
+        self.lock().models().iter().map(|m| (m.name.clone(), m.frozen)).collect()
+    }
+
     /// Each block's model name, in block order.
     pub fn block_models(&self) -> Vec<String> {
         let s = self.lock();
