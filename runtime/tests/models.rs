@@ -181,6 +181,11 @@ fn two_models_on_one_handle_train_as_on_two() {
     for m in &steps[2..] {
         assert_eq!(m.h2d_bytes, m.min_h2d_bytes, "{m:?}");
         assert!(m.models.iter().all(|s| s.h2d_bytes == s.min_h2d_bytes), "{m:?}");
+        // The plan predicted each model's share from the step's usual order (the teacher's
+        // forward, then the student's forward and backward), which this step runs.
+        for (s, share) in m.models.iter().zip(&plan.models) {
+            assert_eq!((s.model.as_str(), s.min_h2d_bytes), (share.name.as_str(), share.predicted_h2d_bytes), "{m:?} {:?}", plan.models);
+        }
     }
     drop(sh);
 

@@ -355,14 +355,17 @@ impl Plan {
                     p.resident_weight_bytes += b;
                 }
             }
-            let streamed_trainable = model
+            let trained: Vec<u64> = model
                 .blocks
                 .iter()
                 .enumerate()
                 .filter(|(i, b)| b.1 && !p.resident_blocks.contains(i))
-                .count() as u64;
-            // The block backward is leaving and the one it works on hold device gradients.
-            p.gradient_bytes = streamed_trainable.min(2) * largest;
+                .map(|(_, b)| b.0)
+                .collect();
+            // The block backward is leaving and the one it works on hold device gradients: two
+            // of the largest trained block (a frozen model's larger blocks have none).
+            let largest_trained = trained.iter().copied().max().unwrap_or(0);
+            p.gradient_bytes = (trained.len() as u64).min(2) * largest_trained;
             let left = usable.saturating_sub(p.resident_bytes + p.gradient_bytes);
             let streamed = model.blocks.len() - p.resident_blocks.len();
             let want = (left as f64 * WEIGHT_SHARE) as u64 / largest.max(1);
@@ -747,6 +750,44 @@ mod tests {
             }
             b += 256 << 10;
         }
+    }
+
+    #[test]
+    fn two_models_share_one_plan_and_a_frozen_model_keeps_no_gradient_room() {
+        // A trained model of 8 blocks of 8 MiB and a frozen teacher of 8 blocks of 16 MiB.
+        let mut blocks = vec![(8 * MIB, true); 8];
+        blocks.extend(vec![(16 * MIB, false); 8]);
+        let facts = ModelFacts {
+            blocks,
+            optimizer_state_factor: 2,
+            models: vec![
+                ModelFact { name: "main".into(), frozen: false, blocks: (0..8).collect() },
+                ModelFact { name: "teacher".into(), frozen: true, blocks: (8..16).collect() },
+            ],
+            ..ModelFacts::default()
+        };
+        let p = Plan::derive(512 * MIB, &facts, HOST, 2).expect("plan");
+        assert!(p.streams() && p.slots >= 4, "{p:?}");
+        assert_eq!(p.slot_bytes, 16 * MIB, "one room, slots of the largest block of either model");
+        assert_eq!(p.gradient_bytes, 2 * 8 * MIB, "gradients of the trained model's blocks only");
+        let names: Vec<&str> = p.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["main", "teacher"]);
+        let (main, teacher) = (&p.models[0], &p.models[1]);
+        assert_eq!((main.blocks, teacher.blocks, main.streamed_blocks), (8, 8, 8));
+        assert_eq!(teacher.host_bytes, 8 * 16 * MIB, "a frozen block pins its copy alone");
+        assert_eq!(main.host_bytes, 8 * 2 * 8 * MIB, "a trained one its copy and its gradient");
+        // A trained block comes back every step (its host copy changes); the teacher moves at
+        // most its whole self, and less for what the room keeps across the step's end.
+        assert!(main.predicted_h2d_bytes >= 8 * 8 * MIB, "{main:?}");
+        assert!(teacher.predicted_h2d_bytes <= 8 * 16 * MIB, "{teacher:?}");
+        assert!(p.reasons.iter().any(|r| r.contains("model 'teacher'")), "{:?}", p.reasons);
+        // The teacher's quantized payloads are what it pins and moves.
+        let mut q = facts.clone();
+        q.transfer_bytes = (0..16).map(|i| if i < 8 { 8 * MIB } else { 8 * MIB + MIB / 4 }).collect();
+        let pq = Plan::derive(512 * MIB, &q, HOST, 2).expect("plan");
+        assert_eq!(pq.models[1].host_bytes, 8 * (8 * MIB + MIB / 4));
+        assert!(pq.models[1].predicted_h2d_bytes < teacher.predicted_h2d_bytes);
+        assert!(pq.pinned_bytes < p.pinned_bytes);
     }
 
     #[test]

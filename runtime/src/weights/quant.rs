@@ -328,6 +328,30 @@ pub(crate) fn quantize(value: &Tensor, format: QuantFormat, group: usize, kind: 
     })
 }
 
+/// Quantizes `value` (any floating dtype and device) in `format` with groups of
+/// [`QUANT_GROUP`] consecutive elements of its flattened order: its elements (flat, on the CPU,
+/// in the format's dtype) and its scales (float32, one a group). What a quantized block's
+/// payload holds for a matrix; for benchmarks and tools that dequantize with
+/// [`dequantize_tensor`].
+pub fn quantize_tensor(value: &Tensor, format: QuantFormat) -> Result<(Tensor, Tensor)> {
+    let q = quantize(value, format, QUANT_GROUP, Kind::Float, "tensor")?;
+    Ok((q.q, q.scales))
+}
+
+/// Writes the dequantized values of `q` and `scales` (from [`quantize_tensor`], on `dst`'s
+/// device) into `dst` (contiguous, any floating dtype, as many elements as `q`), as a
+/// quantized block's dequantization does: `q * scale` in float32, rounded to `dst`'s dtype.
+pub fn dequantize_tensor(dst: &Tensor, q: &Tensor, scales: &Tensor, format: QuantFormat) -> Result<()> {
+    if dst.numel() != q.numel() || !dst.is_contiguous() {
+        return Err(Error::Config {
+            field: "dequantize",
+            value: format!("a destination of {} elements (contiguous: {}) for {} quantized ones", dst.numel(), dst.is_contiguous(), q.numel()),
+            expected: "a contiguous destination of as many elements".into(),
+        });
+    }
+    dequantize_into(&dst.f_view([-1])?, &q.f_view([-1])?, scales, QUANT_GROUP, format)
+}
+
 /// `x` (flat) with zeros appended up to `len` elements.
 fn pad_to(x: &Tensor, len: i64) -> Result<Tensor> {
     let n = x.numel() as i64;
