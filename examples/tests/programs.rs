@@ -90,7 +90,8 @@ fn adapters_train_over_a_quantized_base_as_over_the_full_width_base() {
         .and_then(|s| s.split('x').next())
         .and_then(|s| s.parse().ok())
         .expect("the bytes moved compared");
-    assert!(less > 3.0, "an INT8 base moves about a quarter of a float32 base's bytes: {text}");
+    // A float32 block's matrices move at a quarter of their bytes, its biases at full width.
+    assert!(less > 2.5, "an INT8 base moves far fewer bytes than a float32 one: {text}");
 }
 
 #[test]

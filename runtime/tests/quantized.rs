@@ -54,13 +54,18 @@ impl Adapted {
 /// The base (a frozen model "base", quantized in `format` when given) and trainable low-rank
 /// adapters beside it (tch layers on the root: they live on the device and train there).
 fn build(sh: &Stagehand, format: Option<QuantFormat>) -> Adapted {
+    build_seeded(sh, format, 7)
+}
+
+/// [`build`], the base drawn from `seed`.
+fn build_seeded(sh: &Stagehand, format: Option<QuantFormat>, seed: i64) -> Adapted {
     let _g = rng();
     let opts = match format {
         Some(f) => ModelOptions::frozen().quantized(f),
         None => ModelOptions::frozen(),
     };
     let base = sh.model("base", opts).expect("base model");
-    tch::manual_seed(7);
+    tch::manual_seed(seed);
     let blocks = (0..LAYERS)
         .map(|i| {
             let p = &base / "blocks" / i;
@@ -299,4 +304,36 @@ fn a_quantized_file_reads_back_as_it_was_saved() {
     for (a, b) in before.iter().zip(values(&rt2).iter()) {
         assert!(a.equal(b), "a refused file changes nothing");
     }
+}
+
+fn base_values(sh: &Stagehand) -> Vec<(String, Tensor)> {
+    let mut v: Vec<(String, Tensor)> = sh.var_store().expect("snapshot").variables().into_iter().filter(|(n, _)| n.starts_with("base.")).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn a_quantized_model_saves_its_payloads_and_loads_them_back_as_they_are() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("base.int8.safetensors");
+    let a = Stagehand::builder().budget_bytes(BUDGET).device(common::device()).build().expect("handle");
+    let _ma = build_seeded(&a, Some(QuantFormat::Int8), 3);
+    a.prepare().expect("plan");
+    a.save_quantized(&file).expect("save");
+    let reports = a.plan().expect("plan").quantization;
+    // Another handle, another base drawn, the file read back as it is: the same payloads, the
+    // same reported errors (they were measured against the first base's values).
+    let b = Stagehand::builder().budget_bytes(BUDGET).device(common::device()).build().expect("handle");
+    let _mb = build_seeded(&b, Some(QuantFormat::Int8), 4);
+    let before = base_values(&b);
+    let read = b.load_quantized(&file).expect("load");
+    assert_eq!(read, reports);
+    let (va, vb) = (base_values(&a), base_values(&b));
+    assert!(va.iter().zip(&vb).all(|((n, x), (m, y))| n == m && x.equal(y)), "the file's values");
+    assert!(!before.iter().zip(&vb).all(|((_, x), (_, y))| x.equal(y)), "replaced the drawn ones");
+    // A model stored otherwise refuses the file's format.
+    let c = Stagehand::builder().budget_bytes(BUDGET).device(common::device()).build().expect("handle");
+    let _mc = build_seeded(&c, Some(QuantFormat::Fp8E4m3), 4);
+    let e = c.load_quantized(&file).expect_err("int8 into fp8");
+    assert!(e.to_string().contains("int8") && e.to_string().contains("fp8_e4m3"), "{e}");
 }

@@ -87,6 +87,30 @@ impl Stagehand {
         }
     }
 
+    /// Writes every quantized block's payload (elements, scales, errors; names as the model's
+    /// variables) to a safetensors file [`load_quantized`](Self::load_quantized) reads back as
+    /// it is, without quantizing again.
+    pub fn save_quantized(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.store.table().seal()?;
+        self.weights().save_quantized(path)
+    }
+
+    /// Loads the quantized models' blocks from a safetensors file before the first step: one
+    /// [`save_quantized`](Self::save_quantized) wrote is taken as it is; a full-width one is
+    /// quantized as it is read (as [`load_partial`](Self::load_partial) does). Blocks of
+    /// models that are not quantized are left as they are. Returns the blocks' reports.
+    pub fn load_quantized(&self, path: impl AsRef<std::path::Path>) -> Result<Vec<crate::events::QuantizationReport>> {
+        self.store.table().seal()?;
+        let rt = self.weights();
+        let mut out = Vec::new();
+        for b in rt.blocks() {
+            if let Some(q) = &b.quant {
+                out.push(rt.quantize_from_file(b.id, path.as_ref(), "", q.format)?);
+            }
+        }
+        Ok(out)
+    }
+
     /// The host pool the handle's blocks are cut from.
     pub fn host_pool(&self) -> HostPool {
         self.weights().host_pool()

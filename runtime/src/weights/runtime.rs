@@ -598,7 +598,8 @@ impl WeightRuntime {
     /// Stores frozen block `id` quantized from the safetensors file at `path` (`key_prefix +
     /// path` of each parameter): a file [`save_quantized`](Self::save_quantized) wrote is taken
     /// as it is, in its own format; a full-width file (bf16, fp16, fp32) is quantized in
-    /// `format` as it is read. The values replace the block's.
+    /// `format` as it is read. The values replace the block's (a block quantized already keeps
+    /// its format and groups, and the file must match them).
     pub fn quantize_from_file(&self, id: BlockId, path: &std::path::Path, key_prefix: &str, format: QuantFormat) -> Result<QuantizationReport> {
         self.lock().quantize_from_file(id, path, key_prefix, format)
     }
@@ -641,9 +642,7 @@ impl WeightRuntime {
 
     /// Each block's model name, in block order.
     pub fn block_models(&self) -> Vec<String> {
-        let s = self.lock();
-        let names: Vec<String> = s.models().iter().map(|m| m.name.clone()).collect();
-        (0..s.specs().len()).map(|i| s.block_model(BlockId(i as u32)).and_then(|m| names.get(m as usize).cloned()).unwrap_or_default()).collect()
+        self.lock().block_models()
     }
 }
 

@@ -187,6 +187,12 @@ impl Drop for Scheduler {
             let _ = s.wait_all();
         }
         super::claims::release(self.owner);
+        // Resident blocks' own buffers go with the runtime (the room's with its slots).
+        for b in &self.blocks {
+            if matches!(b.placement, Some(super::block::Placement::Own(_))) {
+                self.device.account(-(b.spec.bytes as i64));
+            }
+        }
     }
 }
 
@@ -392,9 +398,9 @@ impl Scheduler {
         &self.models
     }
 
-    /// The model of block `id`.
-    pub(crate) fn block_model(&self, id: BlockId) -> Option<u32> {
-        self.blocks.get(id.0 as usize).map(|b| b.model)
+    /// Each block's model name, in block order.
+    pub(crate) fn block_models(&self) -> Vec<String> {
+        self.blocks.iter().map(|b| self.models.get(b.model as usize).map(|m| m.name.clone()).unwrap_or_default()).collect()
     }
 
     /// Publishes each model and its blocks (a runtime streaming several models).
@@ -643,13 +649,12 @@ impl Scheduler {
             m.min_h2d_bytes = b;
         }
         // Models without blocks say nothing.
-        let with_blocks: Vec<bool> = (0..models.len()).map(|i| self.blocks.iter().any(|b| b.model as usize == i)).collect();
-        let mut i = 0;
-        models.retain(|_| {
-            i += 1;
-            with_blocks[i - 1]
-        });
-        self.metrics.models = models;
+        self.metrics.models = models
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| self.blocks.iter().any(|b| b.model as usize == *i))
+            .map(|(_, m)| m)
+            .collect();
         let wait = self.loads.take_wait_ms(false);
         let update_host_ms = self.update_waits.host_ms();
         let update_idle = self.update_waits.take_ms()?;

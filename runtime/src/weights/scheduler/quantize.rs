@@ -39,7 +39,8 @@ impl Scheduler {
     /// Stores frozen block `id` quantized from the safetensors file at `path`, its parameter
     /// `name` read from `key_prefix + name`: an already quantized file (written by
     /// [`save_quantized`](Self::save_quantized)) is taken as it is, in its own format; a
-    /// full-width one is quantized in `format` as it is read.
+    /// full-width one is quantized in `format` as it is read. A block quantized already takes
+    /// the file's values in its own format.
     pub(crate) fn quantize_from_file(&mut self, id: BlockId, path: &Path, key_prefix: &str, format: QuantFormat) -> Result<QuantizationReport> {
         self.quantizable_now(id)?;
         let src = file::Source::open(path)?;
@@ -50,6 +51,19 @@ impl Scheduler {
                 value: format!("block '{}', which trains", b.spec.name),
                 expected: "a frozen block: trained weights are never quantized".into(),
             });
+        }
+        if let (Some(layout), Source::Quantized(_)) = (&b.spec.quant, &b.source) {
+            // Quantized already (a model declared quantized): the file's values replace its
+            // payload, in the same format and groups.
+            let (f, g) = src.format().unwrap_or((layout.format, layout.group));
+            if (f, g) != (layout.format, layout.group) {
+                return Err(Error::Config {
+                    field: "quantize_from_file",
+                    value: format!("{} in groups of {g} for block '{}'", f, b.spec.name),
+                    expected: format!("the block's own {} in groups of {}", layout.format, layout.group),
+                });
+            }
+            return self.refill(id, &src, key_prefix);
         }
         if b.spec.quant.is_some() {
             return Err(Error::misuse(format!("quantizing block '{}' again", b.spec.name), "a block quantized once"));
@@ -73,6 +87,25 @@ impl Scheduler {
         let b = &mut self.blocks[id.0 as usize];
         b.spec = spec;
         b.source = Source::Quantized(QuantCopy { views, errors, buf: std::sync::Arc::new(buf) });
+        self.published_report(id)
+    }
+
+    /// Writes a quantized block's payload again from `src` (every parameter checked and
+    /// written into a new payload first, so a file that fails leaves the block as it was).
+    fn refill(&mut self, id: BlockId, src: &file::Source, key_prefix: &str) -> Result<QuantizationReport> {
+        self.loads.reap(&self.loader);
+        let spec = self.blocks[id.0 as usize].spec.clone();
+        let layout = spec.quant.clone().ok_or_else(|| Error::internal("refilling a block that is not quantized"))?;
+        let buf = self.pool.alloc(layout.bytes)?;
+        let views = super::super::quant::payload_views(&spec, &layout, &buf)?;
+        let mut errors = Vec::with_capacity(views.len());
+        for (i, v) in views.iter().enumerate() {
+            let key = format!("{key_prefix}{}", spec.params[i].name);
+            errors.push(src.fill(&spec, &layout, i, &key, v)?);
+        }
+        // The old payload goes back to the pool once no copy reads it (a load still in flight
+        // keeps its own clone until it completes).
+        self.blocks[id.0 as usize].source = Source::Quantized(QuantCopy { views, errors, buf: std::sync::Arc::new(buf) });
         self.published_report(id)
     }
 
