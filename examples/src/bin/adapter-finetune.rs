@@ -209,7 +209,7 @@ fn main() -> Result<()> {
             println!("loss curves (every {} steps): {precision} base | {} base", (args.steps / 20).max(1), args.quantize);
             for (i, (a, b)) in full.losses.iter().zip(&quantized.losses).enumerate() {
                 let step = i as u64 + 1;
-                if step % (args.steps / 20).max(1) == 0 || step == 1 {
+                if step.is_multiple_of((args.steps / 20).max(1)) || step == 1 {
                     println!("  step {step:4}  {a:.5} | {b:.5}");
                 }
             }

@@ -201,7 +201,7 @@ fn main() -> Result<()> {
     println!("loss curves (every {} steps): distillation loss | the student's cross-entropy", (args.steps / 15).max(1));
     for (i, (l, ce)) in curves.iter().enumerate() {
         let step = i as u64 + 1;
-        if step == 1 || step % (args.steps / 15).max(1) == 0 {
+        if step == 1 || step.is_multiple_of((args.steps / 15).max(1)) {
             println!("  step {step:4}  {l:.4} | {ce:.4}");
         }
     }
