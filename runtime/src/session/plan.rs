@@ -500,10 +500,12 @@ impl Plan {
             let small: u64 = q.iter().map(|r| r.quantized_bytes).sum();
             let worst = q.iter().map(|r| r.max_rel_error).fold(0.0, f64::max);
             let mean = q.iter().map(|r| r.mean_rel_error * r.full_bytes as f64).sum::<f64>() / full.max(1) as f64;
+            let mut formats: Vec<&str> = q.iter().map(|r| r.format.name()).collect();
+            formats.dedup();
             p.reasons.push(format!(
                 "{} frozen block(s) quantized to {}: {} on the host and over PCIe instead of {}, dequantized in place in their slots (a stash of {} at most); error at most {:.3}% of a group's largest weight, {:.3}% of the weights' magnitude on average",
                 q.len(),
-                q[0].format,
+                formats.join(" and "),
                 mib(small),
                 mib(full),
                 mib(model.stash_bytes),
