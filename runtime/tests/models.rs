@@ -58,8 +58,11 @@ fn batches() -> Vec<Tensor> {
     (0..STEPS).map(|_| Tensor::randn([BATCH, D], (Kind::Float, tch::Device::Cpu))).collect()
 }
 
+/// A handle with `budget` bytes beyond what the device holds already (on CUDA, libtorch's own).
 fn handle(budget: u64, hub: Option<Arc<Hub>>) -> Stagehand {
-    let b = Stagehand::builder().budget_bytes(budget).device(common::device());
+    let dev = common::device();
+    let above = if dev.is_cuda() { dev.memory().allocated } else { 0 };
+    let b = Stagehand::builder().budget_bytes(budget + above).device(dev);
     let b = match hub {
         Some(h) => b.bus(Bus::with_hub(h, 1 << 16)),
         None => b,
@@ -124,18 +127,22 @@ fn apart(budget: u64) -> Trained {
 
 #[test]
 fn two_models_on_one_handle_train_as_on_two() {
-    if common::device().is_cuda() {
-        eprintln!("bit-identity is a host-device property: skipped on CUDA");
-        return;
-    }
+    // Bit for bit on the host device; on CUDA within the rounding of kernels that may sum in
+    // another order, and the scheduling checks (exact there) left to the GPU benchmark.
+    let cuda = common::device().is_cuda();
     let budget = 3 << 20;
     let events = Arc::new(Mutex::new(Vec::new()));
     let ((losses, weights), sh) = together(budget, None, Some(events.clone()));
     let (losses2, weights2) = apart(budget);
-    assert_eq!(losses, losses2, "the student's losses, bit for bit");
+    if cuda {
+        assert!(losses.iter().zip(&losses2).all(|(a, b)| (a - b).abs() <= 1e-4 * a.abs()), "{losses:?} against {losses2:?}");
+    } else {
+        assert_eq!(losses, losses2, "the student's losses, bit for bit");
+    }
     assert_eq!(weights.len(), weights2.len());
     for (a, b) in weights.iter().zip(&weights2) {
-        assert!(a.equal(b), "the student's weights, bit for bit");
+        let same = if cuda { a.allclose(b, 1e-4, 1e-6, false) } else { a.equal(b) };
+        assert!(same, "the student's weights");
     }
     assert!(losses.last() < losses.first(), "the student learns: {losses:?}");
 
@@ -177,8 +184,9 @@ fn two_models_on_one_handle_train_as_on_two() {
         assert!(m.models.iter().all(|s| s.loads > 0), "both models stream: {m:?}");
     }
     // Once the step after the traced one has settled the room, the weights move exactly the
-    // Belady minimum of the combined itinerary, each model its own share.
-    for m in &steps[2..] {
+    // Belady minimum of the combined itinerary, each model its own share (on the host device,
+    // where copies land at once; on CUDA the two-models benchmark measures it).
+    for m in steps[2..].iter().filter(|_| !cuda) {
         assert_eq!(m.h2d_bytes, m.min_h2d_bytes, "{m:?}");
         assert!(m.models.iter().all(|s| s.h2d_bytes == s.min_h2d_bytes), "{m:?}");
         // The plan predicted each model's share from the step's usual order (the teacher's
@@ -234,7 +242,8 @@ fn a_finished_models_pool_serves_the_next_without_pinning() {
         opt.wait().expect("host steps");
         losses
     };
-    let first = Stagehand::builder().budget_bytes(3 << 20).device(dev.clone()).build().expect("first");
+    let budget = (3 << 20) + if dev.is_cuda() { dev.memory().allocated } else { 0 };
+    let first = Stagehand::builder().budget_bytes(budget).device(dev.clone()).build().expect("first");
     let _ = train(&first, 5);
     let pool = first.shutdown_keep_pool().expect("keep the pool");
     let held = pool.stats();
@@ -242,12 +251,14 @@ fn a_finished_models_pool_serves_the_next_without_pinning() {
     drop(first);
 
     // The next model (the same shapes) is cut from the handed pool: nothing pinned again.
-    let second = Stagehand::builder().budget_bytes(3 << 20).device(Device::auto(3 << 20)).host_pool(pool.clone()).build().expect("second");
+    let second = Stagehand::builder().budget_bytes(budget).device(Device::auto(3 << 20)).host_pool(pool.clone()).build().expect("second");
     let losses = train(&second, 6);
     let after = pool.stats();
     assert_eq!((after.chunks, after.pinned_bytes), (held.chunks, held.pinned_bytes), "no chunk pinned for the second model");
     assert!(after.served_bytes >= held.served_bytes + after.in_use_bytes, "{held:?} -> {after:?}");
     // And it trains as on a pool of its own.
-    let fresh = Stagehand::builder().budget_bytes(3 << 20).device(Device::auto(3 << 20)).build().expect("fresh");
-    assert_eq!(losses, train(&fresh, 6), "a handed pool changes nothing the model computes");
+    let fresh = Stagehand::builder().budget_bytes(budget).device(Device::auto(3 << 20)).build().expect("fresh");
+    let again = train(&fresh, 6);
+    let cuda = dev.is_cuda();
+    assert!(losses.iter().zip(&again).all(|(a, b)| if cuda { (a - b).abs() <= 1e-4 * a.abs() } else { a == b }), "a handed pool changes nothing the model computes: {losses:?} against {again:?}");
 }

@@ -36,6 +36,11 @@ impl EventSink for Keep {
     }
 }
 
+/// `above` bytes of budget beyond what the device holds already (on CUDA, libtorch's own).
+fn budget(dev: &Device, above: u64) -> u64 {
+    above + if dev.is_cuda() { dev.memory().allocated } else { 0 }
+}
+
 struct Adapted {
     base: Vec<(Box<dyn Module>, Box<dyn Module>)>,
     lora: Vec<(nn::Linear, nn::Linear)>,
@@ -104,7 +109,7 @@ fn train(precision: Precision, format: Option<QuantFormat>, base_values: Option<
     let events = Arc::new(Mutex::new(Vec::new()));
     hub.add_sink(Box::new(Keep(events.clone())));
     let sh = Stagehand::builder()
-        .budget_bytes(BUDGET)
+        .budget_bytes(budget(dev, BUDGET))
         .device(dev.clone())
         .bus(Bus::with_hub(hub, 1 << 16))
         .precision(precision)
@@ -142,11 +147,11 @@ fn train(precision: Precision, format: Option<QuantFormat>, base_values: Option<
 
 #[test]
 fn adapters_over_a_quantized_base_train_exactly_as_over_the_dequantized_base() {
-    let dev = common::device();
-    if dev.is_cuda() {
-        eprintln!("bit-identity is a host-device property (CUDA kernels may order sums differently): skipped on CUDA");
-        return;
-    }
+    // Bit for bit on the host device; on CUDA (a dequantization racing its own payload, or
+    // reading a payload not landed, would show as a base far from the dequantized one) within
+    // the rounding of kernels that may sum in another order.
+    let cuda = common::device().is_cuda();
+    let close = |a: f64, b: f64| if cuda { (a - b).abs() <= 1e-4 * a.abs().max(1e-6) } else { a == b };
     let dir = tempfile::tempdir().expect("dir");
     for (precision, format) in [(Precision::Fp32, QuantFormat::Int8), (Precision::Bf16, QuantFormat::Int8), (Precision::Fp32, QuantFormat::Fp8E4m3)] {
         let q = train(precision, Some(format), None);
@@ -161,9 +166,10 @@ fn adapters_over_a_quantized_base_train_exactly_as_over_the_dequantized_base() {
             assert_eq!(n, m);
             assert!(a.equal(b), "{precision} {format}: base '{n}' is the dequantized one in both runs");
         }
-        assert_eq!(q.losses, full.losses, "{precision} {format}: the losses, bit for bit");
+        assert!(q.losses.iter().zip(&full.losses).all(|(a, b)| close(*a, *b)), "{precision} {format}: the losses {:?} against {:?}", q.losses, full.losses);
         for (a, b) in q.adapters.iter().zip(&full.adapters) {
-            assert!(a.equal(b), "{precision} {format}: the trained adapters, bit for bit");
+            let same = if cuda { a.allclose(b, 1e-4, 1e-6, false) } else { a.equal(b) };
+            assert!(same, "{precision} {format}: the trained adapters");
         }
         assert!(q.losses.last() < q.losses.first(), "{precision} {format}: the adapters learn: {:?}", q.losses);
 
@@ -195,7 +201,7 @@ fn adapters_over_a_quantized_base_train_exactly_as_over_the_dequantized_base() {
 #[test]
 fn trained_weights_are_never_quantized() {
     let dev = common::device();
-    let sh = Stagehand::builder().budget_bytes(BUDGET).device(dev.clone()).build().expect("handle");
+    let sh = Stagehand::builder().budget_bytes(budget(&dev, BUDGET)).device(dev.clone()).build().expect("handle");
     let e = sh.model("student", ModelOptions::trained().quantized(QuantFormat::Int8)).expect_err("a trained model quantized");
     assert!(e.to_string().contains("never quantized"), "{e}");
 
@@ -316,14 +322,20 @@ fn base_values(sh: &Stagehand) -> Vec<(String, Tensor)> {
 fn a_quantized_model_saves_its_payloads_and_loads_them_back_as_they_are() {
     let dir = tempfile::tempdir().expect("dir");
     let file = dir.path().join("base.int8.safetensors");
-    let a = Stagehand::builder().budget_bytes(BUDGET).device(common::device()).build().expect("handle");
+    let a = {
+        let dev = common::device();
+        Stagehand::builder().budget_bytes(budget(&dev, BUDGET)).device(dev).build().expect("handle")
+    };
     let _ma = build_seeded(&a, Some(QuantFormat::Int8), 3);
     a.prepare().expect("plan");
     a.save_quantized(&file).expect("save");
     let reports = a.plan().expect("plan").quantization;
     // Another handle, another base drawn, the file read back as it is: the same payloads, the
     // same reported errors (they were measured against the first base's values).
-    let b = Stagehand::builder().budget_bytes(BUDGET).device(common::device()).build().expect("handle");
+    let b = {
+        let dev = common::device();
+        Stagehand::builder().budget_bytes(budget(&dev, BUDGET)).device(dev).build().expect("handle")
+    };
     let _mb = build_seeded(&b, Some(QuantFormat::Int8), 4);
     let before = base_values(&b);
     let read = b.load_quantized(&file).expect("load");
@@ -332,7 +344,10 @@ fn a_quantized_model_saves_its_payloads_and_loads_them_back_as_they_are() {
     assert!(va.iter().zip(&vb).all(|((n, x), (m, y))| n == m && x.equal(y)), "the file's values");
     assert!(!before.iter().zip(&vb).all(|((_, x), (_, y))| x.equal(y)), "replaced the drawn ones");
     // A model stored otherwise refuses the file's format.
-    let c = Stagehand::builder().budget_bytes(BUDGET).device(common::device()).build().expect("handle");
+    let c = {
+        let dev = common::device();
+        Stagehand::builder().budget_bytes(budget(&dev, BUDGET)).device(dev).build().expect("handle")
+    };
     let _mc = build_seeded(&c, Some(QuantFormat::Fp8E4m3), 4);
     let e = c.load_quantized(&file).expect_err("int8 into fp8");
     assert!(e.to_string().contains("int8") && e.to_string().contains("fp8_e4m3"), "{e}");
