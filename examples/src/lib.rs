@@ -2,5 +2,7 @@
 
 pub mod data;
 pub mod gpt;
+pub mod process;
+pub mod report;
 pub mod trainer;
 pub mod watch;

@@ -38,6 +38,7 @@
 
 mod checkpoint;
 mod forensics;
+mod knobs;
 mod models;
 mod numerics;
 pub mod plan;
@@ -89,6 +90,7 @@ pub struct StagehandBuilder {
     precision: Precision,
     optimizer_state: StateStorage,
     host_pool: Option<crate::device::HostPool>,
+    knobs: knobs::Knobs,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -103,6 +105,7 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("checksums", &self.checksums)
             .field("precision", &self.precision)
             .field("optimizer_state", &self.optimizer_state)
+            .field("knobs", &self.knobs)
             .finish_non_exhaustive()
     }
 }
@@ -158,7 +161,8 @@ impl StagehandBuilder {
         self
     }
 
-    /// Blocks prefetched ahead (default 2); with [`Grouping::Parts`], as many blocks' parts.
+    /// Blocks prefetched ahead (default 2); with [`Grouping::Parts`], as many blocks' parts. 0
+    /// prefetches nothing: each block loads when it is used, a counted miss.
     pub fn prefetch_window(mut self, k: u32) -> Self {
         self.prefetch_window = k;
         self
@@ -240,6 +244,7 @@ impl StagehandBuilder {
         if let Some((below, max)) = self.spill_batches {
             crate::activations::config::check_batches(below, max)?;
         }
+        self.knobs.check()?;
         let device = match self.device {
             Some(d) => d,
             None => Device::auto(budget),
@@ -302,6 +307,7 @@ impl StagehandBuilder {
             budget,
             prefetch_window,
             (self.precision, self.optimizer_state),
+            self.knobs,
             store.table(),
             store.vars(),
         );
@@ -324,6 +330,7 @@ impl StagehandBuilder {
             precision: self.precision,
             optimizer_state: self.optimizer_state,
             tf32_before: tf32,
+            knobs: self.knobs,
             _attached: attached,
         })
     }
@@ -351,6 +358,7 @@ pub struct Stagehand {
     optimizer_state: StateStorage,
     /// Whether TF32 was on before this handle turned it on (put back when it drops).
     tf32_before: Option<bool>,
+    knobs: knobs::Knobs,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
 }
@@ -399,6 +407,7 @@ impl Stagehand {
             precision: Precision::Fp32,
             optimizer_state: StateStorage::Fp32,
             host_pool: None,
+            knobs: knobs::Knobs::default(),
         }
     }
 
@@ -512,7 +521,8 @@ impl Stagehand {
                 // Spills still landing hold their device memory: at most the room above the
                 // high watermark.
                 .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
-                .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                .restore_ahead(self.knobs.restore_lookahead(), plan.restore_allowance_bytes.max(1))
+                .min_slabs_per_class(self.knobs.slabs_per_class.unwrap_or(0))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))

@@ -237,9 +237,15 @@ impl Plan {
                     budget_bytes: budget,
                     minimum_bytes: guide.minimum_bytes,
                     why: format!(
-                        "{why}; from {} the streaming room holds the prefetch window, from {} nothing streams",
+                        "{why}; from {} the streaming room holds the prefetch window, from {} nothing streams{}",
                         mib(guide.full_window_bytes),
-                        mib(guide.resident_bytes)
+                        mib(guide.resident_bytes),
+                        // Sizes that count what the device held: they move with it.
+                        if model.baseline_bytes > 0 {
+                            format!(" (each counting the {} the device held already)", mib(model.baseline_bytes))
+                        } else {
+                            String::new()
+                        }
                     ),
                 })
             }
@@ -305,7 +311,9 @@ impl Plan {
         let largest = model.blocks.iter().map(|b| b.0).max().unwrap_or(0);
         let mut p = Plan {
             budget_bytes: budget,
-            prefetch_window: prefetch_window.max(1),
+            // 0 is honoured (every block loads at its use, a baseline for what prefetching
+            // buys); the room keeps two slots whatever the window.
+            prefetch_window,
             ..Plan::default()
         };
         let available = budget
@@ -400,6 +408,9 @@ impl Plan {
                 p.resident_blocks.len(),
                 mib(p.resident_bytes)
             ));
+            if p.prefetch_window == 0 {
+                p.reasons.push("prefetch window 0: each streamed block loads when it is used (a counted miss)".into());
+            }
         }
         // A quantized streamed block's dequantization stashes the end of its payload in a small
         // device buffer while it runs (transient: freed before the block's layers run).
@@ -469,9 +480,12 @@ impl Plan {
         // The activation pool is sized from what a traced step spills at once, which depends on
         // the model's activations, not on the device's room: a model whose activations are many
         // times the room needs that much pinned memory. The limit only keeps the pool within
-        // half the host memory left (or, where that cannot be read, 8x the device's room).
+        // half the host memory left (or, where that cannot be read, 8x the device's room),
+        // rounded down to a power of two: the memory a host has free moves a little from run to
+        // run, and the plan should not.
         p.pool_limit_bytes = if machine.host_available_bytes > 0 {
-            host_left / 2
+            let half = (host_left / 2).max(1);
+            1u64 << (63 - half.leading_zeros())
         } else {
             8 * activations.max(MIB)
         };
@@ -703,6 +717,17 @@ mod tests {
         assert!(e.to_string().contains("host's available memory"), "{e}");
     }
 
+    #[test]
+    fn a_budget_error_says_what_the_device_held_since_its_sizes_count_it() {
+        let held = ModelFacts { baseline_bytes: 3 * MIB, ..mnist() };
+        let g = Plan::guide(&held, HOST, 2).expect("guide");
+        assert_eq!(g.minimum_bytes - Plan::guide(&mnist(), HOST, 2).expect("guide").minimum_bytes, 3 * MIB, "{g:?}");
+        let e = Plan::derive(g.minimum_bytes - 1, &held, HOST, 2).expect_err("one byte short").to_string();
+        assert!(e.contains("each counting the 3.0 MiB the device held already"), "{e}");
+        let e = Plan::derive(1, &mnist(), HOST, 2).expect_err("too small").to_string();
+        assert!(!e.contains("held already"), "nothing held, nothing said: {e}");
+    }
+
     /// The shape of tch's mnist_conv: two small convolutions, a 4 MiB linear, a small head.
     fn mnist() -> ModelFacts {
         ModelFacts {
@@ -803,5 +828,12 @@ mod tests {
         let unknown = Machine { device_bytes: 80 * GB, host_available_bytes: 0 };
         let p = Plan::derive(16 * MIB, &gpt(8, 800 << 10), unknown, 2).expect("plan");
         assert!(p.pool_limit_bytes > 0 && p.pool_limit_bytes <= 8 * 16 * MIB, "{p:?}");
+        // The host's free memory moves a little from run to run; the plan does not.
+        let limit = |free: u64| {
+            let m = Machine { device_bytes: 80 * GB, host_available_bytes: free };
+            Plan::derive(16 * MIB, &gpt(8, 800 << 10), m, 2).expect("plan").pool_limit_bytes
+        };
+        assert_eq!(limit(22 * GB), limit(22 * GB + 300 * MIB));
+        assert_eq!(limit(22 * GB), 8 * GB, "half of what is left, down to a power of two");
     }
 }

@@ -23,9 +23,9 @@
 //! The file is long because the publish path and the hub's delivery share the queue's bounds and
 //! the drop accounting, which read best side by side.
 
-use super::model::{Event, EventKind, Phase, TransferStepMetrics};
+use super::model::{Event, EventKind, Phase};
 use super::snapshot::Snapshot;
-use super::steps::StepCloser;
+use super::steps::{Closed, StepCloser};
 use crossbeam_queue::ArrayQueue;
 use std::borrow::Borrow;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -274,8 +274,15 @@ impl Shared {
         self.hub.ingest(Event::new(seq, t_ns, step, phase, kind));
     }
 
-    fn ingest_aggregate(&self, at: (u64, Phase), (step, m): (u64, TransferStepMetrics)) {
-        self.ingest_own(at.0, step, at.1, EventKind::TransferStep(m));
+    fn ingest_aggregate(&self, at: (u64, Phase), mut closed: Closed) {
+        // The state the step left behind, as the hub's snapshot has it now.
+        if let Some(c) = &mut closed.counts {
+            c.end = Some(self.hub.with_snapshot(|s| s.end_state()));
+        }
+        let step = closed.step;
+        for kind in closed.kinds() {
+            self.ingest_own(at.0, step, at.1, kind);
+        }
     }
 
     fn dispatch_pending(&self, st: &mut DispatchState) -> usize {

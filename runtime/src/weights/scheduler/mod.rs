@@ -66,8 +66,11 @@ pub(crate) type PtrIndex = Arc<Mutex<BTreeMap<u64, IndexEntry>>>;
 enum StepState {
     /// Between steps.
     Closed,
-    /// A step is open; `backward` once a backward use happened in it.
-    Open { backward: bool },
+    /// A step is open; `backward` once a backward use happened in it, `stepped` once the
+    /// optimizer queued its host steps. Either ends it at the next forward use in layer mode: a
+    /// backward that reads no managed weight (one block whose input needs no gradient, an
+    /// embedding) leaves only the optimizer's step to tell one step from the next.
+    Open { backward: bool, stepped: bool },
     /// Between steps, forwards outside a step (evaluation, sampling): see `eval`.
     Eval,
     /// Shut down: every call fails; `dropped` when the handle that owned the runtime went.
@@ -152,6 +155,10 @@ pub(crate) struct Scheduler {
     models: Vec<ModelEntry>,
     /// Each model's share of the step's copies (when there are several).
     model_steps: Vec<ModelWeightStep>,
+    /// The next block to load, whose host optimizer step was still running when the forward
+    /// reached the block before it: loaded (after waiting for that step) once the block being
+    /// entered has queued its kernels, at its `leave` (see `room::prefetch`).
+    after_leave: Option<BlockId>,
 }
 
 /// A model whose blocks the runtime streams.
@@ -250,6 +257,7 @@ impl Scheduler {
             pool: HostPool::new(&device_for_pool),
             models: vec![ModelEntry { name: MAIN_MODEL.into(), frozen: false, quantize: None }],
             model_steps: Vec::new(),
+            after_leave: None,
         })
     }
 
@@ -526,6 +534,11 @@ impl Scheduler {
     }
 
     /// Switches a frozen, unloaded block to stream from a safetensors file (its host copy goes).
+    /// How file-backed blocks are checked (the configuration's choice).
+    pub(crate) fn file_check(&self) -> super::file::FileCheck {
+        self.cfg.file_check
+    }
+
     pub(crate) fn back_with_file(&mut self, id: BlockId, file: FileSource) -> Result<()> {
         self.check_live()?;
         let b = self.block(id)?;
@@ -582,7 +595,7 @@ impl Scheduler {
                 "end the open step first",
             ));
         }
-        self.state = StepState::Open { backward: false };
+        self.state = StepState::Open { backward: false, stepped: false };
         self.metrics = WeightStepMetrics::default();
         self.model_steps = if self.models.len() > 1 {
             self.models.iter().map(|m| ModelWeightStep { model: m.name.clone(), ..ModelWeightStep::default() }).collect()
@@ -593,6 +606,7 @@ impl Scheduler {
         self.first_entered = None;
         self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
         self.submitted.clear();
+        self.after_leave = None;
         if self.auto_step {
             self.bus.enter_phase(self.step + 1, Phase::Forward);
         }
@@ -642,6 +656,7 @@ impl Scheduler {
             }),
         }
         self.plan_pins()?;
+        self.preload_next_step()?;
         let mem = self.device.memory();
         let (min, model_min) = self.min_h2d_bytes();
         let mut models = std::mem::take(&mut self.model_steps);
@@ -751,9 +766,9 @@ impl Scheduler {
         if self.auto_step {
             match self.state {
                 StepState::Closed => self.begin_step()?,
-                StepState::Open { backward } => {
+                StepState::Open { backward, stepped } => {
                     let again = self.first_entered == Some(id) && self.route.current() != Some(id);
-                    if backward || (again && self.cfg.inference_mode) {
+                    if backward || stepped || (again && self.cfg.inference_mode) {
                         self.end_step()?;
                         self.begin_step()?;
                     }
@@ -779,7 +794,8 @@ impl Scheduler {
         self.timed(|s| {
             s.block(id)?;
             s.residency.release(id)?;
-            s.mark_used(id)
+            s.mark_used(id)?;
+            s.load_after_leave()
         })
     }
 
@@ -806,7 +822,7 @@ impl Scheduler {
                 "the forward and its backward inside one step (Stagehand::train_step with the handle)",
             ));
         }
-        if let StepState::Open { backward } = &mut self.state {
+        if let StepState::Open { backward, .. } = &mut self.state {
             if !*backward && self.auto_step {
                 self.bus.enter_phase(self.step + 1, Phase::Backward);
             }
