@@ -123,6 +123,24 @@ fn a_student_distils_from_a_frozen_teacher_on_one_handle() {
 }
 
 #[test]
+fn adapters_train_over_a_frozen_base_streamed_from_its_file() {
+    let text = run(env!("CARGO_BIN_EXE_file-adapters"), &["40", "--full-check"]);
+    let last = text.lines().last().expect("a summary line");
+    let nums: Vec<f64> = last
+        .trim_start_matches("loss ")
+        .split(" -> ")
+        .map(|s| s.split(';').next().unwrap_or(s).trim().parse().expect("a loss"))
+        .collect();
+    assert!(nums[1] < nums[0] * 0.9, "the adapters learn: {last}");
+    let evictions: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.split("evictions ").nth(1))
+        .filter_map(|s| s.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(!evictions.is_empty() && evictions.iter().all(|e| *e > 0), "blocks stream from the file: {text}");
+}
+
+#[test]
 fn every_example_answers_help_with_its_usage() {
     for bin in [
         env!("CARGO_BIN_EXE_train-before"),
@@ -130,6 +148,7 @@ fn every_example_answers_help_with_its_usage() {
         env!("CARGO_BIN_EXE_inference"),
         env!("CARGO_BIN_EXE_adapter-finetune"),
         env!("CARGO_BIN_EXE_distill"),
+        env!("CARGO_BIN_EXE_file-adapters"),
         env!("CARGO_BIN_EXE_replay"),
         env!("CARGO_BIN_EXE_stagehand-demo"),
     ] {

@@ -30,8 +30,8 @@
 //! max(the resident step with dequantization: every block's payload on the device, dequantized
 //! into a full-width buffer before its forward, then forward and backward; the quantized bytes'
 //! Belady minimum / H2D bandwidth); they are also compared with the bf16 stream at the same room
-//! (`fwd+bwd, telemetry on`), both measured in this command. `SH_VARIANTS=int8,"fwd+bwd,
-//! telemetry on"` runs just those two.
+//! (`fwd+bwd, telemetry on`), both measured in this command: choosing a quantized variant
+//! chooses that stream too, so `SH_VARIANTS=int8` runs just those two.
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench weights`.
 
@@ -55,6 +55,9 @@ use common::{env, weights_of};
 // (12 d² weights, the parameter count of a transformer block), in the three parts that the
 // third-block units stream separately.
 const NONE: Option<&Tensor> = None;
+
+/// The full-width forward+backward stream the quantized variants are compared with.
+const FULL_WIDTH_STREAM: &str = "fwd+bwd, telemetry on";
 
 /// The attention part's output (before its residual): weights 0..4.
 fn attn(w: &[Tensor], x: &Tensor) -> Tensor {
@@ -244,7 +247,7 @@ fn main() -> anyhow::Result<()> {
     let variants = [
         ("fwd+bwd, int8, telemetry on", false, true, false, Units::Blocks, true),
         ("fwd+bwd, fp8, telemetry on", false, true, false, Units::Blocks, true),
-        ("fwd+bwd, telemetry on", false, true, false, Units::Blocks, true),
+        (FULL_WIDTH_STREAM, false, true, false, Units::Blocks, true),
         ("fwd+bwd, bus disabled", false, false, false, Units::Blocks, true),
         ("forward only, telemetry on", true, true, false, Units::Blocks, true),
         ("forward only, Belady only, telemetry on", true, true, false, Units::Blocks, false),
@@ -258,7 +261,11 @@ fn main() -> anyhow::Result<()> {
     ];
     // SH_VARIANTS: run only the variants whose names contain one of these comma-separated parts.
     let only = std::env::var("SH_VARIANTS").ok();
-    let chosen = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
+    let picked = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
+    // A quantized variant is compared with the full-width stream at the same room, in the same
+    // command: choosing one chooses that stream too (`SH_VARIANTS=int8` runs both).
+    let any_quantized = variants.iter().any(|v| quantized(v.0).is_some() && picked(v.0));
+    let chosen = |name: &str| picked(name) || (any_quantized && name == FULL_WIDTH_STREAM);
     let mut results = Vec::new();
     for (i, (name, inference, telemetry, checkpoint, units, pins)) in variants.into_iter().enumerate() {
         if !chosen(name) {
@@ -378,7 +385,7 @@ fn main() -> anyhow::Result<()> {
         println!("resident step with {format} dequantization: {best:.4} s (fwd+bwd, each block dequantized once before its forward)");
         resident_dequant.push((format, best));
     }
-    let bf16_stream = results.iter().find(|r| r.0 == "fwd+bwd, telemetry on").map(|r| r.3.step_s);
+    let bf16_stream = results.iter().find(|r| r.0 == FULL_WIDTH_STREAM).map(|r| r.3.step_s);
     // What no unit size can beat: every byte beyond the room moved once per pass (twice with
     // backward), as if units were infinitely fine.
     let beyond_room = (blocks as u64 * block_bytes as u64).saturating_sub(budget_blocks * block_bytes as u64);
