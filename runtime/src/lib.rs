@@ -30,6 +30,6 @@ pub(crate) mod transfer;
 pub mod weights;
 
 pub use error::{Error, Result};
-pub use precision::{LossScaler, Precision, StateStorage};
+pub use precision::{LossScaler, Precision, QuantFormat, StateStorage};
 #[cfg(feature = "torch")]
 pub use session::{OomReport, Plan, Stagehand, StagehandBuilder, StepReport};
