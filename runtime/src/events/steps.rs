@@ -68,25 +68,31 @@ impl StepCloser {
 /// that sequence numbers stay 1, 2, 3, ... (times are kept; an added event takes the time of the
 /// event that closed its step).
 pub fn close_steps(events: Vec<Event>) -> Vec<Event> {
-    let mut closer = StepCloser::new();
+    // One closer per device lane (a data-parallel run's GPUs step on their own).
+    let mut closers: std::collections::BTreeMap<Option<u32>, StepCloser> = std::collections::BTreeMap::new();
     let mut out = Vec::with_capacity(events.len() + events.len() / 64);
-    let aggregate = |out: &mut Vec<Event>, at: &Event, (step, m): (u64, TransferStepMetrics)| {
-        out.push(Event::new(0, at.t_ns, step, at.phase, EventKind::TransferStep(m)));
+    let aggregate = |out: &mut Vec<Event>, at: &Event, device: Option<u32>, (step, m): (u64, TransferStepMetrics)| {
+        out.push(Event::new(0, at.t_ns, step, at.phase, EventKind::TransferStep(m)).on_device(device));
     };
     let mut last: Option<Event> = None;
     for e in events {
+        let closer = closers.entry(e.device).or_default();
         if let Some(agg) = closer.before(&e) {
-            aggregate(&mut out, &e, agg);
+            aggregate(&mut out, &e, e.device, agg);
         }
         let after = closer.after(&e);
         out.push(e.clone());
         if let Some(agg) = after {
-            aggregate(&mut out, &e, agg);
+            aggregate(&mut out, &e, e.device, agg);
         }
         last = Some(e);
     }
-    if let (Some(agg), Some(at)) = (closer.finish(), last) {
-        aggregate(&mut out, &at, agg);
+    if let Some(at) = last {
+        for (device, closer) in closers.iter_mut() {
+            if let Some(agg) = closer.finish() {
+                aggregate(&mut out, &at, *device, agg);
+            }
+        }
     }
     for (i, e) in out.iter_mut().enumerate() {
         e.seq = i as u64 + 1;

@@ -64,6 +64,15 @@ pub struct ModelFacts {
     /// Elements with a float32 master on the host (trained parameters streamed in 16 bits).
     #[serde(default)]
     pub master_elements: u64,
+    /// Ranks of the data-parallel group this plan is for (0 or 1: one device). In a group the
+    /// trained blocks stream (each rank's host optimizer steps its shard of them) and each
+    /// rank holds its shard's pinned gradients and optimizer state; rank 0 holds the one host
+    /// copy of the weights.
+    #[serde(default)]
+    pub world_size: u32,
+    /// This rank's number in the group.
+    #[serde(default)]
+    pub rank: u32,
 }
 
 /// The machine the plan must fit.
@@ -284,7 +293,9 @@ impl Plan {
         let all: u64 = model.blocks.iter().map(|&(b, t)| cost(b, t)).sum();
         // Under mixed precision a trained block trains on the host against its float32 master:
         // it streams, whatever its size.
-        let may_stay = |trainable: bool| !(trainable && model.precision.is_mixed());
+        // So it does in a data-parallel group, where the host optimizer steps each rank's shard.
+        let world = u64::from(model.world_size.max(1));
+        let may_stay = |trainable: bool| !(trainable && (model.precision.is_mixed() || world > 1));
         if all <= usable / 2 && model.blocks.iter().all(|b| may_stay(b.1)) {
             p.resident_blocks = (0..model.blocks.len()).collect();
             p.resident_bytes = all;
@@ -308,8 +319,13 @@ impl Plan {
                 .enumerate()
                 .filter(|(i, b)| b.1 && !p.resident_blocks.contains(i))
                 .count() as u64;
-            // The block backward is leaving and the one it works on hold device gradients.
+            // The block backward is leaving and the one it works on hold device gradients; in a
+            // group, two of their reductions in flight too, each a bucket of the block's
+            // gradients and this rank's shard of the sum.
             p.gradient_bytes = streamed_trainable.min(2) * largest;
+            if world > 1 {
+                p.gradient_bytes += streamed_trainable.min(2) * (largest + largest.div_ceil(world));
+            }
             let left = usable.saturating_sub(p.resident_bytes + p.gradient_bytes);
             let streamed = model.blocks.len() - p.resident_blocks.len();
             let want = (left as f64 * WEIGHT_SHARE) as u64 / largest.max(1);
@@ -397,13 +413,23 @@ impl Plan {
         p.hard_cap_bytes = budget + budget / 10;
         p.h2d_slots = p.max_inflight_h2d + p.max_inflight_restores;
         p.d2h_slots = p.max_inflight_spills + 8;
-        let weights_host: u64 = model.blocks.iter().map(|b| b.0).sum();
-        let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum();
+        // In a group rank 0 holds the one host copy (weights and masters), and each rank its
+        // shard of the pinned gradients and of the optimizer state.
+        let holds_copy = u64::from(model.rank == 0);
+        let weights_host: u64 = model.blocks.iter().map(|b| b.0).sum::<u64>() * holds_copy;
+        let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum::<u64>().div_ceil(world);
         p.pinned_bytes = weights_host + grads_host;
         // Facts from before the element counts (serde default): each trained byte a float32.
-        let trained = if model.trained_elements > 0 { model.trained_elements } else { grads_host / 4 };
+        let trained = if model.trained_elements > 0 { model.trained_elements.div_ceil(world) } else { grads_host / 4 };
         p.optimizer_state_bytes = (trained as f64 * model.state_storage.bytes_per_param(state)).ceil() as u64;
-        p.master_bytes = model.master_elements * 4;
+        p.master_bytes = model.master_elements * 4 * holds_copy;
+        if world > 1 {
+            p.reasons.push(format!(
+                "rank {} of a data-parallel group of {world}: trained blocks stream from the one host copy{}; this rank's host optimizer steps its shard of each",
+                model.rank,
+                if model.rank == 0 { " (this rank's)" } else { " (rank 0's)" }
+            ));
+        }
         let host_need = p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes;
         let host_left = machine.host_available_bytes.saturating_sub(host_need);
         // The activation pool is sized from what a traced step spills at once, which depends on

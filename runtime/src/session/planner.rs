@@ -21,6 +21,8 @@ pub(super) struct Planner {
     vars: Arc<Mutex<tch::nn::Variables>>,
     /// Optimizer state per trainable byte, from the optimizer made (Adam's 2 until then).
     state_factor: AtomicU64,
+    /// This rank's number and its group's size ((0, 1) on one device).
+    group: (u32, u32),
     plan: Mutex<Option<Plan>>,
 }
 
@@ -40,6 +42,7 @@ impl Planner {
         precision: (Precision, StateStorage),
         table: Arc<Table>,
         vars: Arc<Mutex<tch::nn::Variables>>,
+        group: (u32, u32),
     ) -> Arc<Planner> {
         let p = Arc::new(Planner {
             device,
@@ -48,6 +51,7 @@ impl Planner {
             precision,
             table,
             vars,
+            group,
             state_factor: AtomicU64::new(2),
             plan: Mutex::new(None),
         });
@@ -99,6 +103,8 @@ impl Planner {
             state_storage: self.precision.1,
             trained_elements: elements(|p| p.trainable),
             master_elements: elements(|p| p.has_master()),
+            rank: self.group.0,
+            world_size: self.group.1,
         };
         let machine = Machine {
             // The host device's "memory" is the budget itself (checked against the host's

@@ -27,6 +27,34 @@ pub(crate) struct HostCopy {
     pub buf: Arc<HostBuffer>,
 }
 
+impl HostCopy {
+    /// A new host copy of `params` in `spec`'s layout (pinned on CUDA), with a float32 master
+    /// for each trained 16-bit parameter.
+    fn of(spec: &BlockSpec, params: &[(String, Tensor)], device: &Device) -> Result<HostCopy> {
+        let buf = device.alloc_host(spec.bytes)?;
+        let mut views = Vec::with_capacity(params.len());
+        let mut masters = Vec::with_capacity(params.len());
+        for (p, (_, var)) in spec.params.iter().zip(params) {
+            let mut view = host_view(&buf, p)?;
+            // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
+            tch::no_grad(|| view.f_copy_(var))?;
+            views.push(view);
+            masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
+        }
+        Ok(HostCopy { views, masters, buf: Arc::new(buf) })
+    }
+
+    /// The same copy, for another rank of a data-parallel group (one host copy for all: the
+    /// buffer is shared, the views and masters are handles of the same memory).
+    pub(crate) fn share(&self) -> HostCopy {
+        HostCopy {
+            views: self.views.iter().map(Tensor::shallow_clone).collect(),
+            masters: self.masters.iter().map(|m| m.as_ref().map(Tensor::shallow_clone)).collect(),
+            buf: self.buf.clone(),
+        }
+    }
+}
+
 /// Where a block's canonical values live.
 pub(crate) enum Source {
     Host(HostCopy),
@@ -72,8 +100,11 @@ pub(crate) struct Block {
     /// Recorded on the compute stream right after the kernels of the block's latest use were
     /// queued: its slot may be refilled once this completes (not everything queued since).
     pub last_use: Option<crate::device::StreamEvent>,
-    /// Host gradients of trainable parameters (streamed trainable blocks).
+    /// Host gradients of trainable parameters (streamed trainable blocks). In a data-parallel
+    /// group each one views its piece of `shard` and has no buffer of its own.
     pub grads: Vec<ParamGrad>,
+    /// A data-parallel rank's shard of the reduced gradients (see `super::shard`).
+    pub shard: Option<super::shard::ShardGrad>,
     /// Sets the device gradients of the trainable parameters to none (libtorch's
     /// `zero_grad(set_to_none)`), so flushed gradients free their memory at once.
     pub grad_release: Option<COptimizer>,
@@ -83,28 +114,52 @@ impl Block {
     /// A module-backed block: copies `params` into a new host buffer and leaves the variables
     /// pointing at placeholders on `device` until the block is first needed.
     pub(crate) fn from_module(spec: BlockSpec, params: Vec<(String, Tensor)>, device: &Device) -> Result<Block> {
-        let buf = device.alloc_host(spec.bytes)?;
-        let mut views = Vec::with_capacity(params.len());
-        let mut masters = Vec::with_capacity(params.len());
-        for (p, (_, var)) in spec.params.iter().zip(&params) {
-            let mut view = host_view(&buf, p)?;
-            // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
-            tch::no_grad(|| view.f_copy_(var))?;
-            views.push(view);
-            masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
-        }
+        Block::make(spec, params, device, None, None)
+    }
+
+    /// A block of rank `rank` of a data-parallel group of `world`: the host copy `shared` (rank
+    /// 0's, which every rank streams from) or a new one (rank 0), and for its trained parameters
+    /// a pinned buffer for this rank's shard of their reduced gradients alone.
+    pub(crate) fn for_rank(
+        spec: BlockSpec,
+        params: Vec<(String, Tensor)>,
+        device: &Device,
+        shared: Option<HostCopy>,
+        (rank, world): (usize, usize),
+    ) -> Result<Block> {
+        let shard = super::shard::ShardLayout::new(&spec, rank, world)?;
+        Block::make(spec, params, device, shared, shard)
+    }
+
+    fn make(
+        spec: BlockSpec,
+        params: Vec<(String, Tensor)>,
+        device: &Device,
+        shared: Option<HostCopy>,
+        shard: Option<super::shard::ShardLayout>,
+    ) -> Result<Block> {
+        let host = match shared {
+            Some(h) => h,
+            None => HostCopy::of(&spec, &params, device)?,
+        };
+        let shard = shard.map(|l| super::shard::ShardGrad::new(l, device)).transpose()?;
         let mut grads = Vec::new();
         let mut grad_release = None;
         for (i, (p, (_, var))) in spec.params.iter().zip(&params).enumerate() {
             if !p.trainable {
                 continue;
             }
-            let gbuf = device.alloc_host(p.bytes.max(1))?;
-            let view = param_tensor(&gbuf, 0, &p.shape, p.kind)?;
+            let (view, buf) = match &shard {
+                Some(s) => (s.piece_view(i)?, None),
+                None => {
+                    let gbuf = device.alloc_host(p.bytes.max(1))?;
+                    (param_tensor(&gbuf, 0, &p.shape, p.kind)?, Some(gbuf))
+                }
+            };
             grads.push(ParamGrad {
                 param: i,
                 view,
-                buf: Some(gbuf),
+                buf,
                 received: false,
             });
             let opt = match &mut grad_release {
@@ -127,15 +182,12 @@ impl Block {
             spec,
             vars,
             placeholders,
-            source: Source::Host(HostCopy {
-                views,
-                masters,
-                buf: Arc::new(buf),
-            }),
+            source: Source::Host(host),
             placement: None,
             resident: false,
             last_use: None,
             grads,
+            shard,
             grad_release,
         })
     }

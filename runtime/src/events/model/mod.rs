@@ -370,6 +370,10 @@ pub struct Event {
     pub step: u64,
     /// The phase of that step.
     pub phase: Phase,
+    /// The device the event comes from, in a data-parallel run (each GPU its own lane, with its
+    /// own step and phase); absent in a run on one device and in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<u32>,
     /// What happened.
     #[serde(flatten)]
     pub kind: EventKind,
@@ -384,8 +388,15 @@ impl Event {
             t_ns,
             step,
             phase,
+            device: None,
             kind,
         }
+    }
+
+    /// The event, from `device`'s lane.
+    pub fn on_device(mut self, device: Option<u32>) -> Event {
+        self.device = device;
+        self
     }
 }
 

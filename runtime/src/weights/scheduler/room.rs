@@ -83,6 +83,9 @@ impl Scheduler {
     pub(super) fn reap(&mut self) {
         self.loads.reap(&self.loader);
         self.grads.reap(&mut self.blocks);
+        if let Some(r) = &mut self.rank {
+            r.reduce.reap(&mut self.blocks);
+        }
     }
 
     /// Makes `id` usable now: a hit when it is on the device or landing, a counted miss (a demand
@@ -154,7 +157,7 @@ impl Scheduler {
             {
                 continue;
             }
-            if self.stepper.as_ref().is_some_and(|s| s.is_pending(b)) {
+            if self.update_pending(b) {
                 continue;
             }
             let why = if i == 0 { Load::Next } else { Load::Ahead };
@@ -170,20 +173,18 @@ impl Scheduler {
     /// no staging slab is free, or its host copy is being updated).
     pub(super) fn load(&mut self, id: BlockId, why: Load, distance: Option<usize>) -> Result<bool> {
         let demand = why == Load::Demand;
-        if let Some(s) = self.stepper.clone() {
-            if s.is_pending(id) {
-                if !demand {
-                    return Ok(false);
-                }
-                // What the wait costs is the compute stream's idle time during it.
-                let probe = self.device.idle_probe()?;
-                let t0 = std::time::Instant::now();
-                s.wait(id)?;
-                if crate::optim::stepper::trace_on() {
-                    eprintln!("TRACE load-wait block {id} at {:.1} ms waited {:.2}", crate::optim::stepper::since_epoch(t0), t0.elapsed().as_secs_f64() * 1e3);
-                }
-                self.update_waits.push(probe.end(&self.device)?);
+        if self.update_pending(id) {
+            if !demand {
+                return Ok(false);
             }
+            // What the wait costs is the compute stream's idle time during it.
+            let probe = self.device.idle_probe()?;
+            let t0 = std::time::Instant::now();
+            self.wait_update(id)?;
+            if crate::optim::stepper::trace_on() {
+                eprintln!("TRACE load-wait block {id} at {:.1} ms waited {:.2}", crate::optim::stepper::since_epoch(t0), t0.elapsed().as_secs_f64() * 1e3);
+            }
+            self.update_waits.push(probe.end(&self.device)?);
         }
         if self.blocks[id.0 as usize].resident {
             return self.load_resident(id);
@@ -435,7 +436,11 @@ impl Scheduler {
         }
         if !self.blocks[id.0 as usize].grads.is_empty() {
             self.residency.transition(id, BlockState::Evicting, &self.bus)?;
-            self.flush_grads(id)?;
+            // In a group the ranks reduce in the model's order, not in an eviction's (whose
+            // timing differs from rank to rank): the gradients wait on the device for it.
+            if self.rank.is_none() {
+                self.flush_grads(id)?;
+            }
         } else {
             self.residency.transition(id, BlockState::GpuFreeing, &self.bus)?;
         }
