@@ -193,3 +193,46 @@ fn panel_series_exist_from_the_first_scrape() {
     }
     assert_eq!(value(&s, "stagehand_conductor_denials_total", &[]), 0.0);
 }
+
+#[test]
+fn each_device_of_a_data_parallel_run_has_its_series() {
+    use stagehand::events::model::{DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, TransferId};
+    let started = Event::new(
+        1,
+        0,
+        0,
+        Phase::Idle,
+        EventKind::RunStarted {
+            run_id: "r".into(),
+            wall_clock_unix_ms: 0,
+            device: DeviceInfo { kind: DeviceKind::Cuda, index: 0, name: "NVIDIA H100".into(), total_bytes: 80 << 30 },
+            model: "m".into(),
+            versions: Default::default(),
+            config: serde_json::Value::Null,
+        },
+    );
+    let mut events = vec![started];
+    for (seq, (device, bytes)) in [(0u32, 1000u64), (1, 3000), (1, 500)].into_iter().enumerate() {
+        let id = TransferId(seq as u64);
+        let kind = EventKind::TransferCompleted { id, dir: Direction::Collective, owner: Owner::Weights, bytes, duration_ms: Some(1.0) };
+        events.push(Event::new(seq as u64 + 2, 10, 1, Phase::Backward, kind).on_device(Some(device)));
+    }
+    let mut sink = Metrics::new();
+    for e in &events {
+        sink.on_event(e);
+    }
+    let text = sink.render().expect("renders");
+    let s = scrape(&text);
+    for (device, bytes) in [("0", 1000.0), ("1", 3500.0)] {
+        let labels = [("direction", "collective"), ("device", device), ("device_name", "NVIDIA H100")];
+        assert_eq!(value(&s, "stagehand_transfer_bytes_total", &labels), bytes, "device {device}");
+    }
+    // One family per name, one series per label set.
+    let mut seen = std::collections::HashSet::new();
+    for x in &s.samples {
+        let mut labels: Vec<String> = x.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        assert!(seen.insert((x.metric.clone(), labels.join(","))), "duplicate series {} {:?}", x.metric, x.labels);
+    }
+    assert_eq!(text.matches("# TYPE stagehand_transfer_bytes_total ").count(), 1);
+}

@@ -19,7 +19,7 @@ use tch::{Kind, Tensor};
 mod common;
 use common::rng;
 
-const D: i64 = 32;
+const D: i64 = 33;
 const LAYERS: i64 = 4;
 const OUT: i64 = 4;
 /// The global batch: each of two ranks (or micro-batches) takes half.

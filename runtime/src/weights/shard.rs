@@ -7,10 +7,13 @@
 //! `r`, copies it to its pinned host buffer (the only copy of it that crosses PCIe), and its host
 //! optimizer steps the pieces of the parameters inside that shard, writing the shared host copy.
 //!
-//! Why the alignment: a shard boundary inside a parameter then lies a multiple of
-//! [`SHARD_ALIGN`] elements after the parameter's start, so the CPU kernels that step a piece
-//! group its elements into vectors exactly as they group the whole parameter's, and a sharded
-//! step computes the bits of a whole one.
+//! The host optimizer's updates are elementwise, so a piece steps to the bits the whole
+//! parameter would. Why the alignment then: a shard boundary inside a parameter lies a multiple
+//! of [`SHARD_ALIGN`] elements after the parameter's start, so the CPU kernels that step a piece
+//! group its elements into vectors exactly as they group the whole parameter's (their vector
+//! body and scalar tail may round differently where a build fuses multiply-adds in one and not
+//! the other). With libtorch 2.11 here, odd boundaries gave the same bits too (measured with
+//! the alignment set to 1); the alignment keeps that from depending on the build.
 
 use super::block::param_tensor;
 use super::registry::BlockSpec;

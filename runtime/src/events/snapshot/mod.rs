@@ -16,6 +16,7 @@
 
 mod activations;
 mod conductor;
+pub mod lanes;
 mod memory;
 mod pools;
 mod run;
@@ -27,6 +28,7 @@ mod weights;
 #[cfg(test)]
 mod tests;
 
+pub use lanes::{Lane, LaneMemory};
 pub use tally::Tallies;
 pub use views::*;
 
@@ -58,6 +60,8 @@ pub enum Refusal {
     PoolClassOutOfRange,
     /// An itinerary, window or class list longer than [`MAX_LIST`] or [`MAX_POOL_CLASSES`].
     ListTooLong,
+    /// An event of a device beyond [`lanes::MAX_LANES`] lanes.
+    TooManyDevices,
 }
 
 impl Refusal {
@@ -68,6 +72,7 @@ impl Refusal {
             Refusal::UnknownBlock => "unknown_block",
             Refusal::PoolClassOutOfRange => "pool_class_out_of_range",
             Refusal::ListTooLong => "list_too_long",
+            Refusal::TooManyDevices => "too_many_devices",
         }
     }
 }
@@ -150,6 +155,13 @@ pub struct Snapshot {
     /// The reducer's bookkeeping for totals (see the `tally` module).
     #[serde(default)]
     pub tallies: Tallies,
+    /// A data-parallel run's devices, each its lane (see the `lanes` module); empty for a run
+    /// on one device.
+    #[serde(default)]
+    pub lanes: BTreeMap<u32, Lane>,
+    /// The device the other domains follow in a data-parallel run: the first one seen.
+    #[serde(default)]
+    pub first_device: Option<u32>,
 }
 
 /// Position of each block id in `Snapshot::blocks`. Compares equal to any other index: it is
@@ -308,6 +320,11 @@ impl Snapshot {
         self.t_ns = self.t_ns.max(e.t_ns);
         self.step = self.step.max(e.step);
         bump(&mut self.event_counts, e.kind.name());
+        if let Some(d) = e.device {
+            if !lanes::apply(self, d, e) {
+                return;
+            }
+        }
 
         use EventKind::*;
         match &e.kind {
