@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
 use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce_with, demo_budget, train, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
+use stagehand_examples::trainer::{announce_with, demo_budget, train, train_group, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand::{Precision, StateStorage};
 use stagehand_web::cli::ServeArgs;
 use std::path::{Path, PathBuf};
@@ -60,6 +60,11 @@ struct Args {
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
+    /// Train data parallel on this many GPUs (CUDA devices 0..N; without CUDA, or with --cpu,
+    /// N simulated host devices), each under the budget, on its slice of the batch, all streaming
+    /// from one host copy of the model. The batch is the global batch (a multiple of N).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    gpus: u64,
     /// What the run computes and updates in: fp32, tf32 (float32 storage, TF32 matmuls on
     /// CUDA), bf16 or fp16 (16-bit weights and gradients on the device and over PCIe, float32
     /// masters and optimizer state on the host; fp16 with dynamic loss scaling), or auto: bf16
@@ -134,6 +139,10 @@ fn main() -> Result<()> {
     let asked = args.budget_mib.unwrap_or(DEMO_DEFAULTS.budget_mib);
     let asked = asked.checked_mul(1 << 20).context("--budget-mib is too large")?;
     let device = if args.cpu { Device::host(asked) } else { Device::auto(asked) };
+    let gpus = args.gpus as usize;
+    if gpus > 1 && args.resident {
+        anyhow::bail!("--resident trains plain tch on one device: leave out --gpus {gpus}");
+    }
     let above = args.budget_mib.is_none().then(|| DEMO_DEFAULTS.budget_above(&device));
     let budget = demo_budget(&device, above)?.unwrap_or(asked);
     let info = device.info();
@@ -188,12 +197,25 @@ fn main() -> Result<()> {
         .unwrap_or_default();
     let described = serde_json::json!({ "telemetry": &tcfg, "guards": args.guards, "checksums": args.checksums });
 
+    // The devices of a data-parallel run: the GPUs when CUDA is here (all N of them, or an
+    // error), else N simulated host devices.
+    let group_devices = (gpus > 1).then(|| -> Result<Vec<Device>> {
+        Ok(if device.is_cuda() { stagehand::parallel::Devices::cuda(gpus)? } else { stagehand::parallel::Devices::host(gpus, budget) })
+    });
+    let group_devices = group_devices.transpose()?;
     println!("stagehand demo: {}", cfg.describe());
     println!(
-        "  device     {}{}",
+        "  device     {}{}{}",
         info.name,
-        if info.host_simulated() { " (no CUDA: VRAM is simulated on the host)" } else { "" }
+        if info.host_simulated() { " (no CUDA: VRAM is simulated on the host)" } else { "" },
+        if gpus > 1 { format!(", {gpus} of them: data parallel, each its slice of the batch, one host copy of the model") } else { String::new() }
     );
+    if gpus > 1 && device.is_cuda() {
+        match stagehand::parallel::nccl_version() {
+            Ok(v) => println!("  nccl       {v}"),
+            Err(e) => anyhow::bail!("{e}"),
+        }
+    }
     println!(
         "  precision  {}{}{}",
         precision,
@@ -238,8 +260,10 @@ fn main() -> Result<()> {
         Memory::Resident => println!("  memory     resident: plain tch, no streaming, no spilling (--resident)"),
         Memory::Stagehand => {
             println!(
-                "  memory     one Stagehand handle with a {:.0} MiB budget; the plan follows the first step",
-                mib(budget)
+                "  memory     {} with a {:.0} MiB budget{}; the plan follows the first step",
+                if gpus > 1 { "a Stagehand handle per GPU" } else { "one Stagehand handle" },
+                mib(budget),
+                if gpus > 1 { " each" } else { "" }
             );
             if !cfg.conductor {
                 println!("  conductor  off (--no-conductor)");
@@ -258,14 +282,31 @@ fn main() -> Result<()> {
             bar.println("  step 1 traced the itinerary and sized the pools");
         }
     };
-    let summary = match cfg.memory {
-        Memory::Resident => {
+    let mut ranks = Vec::new();
+    let summary = match (cfg.memory, group_devices) {
+        (Memory::Stagehand, Some(devices)) => {
+            let (b, c, d) = (bus.clone(), cfg.clone(), device.clone());
+            // Rank 0 drives the progress bar (the ranks step together).
+            let on_rank_step = |rank: usize, step: u64, loss: f64, dt: f64| {
+                if rank == 0 {
+                    on_step(step, loss, dt);
+                }
+            };
+            ranks = train_group(&cfg, devices, &bus, on_rank_step, move |builder| {
+                builder.telemetry(tcfg).guards(args.guards).checksums(args.checksums).attach(move |_| {
+                    announce_with(&b, &c, &d, &run_id, described);
+                    Ok(Box::new(()))
+                })
+            })?;
+            ranks.first().map(|r| r.summary.clone()).context("a group of no ranks")?
+        }
+        (Memory::Resident, _) => {
             // No handle: the telemetry is attached to the bus directly.
             let _t = telemetry::attach(&bus, tcfg).context("attaching the telemetry")?;
             announce_with(&bus, &cfg, &device, &run_id, described);
             train(&cfg, &device, &bus, on_step)?
         }
-        Memory::Stagehand => {
+        (Memory::Stagehand, None) => {
             let (b, c, d) = (bus.clone(), cfg.clone(), device.clone());
             train_stagehand(&cfg, &device, &bus, on_step, move |builder| {
                 // The handle attaches the telemetry first; `run_started` follows, before the
@@ -331,6 +372,21 @@ fn main() -> Result<()> {
                 t.d2h_wait_ms,
                 t.weight_stall_ms + t.restore_stall_ms,
                 t.optimizer_ms
+            );
+        }
+        // Each GPU of a data-parallel run: its own lane (the lines above are GPU 0's).
+        for r in &ranks {
+            let lane = snap.lanes.get(&r.device);
+            let moved = lane.map(|l| l.transfers).unwrap_or_default();
+            let coll: f64 = r.weights.iter().skip(1).map(|w| w.collective_ms).sum::<f64>() / r.weights.len().saturating_sub(1).max(1) as f64;
+            println!(
+                "  GPU {}      {:.1} ms/step, peak {:.1} MiB; moved {:.1} MiB H2D, {:.1} MiB D2H; collectives {:.1} MiB reduced, {coll:.2} ms a step on the device",
+                r.device,
+                r.summary.steady_step_s() * 1e3,
+                mib(r.summary.peak_bytes),
+                mib(moved.h2d.bytes),
+                mib(moved.d2h.bytes),
+                mib(moved.collective.bytes)
             );
         }
     }
