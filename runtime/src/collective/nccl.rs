@@ -50,6 +50,7 @@ struct Lib {
     comm_init_rank_config: CommInitRankConfig,
     comm_get_async_error: CommGetAsyncError,
     comm_abort: CommOp,
+    comm_finalize: CommOp,
     comm_destroy: CommOp,
     reduce_scatter: Collective,
     all_reduce: Collective,
@@ -119,6 +120,7 @@ fn load() -> std::result::Result<Lib, String> {
                 comm_init_rank_config: std::mem::transmute::<*mut c_void, CommInitRankConfig>(sym("ncclCommInitRankConfig")?),
                 comm_get_async_error: std::mem::transmute::<*mut c_void, CommGetAsyncError>(sym("ncclCommGetAsyncError")?),
                 comm_abort: std::mem::transmute::<*mut c_void, CommOp>(sym("ncclCommAbort")?),
+                comm_finalize: std::mem::transmute::<*mut c_void, CommOp>(sym("ncclCommFinalize")?),
                 comm_destroy: std::mem::transmute::<*mut c_void, CommOp>(sym("ncclCommDestroy")?),
                 reduce_scatter: std::mem::transmute::<*mut c_void, Collective>(sym("ncclReduceScatter")?),
                 all_reduce: std::mem::transmute::<*mut c_void, Collective>(sym("ncclAllReduce")?),
@@ -220,6 +222,14 @@ impl Comm {
             // SAFETY: a live communicator, no other call in progress (the write lock).
             unsafe { (lib.comm_abort)(h.0) };
         }
+    }
+
+    /// Starts flushing the communicator's work before it is destroyed (non-blocking: its state
+    /// leaves "in progress" when done).
+    fn finalize(&self, faults: &Faults) -> Result<Status> {
+        let lib = library()?;
+        // SAFETY: a live communicator (the read lock), no other call on it in progress.
+        self.with(faults, |h| unsafe { (lib.comm_finalize)(h) })
     }
 
     /// Frees the communicator after a run whose collectives all completed.
@@ -506,9 +516,19 @@ impl Transport for NcclTransport {
     fn close(&self) {
         if self.faults.is_raised() {
             self.comm.abort();
-        } else {
-            let _ = self.device.synchronize();
-            self.comm.destroy();
+            return;
+        }
+        let _ = self.device.synchronize();
+        // A non-blocking communicator is finalized (and that awaited) before it is destroyed.
+        let finalized = match self.comm.finalize(&self.faults) {
+            Ok(SUCCESS) => Ok(()),
+            Ok(IN_PROGRESS) => self.settle(&format!("rank {}: finalizing the communicator", self.rank)),
+            Ok(s) => Err(Error::Nccl { what: "ncclCommFinalize".into(), message: library().map(|l| l.message(s)).unwrap_or_default() }),
+            Err(e) => Err(e),
+        };
+        match finalized {
+            Ok(()) => self.comm.destroy(),
+            Err(_) => self.comm.abort(),
         }
     }
 }

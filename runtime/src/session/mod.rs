@@ -301,6 +301,12 @@ impl StagehandBuilder {
     ) -> Result<Stagehand> {
         self.device = Some(device);
         self.bus = Some(bus);
+        // Each rank's host optimizer steps its shard on its own threads: a share of the cores,
+        // not every core each (N workers of every core each would contend for them).
+        if self.optimizer_threads.is_none() && member.world > 1 {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            self.optimizer_threads = Some((cores / member.world).max(1));
+        }
         self.build_inner(Some((member, model)))
     }
 

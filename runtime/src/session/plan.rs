@@ -568,6 +568,26 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_of_a_group_streams_its_trained_blocks_and_holds_its_share_of_the_host_state() {
+        let model = gpt(4, 50 * MIB);
+        let one = Plan::derive(16 * GB, &model, HOST, 2).expect("plan");
+        assert!(!one.streams(), "on one device the model stays resident");
+        for (rank, world) in [(0u32, 2u32), (1, 2), (3, 4)] {
+            let ranked = ModelFacts { rank, world_size: world, ..model.clone() };
+            let p = Plan::derive(16 * GB, &ranked, HOST, 2).expect("plan");
+            assert!(p.streams() && p.resident_blocks.is_empty(), "rank {rank} of {world}: trained blocks stream: {p:?}");
+            // Two blocks' gradients, and two reductions in flight (a bucket and its shard each).
+            let largest = 50 * MIB;
+            assert_eq!(p.gradient_bytes, 2 * largest + 2 * (largest + largest.div_ceil(u64::from(world))));
+            let weights: u64 = model.blocks.iter().map(|b| b.0).sum();
+            let grads = weights.div_ceil(u64::from(world));
+            let copy = if rank == 0 { weights } else { 0 };
+            assert_eq!(p.pinned_bytes, copy + grads, "rank {rank}: the one host copy on rank 0, a shard of the gradients each");
+            assert!(p.reasons.iter().any(|r| r.contains(&format!("rank {rank} of a data-parallel group of {world}"))), "{:?}", p.reasons);
+        }
+    }
+
+    #[test]
     fn impossible_budgets_are_clear_errors() {
         let block = 100 * MIB;
         for budget in [0, 1, 2 * MIB, 300 * MIB] {
