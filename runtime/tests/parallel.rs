@@ -109,7 +109,10 @@ fn one_device(precision: Precision, data: &[(Vec<f32>, Vec<f32>)]) -> (Vec<f64>,
 }
 
 /// Two simulated devices, each its half of the global batch: each rank's losses and values.
-fn two_devices(precision: Precision, data: &[(Vec<f32>, Vec<f32>)], bus: Option<stagehand::events::Bus>) -> Vec<(Vec<f64>, HashMap<String, Vec<f32>>)> {
+/// A rank's losses and final values.
+type Trained = (Vec<f64>, HashMap<String, Vec<f32>>);
+
+fn two_devices(precision: Precision, data: &[(Vec<f32>, Vec<f32>)], bus: Option<stagehand::events::Bus>) -> Vec<Trained> {
     let mut b = builder(precision).devices(Devices::host(2, BUDGET)).collective_timeout(Duration::from_secs(120));
     if let Some(bus) = bus {
         b = b.bus(bus);

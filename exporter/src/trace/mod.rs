@@ -139,6 +139,9 @@ fn pid_of(e: &Event) -> u64 {
     }
 }
 
+/// A copy's transfer id, direction, owner and process.
+type CopyKey = (u64, Direction, Owner, u64);
+
 /// The converter's state: everything in it is bounded, whatever the input's size.
 struct Converter<W: Write> {
     out: W,
@@ -146,7 +149,8 @@ struct Converter<W: Write> {
     named: bool,
     /// By process id.
     tracks: BTreeMap<u64, Tracks>,
-    pending: HashMap<(u64, Direction, Owner, u64), Vec<(u64, String)>>,
+    /// Issued copies by (id, direction, owner, process): their issue times and subjects.
+    pending: HashMap<CopyKey, Vec<(u64, String)>>,
     pending_n: usize,
     unpaired: u64,
     last_t: u64,

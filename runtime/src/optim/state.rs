@@ -139,7 +139,6 @@ impl Optimizer {
 
     /// Gathers every rank's state on rank 0, which writes it; every rank learns whether it did.
     fn save_state_group(&self, m: &crate::collective::Membership, path: &Path) -> Result<()> {
-        type Piece = (String, ParamState, Option<(i64, i64, Vec<i64>)>);
         let mine: Vec<Piece> = self
             .states()?
             .into_iter()
@@ -315,10 +314,14 @@ impl Optimizer {
     }
 }
 
+/// A rank's state of one variable: its name, the state, and for a streamed parameter the piece
+/// the rank steps (offset in the parameter, elements, the parameter's shape).
+type Piece = (String, ParamState, Option<(i64, i64, Vec<i64>)>);
+
 /// Whole parameters' state from every rank's pieces (in rank order): each streamed parameter's
 /// pieces put back at their offsets (then given its shape), each other variable's state taken
 /// from the first rank that has it (every rank holds the same).
-fn assemble(ranks: Vec<Vec<(String, ParamState, Option<(i64, i64, Vec<i64>)>)>>) -> Result<Vec<(String, ParamState)>> {
+fn assemble(ranks: Vec<Vec<Piece>>) -> Result<Vec<(String, ParamState)>> {
     let mut out: Vec<(String, ParamState, Option<Vec<i64>>)> = Vec::new();
     let mut at_index: HashMap<String, usize> = HashMap::new();
     for (name, st, piece) in ranks.into_iter().flatten() {
