@@ -9,8 +9,9 @@ use stagehand::events::*;
 use std::collections::VecDeque;
 use std::time::Duration;
 
-/// Raw events kept for the Events view.
-pub const RECENT_EVENTS: usize = 4096;
+/// Raw events kept for the Events view and its filter (a few hundred steps of a full-detail
+/// demo run; about 10 MiB at most). The view says which sequence numbers it searches.
+pub const RECENT_EVENTS: usize = 1 << 16;
 
 /// What a source hands the state. The state cannot tell which source it came from.
 #[derive(Debug, Clone, PartialEq)]

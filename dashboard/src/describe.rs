@@ -169,6 +169,19 @@ pub fn describe(k: &EventKind) -> String {
             m.d2h.count,
             fmt_bytes(m.d2h.bytes)
         ),
+        StepCounts(c) => {
+            let evictions: u64 = c.evictions.values().sum();
+            let copies: u64 = c.copies.values().flat_map(|o| o.values()).map(|n| n.count).sum();
+            let denials: u64 = c.reservation_denials.values().chain(c.slot_denials.values()).sum();
+            format!("{copies} copies, {evictions} evictions, {denials} Conductor refusals")
+        }
+        WatermarksMoved { from_high_bytes, from_low_bytes, high_bytes, low_bytes, reason } => format!(
+            "{}/{} -> {}/{}: {reason}",
+            fmt_bytes(*from_high_bytes),
+            fmt_bytes(*from_low_bytes),
+            fmt_bytes(*high_bytes),
+            fmt_bytes(*low_bytes)
+        ),
         Warning { source, message } => format!("{}: {message}", source.as_str()),
         EventsDropped { total } => format!("{total} dropped so far"),
         LimitsSet { owner, budget_bytes, high_watermark_bytes, low_watermark_bytes } => {

@@ -7,7 +7,8 @@ use crossterm::event::{self, Event as TermEvent};
 use ratatui::DefaultTerminal;
 use stagehand_dashboard::app::{State, SourceUpdate, ViewState};
 use stagehand_dashboard::keys::{map_key, KeyContext};
-use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, ReplaySource, Source};
+use stagehand_dashboard::source::sse::Limits;
+use stagehand_dashboard::source::{stream_url, Auth, Backoff, LiveSource, ReplaySource, Source};
 use stagehand::events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 use stagehand_dashboard::views;
@@ -18,9 +19,18 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Parser)]
 #[command(name = "stagehand-top", version, about)]
 struct Args {
-    /// The run's HTTP server (HOST:PORT or http://HOST:PORT[/api/stream]); default 127.0.0.1:7878.
+    /// The run's HTTP server (HOST:PORT, http(s)://HOST:PORT[/api/stream]); default 127.0.0.1:7878.
+    /// A token goes in the STAGEHAND_TOKEN environment variable or --token-file, never in the
+    /// address (where every user sees it in `ps`).
     #[arg(long, value_name = "URL", conflicts_with_all = ["replay", "demo"])]
     connect: Option<String>,
+    /// Read the server's token from this file (else from STAGEHAND_TOKEN).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["replay", "demo"])]
+    token_file: Option<PathBuf>,
+    /// Trust this certificate (PEM) for an https:// server: the one it was started with
+    /// (--tls-cert), or its authority. Default: the system's authorities.
+    #[arg(long, value_name = "PEM", conflicts_with_all = ["replay", "demo"])]
+    tls_cert: Option<PathBuf>,
     /// Replay a JSONL telemetry file instead of connecting.
     #[arg(long, value_name = "FILE", conflicts_with = "demo")]
     replay: Option<PathBuf>,
@@ -81,7 +91,13 @@ fn main() -> Result<()> {
         Box::new(r)
     } else {
         let url = stream_url(args.connect.as_deref())?;
-        Box::new(LiveSource::connect(url, Backoff::default()))
+        let auth = Auth::from_sources(
+            args.token_file.as_deref(),
+            |k| std::env::var(k).ok(),
+            args.tls_cert.as_deref(),
+            url.starts_with("https://"),
+        )?;
+        Box::new(LiveSource::connect_with(url, Backoff::default(), Limits::default(), auth))
     };
 
     let terminal = ratatui::init();

@@ -181,7 +181,7 @@ fn a_hostile_server_is_bounded_skipped_and_counted() {
     body.extend(format!("event: snapshot\ndata: {}\n\n", serde_json::to_string(&snap).expect("json")).bytes());
 
     let addr = raw_server(body);
-    let mut src = LiveSource::connect_with(stream_url(Some(&addr)).expect("url"), QUICK, limits);
+    let mut src = LiveSource::connect_with(stream_url(Some(&addr)).expect("url"), QUICK, limits, stagehand_dashboard::source::Auth::none());
     let mut state = State::new();
     pump(&mut src, &mut state, |s, _| s.resets >= 1);
     assert_eq!(state.snapshot, Snapshot::from_events(&ev));

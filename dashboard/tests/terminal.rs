@@ -97,14 +97,14 @@ impl Drop for Tui {
 #[test]
 fn replay_in_a_terminal_follows_keys() {
     let mut t = Tui::start(&["--replay", RUN, "--paused"]);
-    t.wait_for("0/809");
+    t.wait_for("0/813");
     t.keys("\x1b[F"); // End
-    t.wait_for("809/809");
+    t.wait_for("813/813");
     t.wait_for("dropped 17");
     t.keys("2");
     t.wait_for_all(&["Step 3 took 88.0 ms: where the time went", "compute 63.0 ms 72%", "Findings (1)"]);
     t.keys("3");
-    t.wait_for_all(&["Step 3 at its peak: 288 MiB", "weights 192 MiB 67%", "By owner over"]);
+    t.wait_for_all(&["Step 3 fullest reading: 288 MiB", "weights 192 MiB 67%", "By owner over"]);
     t.keys("4");
     t.wait_for_all(&["gpu_freeing 1", "blocks.7", "id▲"]);
     t.keys("s"); // sort by name
@@ -163,9 +163,33 @@ fn follow_plays_a_growing_file_as_it_is_written() {
     write!(f, "{rest}\n{tail}").expect("appends the rest");
     f.flush().expect("flushes");
     // "dropped 17" comes from an appended event: the appended part was applied.
-    let s = t.wait_for_all(&["809/809", "read 809 events from 809 lines", "dropped 17"]);
+    let s = t.wait_for_all(&["813/813", "read 813 events from 813 lines", "dropped 17"]);
     assert!(!s.contains("skipped"), "the line finished later was read whole:\n{s}");
     t.keys("8");
     t.wait_for("Phase timeline");
     t.quit();
+}
+
+#[test]
+fn a_file_that_is_no_telemetry_never_holds_up_the_keys() {
+    // 4 GiB of zeros (a sparse file): the replay says what it is and `q` quits at once.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("zeros.jsonl");
+    std::fs::File::create(&path).and_then(|f| f.set_len(4 << 30)).expect("a sparse file");
+    for follow in [false, true] {
+        let mut args = vec!["--replay", path.to_str().expect("utf-8 path")];
+        if follow {
+            args.push("--follow");
+        }
+        let t = Tui::start(&args);
+        t.wait_for("no telemetry in");
+        t.quit();
+    }
+    // A device is refused before the terminal is taken: a replay reads its file more than once.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stagehand-top"))
+        .args(["--replay", "/dev/zero"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a regular file"), "{}", String::from_utf8_lossy(&out.stderr));
 }

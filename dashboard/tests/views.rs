@@ -263,11 +263,11 @@ fn the_insight_views_break_down_time_and_vram() {
     assert!(s.contains(&format!("h2d wait {:.2} ms", t.h2d_wait_ms)), "{s}");
     assert!(s.contains("optimizer 12.0 ms 14%"), "{s}");
     assert!(s.contains("Findings (1)") && s.contains("events were dropped"), "{s}");
-    assert!(s.contains("→ change telemetry level"), "the knob:\n{s}");
+    assert!(s.contains("→ change telemetry_level: summary"), "the knob:\n{s}");
 
     let peak = state.snapshot.step_record(3).and_then(|r| r.vram_at_peak).expect("step 3 has its peak");
     let s = screen(&draw_at(&state, &view(View::Memory), &theme, SMALL));
-    assert!(s.contains("Step 3 at its peak: 288 MiB"), "{s}");
+    assert!(s.contains("Step 3 fullest reading: 288 MiB, peak 288 MiB"), "{s}");
     assert_eq!(peak.weights_bytes, 192 << 20);
     assert!(s.contains("weights 192 MiB 67%"), "{s}");
     assert!(s.contains("Now (step 4 forward): 920 MiB of 1.00 GiB"), "{s}");

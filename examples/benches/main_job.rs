@@ -522,7 +522,7 @@ fn data_parallel(
     reset_host_memory();
     let (before, _) = host_memory();
     let t0 = Instant::now();
-    let ranks = train_group(cfg, devices, &Bus::disabled(), |_, _, _, _| {}, customize)?;
+    let ranks = train_group(cfg, devices, &Bus::disabled(), |_, _, _, _| {}, Default::default(), customize)?;
     let (_, hwm) = host_memory();
     let group_host = hwm.saturating_sub(before);
     println!("  {:.1} s in all", t0.elapsed().as_secs_f64());

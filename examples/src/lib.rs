@@ -2,4 +2,6 @@
 
 pub mod data;
 pub mod gpt;
+pub mod process;
+pub mod report;
 pub mod trainer;

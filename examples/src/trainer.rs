@@ -10,6 +10,7 @@ use stagehand::device::Device;
 use stagehand::events::{Bus, EventKind, Phase, StepTimeBreakdown, TrainStepMetrics};
 use stagehand::optim::Kernel;
 use stagehand::{Plan, Precision, Stagehand, StateStorage};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tch::nn::{self, OptimizerConfig};
 
@@ -45,6 +46,9 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// How the host optimizer stores its state (Stagehand only).
     pub optimizer_state: StateStorage,
+    /// Intra-op threads of the training thread and of the host optimizer, the same for a
+    /// resident run and a Stagehand one (`None`: libtorch's default, every core).
+    pub threads: Option<usize>,
 }
 
 /// The demo's default shape: what `stagehand-demo` runs with no flags.
@@ -125,7 +129,13 @@ impl TrainConfig {
             kernel: None,
             precision: Precision::Fp32,
             optimizer_state: StateStorage::Fp32,
+            threads: None,
         }
+    }
+
+    /// The intra-op threads the run uses: the setting, else libtorch's default.
+    pub fn thread_count(&self) -> usize {
+        self.threads.unwrap_or_else(|| usize::try_from(tch::get_num_threads()).unwrap_or(1)).max(1)
     }
 
     /// Trains in `p`. Under 16-bit precisions attention is libtorch's fused kernel (flash
@@ -169,10 +179,38 @@ impl TrainConfig {
     }
 }
 
+/// Called with the memory plan once it is known.
+pub type OnPlan<'a> = Box<dyn FnMut(&Plan) + Send + 'a>;
+
+/// What a caller adds to a run beyond each step's progress.
+#[derive(Default)]
+pub struct Hooks<'a> {
+    /// Called with the memory plan once it is known, before the first step (Stagehand only).
+    pub on_plan: Option<OnPlan<'a>>,
+    /// Set (by a signal handler, say) to end the run after the step in progress: the run then
+    /// ends as any run does (`run_ended`, the telemetry flushed).
+    pub stop: Option<&'a AtomicBool>,
+}
+
+impl std::fmt::Debug for Hooks<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooks").field("on_plan", &self.on_plan.is_some()).field("stop", &self.stop).finish()
+    }
+}
+
+impl Hooks<'_> {
+    fn stopped(&self) -> bool {
+        self.stop.is_some_and(|s| s.load(Ordering::SeqCst))
+    }
+}
+
 /// What a run did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
+    /// Steps run (fewer than asked when the run was stopped).
     pub steps: u64,
+    /// Whether a stop ended the run before its last step.
+    pub stopped: bool,
     pub losses: Vec<f64>,
     /// Wall time of each step, in seconds.
     pub step_times: Vec<f64>,
@@ -187,6 +225,10 @@ pub struct Summary {
     pub step_peaks: Vec<u64>,
     /// The memory plan (Stagehand only).
     pub plan: Option<Plan>,
+    /// What the numeric guards checked (when on).
+    pub guards: Option<stagehand::guards::Checked>,
+    /// Spills checksummed and restores verified (when checksums are on).
+    pub checksums: Option<(u64, u64)>,
 }
 
 impl Summary {
@@ -195,6 +237,24 @@ impl Summary {
         let n = (self.losses.len() / 10).max(1);
         let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
         (mean(&self.losses[..n]), mean(&self.losses[self.losses.len() - n..]))
+    }
+
+    /// Why the run counts as failed for its numbers: a loss that was NaN or infinite, or
+    /// non-finite values the guards found (`guards`, the tensors they named). `None` when
+    /// every loss was finite and the guards found nothing.
+    pub fn non_finite(&self, guards: &[&str]) -> Option<String> {
+        let bad: Vec<usize> = (0..self.losses.len()).filter(|&i| !self.losses[i].is_finite()).collect();
+        if bad.is_empty() && guards.is_empty() {
+            return None;
+        }
+        let mut why = format!("the run went non-finite: {} of {} losses NaN or infinite", bad.len(), self.losses.len());
+        if let Some(first) = bad.first() {
+            why.push_str(&format!(" (the first at step {})", first + 1));
+        }
+        if !guards.is_empty() {
+            why.push_str(&format!("; the guards found non-finite values in {}", guards.join(", ")));
+        }
+        Some(why)
     }
 
     /// Mean step time in seconds over steady state: every step after the first (which traces
@@ -262,13 +322,34 @@ pub fn announce_with(bus: &Bus, cfg: &TrainConfig, device: &Device, run_id: &str
 /// Trains the GPT for `cfg.steps` steps on `device`, publishing every phase and per-step
 /// metrics on `bus`. `on_step(step, loss, seconds)` runs after each step (progress display).
 pub fn train(cfg: &TrainConfig, device: &Device, bus: &Bus, on_step: impl FnMut(u64, f64, f64)) -> Result<Summary> {
+    train_with(cfg, device, bus, on_step, Hooks::default(), |b| b)
+}
+
+/// [`train`] with [`Hooks`], and `customize` for the handle's builder (Stagehand only).
+pub fn train_with(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
+    on_step: impl FnMut(u64, f64, f64),
+    hooks: Hooks<'_>,
+    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+) -> Result<Summary> {
+    // The training thread's intra-op threads, the same in both modes; the handle's host
+    // optimizer takes the same count.
+    tch::set_num_threads(cfg.thread_count() as i32);
     match cfg.memory {
-        Memory::Resident => train_resident(cfg, device, bus, on_step),
-        Memory::Stagehand => train_stagehand(cfg, device, bus, on_step, |b| b),
+        Memory::Resident => train_resident(cfg, device, bus, on_step, hooks),
+        Memory::Stagehand => stagehand_run(cfg, device, bus, on_step, hooks, customize),
     }
 }
 
-fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: impl FnMut(u64, f64, f64)) -> Result<Summary> {
+fn train_resident(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
+    mut on_step: impl FnMut(u64, f64, f64),
+    hooks: Hooks<'_>,
+) -> Result<Summary> {
     tch::manual_seed(cfg.seed);
     // Built on the CPU, as the streamed model is, so both start from the same weights.
     let mut vs = nn::VarStore::new(tch::Device::Cpu);
@@ -277,7 +358,8 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
     let mut opt = ResidentOptimizer::new(&vs, cfg, device)?;
     let tf32 = (cfg.precision == Precision::Tf32 && device.is_cuda()).then(|| stagehand::torch::amp::set_tf32(true));
     let mut s = Summary {
-        steps: cfg.steps,
+        steps: 0,
+        stopped: false,
         losses: Vec::new(),
         step_times: Vec::new(),
         breakdowns: Vec::new(),
@@ -286,8 +368,17 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         peak_bytes: 0,
         step_peaks: Vec::new(),
         plan: None,
+        guards: None,
+        checksums: None,
     };
+    // On the host device plain tch's tensors are not counted in the simulated VRAM: there is
+    // no reading to publish.
+    let measured = device.is_cuda();
     for step in 1..=cfg.steps {
+        if hooks.stopped() {
+            s.stopped = true;
+            break;
+        }
         let t0 = Instant::now();
         device.reset_peak();
         bus.enter_phase(step, Phase::StepBegin);
@@ -310,11 +401,13 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         bus.enter_phase(step, Phase::StepEnd);
         let dt = t0.elapsed().as_secs_f64();
         let mem = device.memory();
-        bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-        });
+        if measured {
+            bus.publish(EventKind::VramSample {
+                allocated_bytes: mem.allocated,
+                reserved_bytes: mem.reserved,
+                peak_allocated_bytes: mem.peak,
+            });
+        }
         bus.publish(EventKind::TrainStep(TrainStepMetrics {
             loss: loss_v,
             step_time_s: dt,
@@ -326,10 +419,11 @@ fn train_resident(cfg: &TrainConfig, device: &Device, bus: &Bus, mut on_step: im
         s.step_peaks.push(mem.peak);
         s.losses.push(loss_v);
         s.step_times.push(dt);
+        s.steps = step;
         on_step(step, loss_v, dt);
     }
-    bus.enter_phase(cfg.steps, Phase::Idle);
-    bus.publish(EventKind::RunEnded { steps: cfg.steps });
+    bus.enter_phase(s.steps, Phase::Idle);
+    bus.publish(EventKind::RunEnded { steps: s.steps });
     if let Some(was) = tf32 {
         stagehand::torch::amp::set_tf32(was);
     }
@@ -466,7 +560,18 @@ pub fn train_stagehand(
     cfg: &TrainConfig,
     device: &Device,
     bus: &Bus,
+    on_step: impl FnMut(u64, f64, f64),
+    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+) -> Result<Summary> {
+    train_with(&TrainConfig { memory: Memory::Stagehand, ..cfg.clone() }, device, bus, on_step, Hooks::default(), customize)
+}
+
+fn stagehand_run(
+    cfg: &TrainConfig,
+    device: &Device,
+    bus: &Bus,
     mut on_step: impl FnMut(u64, f64, f64),
+    mut hooks: Hooks<'_>,
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Summary> {
     let mut builder = Stagehand::builder()
@@ -475,7 +580,8 @@ pub fn train_stagehand(
         .bus(bus.clone())
         .conductor(cfg.conductor)
         .precision(cfg.precision)
-        .optimizer_state(cfg.optimizer_state);
+        .optimizer_state(cfg.optimizer_state)
+        .host_optimizer_threads(cfg.thread_count());
     if let Some(k) = cfg.kernel {
         builder = builder.kernel(k);
     }
@@ -484,8 +590,14 @@ pub fn train_stagehand(
     tch::manual_seed(cfg.seed);
     let model = Gpt::new(&StreamedLayers(sh.store()), cfg.model);
     let mut opt = sh.optimizer(nn::AdamW::default(), cfg.learning_rate)?;
+    // The plan is known once the model and its optimizer are: say it before the first step.
+    let plan = sh.prepare()?;
+    if let Some(f) = &mut hooks.on_plan {
+        f(&plan);
+    }
     let mut s = Summary {
-        steps: cfg.steps,
+        steps: 0,
+        stopped: false,
         losses: Vec::new(),
         step_times: Vec::new(),
         breakdowns: Vec::new(),
@@ -494,8 +606,14 @@ pub fn train_stagehand(
         peak_bytes: 0,
         step_peaks: Vec::new(),
         plan: None,
+        guards: None,
+        checksums: None,
     };
     for step in 1..=cfg.steps {
+        if hooks.stopped() {
+            s.stopped = true;
+            break;
+        }
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets))?;
         if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
@@ -507,30 +625,15 @@ pub fn train_stagehand(
         s.losses.push(r.loss);
         s.step_times.push(r.step_ms / 1e3);
         s.breakdowns.push(r.time);
+        s.steps = step;
         on_step(step, r.loss, r.step_ms / 1e3);
     }
     opt.wait()?;
     s.plan = sh.plan();
+    s.guards = sh.guard_checks();
+    s.checksums = sh.checksum_counts();
     sh.finish()?;
     Ok(s)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_configuration_is_structured_json() {
-        let c = run_config(&TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20));
-        assert_eq!(c["memory"]["mode"], "stagehand");
-        assert_eq!(c["memory"]["budget_bytes"], 16u64 << 20);
-        assert_eq!(c["memory"]["conductor"], true);
-        assert_eq!(c["model"]["layers"], 2);
-        let mut r = TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20);
-        r.memory = Memory::Resident;
-        let c = run_config(&r);
-        assert_eq!((c["memory"]["mode"].as_str(), c["memory"]["conductor"].as_bool()), (Some("resident"), Some(false)));
-    }
 }
 
 /// One GPU's record of a data-parallel run ([`train_group`]).
@@ -577,25 +680,30 @@ impl SharedBatches {
 }
 
 /// Trains the GPT data parallel over `devices` (one rank each, the budget each device's) on
-/// the global batch `cfg.batch`, each rank on its slice: the same steps one device trains with
-/// [`train_stagehand`] over the same batches (drawn from the same generator). `on_step(rank,
-/// step, loss, seconds)` runs on each rank's thread after its steps. Returns each rank's record.
+/// the global batch `cfg.batch`, each rank on its slice: the steps one device trains with
+/// [`train_with`] over the same batches (drawn from the same generator). `on_step(rank, step,
+/// loss, seconds)` runs on each rank's thread after its steps; `hooks.on_plan` gets rank 0's
+/// plan; `hooks.stop` ends every rank after the same step (the ranks decide together). Each
+/// rank's host optimizer takes its share of `cfg.thread_count()`. Returns each rank's record.
 pub fn train_group(
     cfg: &TrainConfig,
     devices: Vec<Device>,
     bus: &Bus,
     on_step: impl Fn(usize, u64, f64, f64) + Sync,
+    hooks: Hooks<'_>,
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Vec<RankSummary>> {
     let world = devices.len();
     anyhow::ensure!(world > 0 && cfg.batch % world as i64 == 0, "a global batch of {} sequences over {world} GPUs: a multiple of the GPU count", cfg.batch);
+    tch::set_num_threads(cfg.thread_count() as i32);
     let mut builder = Stagehand::builder()
         .budget_bytes(cfg.budget_bytes)
         .devices(devices)
         .bus(bus.clone())
         .conductor(cfg.conductor)
         .precision(cfg.precision)
-        .optimizer_state(cfg.optimizer_state);
+        .optimizer_state(cfg.optimizer_state)
+        .host_optimizer_threads((cfg.thread_count() / world).max(1));
     if let Some(k) = cfg.kernel {
         builder = builder.kernel(k);
     }
@@ -605,6 +713,8 @@ pub fn train_group(
         cfg: (cfg.batch, cfg.model.block_size, cfg.model.vocab),
         drawn: std::sync::Mutex::new(Default::default()),
     };
+    let Hooks { on_plan, stop } = hooks;
+    let on_plan = std::sync::Mutex::new(on_plan);
     // As one device's loop: seeded before the model is built (rank 0's build draws what one
     // device's would; the group puts the generator back after the other ranks').
     tch::manual_seed(cfg.seed);
@@ -615,8 +725,15 @@ pub fn train_group(
         |sh, model| -> Result<RankSummary> {
             sh.set_tokens_per_step(tokens);
             let mut opt = sh.optimizer(nn::AdamW::default(), cfg.learning_rate)?;
+            let plan = sh.prepare()?;
+            if sh.rank() == 0 {
+                if let Some(f) = on_plan.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                    f(&plan);
+                }
+            }
             let mut s = Summary {
-                steps: cfg.steps,
+                steps: 0,
+                stopped: false,
                 losses: Vec::new(),
                 step_times: Vec::new(),
                 breakdowns: Vec::new(),
@@ -625,9 +742,16 @@ pub fn train_group(
                 peak_bytes: 0,
                 step_peaks: Vec::new(),
                 plan: None,
+                guards: None,
+                checksums: None,
             };
             let (mut weights, mut host_ms) = (Vec::new(), Vec::new());
             for step in 1..=cfg.steps {
+                // Every rank stops after the same step, or none does.
+                if sh.any_rank(stop.is_some_and(|s| s.load(Ordering::SeqCst)))? {
+                    s.stopped = true;
+                    break;
+                }
                 let batch = batches.take(step);
                 let (x, y) = (sh.shard(&batch.inputs)?, sh.shard(&batch.targets)?);
                 let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&*model, &x), &y))?;
@@ -640,12 +764,15 @@ pub fn train_group(
                 s.losses.push(r.loss);
                 s.step_times.push(r.step_ms / 1e3);
                 s.breakdowns.push(r.time);
+                s.steps = step;
                 weights.push(sh.weights().last_step_metrics());
                 host_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
                 on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);
             }
             opt.wait()?;
             s.plan = sh.plan();
+            s.guards = sh.guard_checks();
+            s.checksums = sh.checksum_counts();
             sh.finish()?;
             let plan_host_bytes = s.plan.as_ref().map_or(0, |p| p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes);
             Ok(RankSummary { rank: sh.rank(), device: sh.device().info().index, summary: s, weights, host_optimizer_ms: host_ms, plan_host_bytes })
@@ -653,4 +780,48 @@ pub fn train_group(
     )?;
     group.flush();
     Ok(ranks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_non_finite_loss_or_a_guard_finding_fails_the_run() {
+        let mut s = Summary {
+            steps: 3,
+            losses: vec![2.0, 1.5, 1.2],
+            step_times: Vec::new(),
+            breakdowns: Vec::new(),
+            activations_spilled: 0,
+            spill_bytes: 0,
+            peak_bytes: 0,
+            step_peaks: Vec::new(),
+            plan: None,
+            stopped: false,
+            guards: None,
+            checksums: None,
+        };
+        assert_eq!(s.non_finite(&[]), None);
+        s.losses[1] = f64::NAN;
+        s.losses[2] = f64::INFINITY;
+        let why = s.non_finite(&[]).expect("failed");
+        assert!(why.contains("2 of 3") && why.contains("step 2"), "{why}");
+        s.losses = vec![1.0, 0.5];
+        let why = s.non_finite(&["blocks.3 output"]).expect("the guards' finding fails it too");
+        assert!(why.contains("blocks.3 output"), "{why}");
+    }
+
+    #[test]
+    fn the_configuration_is_structured_json() {
+        let c = run_config(&TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20));
+        assert_eq!(c["memory"]["mode"], "stagehand");
+        assert_eq!(c["memory"]["budget_bytes"], 16u64 << 20);
+        assert_eq!(c["memory"]["conductor"], true);
+        assert_eq!(c["model"]["layers"], 2);
+        let mut r = TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20);
+        r.memory = Memory::Resident;
+        let c = run_config(&r);
+        assert_eq!((c["memory"]["mode"].as_str(), c["memory"]["conductor"].as_bool()), (Some("resident"), Some(false)));
+    }
 }

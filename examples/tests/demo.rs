@@ -55,6 +55,13 @@ fn runnable(program: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).exists()))
 }
 
+/// The leading `NAME=VALUE` words of a printed command, and the command after them.
+fn env_and_words(words: &[String]) -> (Vec<(String, String)>, Vec<String>) {
+    let n = words.iter().take_while(|w| w.split_once('=').is_some_and(|(k, _)| !k.is_empty() && !k.contains('/'))).count();
+    let env = words[..n].iter().filter_map(|w| w.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect();
+    (env, words[n..].to_vec())
+}
+
 /// Runs `words` in a pseudo-terminal until its screen shows `text`, then presses `q` and expects
 /// a clean exit.
 fn tui_shows(words: &[String], cwd: &Path, text: &str) {
@@ -67,8 +74,13 @@ fn tui_walk(words: &[String], cwd: &Path, steps: &[(&[u8], &str)]) {
     let pair = native_pty_system()
         .openpty(PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 })
         .expect("opens a pty");
+    // `NAME=VALUE` words before the program set its environment, as a shell does.
+    let (env, words) = env_and_words(words);
     let mut cmd = CommandBuilder::new(&words[0]);
     cmd.args(&words[1..]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     cmd.cwd(cwd);
     cmd.env("TERM", "xterm-256color");
     let mut child = pair.slave.spawn_command(cmd).expect("starts the program");
@@ -142,18 +154,16 @@ fn printed_commands_run(extra: &[&str]) {
 
     // While it serves: the addresses answer, and the live TUI shows the finished run.
     let dashboard = command(&lines, "dashboard");
-    // The page's address works as printed: the page, or with a token, the browser's cookie and
-    // the way to the page without the token in its address.
-    let token = dashboard[0].split_once("?token=").map(|(_, t)| t.to_owned());
+    // The page's address works as printed: the page (with a token, the token is in the
+    // address's fragment, which the browser keeps to the page: never a cookie).
+    let (page_url, token) = match dashboard[0].split_once("#token=") {
+        Some((u, t)) => (u.to_owned(), Some(t.to_owned())),
+        None => (dashboard[0].clone(), None),
+    };
     assert_eq!(token.is_some(), !extra.is_empty(), "{dashboard:?}");
-    let (status, page) = get(&dashboard[0], None);
-    match &token {
-        None => assert_eq!(status, 200, "{page}"),
-        Some(t) => {
-            assert_eq!(status, 303, "{page}");
-            assert!(page.to_ascii_lowercase().contains(&format!("={t}; path=/")), "{page}");
-        }
-    }
+    let (status, page) = get(&page_url, None);
+    assert_eq!(status, 200, "{page}");
+    assert!(!page.to_ascii_lowercase().contains("set-cookie"), "{page}");
     let metrics = command(&lines, "metrics");
     if let Some(t) = &token {
         assert!(metrics.join(" ").contains(&format!("'Authorization: Bearer {t}'")), "{metrics:?}");
@@ -163,6 +173,19 @@ fn printed_commands_run(extra: &[&str]) {
     let step = body.lines().find(|l| l.starts_with("stagehand_step{")).and_then(|l| l.rsplit(' ').next());
     assert_eq!((status, step), (200, Some("4")), "{body}");
     let base = metrics[0].trim_end_matches("/metrics");
+    // The plan printed before the first step; the summary's figures are the page's.
+    let at = |head: &str| lines.iter().position(|l| l.trim_start().starts_with(head)).unwrap_or_else(|| panic!("no '{head}' in {lines:#?}"));
+    assert!(at("plan") < at("step 1 traced") && at("step 1 traced") < at("summary"), "{lines:#?}");
+    let (_, view) = get(&format!("{base}/api/view"), token.as_deref());
+    let view: serde_json::Value = serde_json::from_str(view.split_once("\r\n\r\n").map_or("", |(_, b)| b)).expect("/api/view is JSON");
+    let view = &view["view"];
+    let mib = |b: &serde_json::Value| format!("{:.1} MiB", b.as_u64().expect("bytes") as f64 / (1u64 << 20) as f64);
+    let line = |head: &str| lines[at(head)].clone();
+    assert!(line("peak VRAM").contains(&format!("peak VRAM  {} of", mib(&view["vram"]["peak_allocated_bytes"]))), "{lines:#?}\n{view}");
+    let r = &view["residency"];
+    assert!(line("weights").contains(&format!("{} prefetch hits, {} misses", r["prefetch_hits"], r["prefetch_misses"])), "{lines:#?}");
+    let t = &view["transfers"];
+    assert!(line("moved").contains(&format!("{} H2D, {} D2H", mib(&t["h2d"]["bytes"]), mib(&t["d2h"]["bytes"]))), "{lines:#?}");
     let (_, run) = get(&format!("{base}/api/run"), token.as_deref());
     let run = run.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     let run: serde_json::Value = serde_json::from_str(run).expect("/api/run is JSON");
@@ -185,7 +208,13 @@ fn printed_commands_run(extra: &[&str]) {
         }
     }
     let live = command(&lines, "live TUI");
-    if runnable(&live[0]) {
+    let (live_env, live_words) = env_and_words(&live);
+    if let Some(t) = &token {
+        // The token goes in the environment, not on the command line (`ps` shows that).
+        assert_eq!(live_env, [("STAGEHAND_TOKEN".to_owned(), t.clone())], "{live:?}");
+        assert!(!live_words.iter().any(|w| w.contains(t.as_str())), "{live:?}");
+    }
+    if runnable(&live_words[0]) {
         // The run's end, then the two questions the screens answer: where each step's time went
         // and who holds the VRAM.
         tui_walk(
@@ -194,7 +223,7 @@ fn printed_commands_run(extra: &[&str]) {
             &[(b"", "(ended)"), (b"2", "where the time went"), (b"2", "compute"), (b"3", "By owner"), (b"3", "kept acts")],
         );
     } else {
-        eprintln!("skipping the live TUI command: '{}' is not built (cargo build -p stagehand-dashboard)", live[0]);
+        eprintln!("skipping the live TUI command: '{}' is not built (cargo build -p stagehand-dashboard)", live_words[0]);
     }
     demo.stdin.take().expect("stdin").write_all(b"\n").expect("presses Enter");
     let rest: Vec<String> = out.map(|l| l.expect("a line")).collect();
@@ -220,6 +249,89 @@ fn printed_commands_run(extra: &[&str]) {
     } else {
         eprintln!("skipping the trace command: '{}' is not built (cargo build -p stagehand-exporter)", trace[0]);
     }
+}
+
+/// Sends `signal` (a name `kill` knows) to `pid`.
+fn signal(pid: u32, signal: &str) {
+    let ok = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().expect("kill runs");
+    assert!(ok.success(), "kill -{signal} {pid}");
+}
+
+/// The demo, long enough to be stopped, printing into a pipe; its lines until `until`.
+fn stoppable(
+    dir: &std::path::Path,
+    size: &[&str],
+    until: &str,
+) -> (std::process::Child, Vec<String>, std::io::Lines<BufReader<std::process::ChildStdout>>) {
+    let mut demo = Command::new(DEMO)
+        .args(["--steps", "100000"])
+        .args(size)
+        .args(["--cpu", "--no-serve", "--out", "run.jsonl"])
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the demo starts");
+    let mut out = BufReader::new(demo.stdout.take().expect("stdout")).lines();
+    let mut lines = Vec::new();
+    while !lines.last().is_some_and(|l: &String| l.contains(until)) {
+        lines.push(out.next().expect("the demo prints").expect("a line"));
+    }
+    (demo, lines, out)
+}
+
+#[test]
+fn a_signal_ends_the_run_cleanly_and_a_second_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    // SIGTERM after the first step: the step in progress ends, then the summary, the file's
+    // end, and 143.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let small = ["--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2", "--budget-mib", "4"];
+    let (mut demo, lines, out) = stoppable(dir.path(), &small, "step 1 traced");
+    signal(demo.id(), "TERM");
+    let rest: Vec<String> = out.map(|l| l.expect("a line")).collect();
+    let status = demo.wait().expect("exits");
+    assert_eq!((status.code(), status.signal()), (Some(143), None), "{lines:#?}\n{rest:#?}");
+    assert!(lines.iter().any(|l| l == "plan"), "the plan printed before the first step: {lines:#?}");
+    let stopped = rest.iter().find(|l| l.contains("stopped    by SIGTERM after step")).unwrap_or_else(|| panic!("{rest:#?}"));
+    assert!(rest.iter().any(|l| l.contains("peak VRAM")), "the summary: {rest:#?}");
+    let (events, report) = stagehand::events::jsonl::read_file(dir.path().join("run.jsonl")).expect("the file reads");
+    assert_eq!(report.skipped_total, 0);
+    let last = events.last().expect("events");
+    let steps: u64 = stopped.split("after step ").nth(1).and_then(|s| s.split(' ').next()).and_then(|s| s.parse().ok()).expect("a step");
+    assert!(matches!(last.kind, stagehand::events::EventKind::RunEnded { steps: n } if n == steps), "{last:?}");
+
+    // A second signal, once the first was heard, while a step of the demo's own size runs: out
+    // at once, no summary.
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The first step traces the itinerary and takes over a second: signalled well inside it.
+    let (mut demo, _, mut out) = stoppable(dir.path(), &[], "activation pool at most");
+    std::thread::sleep(Duration::from_millis(300));
+    signal(demo.id(), "INT");
+    let mut rest = Vec::new();
+    while !rest.last().is_some_and(|l: &String| l.contains("stopping after the step in progress")) {
+        rest.push(out.next().expect("the demo says it heard the signal").expect("a line"));
+    }
+    signal(demo.id(), "INT");
+    rest.extend(out.map(|l| l.expect("a line")));
+    assert_eq!(demo.wait().expect("exits").code(), Some(130), "{rest:#?}");
+    assert!(!rest.iter().any(|l| l == "summary"), "the second signal does not wait for the summary: {rest:#?}");
+}
+
+#[test]
+fn resident_prints_only_what_it_measured() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let o = Command::new(DEMO)
+        .args(["--steps", "2", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2"])
+        .args(["--budget-mib", "4", "--cpu", "--no-serve", "--resident", "--threads", "1"])
+        .current_dir(dir.path())
+        .output()
+        .expect("the demo runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("threads    1 intra-op threads"), "{out}");
+    assert!(out.contains("peak VRAM  not measured") && !out.contains("MiB budget"), "no budget, no host peak: {out}");
+    assert!(!out.contains("\nplan"), "plain tch has no plan: {out}");
 }
 
 #[test]

@@ -14,12 +14,11 @@
 //! exporter) derives from the OTel ones, so both paths land on the same series. No label carries
 //! a block or tensor id: ids are unbounded, and a series per id would grow a scrape without limit.
 
-/// Buckets for copy durations, in seconds: 20 us to 2 s.
-pub const TRANSFER_BUCKETS: &[f64] = &[
-    2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.0,
-];
-/// Buckets for stalls of the compute stream, in seconds: 10 us to 1 s.
-pub const STALL_BUCKETS: &[f64] = &[1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0];
+/// Buckets for copy durations, in seconds: 20 us to 2 s (the event model's, which the
+/// per-step counts are kept in).
+pub const TRANSFER_BUCKETS: &[f64] = stagehand::events::model::COPY_SECONDS_BOUNDS;
+/// Buckets for stalls of the compute stream, in seconds: 10 us to 1 s (as above).
+pub const STALL_BUCKETS: &[f64] = stagehand::events::model::STALL_SECONDS_BOUNDS;
 /// Buckets for phase and step durations, in seconds: 1 ms to 60 s.
 pub const PHASE_BUCKETS: &[f64] = &[1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
@@ -158,10 +157,10 @@ catalog! {
     ActivationSpill => "activation.spill", Counter, Bytes, [], "Bytes of activations spilled to the host.";
     ActivationRestores => "activation.restores", Counter, Count("{tensor}"), ["predicted"], "Spilled activations restored to the device.";
     ActivationRestore => "activation.restore", Counter, Bytes, [], "Bytes of activations restored to the device.";
-    Vram => "vram", Gauge, Bytes, ["kind"], "Device memory readings: allocated, reserved, peak (allocated).";
+    Vram => "vram", Gauge, Bytes, ["kind"], "Device memory: allocated and reserved at the latest reading, and the run's peak of allocated memory.";
     MemoryLimit => "memory.limit", Gauge, Bytes, ["owner", "limit"], "The limits each owner published: budget, high and low watermarks.";
     VramOwner => "vram.owner", Gauge, Bytes, ["owner"], "Device memory by owner, latest reading.";
-    VramAtPeak => "vram.at_peak", Gauge, Bytes, ["owner"], "Device memory by owner at the last finished step's peak.";
+    VramAtPeak => "vram.at_peak", Gauge, Bytes, ["owner"], "Device memory by owner at the last finished step's fullest reading.";
     ConductorReservations => "conductor.reservations", Counter, Count("{request}"), ["outcome", "mode"], "Reservation requests, by outcome and mode.";
     ConductorGrants => "conductor.grants", Counter, Count("{request}"), ["what"], "Conductor grants: reservations (full or partial) and transfer slots.";
     ConductorDenials => "conductor.denials", Counter, Count("{request}"), ["what", "reason"], "Conductor refusals, by reason.";

@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 
 pub mod catalog;
+#[cfg(feature = "otlp")]
+pub mod collector;
 pub mod mapping;
 pub mod metrics;
 #[cfg(feature = "otlp")]

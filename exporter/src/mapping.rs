@@ -1,13 +1,24 @@
 //! The one mapping from a run's events to metric values, shared by the Prometheus and the
-//! OpenTelemetry exporters: counters and histograms from events as they come
-//! ([`Mapper::on_event`]), gauges from the run's [`Snapshot`] ([`Mapper::gauges`]), and the
-//! series that exist from the start at zero ([`initial`]). Each exporter applies the
-//! [`Observation`]s to its own instruments, built from [`crate::catalog`].
+//! OpenTelemetry exporters ([`Mapper::on_event`]), gauges from the run's [`Snapshot`]
+//! ([`Mapper::gauges`]), and the series that exist from the start ([`initial`]). Each exporter
+//! applies the [`Observation`]s to its own instruments, built from [`crate::catalog`].
+//!
+//! Counters and histograms of what the runtimes count (prefetch hits, copies, spills,
+//! evictions, the Conductor's grants and refusals, copy and stall durations) count *finished
+//! steps*: they are taken from the snapshot's tallies as each step's aggregate commits there
+//! (`weight_step`, `activation_step`, `conductor_step`, `transfer_step`, `step_counts`), never
+//! from detail events. A summary-level file has the aggregates and no detail, so the live run
+//! and a replay of either file level add the same numbers in the same order: `/metrics` and
+//! OTLP agree with the page and the TUI step by step. A histogram's bucket is recorded again
+//! from its count and the mean of its values ([`Buckets::representatives`]), which fills the
+//! same bucket with the same sum. Events of the run's lifecycle and health (phases, steps,
+//! hints, incidents) are in every file and count as they come.
 
 use crate::catalog::Metric;
 use stagehand::events::model::{
-    BlockState, DenyReason, Direction, Event, EventKind, Owner, PackDecision, Phase, PoolKind, ReservationMode,
-    ReservationOutcome, StepTimeBreakdown, VramByOwner, SCHEMA_VERSION,
+    BlockState, Buckets, DenyReason, Direction, Event, EventKind, Owner, PackDecision, Phase, PoolKind, ReservationMode,
+    ReservationOutcome, StepCounts, StepTimeBreakdown, VramByOwner, COPY_SECONDS_BOUNDS, SCHEMA_VERSION,
+    STALL_SECONDS_BOUNDS,
 };
 use stagehand::events::snapshot::StepRecord;
 use stagehand::events::{wire_name, Snapshot};
@@ -86,15 +97,7 @@ const MODES: [ReservationMode; 5] = [
     ReservationMode::Floor,
     ReservationMode::Ceiling,
 ];
-const DENY_REASONS: [DenyReason; 7] = [
-    DenyReason::InsufficientHeadroom,
-    DenyReason::PriorityReserve,
-    DenyReason::OverCeiling,
-    DenyReason::H2dSlotsExhausted,
-    DenyReason::D2hSlotsExhausted,
-    DenyReason::PhaseRuleSuppressedSpeculative,
-    DenyReason::Shutdown,
-];
+const DENY_REASONS: [DenyReason; 7] = DenyReason::ALL;
 const RULES: [&str; 4] = ["reset", "backward_pressure", "optimizer_protection", "contention"];
 const NON_FINITE: [&str; 4] = ["output", "gradient", "loss", "other"];
 const STEP_PHASES: [Phase; 5] = [Phase::StepBegin, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::StepEnd];
@@ -108,12 +111,14 @@ fn pool_name(p: PoolKind) -> &'static str {
 
 /// The series that exist from the first scrape, before any event: every counter and histogram
 /// series a dashboard queries, at zero, and the gauges whose zero is true before the run has
-/// said anything (nothing in flight, nothing reserved). Gauges whose value only the run knows
-/// (the loss, the limits, the pools) appear with their first value rather than as a false zero.
+/// said anything (nothing in flight, nothing reserved), and the loss as NaN until the first step
+/// has one (a dashboard's query finds the series, and no false zero). Gauges of what only the
+/// run knows (the limits, the pools) appear with their first value.
 pub fn initial() -> Vec<Observation> {
     use Metric::*;
     let mut out = vec![
         obs(BuildInfo, &[env!("CARGO_PKG_VERSION"), &SCHEMA_VERSION.to_string()], Value::Set(1.0)),
+        obs(Loss, &[], Value::Set(f64::NAN)),
         obs(EventsDropped, &[], Value::Touch),
         obs(TelemetryLost, &[], Value::Touch),
         obs(Step, &[], Value::Set(0.0)),
@@ -193,21 +198,27 @@ fn seconds(v: f64) -> Option<f64> {
     (v.is_finite() && v >= 0.0).then_some(v)
 }
 
-/// The last finished step (one with its per-step figures) that has a reading at its peak.
+/// The newest finished step ([`Snapshot::is_finished`]) that has a reading by owner, with its
+/// fullest one.
 pub fn last_finished_peak(s: &Snapshot) -> Option<(&StepRecord, VramByOwner)> {
-    s.steps
-        .iter()
-        .rev()
-        .filter(|r| r.train.is_some() || r.time.is_some())
-        .find_map(|r| r.vram_at_peak.map(|p| (r, p)))
+    s.steps.iter().rev().filter(|r| r.step > 0 && s.is_finished(r)).find_map(|r| r.vram_at_peak.map(|p| (r, p)))
 }
 
-/// Events to observations, keeping the run's snapshot for the gauges.
+/// How many commits of each tally the mapper has turned into observations.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    weights: u64,
+    activations: u64,
+    counts: u64,
+}
+
+/// Events to observations, keeping the run's snapshot for the gauges and the tallies.
 #[derive(Debug, Default)]
 pub struct Mapper {
     snapshot: Snapshot,
     /// The bus's running total of dropped events seen so far.
     dropped_seen: u64,
+    seen: Seen,
 }
 
 impl Mapper {
@@ -233,51 +244,6 @@ impl Mapper {
                     out.push(obs(PhaseDuration, &[from.as_str()], Value::Observe(s)));
                 }
             }
-            EventKind::PrefetchHit { .. } => out.push(obs(PrefetchHits, &[], one)),
-            EventKind::PrefetchMiss { stall_ms, .. } => {
-                out.push(obs(PrefetchMisses, &[], one));
-                out.push(obs(StallDuration, &["weights"], Value::Observe(stall_ms.max(0.0) / 1e3)));
-            }
-            EventKind::Eviction { reason, .. } => out.push(obs(Evictions, &[&wire_name(reason)], one)),
-            EventKind::TransferCompleted { dir, owner, bytes, duration_ms, .. } => {
-                let l = [dir.as_str(), owner.as_str()];
-                out.push(obs(TransferBytes, &l, Value::Add(*bytes as f64)));
-                out.push(obs(Transfers, &l, one));
-                // Only timed copies carry a duration (see `TransferCompleted`).
-                if let Some(s) = duration_ms.and_then(|ms| seconds(ms / 1e3)) {
-                    out.push(obs(TransferDuration, &[dir.as_str()], Value::Observe(s)));
-                }
-            }
-            EventKind::PoolExhausted { pool, .. } => out.push(obs(PoolExhausted, &[pool_name(*pool)], one)),
-            EventKind::PageableFallback { pool, bytes } => {
-                out.push(obs(PoolPageableFallback, &[pool_name(*pool)], Value::Add(*bytes as f64)))
-            }
-            EventKind::Pack { decision, bytes, .. } => {
-                out.push(obs(ActivationsPacked, &[&wire_name(decision)], one));
-                if *decision == PackDecision::Spilled {
-                    out.push(obs(ActivationSpill, &[], Value::Add(*bytes as f64)));
-                }
-            }
-            EventKind::Restored { bytes, predicted, stall_ms, .. } => {
-                out.push(obs(ActivationRestores, &[if *predicted { "true" } else { "false" }], one));
-                out.push(obs(ActivationRestore, &[], Value::Add(*bytes as f64)));
-                if *stall_ms > 0.0 {
-                    if let Some(s) = seconds(stall_ms / 1e3) {
-                        out.push(obs(StallDuration, &["activations"], Value::Observe(s)));
-                    }
-                }
-            }
-            EventKind::Reservation { mode, outcome, reason, .. } => {
-                out.push(obs(ConductorReservations, &[&wire_name(outcome), &wire_name(mode)], one));
-                if matches!(outcome, ReservationOutcome::Granted | ReservationOutcome::Partial) {
-                    out.push(obs(ConductorGrants, &["reservation"], one));
-                }
-                if let Some(r) = reason {
-                    out.push(obs(ConductorDenials, &["reservation", r.as_str()], one));
-                }
-            }
-            EventKind::SlotGranted { .. } => out.push(obs(ConductorGrants, &["slot"], one)),
-            EventKind::SlotDenied { reason, .. } => out.push(obs(ConductorDenials, &["slot", reason.as_str()], one)),
             EventKind::HintsChanged { rule, .. } => out.push(obs(ConductorHintChanges, &[&wire_name(rule)], one)),
             EventKind::TrainStep(m) => {
                 if let Some(s) = seconds(m.step_time_s) {
@@ -306,8 +272,38 @@ impl Mapper {
             EventKind::FlightRecorded { .. } => out.push(obs(FlightRecords, &[], one)),
             _ => {}
         }
+        self.finished_steps(out);
     }
 
+    /// What the tallies committed with this event (a step's aggregate, or the detail of a step
+    /// that got none): at most one commit per tally and event.
+    fn finished_steps(&mut self, out: &mut Vec<Observation>) {
+        use Metric::*;
+        let t = &self.snapshot.tallies;
+        let add = |out: &mut Vec<Observation>, m: Metric, labels: &[&str], n: u64| {
+            if n > 0 {
+                out.push(obs(m, labels, Value::Add(n as f64)));
+            }
+        };
+        if t.weights.commits != self.seen.weights {
+            self.seen.weights = t.weights.commits;
+            let w = &t.weights.last;
+            add(out, PrefetchHits, &[], w.prefetch_hits);
+            add(out, PrefetchMisses, &[], w.prefetch_misses);
+        }
+        if t.activations.commits != self.seen.activations {
+            self.seen.activations = t.activations.commits;
+            let a = &t.activations.last;
+            add(out, ActivationSpill, &[], a.spill_bytes);
+            add(out, ActivationRestore, &[], a.restore_bytes);
+            add(out, ActivationRestores, &["true"], a.predicted);
+            add(out, ActivationRestores, &["false"], a.restored.saturating_sub(a.predicted));
+        }
+        if t.counts.commits != self.seen.counts {
+            self.seen.counts = t.counts.commits;
+            step_counts(&t.counts.last, out);
+        }
+    }
     /// Appends the gauges as the run now stands.
     pub fn gauges(&self, out: &mut Vec<Observation>) {
         use Metric::*;
@@ -339,7 +335,8 @@ impl Mapper {
             }
         }
         if let Some(v) = &s.vram {
-            for (k, b) in [("allocated", v.allocated_bytes), ("reserved", v.reserved_bytes), ("peak", v.peak_allocated_bytes)] {
+            // The peak is the run's, as on every other surface.
+            for (k, b) in [("allocated", v.allocated_bytes), ("reserved", v.reserved_bytes), ("peak", s.vram_peak_bytes)] {
                 out.push(obs(Vram, &[k], Value::Set(b as f64)));
             }
         }
@@ -363,6 +360,64 @@ impl Mapper {
             }
         }
         out.push(obs(ConductorReserved, &[], Value::Set(s.conductor.active_bytes as f64)));
+    }
+}
+
+/// The counters and histograms of one step's [`StepCounts`].
+fn step_counts(c: &StepCounts, out: &mut Vec<Observation>) {
+    use Metric::*;
+    let add = |out: &mut Vec<Observation>, m: Metric, labels: &[&str], n: u64| {
+        if n > 0 {
+            out.push(obs(m, labels, Value::Add(n as f64)));
+        }
+    };
+    for (r, n) in &c.evictions {
+        add(out, Evictions, &[&wire_name(r)], *n);
+    }
+    for (d, owners) in &c.copies {
+        for (o, n) in owners {
+            let l = [d.as_str(), o.as_str()];
+            add(out, TransferBytes, &l, n.bytes);
+            add(out, Transfers, &l, n.count);
+        }
+    }
+    let record = |out: &mut Vec<Observation>, m: Metric, label: &str, b: &Buckets, bounds: &[f64]| {
+        for (n, v) in b.representatives(bounds) {
+            // Bounded: a snapshot refuses an aggregate with more values (`MAX_STEP_OBSERVATIONS`).
+            for _ in 0..n {
+                out.push(obs(m, &[label], Value::Observe(v)));
+            }
+        }
+    };
+    for (d, b) in &c.copy_seconds {
+        record(out, TransferDuration, d.as_str(), b, COPY_SECONDS_BOUNDS);
+    }
+    for (src, b) in &c.stall_seconds {
+        // Only the two sources the catalog labels; a file's other owners are not series.
+        if matches!(src, Owner::Weights | Owner::Activations) {
+            record(out, StallDuration, src.as_str(), b, STALL_SECONDS_BOUNDS);
+        }
+    }
+    for (kind, p) in &c.pools {
+        let exhausted = p.classes.values().fold(0u64, |t, c| t.saturating_add(c.exhausted));
+        add(out, PoolExhausted, &[pool_name(*kind)], exhausted);
+        add(out, PoolPageableFallback, &[pool_name(*kind)], p.pageable_bytes);
+    }
+    for (d, n) in &c.packed {
+        add(out, ActivationsPacked, &[&wire_name(d)], *n);
+    }
+    for (oc, modes) in &c.reservations {
+        for (m, n) in modes {
+            add(out, ConductorReservations, &[&wire_name(oc), &wire_name(m)], *n);
+        }
+    }
+    add(out, ConductorGrants, &["reservation"], c.reservation_grants());
+    add(out, ConductorGrants, &["slot"], c.slot_grants);
+    for (r, n) in &c.reservation_denials {
+        add(out, ConductorDenials, &["reservation", r.as_str()], *n);
+    }
+    for (r, n) in &c.slot_denials {
+        add(out, ConductorDenials, &["slot", r.as_str()], *n);
     }
 }
 

@@ -20,10 +20,16 @@
 //! error rather than a silent fallback). The exporters themselves take
 //! `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TIMEOUT` and `OTEL_METRIC_EXPORT_INTERVAL`,
 //! and the resource `OTEL_SERVICE_NAME` (default `stagehand`) and `OTEL_RESOURCE_ATTRIBUTES`.
+//!
+//! A collector cannot stall or bloat the run: exports run on the SDK's threads through a client
+//! bounded in time and answer size ([`crate::collector`]), and a shutdown waits for the last
+//! export at most [`SHUTDOWN_WAIT`].
 //! [`OtelSink::with_providers`] takes providers built by the caller (other exporters, or the
 //! SDK's in-memory ones in tests).
 
 use crate::catalog::{Kind, CATALOG};
+pub use crate::collector::SHUTDOWN_WAIT;
+use crate::collector::{export_timeout, BoundedClient};
 use crate::mapping::{initial, Mapper, Observation, Value};
 use crate::{Error, Result};
 use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, MeterProvider as _};
@@ -168,11 +174,16 @@ fn service_name() -> String {
 impl OtelSink {
     /// OTLP/HTTP exporters for the signals of `plan`, configured by the `OTEL_*` variables.
     pub fn build(plan: Plan) -> Result<OtelSink> {
+        use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
         let resource = Resource::builder().with_service_name(service_name()).build();
+        let timeout = export_timeout(|k| std::env::var(k).ok());
+        let client = BoundedClient::new(timeout).map_err(Error::Otel)?;
         let mut mp = SdkMeterProvider::builder().with_resource(resource.clone());
         if plan.metrics {
             let exporter = opentelemetry_otlp::MetricExporter::builder()
                 .with_http()
+                .with_http_client(client.clone())
+                .with_timeout(timeout)
                 .build()
                 .map_err(|e| Error::Otel(format!("metric exporter: {e}")))?;
             mp = mp.with_reader(PeriodicReader::builder(exporter).build());
@@ -181,6 +192,8 @@ impl OtelSink {
         if plan.traces {
             let exporter = opentelemetry_otlp::SpanExporter::builder()
                 .with_http()
+                .with_http_client(client)
+                .with_timeout(timeout)
                 .build()
                 .map_err(|e| Error::Otel(format!("span exporter: {e}")))?;
             tp = tp.with_batch_exporter(exporter);
@@ -219,7 +232,8 @@ impl OtelSink {
             .map_err(|e| Error::Otel(format!("spans flush: {e}")))
     }
 
-    /// Ends open spans, exports everything and stops the exporters.
+    /// Ends open spans, exports everything and stops the exporters, waiting at most
+    /// [`SHUTDOWN_WAIT`] for the collector (a slow one loses the last export, and says so).
     pub fn shutdown(mut self) -> Result<()> {
         self.close()
     }
@@ -234,8 +248,24 @@ impl OtelSink {
         self.end_step(end);
         self.dirty_gauges = true;
         self.record_gauges();
-        let m = self.meter_provider.shutdown();
-        let t = self.tracer_provider.shutdown();
+        // The last export goes on a thread of its own, waited for a bounded time: a slow
+        // collector must not hold the run's end.
+        let (mp, tp) = (self.meter_provider.clone(), self.tracer_provider.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new().name("stagehand-otlp-shutdown".into()).spawn(move || {
+            let m = mp.shutdown();
+            let t = tp.shutdown();
+            let _ = tx.send((m, t));
+        });
+        if let Err(e) = spawned {
+            return Err(Error::Otel(format!("cannot start the shutdown's thread: {e}")));
+        }
+        let (m, t) = rx.recv_timeout(SHUTDOWN_WAIT).map_err(|_| {
+            Error::Otel(format!(
+                "the collector did not take the last export within {} s: given up on it",
+                SHUTDOWN_WAIT.as_secs()
+            ))
+        })?;
         m.map_err(|e| Error::Otel(format!("metrics shutdown: {e}")))?;
         t.map_err(|e| Error::Otel(format!("spans shutdown: {e}")))
     }

@@ -194,6 +194,53 @@ fn panel_series_exist_from_the_first_scrape() {
     assert_eq!(value(&s, "stagehand_conductor_denials_total", &[]), 0.0);
 }
 
+/// Every sample of a scrape but the event counts (a summary file has fewer events by design),
+/// as `name{labels} value` lines.
+fn samples_but_event_counts(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = scrape(text)
+        .samples
+        .into_iter()
+        .filter(|s| s.metric != "stagehand_events_total")
+        .map(|s| {
+            let labels: BTreeMap<&String, &String> = s.labels.iter().collect();
+            format!("{}{labels:?} {:?}", s.metric, s.value)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
+    use stagehand::events::jsonl::read_file;
+    use stagehand::events::telemetry::{attach, Level, TelemetryConfig};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bus = stagehand::events::Bus::new();
+    let live = Metrics::new();
+    bus.hub().expect("enabled").add_sink(Box::new(live.clone()));
+    let file = |level, name: &str| TelemetryConfig { level, path: Some(dir.path().join(name)), ..Default::default() };
+    let full = attach(&bus, file(Level::Full, "full.jsonl")).expect("full");
+    let summary = attach(&bus, file(Level::Summary, "summary.jsonl")).expect("summary");
+    synthetic::publish(SyntheticRun::finished(6), &bus, std::time::Duration::ZERO);
+    bus.close();
+    let want = samples_but_event_counts(&live.render().expect("renders"));
+    for t in [&full, &summary] {
+        let (events, _) = read_file(&t.paths()[0]).expect("reads");
+        let mut replay = Metrics::new();
+        for e in &events {
+            replay.on_event(e);
+        }
+        let got = samples_but_event_counts(&replay.render().expect("renders"));
+        let differ: Vec<_> = got.iter().zip(&want).filter(|(g, w)| g != w).take(5).collect();
+        assert!(differ.is_empty() && got.len() == want.len(), "{:?}: {} vs {} samples, first differences {differ:?}", t.level(), got.len(), want.len());
+    }
+    // The counts are really there (not zero on both sides).
+    let s = scrape(&live.render().expect("renders"));
+    for name in ["stagehand_prefetch_hits_total", "stagehand_transfers_total", "stagehand_evictions_total", "stagehand_conductor_denials_total"] {
+        assert!(value(&s, name, &[]) > 0.0, "{name}");
+    }
+}
+
 #[test]
 fn each_device_of_a_data_parallel_run_has_its_series() {
     use stagehand::events::model::{DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, TransferId};

@@ -9,12 +9,14 @@
 //!   (the reader now, which reports a short read), and `pread` followed by a CRC32C of every
 //!   byte (what a full checksum would cost, against the sampled one the runtime takes);
 //! - the runtime's whole staging path ([`FileSource::stage`]: size and modification time
-//!   checked before and after, bytes read, sampled checksum verified).
+//!   checked before and after, bytes read, checksum verified), with the sampled checksum (the
+//!   default) and with the full one (`FileCheck::Full`), and what the full check costs as a
+//!   ratio of the two.
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench integrity` (`INTEGRITY_MIB` sets the buffer
 //! and block size, default 64; `INTEGRITY_REPS` the repetitions, default 15).
 
-use stagehand::weights::file::FileSource;
+use stagehand::weights::file::{FileCheck, FileSource};
 use stagehand::weights::BlockSpec;
 use std::hint::black_box;
 use std::io::Write;
@@ -103,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         &[("w".to_string(), w)],
     )?;
     let source = FileSource::open(&st, &spec, "")?;
+    let full = FileSource::open_checked(&st, &spec, "", FileCheck::Full)?;
     // Page-aligned, like a pinned slab (an unaligned destination slows the kernel's copy).
     let mut slab = memmap2::MmapMut::map_anon(len)?;
     slab.fill(1);
@@ -174,13 +177,24 @@ fn main() -> anyhow::Result<()> {
             }),
         ),
         (
-            "stage  FileSource::stage",
+            "stage  FileSource::stage, sampled",
             len,
             Box::new(|dst: &mut [u8]| source.stage(&spec, dst).expect("stage")),
         ),
+        (
+            "stage  FileSource::stage, full check",
+            len,
+            Box::new(|dst: &mut [u8]| full.stage(&spec, dst).expect("stage")),
+        ),
     ];
-    for ((name, _, _), gb) in cases.iter().zip(measure(&cases, &mut slab, reps)) {
+    let rates = measure(&cases, &mut slab, reps);
+    for ((name, _, _), gb) in cases.iter().zip(&rates) {
         println!("{name:<40} {gb:6.2} GB/s");
     }
+    let n = rates.len();
+    println!(
+        "full check / sampled staging time: {:.2}x (WeightConfig::file_check = Full)",
+        rates[n - 2] / rates[n - 1]
+    );
     Ok(())
 }

@@ -82,6 +82,18 @@ struct Pending {
 pub struct Guards {
     bus: Bus,
     pending: Mutex<Pending>,
+    /// Tensors checked over the run: outputs, gradients, losses (read at each step's end).
+    checked: Mutex<Checked>,
+}
+
+/// Tensors the guards checked over a run, by where they came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Checked {
+    pub outputs: u64,
+    pub gradients: u64,
+    pub losses: u64,
+    /// Steps whose flags were read.
+    pub steps: u64,
 }
 
 /// Observes a managed layer's output when guards are armed on `device`.
@@ -118,6 +130,7 @@ impl Guards {
         Guards {
             bus,
             pending: Mutex::new(Pending::default()),
+            checked: Mutex::new(Checked::default()),
         }
     }
 
@@ -158,6 +171,11 @@ impl Guards {
         }
     }
 
+    /// What the guards checked over the run so far (the steps that ended).
+    pub fn checked(&self) -> Checked {
+        *self.checked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Observations made in the step so far (tests, diagnostics).
     pub fn observed(&self) -> usize {
         self.lock().sites.len()
@@ -180,6 +198,18 @@ impl Guards {
         }
         if p.sites.is_empty() {
             return Ok(None);
+        }
+        {
+            let mut c = self.checked.lock().unwrap_or_else(|p| p.into_inner());
+            for (_, site) in &p.sites {
+                let n = match site {
+                    Site::Output => &mut c.outputs,
+                    Site::Gradient => &mut c.gradients,
+                    Site::Loss => &mut c.losses,
+                };
+                *n += 1;
+            }
+            c.steps += 1;
         }
         let mut parts = p.folded;
         if !p.flags.is_empty() {

@@ -104,7 +104,7 @@ fn demo_run_agrees_across_every_consumer() {
     };
     let hits = steady(&|r| r.weights.as_ref().map_or(0, |w| w.prefetch_hits));
     let misses = steady(&|r| r.weights.as_ref().map_or(0, |w| w.prefetch_misses));
-    assert!(hits >= 9 * misses.max(1), "{hits} hits, {misses} misses after step 1");
+    assert!(hits > 0 && misses == 0, "{hits} hits, {misses} misses after step 1: every load is prefetched");
     assert_eq!(steady(&|r| r.activations.as_ref().map_or(0, |a| a.pool_misses)), 0, "pageable spills after step 1");
     assert!(live.steps.iter().all(|r| r.step == 0 || r.time.is_some()), "a time breakdown per step");
     assert!(live.conductor.hint_changes > 0, "the Conductor set hints");
@@ -255,19 +255,21 @@ fn the_demos_defaults_show_the_system_working_as_designed() {
     let budget = demo_budget(&device, Some(d.budget_above(&device))).expect("budget").expect("a default");
     let hub = Arc::new(Hub::new());
     let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
-    let cfg = TrainConfig::demo(4, d.layers, d.d_model, d.seq, d.batch, budget);
+    // Steps enough that a race between the host optimizer and the next step's first load would
+    // show (it missed in most steps before the scheduler waited for it at prefetch).
+    let cfg = TrainConfig::demo(8, d.layers, d.d_model, d.seq, d.batch, budget);
     announce(&bus, &cfg, &device, "defaults");
     let summary = train(&cfg, &device, &bus, |_, _, _| {}).expect("training runs");
     bus.flush();
     let live = hub.snapshot();
     assert!(summary.activations_spilled > 0, "the defaults spill");
     let steady: Vec<_> = live.steps.iter().filter(|r| r.step > 1).collect();
-    assert_eq!(steady.len(), 3, "{:?}", live.steps.iter().map(|r| r.step).collect::<Vec<_>>());
+    assert_eq!(steady.len(), 7, "{:?}", live.steps.iter().map(|r| r.step).collect::<Vec<_>>());
     let first = live.steps.iter().find(|r| r.step == 1).and_then(|r| r.activations.clone());
     let warnings: Vec<&str> = live.warnings.iter().map(|w| w.message.as_str()).collect();
     for r in steady {
         let w = r.weights.as_ref().expect("weights streamed");
-        assert!(w.prefetch_hits >= 9 * w.prefetch_misses.max(1), "step {}: {w:?}", r.step);
+        assert!(w.prefetch_hits > 0 && w.prefetch_misses == 0, "step {}: {w:?}", r.step);
         let a = r.activations.as_ref().expect("activations");
         assert!(a.activations_spilled > 0, "step {} spilled", r.step);
         assert_eq!(
@@ -281,7 +283,7 @@ fn the_demos_defaults_show_the_system_working_as_designed() {
     // Every step, the first included, stays under the budget (on CUDA, temporaries included).
     let peaks: Vec<(u64, u64)> =
         live.steps.iter().filter_map(|r| r.train.as_ref().map(|t| (r.step, t.vram_peak_bytes))).collect();
-    assert_eq!(peaks.len(), 4);
+    assert_eq!(peaks.len(), 8);
     assert!(peaks.iter().all(|&(_, p)| p <= budget), "peaks {peaks:?} over the {budget} budget; {warnings:?}");
     assert!(!warnings.iter().any(|w| w.contains("over the")), "{warnings:?}");
 }

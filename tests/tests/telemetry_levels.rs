@@ -42,5 +42,6 @@ fn a_summary_file_of_a_real_run_replays_to_the_full_files_step_records() {
     assert_eq!((s.transfers.h2d.bytes, s.transfers.d2h.bytes), (f.transfers.h2d.bytes, f.transfers.d2h.bytes));
     assert_eq!((s.weights.prefetch_hits, s.activations.spilled), (f.weights.prefetch_hits, f.activations.spilled));
     let size = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    assert!(size(&summary) * 10 < size(&full), "summary {} vs full {} bytes", size(&summary), size(&full));
+    // Every reading and each step's counts by label are in the summary too: still a fraction.
+    assert!(size(&summary) * 5 < size(&full), "summary {} vs full {} bytes", size(&summary), size(&full));
 }

@@ -1,6 +1,11 @@
 // Stagehand web dashboard: renders the view the server computes (/api/view/stream: the view,
 // then a fresh one at most every 200 ms, each with the log lines since the last). There is no
 // reducer here: every figure is the server's, so the page cannot disagree with the API.
+//
+// The token (when the server has one) comes in the address's fragment (#token=...), which the
+// browser never sends; the page keeps it in this origin's session storage (no other port can
+// read it) and sends it in the Authorization header itself. It is never a cookie: a cookie
+// would go to every other server on this host.
 "use strict";
 (function () {
   const C = window.StagehandCharts;
@@ -8,9 +13,30 @@
   const SPEEDS = [0.0625, 0.25, 0.5, 1, 2, 4, 8, 16, 64, 256, 1024];
   const $ = (id) => document.getElementById(id);
   const q = (tid) => document.querySelector(`[data-testid="${tid}"]`);
-  let view = null, received = 0, runId = null, es = null, connected = false;
+  let view = null, received = 0, runId = null, connected = false, needsToken = false;
   let log = [];
   let charts = {};
+
+  // ---- the token ------------------------------------------------------------------------------------
+  const TOKEN_KEY = "stagehand-token";
+  function takeToken() {
+    const m = location.hash.match(/(?:^#|&)token=([^&]*)/);
+    if (m) {
+      try { sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1])); } catch (_) { /* storage off: kept below */ }
+      // Out of the address bar and the history.
+      history.replaceState(null, "", location.pathname + location.search);
+      return decodeURIComponent(m[1]);
+    }
+    try { return sessionStorage.getItem(TOKEN_KEY); } catch (_) { return null; }
+  }
+  const token = takeToken();
+  // Request options with the token, when there is one.
+  function authed(init) {
+    const o = Object.assign({ cache: "no-store" }, init || {});
+    o.headers = Object.assign({}, o.headers || {});
+    if (token) o.headers.authorization = "Bearer " + token;
+    return o;
+  }
 
   function bytes(b) {
     if (b == null) return "-";
@@ -48,6 +74,7 @@
     b.className = "badge " + state; b.textContent = text; b.dataset.state = state;
   }
   function showBadge() {
+    if (needsToken) return badge("disconnected", "this server needs its token: open the address it printed (ending in #token=...)");
     if (!connected) return badge("disconnected", "disconnected, retrying");
     if (!view) return badge("connecting", "connecting");
     if (view.header.ended) return badge("ended", "run ended");
@@ -80,10 +107,10 @@
   }
 
   // ---- insight ---------------------------------------------------------------------------------
-  function findings(list) {
+  function findings(list, note) {
     const el = $("findings");
     el.dataset.value = String(list.length);
-    if (!list.length) return fill(el, [h("li", { class: "none" }, "Nothing looks off so far.")]);
+    if (!list.length) return fill(el, [h("li", { class: "none", "data-testid": "findings-note" }, note)]);
     fill(el, list.map((f) => h("li", { class: "finding " + f.severity, "data-testid": "finding", "data-id": f.id, "data-severity": f.severity },
       h("span", { class: "sev" }, f.severity), h("span", { class: "msg" }, f.message),
       f.knob ? h("span", { class: "knob" }, "knob: ", h("b", {}, f.knob)) : null)));
@@ -128,6 +155,11 @@
     set("vram-allocated", v.allocated_bytes ?? 0, bytes(v.allocated_bytes));
     set("vram-reserved", v.reserved_bytes ?? 0, bytes(v.reserved_bytes));
     set("vram-peak", v.peak_allocated_bytes ?? 0, bytes(v.peak_allocated_bytes));
+    set("vram-last-step", v.last_step ?? "", v.last_step == null ? "-" : String(v.last_step));
+    set("vram-step-peak", v.last_step_peak_bytes ?? "", bytes(v.last_step_peak_bytes));
+    const moved = $("vram-moved");
+    moved.classList.toggle("hidden", !v.watermarks_moved);
+    moved.textContent = v.watermarks_moved ? "spill watermarks moved " + v.watermarks_moved : "";
     set("vram-high", v.high_watermark_bytes ?? 0, bytes(v.high_watermark_bytes));
     set("vram-low", v.low_watermark_bytes ?? 0, bytes(v.low_watermark_bytes));
     set("vram-budget", v.budget_bytes ?? 0, bytes(v.budget_bytes));
@@ -158,7 +190,8 @@
   }
   function pools(list) {
     if (!list.length) return fill($("pools"), [h("div", { class: "muted" }, "no pools configured")]);
-    fill($("pools"), list.map((p) => h("div", { class: "pool" }, h("h3", {}, p.name + (p.pinned ? " (pinned)" : " (pageable)")),
+    fill($("pools"), list.map((p) => p.note ? h("div", { class: "pool" }, h("h3", {}, p.name),
+      h("div", { class: "note", "data-testid": `pool-${p.name}-note` }, p.note)) : h("div", { class: "pool" }, h("h3", {}, p.name + (p.pinned ? " (pinned)" : " (pageable)")),
       ...p.classes.map((k, i) => h("div", { class: "cls" }, h("span", {}, bytes(k.slab_bytes)),
         h("div", { class: "bar" }, h("div", { style: `width:${k.slabs ? 100 * k.in_use / k.slabs : 0}%` })),
         h("span", { "data-testid": `pool-${p.name}-${i}`, "data-value": String(k.in_use) }, `${k.in_use}/${k.slabs}`))))));
@@ -196,8 +229,11 @@
     set("phase-legend", undefined, stepsShown.length ? `steps ${stepsShown[0]}-${stepsShown[stepsShown.length - 1]}: ` +
       ["forward", "backward", "optimizer"].map((ph) => `${ph} ${ms(spans.filter((p) => p.phase === ph).reduce((s, p) => s + p.ms, 0))}`).join(", ")
       : "no completed phases yet");
+    // Every reason with what it means and whether it is bad, then the latest refusals.
+    fill($("reasons"), c.denial_reasons.map((r) => h("div", { class: r.concern, "data-testid": "denial-reason", "data-reason": r.reason, "data-value": String(r.count) },
+      h("b", {}, `${r.reason} \u00d7${r.count}`), ": " + r.meaning + " ", h("span", { class: "verdict" }, "(" + r.verdict + ")"))));
     fill($("denials"), c.recent_denials.map((d) => h("tr", {}, h("td", {}, "step " + d.step), h("td", {}, d.phase), h("td", {}, d.owner),
-      h("td", {}, d.what), h("td", { class: "reason" }, d.reason))));
+      h("td", {}, d.what), h("td", { class: "reason " + d.concern }, d.reason))));
   }
 
   // ---- a data-parallel run's GPUs --------------------------------------------------------------
@@ -225,7 +261,7 @@
   }
   async function loadRun() {
     try {
-      const r = await fetch("/api/run");
+      const r = await fetch("/api/run", authed());
       if (!r.ok) return;
       const run = await r.json();
       const info = run.run;
@@ -259,7 +295,7 @@
   async function control(path, body) {
     $("rp-error").textContent = "";
     try {
-      const r = await fetch("/api/replay/" + path, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body || {}) });
+      const r = await fetch("/api/replay/" + path, authed({ method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body || {}) }));
       if (!r.ok) $("rp-error").textContent = (await r.json()).error || ("error " + r.status);
     } catch (e) { $("rp-error").textContent = String(e); }
   }
@@ -293,7 +329,7 @@
     view = msg.view;
     received += 1;
     header(view);
-    findings(view.findings);
+    findings(view.findings, view.findings_note);
     stepTime(view.step_time);
     owners(view.owners);
     vram(view.vram);
@@ -306,11 +342,47 @@
     replay(view.replay);
     takeLog(msg.log);
   }
-  function connect() {
-    es = new EventSource("/api/view/stream");
-    es.onopen = () => { connected = true; showBadge(); };
-    es.addEventListener("view", (m) => { connected = true; render(JSON.parse(m.data)); });
-    es.onerror = () => { connected = false; showBadge(); };
+  // Server-Sent Events over fetch (EventSource cannot send a header): blocks of "event:" and
+  // "data:" lines, each ended by a blank line.
+  function takeMessages(text, onMessage) {
+    let at;
+    while ((at = text.indexOf("\n\n")) >= 0) {
+      const block = text.slice(0, at);
+      text = text.slice(at + 2);
+      let name = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) name = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+      }
+      if (data.length) onMessage(name, data.join("\n"));
+    }
+    return text;
+  }
+  async function streamOnce() {
+    const r = await fetch("/api/view/stream", authed({ headers: { accept: "text/event-stream" } }));
+    if (r.status === 401) { needsToken = true; showBadge(); return false; }
+    if (!r.ok || !r.body) throw new Error("status " + r.status);
+    connected = true; showBadge();
+    const reader = r.body.getReader();
+    const decoder = new TextDecoder();
+    let text = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return true;
+      text = takeMessages(text + decoder.decode(value, { stream: true }), (name, data) => {
+        if (name === "view") { connected = true; render(JSON.parse(data)); }
+      });
+    }
+  }
+  async function connect() {
+    for (;;) {
+      try {
+        if (!(await streamOnce())) return;
+      } catch (_) { /* retried below */ }
+      connected = false; showBadge();
+      await new Promise((res) => setTimeout(res, 1000));
+    }
   }
   function init() {
     charts = { vram: C.vram($("vram-chart")), throughput: C.throughput($("tput-chart")) };

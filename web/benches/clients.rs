@@ -5,8 +5,16 @@
 //!    how many events the bus dropped.
 //! 2. Memory with 1000 WebSocket clients that connect and never read: resident set size before,
 //!    while they are connected during a run, and after they left.
+//! 3. `watchers`: a run shaped like a training job's host side (each step publishes a full
+//!    step's events, then works on every core at once, as the host optimizer does, then on the
+//!    training thread alone) with no client, then with 50 SSE and 50 WebSocket clients reading
+//!    the full stream from another process, alternating; then the same with 8 clients polling
+//!    `/api/snapshot` as fast as they can. Prints the step time of each, their ratio, and where
+//!    the CPU went (the training threads, the event dispatcher, the server's threads, the
+//!    readers' process).
 //!
-//! Run: `cargo bench -p stagehand-web --bench clients`
+//! Run: `cargo bench -p stagehand-web --bench clients` (or `-- watchers`, `-- training`, `--
+//! memory` for one part).
 
 use stagehand::events::bus::DEFAULT_QUEUE_CAPACITY;
 use stagehand::events::model::{EventKind, Phase};
@@ -147,9 +155,228 @@ fn stalled_websockets(n: usize) {
     drop(server);
 }
 
+/// CPU time (user + system) so far, in seconds, of this process's threads by name (threads of
+/// one name summed), from `/proc/self/task/*/stat`.
+fn cpu_by_thread() -> std::collections::BTreeMap<String, f64> {
+    let tick = 100.0; // USER_HZ on Linux
+    let mut out = std::collections::BTreeMap::new();
+    for task in std::fs::read_dir("/proc/self/task").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let name = stat[open + 1..close].to_owned();
+        let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        let ticks: f64 = fields.get(11).and_then(|u| u.parse::<f64>().ok()).unwrap_or(0.0)
+            + fields.get(12).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+        *out.entry(name).or_insert(0.0) += ticks / tick;
+    }
+    out
+}
+
+/// CPU time so far of another process (its threads, finished ones included), in seconds.
+fn cpu_of(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let f = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (f(11) + f(12)) / 100.0
+}
+
+/// The readers' process: `clients readers ADDR SSE WS POLL` opens that many streams and reads
+/// them (discarding what comes), and has POLL clients ask for `/api/snapshot` again and again on
+/// kept-alive connections, until killed.
+fn readers(addr: &str, sse: usize, ws: usize, poll: usize) {
+    let addr: SocketAddr = addr.parse().expect("an address");
+    let mut threads = Vec::new();
+    for _ in 0..sse {
+        threads.push(std::thread::spawn(move || {
+            let Ok(mut s) = TcpStream::connect(addr) else { return };
+            let _ = write!(s, "GET /api/stream HTTP/1.1\r\nhost: {addr}\r\n\r\n");
+            let mut buf = vec![0u8; 64 * 1024];
+            while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+        }));
+    }
+    for _ in 0..ws {
+        threads.push(std::thread::spawn(move || {
+            let Ok((mut c, _)) = tungstenite::connect(format!("ws://{addr}/api/ws")) else { return };
+            while c.read().is_ok() {}
+        }));
+    }
+    for _ in 0..poll {
+        threads.push(std::thread::spawn(move || {
+            let Ok(s) = TcpStream::connect(addr) else { return };
+            let mut r = std::io::BufReader::new(s.try_clone().expect("clone"));
+            let mut w = s;
+            let mut body = Vec::new();
+            loop {
+                if write!(w, "GET /api/snapshot HTTP/1.1\r\nhost: {addr}\r\n\r\n").is_err() {
+                    return;
+                }
+                let mut len = 0usize;
+                loop {
+                    let mut line = String::new();
+                    match std::io::BufRead::read_line(&mut r, &mut line) {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                body.resize(len, 0);
+                if r.read_exact(&mut body).is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+/// Work on every core at once: `cores` threads of `units` each, all waited for (a barrier,
+/// as a parallel optimizer step is).
+fn on_every_core(cores: usize, units: u64) -> f64 {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..cores).map(|_| s.spawn(move || work(units))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    })
+}
+
+/// One run of the job-shaped loop: mean step time (s), events published, dropped (both so far).
+fn job(bus: &Bus, groups: &[Vec<Event>], repeat: usize, cores: usize) -> (f64, u64, u64) {
+    let mut sink = 0.0;
+    let t = Instant::now();
+    for g in groups {
+        // A full step's events: the synthetic step's, several times over (a real model has
+        // more blocks and copies than the synthetic one).
+        for _ in 0..repeat {
+            for e in g {
+                match e.kind.clone() {
+                    EventKind::PhaseChanged { to, .. } => bus.enter_phase(e.step, to),
+                    kind => bus.publish(kind),
+                }
+            }
+        }
+        sink += on_every_core(cores, WORK_PER_STEP / 2);
+        sink += work(WORK_PER_STEP / 4);
+    }
+    let dt = t.elapsed().as_secs_f64() / groups.len() as f64;
+    bus.flush();
+    std::hint::black_box(sink);
+    (dt, bus.published(), bus.dropped())
+}
+
+/// The job alone and watched, alternating: medians, and the CPU of each thread group a watched
+/// step costs.
+fn watched(server: &stagehand_web::ServerHandle, bus: &Bus, groups: &[Vec<Event>], what: &str, clients: [usize; 3]) {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let addr = server.addr();
+    let repeat = 4;
+    let exe = std::env::current_exe().expect("this program");
+    // Rounds alternate between no client and the clients, so the machine's drift touches both.
+    let rounds = 5;
+    let (mut alone, mut watched) = (Vec::new(), Vec::new());
+    let mut cpu: std::collections::BTreeMap<&str, f64> = Default::default();
+    let mut reader_cpu = 0.0;
+    let streams = clients[0] + clients[1];
+    for _ in 0..rounds {
+        let (dt, _, _) = job(bus, groups, repeat, cores);
+        alone.push(dt);
+        let [sse, ws, poll] = clients.map(|n| n.to_string());
+        let mut child = std::process::Command::new(&exe)
+            .args(["readers", &addr.to_string(), &sse, &ws, &poll])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("the readers start");
+        let mut ready = String::new();
+        let mut out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let _ = std::io::BufRead::read_line(&mut out, &mut ready);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while server.stream_clients() < streams && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let before = cpu_by_thread();
+        let (process_before, child_before) = (cpu_of(std::process::id()), cpu_of(child.id()));
+        let (dt, _, dropped) = job(bus, groups, repeat, cores);
+        let after = cpu_by_thread();
+        reader_cpu += cpu_of(child.id()) - child_before;
+        watched.push(dt);
+        // The training's own threads end with each step: theirs is the process's less the rest.
+        let mut rest = 0.0;
+        for (name, t) in &after {
+            let group = if name.starts_with("stagehand-web") {
+                "server threads"
+            } else if name.starts_with("stagehand-even") {
+                "event dispatcher"
+            } else {
+                continue;
+            };
+            let used = t - before.get(name).copied().unwrap_or(0.0);
+            rest += used;
+            *cpu.entry(group).or_insert(0.0) += used;
+        }
+        *cpu.entry("training threads").or_insert(0.0) += cpu_of(std::process::id()) - process_before - rest;
+        if dropped > 0 {
+            println!("  {dropped} events dropped so far");
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        while server.stream_clients() > 0 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // Medians: the machine may be shared, and a round can be slowed by anything.
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (a, w) = (median(&alone), median(&watched));
+    let steps = (groups.len() * rounds) as f64;
+    println!(
+        "watchers: {cores} cores; median step {:.2} ms alone, {:.2} ms with {what}: {:.3}x the speed alone",
+        a * 1e3,
+        w * 1e3,
+        a / w
+    );
+    println!("  rounds alone   {:?} ms", alone.iter().map(|t| (t * 1e5).round() / 1e2).collect::<Vec<_>>());
+    println!("  rounds watched {:?} ms", watched.iter().map(|t| (t * 1e5).round() / 1e2).collect::<Vec<_>>());
+    println!("  CPU per watched step:");
+    for (group, t) in &cpu {
+        println!("    {group:<18} {:>7.2} ms", t * 1e3 / steps);
+    }
+    println!("    {:<18} {:>7.2} ms (another process)", "readers", reader_cpu * 1e3 / steps);
+    println!("  {} events a step", groups.iter().map(Vec::len).sum::<usize>() * repeat / groups.len());
+}
+
+fn watchers() {
+    let (hub, server) = server(256);
+    // One bus for every round: its dispatcher thread lives on and is measured.
+    let bus = Bus::with_hub(hub.clone(), DEFAULT_QUEUE_CAPACITY);
+    let groups = steps();
+    watched(&server, &bus, &groups, "50 SSE + 50 WebSocket readers", [50, 50, 0]);
+    watched(&server, &bus, &groups, "8 clients polling /api/snapshot", [0, 0, 8]);
+    drop(server);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--list") {
+        return;
+    }
+    if let [_, mode, addr, sse, ws, poll, ..] = args.as_slice() {
+        if mode == "readers" {
+            readers(addr, sse.parse().unwrap_or(0), ws.parse().unwrap_or(0), poll.parse().unwrap_or(0));
+            return;
+        }
+    }
+    if args.iter().any(|a| a == "watchers") {
+        watchers();
         return;
     }
     let only = |name: &str| !args.iter().any(|a| a == "training" || a == "memory") || args.iter().any(|a| a == name);

@@ -9,10 +9,18 @@
 //!   WebSocket, or read a route through a no-cors request.
 //! - A state-changing request (anything but GET and HEAD) must say `Content-Type:
 //!   application/json`, which a cross-site form or no-cors `fetch` cannot send.
-//! - When a token is set, it must come as `Authorization: Bearer TOKEN`, as this server's
-//!   cookie, or as `?token=TOKEN`; the query form sets the cookie (and a page load is
-//!   redirected to the same address without the token, out of the history and the address bar).
+//! - When a token is set, every route that shows the run or changes it needs it, as
+//!   `Authorization: Bearer TOKEN` or `?token=TOKEN`. It is never a cookie: cookies are not
+//!   kept apart by port (nor `__Host-` ones), so a cookie would reach every other server on the
+//!   machine (a notebook, another user's dashboard) the browser talks to. The page's own files
+//!   (`/`, `/assets/...`: the same bytes for everyone, no run data) load without it; the page
+//!   takes the token from its address (`/#token=TOKEN`, a fragment the browser never sends),
+//!   keeps it in its origin's session storage, which no other port can read, and sends it in the
+//!   `Authorization` header itself. `/?token=TOKEN` is sent on to `/#token=TOKEN`.
+//! - A request that passes these rules admits its connection (see [`crate::admission`]): until
+//!   then a connection holds only a pending place.
 
+use crate::admission::Ticket;
 use crate::api::ApiError;
 use crate::Error;
 use axum::extract::{Request, State};
@@ -131,7 +139,6 @@ pub struct Access {
     extra: Vec<HostRule>,
     token: Option<Arc<str>>,
     tls: bool,
-    cookie: String,
 }
 
 impl std::fmt::Debug for Access {
@@ -166,7 +173,6 @@ impl Access {
             extra: Vec::new(),
             token: None,
             tls: false,
-            cookie: "stagehand_token".to_owned(),
         }
     }
 
@@ -198,7 +204,6 @@ impl Access {
             extra,
             token: None,
             tls,
-            cookie: format!("stagehand_token_{port}"),
         })
     }
 
@@ -275,16 +280,6 @@ impl Access {
         if bearer.is_some_and(|t| matches(t.trim())) {
             return Some(Presented::Header);
         }
-        let cookie = headers
-            .get_all(header::COOKIE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|kv| kv.trim().split_once('='))
-            .any(|(k, v)| k == self.cookie && matches(v));
-        if cookie {
-            return Some(Presented::Cookie);
-        }
         let in_query = query
             .into_iter()
             .flat_map(|q| q.split('&'))
@@ -292,24 +287,18 @@ impl Access {
             .any(|(k, v)| k == "token" && matches(v));
         in_query.then_some(Presented::Query)
     }
-
-    fn set_cookie(&self) -> Option<HeaderValue> {
-        let token = self.token.as_deref()?;
-        let secure = if self.tls { "; Secure" } else { "" };
-        HeaderValue::from_str(&format!(
-            "{}={token}; Path=/; HttpOnly; SameSite=Strict{secure}",
-            self.cookie
-        ))
-        .ok()
-    }
 }
 
 /// How a request showed the token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Presented {
     Header,
-    Cookie,
     Query,
+}
+
+/// The page's own files: the same bytes for everyone, served without the token.
+fn is_page_file(method: &Method, path: &str) -> bool {
+    matches!(*method, Method::GET | Method::HEAD) && (path == "/" || path.starts_with("/assets/"))
 }
 
 fn refuse(status: StatusCode, message: String) -> Response {
@@ -396,13 +385,15 @@ async fn check(access: &Access, req: Request, next: Next) -> Response {
             );
         }
     }
+    let page_file = is_page_file(req.method(), req.uri().path());
     let presented = if access.token.is_some() {
         match access.presented(headers, req.uri().query()) {
             Some(p) => Some(p),
+            None if page_file => None,
             None => {
                 let mut r = refuse(
                     StatusCode::UNAUTHORIZED,
-                    "this server requires a token: open the address it printed (ending in ?token=...), \
+                    "this server requires a token: open the address it printed (ending in #token=...), \
                      send 'Authorization: Bearer TOKEN', or add '?token=TOKEN'"
                         .into(),
                 );
@@ -414,26 +405,29 @@ async fn check(access: &Access, req: Request, next: Next) -> Response {
     } else {
         None
     };
-    if presented == Some(Presented::Query) {
-        let cookie = access.set_cookie();
-        // A page load with the token in its address: set the cookie and show the same address
-        // without the token.
-        if req.method() == Method::GET && req.uri().path() == "/" {
-            let rest = query_without_token(req.uri().query().unwrap_or(""));
-            let location = if rest.is_empty() { "/".to_owned() } else { format!("/?{rest}") };
-            let mut r = StatusCode::SEE_OTHER.into_response();
-            if let Ok(l) = HeaderValue::from_str(&location) {
-                r.headers_mut().insert(header::LOCATION, l);
+    // The page's files do not admit a connection when there is a token: anyone may load them,
+    // and only a client with the token may hold a slot.
+    if !(page_file && presented.is_none() && access.token.is_some()) {
+        if let Some(ticket) = req.extensions().get::<Arc<Ticket>>() {
+            if ticket.admit().is_err() {
+                return refuse(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too many connections: the server's connection cap is reached; retry later".into(),
+                );
             }
-            if let Some(c) = cookie {
-                r.headers_mut().insert(header::SET_COOKIE, c);
-            }
-            return r;
         }
-        let mut r = next.run(req).await;
-        if let Some(c) = cookie {
-            r.headers_mut().insert(header::SET_COOKIE, c);
+    }
+    if presented == Some(Presented::Query) && req.method() == Method::GET && req.uri().path() == "/" {
+        // The printed address of older versions: on to the page, the token in the fragment
+        // (which the browser never sends anywhere) rather than the query.
+        let rest = query_without_token(req.uri().query().unwrap_or(""));
+        let token = access.token.as_deref().unwrap_or("");
+        let location = if rest.is_empty() { format!("/#token={token}") } else { format!("/?{rest}#token={token}") };
+        let mut r = StatusCode::SEE_OTHER.into_response();
+        if let Ok(l) = HeaderValue::from_str(&location) {
+            r.headers_mut().insert(header::LOCATION, l);
         }
+        r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         return r;
     }
     next.run(req).await

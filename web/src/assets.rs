@@ -8,6 +8,7 @@ const FILES: &[(&str, &str, &[u8])] = &[
     ("app.js", "text/javascript; charset=utf-8", include_bytes!("../assets/app.js")),
     ("charts.js", "text/javascript; charset=utf-8", include_bytes!("../assets/charts.js")),
     ("app.css", "text/css; charset=utf-8", include_bytes!("../assets/app.css")),
+    ("favicon.svg", "image/svg+xml", include_bytes!("../assets/favicon.svg")),
     ("vendor/uPlot.iife.min.js", "text/javascript; charset=utf-8", include_bytes!("../assets/vendor/uPlot.iife.min.js")),
     ("vendor/uPlot.min.css", "text/css; charset=utf-8", include_bytes!("../assets/vendor/uPlot.min.css")),
     ("vendor/uPlot.LICENSE", "text/plain; charset=utf-8", include_bytes!("../assets/vendor/uPlot.LICENSE")),

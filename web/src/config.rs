@@ -6,9 +6,20 @@ use std::path::PathBuf;
 
 pub use stagehand::events::DEFAULT_SERVER_ADDR;
 
-/// Connections served at once; more are answered `503` and closed. SSE and WebSocket clients
-/// count for as long as they stay connected.
+/// Admitted connections served at once (a request passed the access rules, the token when
+/// there is one); a request beyond is answered `503`. SSE and WebSocket clients count for as
+/// long as they stay connected.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+/// Connections not yet admitted held at once (a TLS handshake or a first request under way);
+/// a new one beyond pushes out the oldest. Clients that never authenticate only ever take
+/// these places, never an admitted client's slot.
+pub const DEFAULT_MAX_PENDING: usize = 32;
+/// Milliseconds a connection may stay pending (finish its TLS handshake and send a request
+/// that passes the access rules) before it is closed.
+pub const DEFAULT_PENDING_TIMEOUT_MS: u64 = 5_000;
+/// Milliseconds a request's body may take to arrive, all of it, before the request is answered
+/// `408` and its connection closed.
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 5_000;
 /// Milliseconds a connection may take to send a request's headers (and a TLS handshake), and
 /// may sit idle between requests, before it is closed.
 pub const DEFAULT_HEADER_TIMEOUT_MS: u64 = 10_000;
@@ -68,8 +79,11 @@ pub struct ServerConfig {
     /// Serve HTTPS with this certificate.
     pub tls: Option<TlsFiles>,
     pub max_connections: usize,
+    pub max_pending: usize,
     pub header_timeout_ms: u64,
     pub write_timeout_ms: u64,
+    pub pending_timeout_ms: u64,
+    pub body_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -80,8 +94,11 @@ impl Default for ServerConfig {
             allowed_hosts: Vec::new(),
             tls: None,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_pending: DEFAULT_MAX_PENDING,
             header_timeout_ms: DEFAULT_HEADER_TIMEOUT_MS,
             write_timeout_ms: DEFAULT_WRITE_TIMEOUT_MS,
+            pending_timeout_ms: DEFAULT_PENDING_TIMEOUT_MS,
+            body_timeout_ms: DEFAULT_BODY_TIMEOUT_MS,
         }
     }
 }

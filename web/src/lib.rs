@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod access;
+mod admission;
 mod api;
 mod assets;
 #[cfg(feature = "cli")]
@@ -10,6 +11,7 @@ mod fanout;
 #[cfg(feature = "handle")]
 mod handle;
 mod openapi;
+mod priority;
 mod replay;
 mod server;
 mod stream;
@@ -21,14 +23,14 @@ pub use api::routes::{RunResponse, StepsPage, DEFAULT_STEPS_LIMIT};
 pub use api::{router, AppState, ErrorBody, Mode, KEEP_ALIVE};
 pub use openapi::openapi;
 pub use config::{
-    ServerConfig, TlsFiles, TokenSetting, DEFAULT_HEADER_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_SERVER_ADDR, DEFAULT_WRITE_TIMEOUT_MS, MIN_TOKEN_LEN,
+    ServerConfig, TlsFiles, TokenSetting, DEFAULT_BODY_TIMEOUT_MS, DEFAULT_HEADER_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_PENDING, DEFAULT_PENDING_TIMEOUT_MS, DEFAULT_SERVER_ADDR, DEFAULT_WRITE_TIMEOUT_MS, MIN_TOKEN_LEN,
 };
 pub use fanout::{FANOUT_CAPACITY, RECENT_EVENTS};
 #[cfg(feature = "handle")]
 pub use handle::Observe;
 pub use replay::{ControlError, ReplayDriver};
-pub use server::{Server, ServerHandle};
+pub use server::{Connections, Server, ServerHandle};
 
 use std::path::PathBuf;
 

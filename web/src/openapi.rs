@@ -14,8 +14,8 @@ use utoipa::OpenApi;
         description = "The HTTP API of a Stagehand run (or of a replayed telemetry file): its state, its live \
                        streams, the web page's view, and replay controls. Requests must name this server in \
                        `Host`; a browser's requests must come from the server's own page. When the server has a \
-                       token, every request carries it: `Authorization: Bearer TOKEN`, the cookie the page's \
-                       address sets, or `?token=TOKEN`. Errors are JSON: {\"error\": \"...\", \"status\": N}."
+                       token, every request but the page's own files (`/`, `/assets/...`) carries it: \
+                       `Authorization: Bearer TOKEN` or `?token=TOKEN` (never a cookie). Errors are JSON: {\"error\": \"...\", \"status\": N}."
     ),
     paths(
         routes::page, routes::asset, routes::openapi, routes::snapshot, routes::run, routes::steps, routes::metrics,

@@ -1,8 +1,10 @@
-//! The server: its own tokio on a named thread, an accept loop that caps connections, times out
-//! slow headers, idle connections and stalled writes, optional TLS, and the exposure rules
-//! (token, hosts) decided once at start.
+//! The server: its own tokio on a named thread, an accept loop that admits connections (see
+//! [`crate::admission`]: pending places for clients not yet admitted, a cap for admitted ones),
+//! times out slow headers, idle connections and stalled writes, optional TLS, and the exposure
+//! rules (token, hosts) decided once at start.
 
 use crate::access::Access;
+use crate::admission::{Admission, Ticket};
 use crate::api::{router, AppState};
 use crate::config::{random_token, token_problem, ServerConfig, TlsFiles, TokenSetting};
 use crate::{Error, Result};
@@ -17,26 +19,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::watch;
 use tokio_io_timeout::TimeoutStream;
 use tokio_rustls::rustls;
 use tokio_rustls::TlsAcceptor;
 
 /// How long connections get to finish when the server stops.
 const DRAIN: Duration = Duration::from_secs(3);
-/// The answer to a connection over the cap (plain HTTP only; a TLS client is just closed).
-fn busy_response() -> Vec<u8> {
-    let body = r#"{"error":"too many connections: the server's connection cap is reached; retry later","status":503}"#;
-    format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .into_bytes()
-}
-
 /// Starts servers. Each runs tokio on its own named thread (`stagehand-web`), so the caller,
 /// typically a synchronous training loop, never runs or waits on async code.
 #[derive(Debug)]
@@ -77,11 +68,16 @@ impl Server {
     /// warns (on stderr, and in [`ServerHandle::warnings`]) about a bind beyond loopback
     /// without TLS. When the token was generated, prints the address to open, with the token.
     pub fn start(config: &ServerConfig, state: AppState) -> Result<ServerHandle> {
-        if config.max_connections == 0 || config.header_timeout_ms == 0 || config.write_timeout_ms == 0 {
-            return Err(Error::Config(format!(
-                "max_connections {}, header_timeout_ms {} and write_timeout_ms {} must all be above 0",
-                config.max_connections, config.header_timeout_ms, config.write_timeout_ms
-            )));
+        let limits = [
+            ("max_connections", config.max_connections as u64),
+            ("max_pending", config.max_pending as u64),
+            ("header_timeout_ms", config.header_timeout_ms),
+            ("write_timeout_ms", config.write_timeout_ms),
+            ("pending_timeout_ms", config.pending_timeout_ms),
+            ("body_timeout_ms", config.body_timeout_ms),
+        ];
+        if let Some((name, _)) = limits.iter().find(|(_, v)| *v == 0) {
+            return Err(Error::Config(format!("{name} is 0: every connection limit must be above 0")));
         }
         // Bind on the caller's thread so a busy port is an error here, not a log line.
         let bind_err = |source| Error::Bind {
@@ -137,21 +133,31 @@ impl Server {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("stagehand-web-worker")
+            // Watchers must never slow the run: the server's threads yield the CPU to it.
+            .on_thread_start(crate::priority::lower_this_thread)
             .enable_all()
             .build()
             .map_err(Error::Runtime)?;
         let (stop_tx, stop_rx) = watch::channel(false);
-        let state = state.with_shutdown(stop_rx.clone()).with_access(access);
+        let state = state
+            .with_shutdown(stop_rx.clone())
+            .with_access(access)
+            .with_body_timeout(Duration::from_millis(config.body_timeout_ms));
         let clients = state.clone();
         let limits = Limits {
             max_connections: config.max_connections,
+            max_pending: config.max_pending,
             header_timeout: Duration::from_millis(config.header_timeout_ms),
             write_timeout: Duration::from_millis(config.write_timeout_ms),
+            pending_timeout: Duration::from_millis(config.pending_timeout_ms),
         };
         let handle_scheme = if tls.is_some() { "https" } else { "http" };
+        let admission = Arc::new(Admission::new(limits.max_connections, limits.max_pending));
+        let admitted = admission.clone();
         let thread = std::thread::Builder::new()
             .name("stagehand-web".into())
             .spawn(move || {
+                crate::priority::lower_this_thread();
                 runtime.block_on(async move {
                     let listener = match tokio::net::TcpListener::from_std(std_listener) {
                         Ok(l) => l,
@@ -164,12 +170,13 @@ impl Server {
                         tokio::spawn(d.clone().run(state.hub().clone(), stop_rx.clone()));
                     }
                     let app = router(state);
-                    accept_loop(listener, app, tls, limits, stop_rx).await;
+                    accept_loop(listener, app, tls, limits, admission, stop_rx).await;
                 });
             })
             .map_err(Error::Runtime)?;
         let handle = ServerHandle {
             clients,
+            admission: admitted,
             addr: local,
             scheme: handle_scheme,
             token,
@@ -187,6 +194,26 @@ impl Server {
     }
 }
 
+/// Largest certificate chain or key file read (a PEM file is a few KiB; `/dev/zero` is not).
+const MAX_TLS_FILE: u64 = 1 << 20;
+
+/// A TLS file's bytes: a regular file of at most [`MAX_TLS_FILE`] bytes.
+fn read_tls_file(path: &std::path::Path) -> Result<Vec<u8>> {
+    let bad = |reason: String| Error::Tls { path: path.to_owned(), reason };
+    let file = std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
+    let meta = file.metadata().map_err(|e| bad(format!("cannot read it: {e}")))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file: expected a PEM file".into()));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_TLS_FILE + 1), &mut bytes)
+        .map_err(|e| bad(format!("cannot read it: {e}")))?;
+    if bytes.len() as u64 > MAX_TLS_FILE {
+        return Err(bad(format!("larger than {MAX_TLS_FILE} bytes: not a PEM certificate or key")));
+    }
+    Ok(bytes)
+}
+
 fn load_tls(files: &TlsFiles) -> Result<TlsAcceptor> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -194,13 +221,15 @@ fn load_tls(files: &TlsFiles) -> Result<TlsAcceptor> {
         path: path.to_owned(),
         reason,
     };
-    let certs = CertificateDer::pem_file_iter(&files.cert)
-        .and_then(|it| it.collect::<std::result::Result<Vec<_>, _>>())
+    let cert_pem = read_tls_file(&files.cert)?;
+    let certs = CertificateDer::pem_slice_iter(&cert_pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| bad(&files.cert, format!("cannot read a PEM certificate chain: {e}")))?;
     if certs.is_empty() {
         return Err(bad(&files.cert, "no certificate in the file: expected PEM 'BEGIN CERTIFICATE'".into()));
     }
-    let key = PrivateKeyDer::from_pem_file(&files.key)
+    let key_pem = read_tls_file(&files.key)?;
+    let key = PrivateKeyDer::from_pem_slice(&key_pem)
         .map_err(|e| bad(&files.key, format!("cannot read a PEM private key: {e}")))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
@@ -214,8 +243,10 @@ fn load_tls(files: &TlsFiles) -> Result<TlsAcceptor> {
 #[derive(Debug, Clone, Copy)]
 struct Limits {
     max_connections: usize,
+    max_pending: usize,
     header_timeout: Duration,
     write_timeout: Duration,
+    pending_timeout: Duration,
 }
 
 async fn accept_loop(
@@ -223,9 +254,9 @@ async fn accept_loop(
     app: Router,
     tls: Option<TlsAcceptor>,
     limits: Limits,
+    admission: Arc<Admission>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -240,24 +271,12 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            if tls.is_none() {
-                tokio::spawn(refuse_busy(tcp));
-            }
-            continue;
-        };
+        let ticket = admission.arrive();
         let _ = tcp.set_nodelay(true);
-        let mut io = TimeoutStream::new(tcp);
-        io.set_write_timeout(Some(limits.write_timeout));
-        let conn = Conn {
-            io: Box::pin(io),
-            _slot: permit,
-        };
-        tokio::spawn(serve_connection(conn, app.clone(), tls.clone(), limits, stop.clone()));
+        tokio::spawn(serve_connection(tcp, ticket, app.clone(), tls.clone(), limits, stop.clone()));
     }
     // Streams end on the stop signal; give their connections a moment to close cleanly.
-    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    let _ = tokio::time::timeout(DRAIN, slots.acquire_many(all)).await;
+    admission.drain(DRAIN).await;
 }
 
 /// Resolves once the server is told to stop (or its handle is gone).
@@ -266,33 +285,49 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await.map(|_| ());
 }
 
-async fn refuse_busy(mut tcp: TcpStream) {
-    use tokio::io::AsyncReadExt;
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        let _ = tcp.write_all(&busy_response()).await;
-        let _ = tcp.shutdown().await;
-        // Read what the client sent before closing: closing on unread bytes resets the
-        // connection, and the client could lose the answer.
-        let mut sink = [0u8; 1024];
-        while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
-    })
-    .await;
-}
-
+/// Serves one connection: while it is pending, until its deadline or until it is pushed out of
+/// the pending places; once admitted, for as long as it lasts.
 async fn serve_connection(
-    conn: Conn,
+    tcp: TcpStream,
+    ticket: Arc<Ticket>,
     app: Router,
     tls: Option<TlsAcceptor>,
     limits: Limits,
     stop: watch::Receiver<bool>,
 ) {
-    match tls {
-        None => serve_http(TokioIo::new(conn), app, limits, stop).await,
-        Some(acceptor) => {
-            // The handshake gets the header timeout, so a silent client cannot hold a slot.
-            if let Ok(Ok(stream)) = tokio::time::timeout(limits.header_timeout, acceptor.accept(conn)).await {
-                serve_http(TokioIo::new(stream), app, limits, stop).await;
+    let mut io = TimeoutStream::new(tcp);
+    io.set_write_timeout(Some(limits.write_timeout));
+    let conn = Conn {
+        io: Box::pin(io),
+        _ticket: ticket.clone(),
+    };
+    // Each request carries the ticket, so the access rules can admit the connection.
+    let app = app.layer(axum::Extension(ticket.clone()));
+    let serving = async move {
+        match tls {
+            None => serve_http(TokioIo::new(conn), app, limits, stop).await,
+            Some(acceptor) => {
+                if let Ok(stream) = acceptor.accept(conn).await {
+                    serve_http(TokioIo::new(stream), app, limits, stop).await;
+                }
             }
+        }
+    };
+    tokio::pin!(serving);
+    let deadline = tokio::time::Instant::now() + limits.pending_timeout;
+    loop {
+        if ticket.admitted() {
+            serving.await;
+            return;
+        }
+        if ticket.evicted() {
+            return;
+        }
+        tokio::select! {
+            _ = &mut serving => return,
+            _ = ticket.changed() => {}
+            // Not admitted in time: a handshake never finished, or no request passed.
+            _ = tokio::time::sleep_until(deadline) => if !ticket.admitted() { return },
         }
     }
 }
@@ -320,11 +355,12 @@ where
     }
 }
 
-/// A client connection: the socket with its write timeout, holding a slot under the cap for as
-/// long as it exists (an upgraded WebSocket keeps it after hyper lets go).
+/// A client connection: the socket with its write timeout, holding its ticket (and, once
+/// admitted, its slot under the cap) for as long as it exists (an upgraded WebSocket keeps it
+/// after hyper lets go).
 struct Conn {
     io: Pin<Box<TimeoutStream<TcpStream>>>,
-    _slot: OwnedSemaphorePermit,
+    _ticket: Arc<Ticket>,
 }
 
 impl AsyncRead for Conn {
@@ -355,11 +391,21 @@ impl AsyncWrite for Conn {
     }
 }
 
+/// How many connections a server holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connections {
+    /// Admitted: a request passed the access rules; each holds a slot under the cap.
+    pub admitted: usize,
+    /// Not admitted yet: each holds a pending place, for a short time.
+    pub pending: usize,
+}
+
 /// A running server. Dropping it shuts the server down (and waits for its thread).
 #[derive(Debug)]
 pub struct ServerHandle {
     /// The served state, for counting its clients.
     clients: AppState,
+    admission: Arc<Admission>,
     addr: SocketAddr,
     scheme: &'static str,
     token: Option<String>,
@@ -385,10 +431,11 @@ impl ServerHandle {
         format!("{}://{ip}:{}", self.scheme, self.addr.port())
     }
 
-    /// The page's address to open in a browser: with `?token=...` when the server has one.
+    /// The page's address to open in a browser: with `#token=...` when the server has one (a
+    /// fragment: the browser keeps it to the page and never sends it, not even to this server).
     pub fn login_url(&self) -> String {
         match &self.token {
-            Some(t) => format!("{}/?token={t}", self.url()),
+            Some(t) => format!("{}/#token={t}", self.url()),
             None => format!("{}/", self.url()),
         }
     }
@@ -401,6 +448,12 @@ impl ServerHandle {
     /// Clients of the full stream (`/api/stream`, `/api/ws`) connected now.
     pub fn stream_clients(&self) -> usize {
         self.clients.stream_clients()
+    }
+
+    /// Connections now: admitted (holding a slot under the cap) and pending (a handshake or a
+    /// first request under way).
+    pub fn connections(&self) -> Connections {
+        Connections { admitted: self.admission.admitted(), pending: self.admission.pending() }
     }
 
     /// What was printed as warnings at start (exposure without TLS, any host allowed).

@@ -49,7 +49,7 @@ fn assert_page_matches(driver: &Driver, f: &HashMap<String, String>, api: &Snaps
     let (high, low) = api.spill_watermarks().expect("watermarks");
     for (id, want) in [
         ("vram-allocated", v.allocated_bytes), ("vram-reserved", v.reserved_bytes),
-        ("vram-peak", v.peak_allocated_bytes), ("vram-high", high), ("vram-low", low),
+        ("vram-peak", api.vram_peak_bytes), ("vram-high", high), ("vram-low", low),
         ("vram-budget", api.vram_budget_bytes().unwrap_or(0)),
         ("prefetch-hits", api.weights.prefetch_hits), ("prefetch-misses", api.weights.prefetch_misses),
         ("evictions", api.weights.evictions),
@@ -374,4 +374,82 @@ fn screenshots_of_a_running_server() {
     driver.wait_for("the end of the run", |f| f.get("connection").map(String::as_str) == Some("ended"));
     std::thread::sleep(Duration::from_millis(500));
     std::fs::write(dir.join("dashboard-ended.png"), driver.full_page_screenshot()).expect("saved");
+}
+
+/// Another server on another port of the same host, as a notebook or another user's dashboard
+/// on a shared machine: answers a page, and keeps every request's head.
+fn other_server() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = seen.clone();
+    std::thread::spawn(move || {
+        for mut s in listener.incoming().flatten() {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            keep.lock().expect("lock").push(String::from_utf8_lossy(&head).into_owned());
+            let body = "<html><body>another server</body></html>";
+            let _ = write!(s, "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+        }
+    });
+    (addr, seen)
+}
+
+#[test]
+fn the_token_never_leaves_the_servers_own_port() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    const TOKEN: &str = "never-leaves-this-port-1234";
+    let hub = Arc::new(Hub::new());
+    for e in run_events(3) {
+        hub.ingest(e);
+    }
+    let mut config = ServerConfig::new("127.0.0.1:0");
+    config.token = stagehand_web::TokenSetting::Fixed(TOKEN.into());
+    let server = Server::start(&config, AppState::live(hub.clone(), stagehand_exporter::Metrics::new())).expect("starts");
+    let (other, seen) = other_server();
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+
+    // The printed address: the page gets in, and the token leaves the address bar.
+    assert!(server.login_url().contains("#token="), "{}", server.login_url());
+    driver.open(&server.login_url());
+    let total = hub.snapshot().events_applied.to_string();
+    driver.wait_for("the run, with the token", |f| f.get("events-applied") == Some(&total));
+    let href = driver.script("return location.href;");
+    assert!(!href.as_str().unwrap_or("").contains(TOKEN), "{href}");
+    // Older links with ?token= still work, and also end without it.
+    driver.open(&format!("{}/?token={TOKEN}", server.url()));
+    driver.wait_for("the run again", |f| f.get("events-applied") == Some(&total));
+    assert!(!driver.script("return location.href;").as_str().unwrap_or("").contains(TOKEN));
+
+    // Another port of the same host: whatever the browser sends it carries no token.
+    driver.open(&format!("http://{other}/"));
+    driver.wait_script("the other page", "return document.body && document.body.textContent.includes('another server');");
+    // And its page cannot read the dashboard's storage: another origin.
+    let stored = driver.script("try { return sessionStorage.getItem('stagehand-token'); } catch (e) { return null; }");
+    assert_eq!(stored, Value::Null);
+    let heads = seen.lock().expect("lock").clone();
+    assert!(!heads.is_empty(), "the other server was asked");
+    for h in &heads {
+        assert!(!h.contains(TOKEN), "another port received the token:\n{h}");
+        assert!(!h.to_ascii_lowercase().contains("cookie"), "another port received a cookie:\n{h}");
+    }
+    // The browser holds no cookie for the host at all.
+    driver.open(&server.url());
+    driver.wait_for("the run, token from the tab's storage", |f| f.get("events-applied") == Some(&total));
+    assert_eq!(driver.cmd("GET", "/cookie", None), json!([]), "no cookie");
+    // A page without the token (a new tab of another session) is told how to get in.
+    let fresh = tempfile::tempdir().expect("profile dir");
+    let stranger = Driver::start(&chromium, &chromedriver, fresh.path());
+    stranger.open(&server.url());
+    stranger.wait_script("the token notice", "return document.getElementById('conn').textContent.includes('token');");
+    server.shutdown().expect("shuts down");
 }

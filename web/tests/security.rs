@@ -41,6 +41,9 @@ fn assert_refused(r: &Response, status: u16, mentions: &str) {
     assert!(msg.contains(mentions), "{msg:?} should mention {mentions:?}");
 }
 
+/// The page's own files: served without the token (no run data in them).
+const PAGE_FILES: [&str; 2] = ["/", "/assets/app.js"];
+
 const GET_ROUTES: [&str; 9] = [
     "/", "/assets/app.js", "/api/snapshot", "/api/run", "/api/steps", "/api/openapi.json",
     "/metrics", "/api/replay/status", "/api/nothing-here",
@@ -142,40 +145,49 @@ fn another_sites_subresource_cannot_read_a_route_but_a_link_opens_it() {
 const TOKEN: &str = "correct-horse-battery-staple";
 
 #[test]
-fn a_token_is_required_on_every_route_and_turns_into_a_cookie() {
+fn a_token_is_required_on_every_route_of_the_run_and_is_never_a_cookie() {
     let mut config = loopback();
     config.token = TokenSetting::Fixed(TOKEN.into());
     let (_hub, server) = live(config);
     let addr = server.addr();
     let host = addr.to_string();
-    assert_eq!(server.login_url(), format!("http://{addr}/?token={TOKEN}"));
-    for path in GET_ROUTES {
+    assert_eq!(server.login_url(), format!("http://{addr}/#token={TOKEN}"));
+    for path in GET_ROUTES.iter().filter(|p| !PAGE_FILES.contains(p)) {
         let r = request_with(addr, "GET", path, &[("host", &host)], None);
         assert_refused(&r, 401, "token");
         assert_eq!(r.header("www-authenticate"), Some("Bearer"));
         let wrong = request_with(addr, "GET", &format!("{path}?token=wrong-horse-battery-staple"), &[("host", &host)], None);
         assert_eq!(wrong.status, 401, "{path}");
+        // A cookie could come from any port of the host: never taken.
+        for cookie in [format!("stagehand_token_{}={TOKEN}", addr.port()), format!("__Host-stagehand_token={TOKEN}")] {
+            let r = request_with(addr, "GET", path, &[("host", &host), ("cookie", &cookie)], None);
+            assert_eq!(r.status, 401, "{path} with a cookie");
+        }
     }
     let r = request_with(addr, "POST", "/api/replay/play", &[("host", &host), ("content-type", "application/json")], None);
     assert_refused(&r, 401, "token");
+    // The page's own files are the same bytes for everyone: they load, holding no run data.
+    for path in PAGE_FILES {
+        let r = request_with(addr, "GET", path, &[("host", &host)], None);
+        assert_eq!(r.status, 200, "{path}");
+        assert!(!r.text().contains("\"run_id\""), "{path} holds no run data");
+    }
 
-    // The printed address: the token becomes a cookie and leaves the address bar.
+    // The printed address of older versions: on to the page, the token in its fragment, no
+    // cookie set.
     let r = request_with(addr, "GET", &format!("/?token={TOKEN}&x=1"), &[("host", &host)], None);
     assert_eq!(r.status, 303);
-    assert_eq!(r.header("location"), Some("/?x=1"));
-    let cookie = r.header("set-cookie").expect("a cookie").to_owned();
-    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"), "{cookie}");
-    let pair = cookie.split(';').next().expect("name=value").to_owned();
-    for path in ["/", "/api/snapshot", "/assets/app.js", "/metrics"] {
-        let r = request_with(addr, "GET", path, &[("host", &host), ("cookie", &pair)], None);
-        assert_eq!(r.status, 200, "{path} with the cookie");
-    }
+    assert_eq!(r.header("location"), Some(format!("/?x=1#token={TOKEN}").as_str()));
+    assert!(r.header("set-cookie").is_none());
     let bearer = format!("Bearer {TOKEN}");
-    let r = request_with(addr, "GET", "/metrics", &[("host", &host), ("authorization", &bearer)], None);
-    assert_eq!(r.status, 200, "Prometheus scrapes with a bearer token");
+    for path in ["/api/snapshot", "/metrics", "/api/run"] {
+        let r = request_with(addr, "GET", path, &[("host", &host), ("authorization", &bearer)], None);
+        assert_eq!(r.status, 200, "{path} with the bearer token");
+        assert!(r.header("set-cookie").is_none());
+    }
     let r = request_with(addr, "GET", &format!("/api/run?token={TOKEN}"), &[("host", &host)], None);
     assert_eq!(r.status, 200);
-    assert!(r.header("set-cookie").is_some());
+    assert!(r.header("set-cookie").is_none(), "no cookie, ever");
 
     let mut sse = http::Sse::open_path(addr, &format!("/api/stream?token={TOKEN}"), "");
     assert!(matches!(sse.next(), Some((name, _)) if name == "snapshot"));
@@ -200,7 +212,7 @@ fn binding_beyond_loopback_needs_a_token_and_warns_without_tls() {
     let (_hub, server) = live(ServerConfig::new("0.0.0.0:0"));
     let token = server.token().expect("a random token by default").to_owned();
     assert_eq!(token.len(), 48);
-    assert!(server.login_url().ends_with(&format!("/?token={token}")));
+    assert!(server.login_url().ends_with(&format!("/#token={token}")));
     assert!(server.warnings().iter().any(|w| w.contains("without TLS")), "{:?}", server.warnings());
     let addr = SocketAddr::from(([127, 0, 0, 1], server.addr().port()));
     let host = addr.to_string();
@@ -314,6 +326,7 @@ async fn tls_serves_https_with_a_certificate() {
 
     let mut config = ServerConfig::new("0.0.0.0:0");
     config.tls = Some(TlsFiles { cert: cert.clone(), key: key.clone() });
+    config.max_connections = 8;
     let (_hub, server) = tokio::task::spawn_blocking(move || live(config)).await.expect("started");
     assert!(server.warnings().is_empty(), "TLS: no clear-text warning: {:?}", server.warnings());
     assert!(server.url().starts_with("https://"));
@@ -328,16 +341,27 @@ async fn tls_serves_https_with_a_certificate() {
         .with_root_certificates(roots)
         .with_no_client_auth();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
-    let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
-    let mut tls = connector.connect(name, tcp).await.expect("the handshake succeeds");
-    let req = format!("GET /api/run HTTP/1.1\r\nhost: localhost:{port}\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
-    tls.write_all(req.as_bytes()).await.expect("sends");
-    let mut got = Vec::new();
-    tls.read_to_end(&mut got).await.expect("reads");
-    let text = String::from_utf8_lossy(&got);
+    let get_run = || async {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+        let name = rustls::pki_types::ServerName::try_from("localhost").expect("a name");
+        let mut tls = connector.connect(name, tcp).await.expect("the handshake succeeds");
+        let req = format!("GET /api/run HTTP/1.1\r\nhost: localhost:{port}\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
+        tls.write_all(req.as_bytes()).await.expect("sends");
+        let mut got = Vec::new();
+        tls.read_to_end(&mut got).await.expect("reads");
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let text = get_run().await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("\"mode\":\"live\""), "{text}");
+    // Sockets that never begin a handshake, far more than the cap of 8: they hold pending
+    // places only, and a client that handshakes gets in.
+    let silent: Vec<_> = (0..40).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("connects")).collect();
+    for _ in 0..5 {
+        let text = get_run().await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    }
+    drop(silent);
 
     // Plain HTTP to the TLS port gets no answer.
     let mut plain = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
@@ -353,4 +377,104 @@ async fn tls_serves_https_with_a_certificate() {
     let err = Server::start(&config, AppState::live(Arc::new(Hub::new()), Metrics::new())).expect_err("mismatched key");
     assert!(matches!(&err, Error::Tls { path, .. } if path.ends_with("key.pem")), "{err}");
     tokio::task::spawn_blocking(move || drop(server)).await.expect("stops");
+}
+
+/// Opens `n` connections that send nothing.
+fn idle(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    (0..n).map(|_| TcpStream::connect(addr).expect("connects")).collect()
+}
+
+#[test]
+fn clients_without_the_token_never_lock_out_one_with_it() {
+    let mut config = loopback();
+    config.token = TokenSetting::Fixed(TOKEN.into());
+    config.max_connections = 8;
+    let (_hub, server) = live(config);
+    let addr = server.addr();
+    let host = addr.to_string();
+    let bearer = format!("Bearer {TOKEN}");
+    // 130 idle sockets and 130 connections whose requests lack the token, kept open.
+    let mut held = idle(addr, 130);
+    for _ in 0..130 {
+        let mut s = TcpStream::connect(addr).expect("connects");
+        write!(s, "GET /api/run HTTP/1.1\r\nhost: {host}\r\n\r\n").expect("sends");
+        held.push(s);
+    }
+    // Loading the page's files needs no token, and admits no one either.
+    for _ in 0..20 {
+        let mut s = TcpStream::connect(addr).expect("connects");
+        write!(s, "GET / HTTP/1.1\r\nhost: {host}\r\n\r\n").expect("sends");
+        held.push(s);
+    }
+    for i in 0..20 {
+        let r = request_with(addr, "GET", "/api/run", &[("host", &host), ("authorization", &bearer)], None);
+        assert_eq!(r.status, 200, "request {i} with the token, among 280 other connections");
+    }
+    // Once the requests with the token are done, nobody holds a slot.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let c = server.connections();
+        // (A burst within the grace of the pending places may take four times them.)
+        assert!(c.pending <= 4 * stagehand_web::DEFAULT_MAX_PENDING, "{c:?}");
+        if c.admitted == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a connection without the token holds a slot: {c:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Streams with the token take the slots; the cap holds for them.
+    let streams: Vec<_> = (0..8).map(|_| http::Sse::open_path(addr, &format!("/api/stream?token={TOKEN}"), "")).collect();
+    let r = request_with(addr, "GET", "/api/run", &[("host", &host), ("authorization", &bearer)], None);
+    assert_refused(&r, 503, "too many connections");
+    drop(streams);
+    drop(held);
+}
+
+#[test]
+fn a_body_that_comes_slowly_is_cut_off() {
+    let mut config = loopback();
+    config.body_timeout_ms = 500;
+    let (_driver, server) = replay(config);
+    let addr = server.addr();
+    let mut s = TcpStream::connect(addr).expect("connects");
+    let body = r#"{"position": 3}"#;
+    write!(s, "POST /api/replay/seek HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len())
+        .expect("sends the head");
+    // One byte a second: the body never arrives in time.
+    let writer = {
+        let mut w = s.try_clone().expect("clone");
+        let body = body.to_owned();
+        std::thread::spawn(move || {
+            for b in body.bytes() {
+                if w.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
+    };
+    let got = wait_closed(s);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("did not arrive within 500 ms"), "{text}");
+    let _ = writer.join();
+    // A body sent at once is fine.
+    let r = http::request(addr, "POST", "/api/replay/seek", Some(body));
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn tls_files_that_are_not_pem_files_are_refused_without_being_read_whole() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let big = dir.path().join("big.pem");
+    std::fs::File::create(&big).and_then(|f| f.set_len(64 << 20)).expect("a large file");
+    let key = dir.path().join("key.pem");
+    std::fs::write(&key, "not a key").expect("writes");
+    for (cert, says) in [(std::path::PathBuf::from("/dev/zero"), "not a regular file"), (big.clone(), "larger than")] {
+        let mut config = loopback();
+        config.tls = Some(TlsFiles { cert: cert.clone(), key: key.clone() });
+        let err = Server::start(&config, AppState::live(Arc::new(Hub::new()), Metrics::new())).expect_err("refused");
+        assert!(matches!(&err, Error::Tls { path, .. } if *path == cert), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
 }

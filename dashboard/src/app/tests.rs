@@ -21,7 +21,7 @@ fn ingesting_events_matches_the_shared_reducer() {
 
 #[test]
 fn recent_events_stay_bounded() {
-    let ev = events(SyntheticRun { blocks: 16, steps: 40, end_mid_step: false });
+    let ev = events(SyntheticRun { blocks: 32, steps: 400, end_mid_step: false });
     assert!(ev.len() > RECENT_EVENTS);
     let mut s = State::new();
     for e in &ev {

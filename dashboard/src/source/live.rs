@@ -4,6 +4,7 @@
 //! does not decode or whose numbers no run produces is skipped and counted, and the updates
 //! waiting for the UI are bounded in bytes, so a server that floods cannot grow the process.
 
+use super::auth::Auth;
 use super::sse::{Item, Limits, LineReader, Skip, SseMessage, SseParser};
 use super::Source;
 use crate::app::{Control, Link, LiveStatus, Skipped, SourceStatus, SourceUpdate};
@@ -151,11 +152,12 @@ pub struct LiveSource {
 impl LiveSource {
     /// Starts reading `url` (see [`super::stream_url`]).
     pub fn connect(url: String, backoff: Backoff) -> LiveSource {
-        LiveSource::connect_with(url, backoff, Limits::default())
+        LiveSource::connect_with(url, backoff, Limits::default(), Auth::none())
     }
 
-    /// Starts reading `url` with these bounds on lines and messages.
-    pub fn connect_with(url: String, backoff: Backoff, limits: Limits) -> LiveSource {
+    /// Starts reading `url` with these bounds on lines and messages, sending the token and
+    /// checking the server's certificate as `auth` says.
+    pub fn connect_with(url: String, backoff: Backoff, limits: Limits, auth: Auth) -> LiveSource {
         let (tx, rx) = sync_channel(CHANNEL);
         let shared = Arc::new(Shared {
             url: url.clone(),
@@ -167,7 +169,7 @@ impl LiveSource {
         let sh = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("stagehand-top-sse".into())
-            .spawn(move || read_loop(url, backoff, limits, tx, sh));
+            .spawn(move || read_loop(url, backoff, limits, auth, tx, sh));
         if let Err(e) = spawned {
             shared.set_link(
                 Link::Disconnected {
@@ -265,13 +267,18 @@ fn read_stream(resp: ureq::Response, limits: Limits, tx: &SyncSender<(SourceUpda
     }
 }
 
-fn read_loop(url: String, backoff: Backoff, limits: Limits, tx: SyncSender<(SourceUpdate, usize)>, sh: Arc<Shared>) {
-    let agent = ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(3)).build();
+fn read_loop(url: String, backoff: Backoff, limits: Limits, auth: Auth, tx: SyncSender<(SourceUpdate, usize)>, sh: Arc<Shared>) {
+    let agent = auth.agent();
+    let authorization = auth.header();
     let mut attempt = 0u32;
     while !sh.stop.load(Ordering::Relaxed) {
         attempt = attempt.saturating_add(1);
         sh.set_link(Link::Connecting { attempt }, None);
-        let error = match agent.get(&url).set("Accept", "text/event-stream").call() {
+        let mut request = agent.get(&url).set("Accept", "text/event-stream");
+        if let Some(a) = &authorization {
+            request = request.set("Authorization", a);
+        }
+        let error = match request.call() {
             Ok(resp) => {
                 sh.set_link(Link::Connected, None);
                 attempt = 0;

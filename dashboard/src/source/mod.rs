@@ -1,11 +1,13 @@
 //! Where events come from: a run's live SSE stream, or a replayed telemetry file. Both implement
 //! [`Source`] and hand the state the same [`SourceUpdate`]s, so nothing downstream can tell them apart.
 
+mod auth;
 mod live;
-mod loader;
 mod replay;
 pub mod sse;
+mod vetting;
 
+pub use auth::{Auth, AuthError, TOKEN_ENV};
 pub use live::{decode, vet_event, vet_snapshot, Backoff, LiveSource, Refusal, MAX_BLOCK_ID, MAX_POOL_CLASS};
 pub use replay::{replay_snapshot, ReplaySource};
 
@@ -19,9 +21,18 @@ pub enum Error {
     /// A telemetry file could not be read.
     #[error(transparent)]
     Jsonl(#[from] jsonl::JsonlError),
-    /// A `--connect` address that is not an http URL.
-    #[error("unsupported address '{0}': expected http://HOST:PORT[/api/stream] or HOST:PORT")]
+    /// A `--connect` address that is not an http(s) URL.
+    #[error("unsupported address '{0}': expected http(s)://HOST:PORT[/api/stream] or HOST:PORT")]
     BadUrl(String),
+    /// A `--connect` address with the token in it.
+    #[error(
+        "the address holds the token ('?token=...'): every user of this machine would see it in `ps`, and the header \
+         would show it; put it in the {TOKEN_ENV} environment variable or a file named with --token-file"
+    )]
+    TokenInUrl,
+    /// The token or TLS could not be set up.
+    #[error(transparent)]
+    Auth(#[from] auth::AuthError),
 }
 
 /// A feed of updates for the state.
@@ -36,7 +47,8 @@ pub trait Source {
     fn paused(&self) -> bool;
 }
 
-/// The stream URL for a `--connect` argument: `HOST:PORT`, `http://HOST:PORT` or a full URL.
+/// The stream URL for a `--connect` argument: `HOST:PORT`, `http(s)://HOST:PORT` or a full URL.
+/// An address with the token in it is refused (see [`Error::TokenInUrl`]).
 pub fn stream_url(arg: Option<&str>) -> Result<String, Error> {
     let arg = arg.unwrap_or(DEFAULT_SERVER_ADDR).trim();
     let with_scheme = if arg.contains("://") {
@@ -44,15 +56,20 @@ pub fn stream_url(arg: Option<&str>) -> Result<String, Error> {
     } else {
         format!("http://{arg}")
     };
-    let Some(rest) = with_scheme.strip_prefix("http://") else {
-        return Err(Error::BadUrl(arg.to_owned()));
+    let (scheme, rest) = match with_scheme.split_once("://") {
+        Some((s @ ("http" | "https"), rest)) => (s, rest),
+        _ => return Err(Error::BadUrl(arg.to_owned())),
     };
     if rest.is_empty() || rest.starts_with('/') {
         return Err(Error::BadUrl(arg.to_owned()));
     }
+    let query = rest.split_once('?').map_or("", |(_, q)| q);
+    if query.split('&').any(|kv| kv.split_once('=').map_or(kv, |(k, _)| k) == "token") {
+        return Err(Error::TokenInUrl);
+    }
     Ok(match rest.split_once('/') {
         Some((_, path)) if !path.is_empty() => with_scheme,
-        Some((host, _)) => format!("http://{host}/api/stream"),
+        Some((host, _)) => format!("{scheme}://{host}/api/stream"),
         None => format!("{with_scheme}/api/stream"),
     })
 }
@@ -73,7 +90,10 @@ mod tests {
             stream_url(Some("http://h:1/custom/sse")).ok().as_deref(),
             Some("http://h:1/custom/sse")
         );
-        assert!(stream_url(Some("https://h:1")).is_err());
+        assert_eq!(stream_url(Some("https://h:1")).ok().as_deref(), Some("https://h:1/api/stream"));
+        assert!(stream_url(Some("ftp://h:1")).is_err());
         assert!(stream_url(Some("http://")).is_err());
+        assert!(matches!(stream_url(Some("http://h:1/api/stream?token=abc")), Err(Error::TokenInUrl)));
+        assert!(matches!(stream_url(Some("h:1/api/stream?x=1&token=abc")), Err(Error::TokenInUrl)));
     }
 }

@@ -1,10 +1,10 @@
-//! A telemetry file played through the runtime's replays: a finished file through
-//! [`FileReplay`] (indexed in the background, bounded memory, the first screen at once and seeks
-//! from the nearest checkpoint), a file still being written (`--follow`) through [`Replay`] fed
-//! by the runtime's [`Follower`](stagehand::events::jsonl::Follower), and events already in
-//! memory (`--demo`, tests) through [`Replay`].
+//! A telemetry file played through the runtime's replays: a file through [`FileReplay`]
+//! (indexed in the background, bounded memory, the first screen at once, seeks from the nearest
+//! checkpoint, and with `--follow` indexed on as it grows), and events already in memory
+//! (`--demo`, tests) through [`Replay`]. Playing reads at most a slice of the file per frame,
+//! so the terminal's loop never waits on the file, whatever it holds.
 
-use super::loader::{vet, with_refusals, Batch, Loader};
+use super::vetting::{vet, with_refusals};
 use super::{Error, Source};
 use crate::app::{Control, Loading, ReplayInfo, SourceStatus, SourceUpdate, RECENT_EVENTS};
 use stagehand::events::jsonl::{JsonlError, ReadReport, Restart};
@@ -16,9 +16,9 @@ use std::time::Instant;
 /// What plays the events.
 #[derive(Debug)]
 enum Playback {
-    /// Events in memory: `--demo`, tests, and a followed file (appended as it grows).
+    /// Events in memory: `--demo`, tests.
     Memory(Box<Replay>),
-    /// A finished file, read on demand.
+    /// A file, read on demand (and followed as it grows).
     File(Box<FileReplay>),
 }
 
@@ -27,19 +27,19 @@ enum Playback {
 pub struct ReplaySource {
     playback: Playback,
     path: PathBuf,
-    /// What reading found (the follower's report; the file replay's is read from its index).
+    /// What reading found, for events in memory (a file replay's is read from its index).
     report: ReadReport,
     /// Events refused as implausible, counted into the report.
     refused: ReadReport,
     /// The highest sequence number vetted so far: a seek back plays events again, and their
     /// refusals are counted once.
     vetted_seq: Option<u64>,
-    follower: Option<Loader>,
-    /// While a followed file's existing content is read: how far.
-    loading: Option<Loading>,
     /// The size of the file when it was opened.
     total_bytes: u64,
-    restarts: Vec<Restart>,
+    /// Restarts of a followed file seen so far (each starts the refusal count over).
+    restarts_seen: usize,
+    /// The file was read to its end once: a followed file that grows is not "loading" again.
+    caught_up: std::cell::Cell<bool>,
     error: Option<String>,
 }
 
@@ -52,22 +52,16 @@ impl ReplaySource {
         Ok(src)
     }
 
-    /// Opens `path` (plain or zstd), ready to play from the start while the rest is read in the
-    /// background, with the progress in the status; with `follow`, keeps reading as the file
-    /// grows (across rotated segments). Fails at once when the file cannot be opened.
+    /// Opens `path` (plain or zstd, a rotated run's segments as one file), ready to play from
+    /// the start while the rest is indexed in the background, with the progress in the status;
+    /// with `follow`, keeps indexing as the file grows (across new segments). Fails at once when
+    /// the file cannot be opened or is not a regular file.
     pub fn open_in_background(path: &Path, follow: bool) -> Result<ReplaySource, Error> {
         let total_bytes = std::fs::metadata(path)
             .map_err(|source| Error::Jsonl(JsonlError::Io { path: path.to_path_buf(), source }))?
             .len();
-        let (playback, follower) = if follow {
-            let mut replay = Replay::new(Vec::new());
-            replay.set_following(true);
-            (Playback::Memory(Box::new(replay)), Some(Loader::follow(path)?))
-        } else {
-            (Playback::File(Box::new(FileReplay::open(path)?)), None)
-        };
-        let loading = follow.then_some(Loading { bytes_read: 0, total_bytes, events: 0 });
-        Ok(ReplaySource::with(playback, path.to_path_buf(), follower, loading, total_bytes))
+        let replay = if follow { FileReplay::follow(path)? } else { FileReplay::open(path)? };
+        Ok(ReplaySource::with(Playback::File(Box::new(replay)), path.to_path_buf(), total_bytes))
     }
 
     /// A replay of events already in memory (tests, benchmarks, `--demo`).
@@ -75,29 +69,22 @@ impl ReplaySource {
         let mut refused = ReadReport::default();
         let n = events.len() as u64;
         let events = vet(events, &mut refused);
-        let mut src = ReplaySource::with(Playback::Memory(Box::new(Replay::new(events))), PathBuf::from(label), None, None, 0);
+        let mut src = ReplaySource::with(Playback::Memory(Box::new(Replay::new(events))), PathBuf::from(label), 0);
         src.report = ReadReport { lines: n, events: n, ..Default::default() };
         src.refused = refused;
         src
     }
 
-    fn with(
-        playback: Playback,
-        path: PathBuf,
-        follower: Option<Loader>,
-        loading: Option<Loading>,
-        total_bytes: u64,
-    ) -> ReplaySource {
+    fn with(playback: Playback, path: PathBuf, total_bytes: u64) -> ReplaySource {
         ReplaySource {
             playback,
             path,
             report: ReadReport::default(),
             refused: ReadReport::default(),
             vetted_seq: None,
-            follower,
-            loading,
             total_bytes,
-            restarts: Vec::new(),
+            restarts_seen: 0,
+            caught_up: std::cell::Cell::new(false),
             error: None,
         }
     }
@@ -134,6 +121,15 @@ impl ReplaySource {
         self.len() == 0
     }
 
+    /// Events the replay holds in memory: a file's replay (followed or not) the last ones
+    /// played, whatever the file's size; events in memory all of them.
+    pub fn events_held(&self) -> usize {
+        match &self.playback {
+            Playback::Memory(r) => r.events().len(),
+            Playback::File(r) => r.events_held(),
+        }
+    }
+
     /// Events applied so far.
     pub fn position(&self) -> usize {
         self.replay_status().position
@@ -159,8 +155,13 @@ impl ReplaySource {
     /// Whether the file is still being read for the first time.
     pub fn is_loading(&self) -> bool {
         match &self.playback {
-            Playback::File(r) => !r.indexed(),
-            Playback::Memory(_) => self.loading.is_some(),
+            Playback::File(r) => {
+                if r.indexed() {
+                    self.caught_up.set(true);
+                }
+                !self.caught_up.get()
+            }
+            Playback::Memory(_) => false,
         }
     }
 
@@ -169,44 +170,18 @@ impl ReplaySource {
     pub fn finish_loading(&mut self) {
         if let Playback::File(r) = &self.playback {
             r.wait_indexed();
-            return;
-        }
-        while self.loading.is_some() {
-            let Some(loader) = &mut self.follower else { break };
-            match loader.wait_batch() {
-                Some(b) => self.take(b, &mut Vec::new()),
-                None => self.loading = None,
-            }
         }
     }
 
-    /// Takes a followed file's batch; a restart resets the state to the new run's start.
-    fn take(&mut self, b: Batch, out: &mut Vec<SourceUpdate>) {
-        let Playback::Memory(replay) = &mut self.playback else { return };
-        if let Some(why) = b.restarted {
-            let (speed, paused) = (replay.speed(), replay.paused());
-            **replay = Replay::new(Vec::new());
-            replay.set_following(true);
-            replay.set_speed(speed);
-            replay.set_paused(paused);
-            self.restarts.push(why);
-            out.push(SourceUpdate::Reset { snapshot: Box::new(Snapshot::new()), history: Some(Vec::new()) });
-        }
-        if !b.events.is_empty() {
-            replay.append(b.events);
-        }
-        self.report = b.report;
-        if let Some(l) = &mut self.loading {
-            l.bytes_read = b.bytes_read;
-            l.total_bytes = l.total_bytes.max(b.bytes_read);
-            l.events = self.report.events;
-        }
-        if b.caught_up {
-            self.loading = None;
-        }
-        if let Some(e) = b.error {
-            self.error = Some(e);
-            self.loading = None;
+    /// A followed file that started over: refusals are counted afresh for the new run.
+    fn note_restarts(&mut self) {
+        if let Playback::File(r) = &self.playback {
+            let n = r.restarts().len();
+            if n > self.restarts_seen {
+                self.restarts_seen = n;
+                self.refused = ReadReport::default();
+                self.vetted_seq = None;
+            }
         }
     }
 
@@ -270,11 +245,7 @@ impl ReplaySource {
 
 impl Source for ReplaySource {
     fn poll(&mut self, now: Instant, out: &mut Vec<SourceUpdate>) {
-        if let Some(loader) = &mut self.follower {
-            for b in loader.try_batches() {
-                self.take(b, out);
-            }
-        }
+        self.note_restarts();
         match &mut self.playback {
             Playback::Memory(r) => {
                 let change = r.tick(now);
@@ -345,7 +316,11 @@ impl Source for ReplaySource {
     fn status(&self) -> SourceStatus {
         let report = self.report();
         let mut line = report.summary();
-        for why in &self.restarts {
+        let restarts = match &self.playback {
+            Playback::File(r) => r.restarts(),
+            Playback::Memory(_) => Vec::new(),
+        };
+        for why in &restarts {
             line.push_str(match why {
                 Restart::Truncated => "; the file was truncated and written again: started over",
                 Restart::Replaced => "; the file was replaced: started over",
@@ -359,13 +334,12 @@ impl Source for ReplaySource {
             line.push_str(&format!("; {e}"));
         }
         let loading = match &self.playback {
-            Playback::File(r) if !r.indexed() => Some(Loading {
+            Playback::File(r) if self.is_loading() => Some(Loading {
                 bytes_read: r.indexed_bytes().min(self.total_bytes),
                 total_bytes: self.total_bytes,
                 events: r.len() as u64,
             }),
-            Playback::File(_) => None,
-            Playback::Memory(_) => self.loading,
+            Playback::File(_) | Playback::Memory(_) => None,
         };
         SourceStatus::Replay(ReplayInfo {
             path: self.path.display().to_string(),

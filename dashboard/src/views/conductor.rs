@@ -2,7 +2,7 @@
 //! with their reasons, and the current hints with the rule that set them.
 
 use super::widgets::{constraints, fit_columns, rows, sort_title};
-use super::{bad_if, boxed};
+use super::boxed;
 use crate::app::{State, ViewState};
 use crate::describe::{fmt_hints, rule_name};
 use crate::format::{bytes, count, ms};
@@ -14,7 +14,7 @@ use ratatui::style::Color;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
-use stagehand::events::Phase;
+use stagehand::events::{Concern, DenyReason, Phase};
 
 fn phase_glyph(p: Phase) -> (&'static str, Color) {
     match p {
@@ -38,9 +38,9 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
     .areas(area);
     draw_timeline(f, timeline, state, theme);
     let [hints, modes, reasons] = Layout::horizontal([
-        Constraint::Percentage(40),
-        Constraint::Percentage(30),
-        Constraint::Percentage(30),
+        Constraint::Percentage(34),
+        Constraint::Percentage(22),
+        Constraint::Percentage(44),
     ])
     .areas(middle);
     draw_hints(f, hints, state, theme);
@@ -99,7 +99,9 @@ fn draw_hints(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let items = vec![
         ("hints", "hints", fmt_hints(&c.hints), theme.strong()),
         ("set by rule", "rule", c.hints_rule.map_or("-".into(), |r| rule_name(r).to_owned()), n),
-        ("denied (slots)", "denied", format!("{} ({})", count(c.denials), count(c.slot_denials)), bad_if(c.denials + c.slot_denials, theme)),
+        // Refusals are the Conductor holding back work that can wait: not alarms by
+        // themselves (each reason says whether it is bad, in the box beside).
+        ("denied (slots)", "denied", format!("{} ({})", count(c.denials), count(c.slot_denials)), n),
         ("granted / partial", "granted", format!("{} / {}", count(c.grants), count(c.partials)), n),
         ("reservations held", "held", format!("{} ({})", count(c.active_reservations), bytes(c.active_bytes)), n),
         ("slots granted", "slots", count(c.slot_grants), n),
@@ -124,24 +126,55 @@ fn draw_modes(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     f.render_widget(Paragraph::new(lines).block(boxed(" Reservations ", theme)), area);
 }
 
+/// How a refusal's reason is coloured: by whether it is bad.
+fn concern_style(r: DenyReason, theme: &Theme) -> Style {
+    match r.concern() {
+        Concern::ByDesign => theme.dim(),
+        Concern::IfStallsFollow => theme.band(0.7),
+    }
+}
+
+/// Every reason of the run's refusals: its count, whether it is bad, and what it means.
 fn draw_reasons(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let c = &state.snapshot.conductor;
-    let mut lines: Vec<Line<'_>> = c
-        .denials_by_reason
+    let found: Vec<(DenyReason, u64)> = DenyReason::ALL
         .iter()
-        .map(|(k, v)| {
-            // The count first: a long reason is cut at its end, never the number.
-            Line::from(vec![Span::styled(format!("{:>6} ", count(*v)), theme.alert()), Span::raw(k.clone())])
+        .filter_map(|r| c.denials_by_reason.get(r.as_str()).filter(|n| **n > 0).map(|n| (*r, *n)))
+        .collect();
+    // One line per reason with whether it is bad; then, where rows are left, what each means.
+    let mut lines: Vec<Line<'_>> = found
+        .iter()
+        .map(|(r, n)| {
+            // The count first: a long reason wraps, the number stays.
+            Line::from(vec![
+                Span::styled(format!("{} ", count(*n)), theme.strong()),
+                Span::styled(r.as_str(), concern_style(*r, theme)),
+                Span::styled(format!(": {}", r.concern().verdict()), theme.dim()),
+            ])
         })
         .collect();
+    let inner = area.width.saturating_sub(2).max(1) as usize;
+    let rows = |ls: &[Line<'_>]| ls.iter().map(|l| l.width().div_ceil(inner).max(1)).sum::<usize>();
+    let room = area.height.saturating_sub(2) as usize;
+    for (r, _) in &found {
+        let meaning = Line::styled(format!("{}: {}", r.as_str(), r.meaning()), theme.dim());
+        if rows(&lines) + rows(std::slice::from_ref(&meaning)) > room {
+            break;
+        }
+        lines.push(meaning);
+    }
     if lines.is_empty() {
         lines.push(Line::styled("no denials", theme.dim()));
     }
-    f.render_widget(Paragraph::new(lines).block(boxed(" Denials by reason ", theme)), area);
+    f.render_widget(
+        Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: false }).block(boxed(" Denials by reason ", theme)),
+        area,
+    );
 }
 
-/// Columns: (width, priority).
-const COLS: [(u16, u8); 6] = [(7, 1), (5, 1), (10, 2), (12, 1), (24, 0), (20, 0)];
+/// Columns: (width, priority). At 80 columns the sequence number and the phase give way, so a
+/// reason is never cut ("phase_rule_suppressed_speculative" is 33).
+const COLS: [(u16, u8); 6] = [(7, 2), (5, 1), (10, 3), (12, 1), (22, 0), (33, 0)];
 
 fn draw_denials(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let sort = vs.sorts.get(TableId::Denials);
@@ -158,7 +191,7 @@ fn draw_denials(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, th
                 Line::raw(d.phase.as_str()),
                 Line::raw(d.owner.as_str()),
                 Line::raw(d.what.clone()),
-                Line::styled(d.reason.as_str(), theme.alert()),
+                Line::styled(d.reason.as_str(), concern_style(d.reason, theme)),
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })

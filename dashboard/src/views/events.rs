@@ -2,17 +2,23 @@
 //! selected.
 
 use super::boxed;
+use super::widgets::{constraints, fit_columns};
 use crate::app::{State, ViewState};
 use crate::describe::describe;
 use crate::format::{count, run_time};
 use crate::theme::Theme;
-use ratatui::layout::{Constraint, Rect};
+use ratatui::layout::Rect;
 use ratatui::text::Line;
 use ratatui::widgets::{Row, Table, TableState};
 use ratatui::Frame;
 use stagehand::events::{Event, EventKind};
 
+/// Columns: (width, priority); "what" takes the rest. At 80 columns the time gives way, so
+/// what an event says keeps its units.
+const COLS: [(u16, u8); 6] = [(7, 1), (9, 3), (4, 1), (10, 2), (20, 0), (30, 0)];
+
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
+    let kept = fit_columns(&COLS, area.width.saturating_sub(2) as usize);
     let events: Vec<&Event> = state.filtered_events(&vs.filter).collect();
     let n = events.len();
     let sel = vs.event_sel.map_or(n.saturating_sub(1), |s| s.min(n.saturating_sub(1)));
@@ -32,17 +38,23 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
                 EventKind::Residency { to, .. } => theme.state(to),
                 _ => ratatui::style::Style::default(),
             };
-            Row::new(vec![
+            let cells = [
                 Line::raw(e.seq.to_string()),
                 Line::raw(run_time(e.t_ns)),
                 Line::raw(e.step.to_string()),
                 Line::raw(e.phase.as_str()),
                 Line::styled(e.kind.name(), style),
                 Line::raw(describe(&e.kind)),
-            ])
+            ];
+            Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })
         .collect();
-    let mut title = format!(" Events ({n} of the last {} kept", state.recent.len());
+    // What the filter searches: the events kept, by sequence number.
+    let range = match (state.recent.front(), state.recent.back()) {
+        (Some(a), Some(b)) => format!("/{}, seq {}-{}", count(state.recent.len() as u64), a.seq, b.seq),
+        _ => String::new(),
+    };
+    let mut title = format!(" Events ({n}{range}");
     if !vs.filter.is_empty() {
         title.push_str(&format!(", filter: {}", vs.filter.text));
         if !vs.filter.invalid.is_empty() {
@@ -58,18 +70,9 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
                 .right_aligned(),
         );
     }
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(7),
-            Constraint::Length(9),
-            Constraint::Length(4),
-            Constraint::Length(10),
-            Constraint::Length(20),
-            Constraint::Min(20),
-        ],
-    )
-    .header(Row::new(vec!["seq", "time", "step", "phase", "kind", "what"]).style(theme.strong()))
+    let titles = ["seq", "time", "step", "phase", "kind", "what"];
+    let table = Table::new(rows, constraints(&COLS, &kept))
+    .header(Row::new(kept.iter().map(|i| titles[*i]).collect::<Vec<_>>()).style(theme.strong()))
     .row_highlight_style(theme.selected())
     .block(block.title_bottom(Line::styled(
         " / filter (kind:NAME block:N step:A-B)  Enter details  G follow ",

@@ -44,7 +44,7 @@ pub(super) fn draw_all(f: &mut Frame<'_>, area: Rect, s: &Snapshot, theme: &Them
     let title = format!(" Findings ({}) ", found.len());
     let mut ls: Vec<Line<'_>> = found.iter().flat_map(|x| lines(x, true, theme)).collect();
     if ls.is_empty() {
-        ls.push(Line::styled("nothing looks off: no waits over 5% of a step, no misses, no losses", theme.dim()));
+        ls.push(Line::styled(insight::nothing_found(s), theme.dim()));
     }
     f.render_widget(Paragraph::new(ls).wrap(Wrap { trim: false }).block(boxed(title, theme)), area);
 }
@@ -80,7 +80,7 @@ pub(super) fn draw_summary(f: &mut Frame<'_>, area: Rect, s: &Snapshot, theme: &
     };
     let ls = match found.first() {
         Some(x) => lines(x, true, theme),
-        None => vec![Line::styled("nothing looks off", theme.dim())],
+        None => vec![Line::styled(insight::nothing_found(s), theme.dim())],
     };
     f.render_widget(Paragraph::new(ls).wrap(Wrap { trim: false }).block(boxed(title, theme)), area);
 }

@@ -1,7 +1,7 @@
 //! VRAM: where device memory went. Who holds it now (resident weights, kept activations,
 //! restored activations waiting for backward, copies in flight, the rest) against the budget and
 //! the spill watermarks; the same over recent readings as a stacked chart, one column a reading
-//! (`vram_owners_history`); the last finished step at its peak (`vram_at_peak`); and the limits
+//! (`vram_owners_history`); the last finished step at its fullest reading (`vram_at_peak`) beside its true peak; and the limits
 //! each owner set, with any out-of-memory report.
 
 use super::parts::{owner_parts, owner_values, swatch, OWNER_PARTS};
@@ -71,13 +71,18 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
         );
         (title, owners_lines(&r.owners, scale, &marks, w, theme))
     });
-    // The last finished step (one with its per-step figures), else the step under way.
-    let finished = s.steps.iter().rev().find(|r| r.vram_at_peak.is_some() && (r.train.is_some() || r.time.is_some()));
+    // The newest finished step, else the step under way: its fullest reading by owner, beside
+    // its true peak (between readings).
+    let finished = s.steps.iter().rev().find(|r| r.vram_at_peak.is_some() && s.is_finished(r));
     let any = s.steps.iter().rev().find(|r| r.vram_at_peak.is_some());
-    let peak = finished.or(any).and_then(|r| r.vram_at_peak.map(|p| (r.step, p, finished.is_some()))).map(|(step, p, done)| {
+    let peak = finished.or(any).and_then(|r| r.vram_at_peak.map(|p| (r, p, finished.is_some()))).map(|(r, p, done)| {
         let (scale, marks) = scale_and_marks(s, p.allocated_bytes);
         let so_far = if done { "" } else { " so far" };
-        (format!(" Step {step} at its peak{so_far}: {} ", bytes(p.allocated_bytes)), owners_lines(&p, scale, &marks, w, theme))
+        let true_peak = r.train.as_ref().map_or(String::new(), |t| format!(", peak {}", bytes(t.vram_peak_bytes)));
+        (
+            format!(" Step {} fullest reading{so_far}: {}{true_peak} ", r.step, bytes(p.allocated_bytes)),
+            owners_lines(&p, scale, &marks, w, theme),
+        )
     });
     let limits = limit_lines(s, w, theme);
     let box_h = |x: &Option<(String, Vec<Line<'_>>)>| x.as_ref().map_or(3, |(_, l)| 2 + l.len() as u16);
@@ -92,7 +97,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
     let (t, l) = now.unwrap_or_else(|| (" Now ".into(), none("")));
     f.render_widget(Paragraph::new(l).block(boxed(t, theme)), now_a);
     draw_chart(f, chart_a, s, theme);
-    let (t, l) = peak.unwrap_or_else(|| (" At the step's peak ".into(), none("at a step's peak ")));
+    let (t, l) = peak.unwrap_or_else(|| (" A step's fullest reading ".into(), none("in a step ")));
     f.render_widget(Paragraph::new(l).block(boxed(t, theme)), peak_a);
     f.render_widget(Paragraph::new(limits).wrap(Wrap { trim: false }).block(boxed(" Limits and incidents ", theme)), limits_a);
 }

@@ -65,7 +65,8 @@ fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, tall: bool, theme: &T
                 Span::styled(" of ", theme.dim()),
                 Span::raw(bytes(budget_bytes)),
             ]);
-            head.kv(2, "peak", bytes(v.peak_allocated_bytes), theme);
+            // The run's peak, as every surface shows it.
+            head.kv(2, "peak", bytes(s.vram_peak_bytes), theme);
             let mut marks = Vec::new();
             if let Some((high, low)) = s.spill_watermarks() {
                 head.kv(1, "L", bytes(low), theme);
@@ -80,8 +81,14 @@ fn draw_vram(f: &mut Frame<'_>, area: Rect, state: &State, tall: bool, theme: &T
             let mut lines = vec![head.line(w, sep(theme)), Line::from(gauge)];
             match &s.vram_owners {
                 Some(o) => {
+                    // Who held it at the owners' own reading, with that reading's allocated
+                    // bytes: the parts add up to it (the head's figure may be a later reading).
                     let parts = owner_parts(&o.owners, theme);
                     let mut by = Fields::new();
+                    by.push(0, vec![Span::styled(
+                        format!("{} at s{} {}:", bytes(o.owners.allocated_bytes), o.step, o.phase),
+                        theme.dim(),
+                    )]);
                     for (i, (sw, b)) in parts.iter().enumerate() {
                         let prio = if i == 0 || i == 1 { 0 } else { 1 + i as u8 };
                         by.push(prio, vec![
@@ -167,7 +174,8 @@ fn draw_weights(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let n = Style::default();
     let items = vec![
         ("hit rate", "hit rate", percent(w.hit_rate(), 1.0), n),
-        ("prefetch misses", "misses", count(w.prefetch_misses), bad_if(w.prefetch_misses, theme)),
+        // Step 1 misses by design (it traces the itinerary): alarming only in a later step.
+        ("prefetch misses", "misses", count(w.prefetch_misses), bad_if(steady_misses(&state.snapshot), theme)),
         ("stall time", "stalls", ms(w.stall_time_ms), n),
         ("blocks on device", "on device", format!("{} / {}", count(on_gpu as u64), count(state.snapshot.blocks.len() as u64)), n),
         ("evictions", "evictions", count(w.evictions), n),
@@ -176,6 +184,11 @@ fn draw_weights(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     ];
     let lines = rows(items, area.width.saturating_sub(2) as usize, theme);
     f.render_widget(Paragraph::new(lines).block(boxed(" Weights ", theme)), area);
+}
+
+/// Misses of the newest finished step after the first.
+fn steady_misses(s: &stagehand::events::Snapshot) -> u64 {
+    s.last_finished_step().filter(|r| r.step > 1).and_then(|r| r.weights.as_ref()).map_or(0, |w| w.prefetch_misses)
 }
 
 fn draw_activations(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
@@ -198,12 +211,8 @@ fn draw_conductor(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     let c = &state.snapshot.conductor;
     let n = Style::default();
     let items = vec![
-        (
-            "denials (+slots)",
-            "denied",
-            format!("{} (+{})", count(c.denials), count(c.slot_denials)),
-            bad_if(c.denials + c.slot_denials, theme),
-        ),
+        // Not an alarm: the Conductor holds back work that can wait (8 says why).
+        ("denials (+slots)", "denied", format!("{} (+{})", count(c.denials), count(c.slot_denials)), n),
         ("grants / partial", "granted", format!("{} / {}", count(c.grants), count(c.partials)), n),
         ("hints set by", "hints by", c.hints_rule.map_or("-".into(), |r| crate::describe::rule_name(r).to_owned()), n),
         ("active", "active", format!("{} ({})", count(c.active_reservations), bytes(c.active_bytes)), n),

@@ -28,8 +28,10 @@ fn draw_weight_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme)
     let block = boxed(" Weight pool ", theme);
     let w = area.width.saturating_sub(2) as usize;
     let Some(p) = &s.weight_pool else {
+        // Blocks in host memory load straight from their pinned copies: no pool to show.
+        let text = stagehand::events::insight::weights_without_pool(s).unwrap_or_else(|| "no weight blocks (yet)".into());
         f.render_widget(
-            Paragraph::new(Line::styled("not configured (yet)", theme.dim())).block(block),
+            Paragraph::new(Line::styled(text, theme.dim())).wrap(ratatui::widgets::Wrap { trim: false }).block(block),
             area,
         );
         return;

@@ -72,8 +72,9 @@ fn draw_strip(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
     );
 }
 
-/// Columns: (width, priority); "last" takes the rest.
-const COLS: [(u16, u8); 9] = [(4, 0), (14, 0), (12, 0), (4, 2), (9, 1), (6, 1), (6, 1), (6, 3), (10, 2)];
+/// Columns: (width, priority); "last" takes the rest. At 80 columns "last" keeps room for a
+/// whole transition ("host_staged -> prefetching"); the reference count and flags give way.
+const COLS: [(u16, u8); 9] = [(4, 0), (14, 0), (12, 0), (4, 3), (9, 1), (6, 1), (6, 1), (6, 3), (26, 1)];
 
 fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let s = &state.snapshot;
@@ -112,7 +113,7 @@ fn draw_table(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
                 Line::raw(count(b.loads)),
                 Line::raw(count(b.evictions)),
                 Line::raw(flags),
-                Line::raw(format!("{} (#{})", b.last, b.last_seq)),
+                Line::raw(b.last.clone()),
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })

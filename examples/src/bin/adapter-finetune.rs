@@ -10,6 +10,7 @@
 use clap::Parser;
 use stagehand::device::Device;
 use stagehand::events::Bus;
+use stagehand::weights::file::FileCheck;
 use stagehand::weights::{WeightConfig, WeightRuntime};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
@@ -24,10 +25,14 @@ struct Args {
     /// Training steps.
     #[arg(default_value_t = 100)]
     steps: u64,
+    /// Check every byte of the weights file at every load (default: sampled windows; see
+    /// `WeightConfig::file_check`).
+    #[arg(long)]
+    full_check: bool,
 }
 
 fn main() -> anyhow::Result<()> {
-    let Args { steps } = Args::parse();
+    let Args { steps, full_check } = Args::parse();
     stagehand::torch::init();
     let device = Device::auto(1 << 30);
     let dev = device.tch_device();
@@ -56,6 +61,7 @@ fn main() -> anyhow::Result<()> {
         .watermarks(1 << 40, 1 << 39)
         .weight_budget(3 * block_bytes)
         .prefetch_window(2)
+        .file_check(if full_check { FileCheck::Full } else { FileCheck::Sampled })
         .build()?;
     let rt = WeightRuntime::from_var_store(&base, r"^blocks\.\d+$", device.clone(), cfg, Bus::disabled())?;
     let ids: Vec<_> = (0..BLOCKS).map(|i| rt.block_id(&format!("blocks.{i}"))).collect::<Result<_, _>>()?;

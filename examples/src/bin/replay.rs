@@ -11,6 +11,7 @@ use anyhow::{anyhow, Context, Result};
 use clap::Parser;
 use stagehand::events::replay::{FileReplay, IndexObserver};
 use stagehand::events::{Event, ReadReport};
+use stagehand_examples::process::sibling;
 use stagehand_exporter::trace::{Summary, TraceWriter};
 use stagehand_web::cli::ServeArgs;
 use stagehand_web::{AppState, ReplayDriver, Server};
@@ -27,6 +28,8 @@ use std::time::Duration;
 struct Args {
     /// The telemetry file (JSONL) a run wrote.
     file: PathBuf,
+    // Serves on 127.0.0.1:7879 unless --addr says otherwise: a fixed address to bookmark,
+    // beside the live run's 7878.
     #[command(flatten)]
     serve: ServeArgs,
     /// Stop after this many seconds (default: serve until Ctrl-C).
@@ -39,6 +42,9 @@ struct Args {
     #[arg(long)]
     no_trace: bool,
 }
+
+/// Where a replay serves unless `--addr` says otherwise.
+const DEFAULT_REPLAY_ADDR: &str = "127.0.0.1:7879";
 
 /// What the index pass found: the read report, and the trace if one was written.
 type PassResult = (ReadReport, Option<Result<Summary>>);
@@ -102,14 +108,15 @@ fn main() -> Result<()> {
     if args.play {
         driver.set_paused(false);
     }
-    // Any free port by default, so a replay never collides with a live run on 7878.
-    let config = args.serve.config("127.0.0.1:0");
-    let server = Server::start(&config, AppState::replay(driver))
-        .with_context(|| format!("serving on {}", config.addr))?;
+    // A fixed address by default, beside a live run's on 7878; --addr for another.
+    let config = args.serve.config(DEFAULT_REPLAY_ADDR);
+    let server = Server::start(&config, AppState::replay(driver)).with_context(|| {
+        format!("serving on {} (another replay there? --addr 127.0.0.1:0 takes any free port)", config.addr)
+    })?;
     let url = server.url();
     println!("dashboard  {} (replay controls at the top)", server.login_url());
     println!("api        {url}/api/replay/status; POST {url}/api/replay/play with content-type application/json");
-    println!("terminal   stagehand-top --replay {}", file.display());
+    println!("terminal   {} --replay {}", sibling("stagehand-top", "stagehand-dashboard"), file.display());
 
     let (stop_tx, stop_rx) = std::sync::mpsc::channel();
     ctrlc::set_handler(move || {

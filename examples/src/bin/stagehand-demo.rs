@@ -1,17 +1,25 @@
 //! The main job: trains a small GPT under one Stagehand handle with its telemetry, on CUDA where
 //! present and on the host device otherwise. Run it with `scripts/demo` (which sets everything up
 //! first).
+//!
+//! It prints the memory plan as soon as it is known (before the first step), a line whenever the
+//! spill watermarks move, and a summary whose figures are the snapshot's (the same the page,
+//! `stagehand-top` and `/metrics` show). SIGINT (Ctrl-C) or SIGTERM ends the run after the step
+//! in progress, with its summary and a complete telemetry file; a second one exits at once.
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use stagehand::device::Device;
 use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
-use stagehand::events::Bus;
-use stagehand_examples::trainer::{announce_with, demo_budget, train, train_group, train_stagehand, Memory, TrainConfig, DEMO_DEFAULTS};
+use stagehand::events::{Bus, Event, EventKind, EventSink};
+use stagehand_examples::process::{sibling, Stop};
+use stagehand_examples::report::Report;
+use stagehand_examples::trainer::{announce_with, demo_budget, train_group, train_with, Hooks, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand::{Precision, StateStorage};
 use stagehand_web::cli::ServeArgs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// Train a GPT-style model under Stagehand and watch it live.
 #[derive(Debug, Parser)]
@@ -75,6 +83,10 @@ struct Args {
     /// block-wise, about a quarter).
     #[arg(long, value_name = "STORAGE", default_value = "fp32", value_parser = parse_state)]
     optimizer_state: StateStorage,
+    /// Exit 0 even when the loss went NaN or infinite (by default such a run, whether the
+    /// guards or the loss itself showed it, exits 1).
+    #[arg(long)]
+    allow_non_finite: bool,
     #[command(flatten)]
     serve: ServeArgs,
     /// Do not serve the API and dashboards.
@@ -86,9 +98,78 @@ struct Args {
     /// Stream and spill without the Conductor, to compare.
     #[arg(long)]
     no_conductor: bool,
-    /// After training, keep serving until Enter is pressed.
+    /// After training, keep serving until Enter is pressed (or Ctrl-C).
     #[arg(long)]
     keep_serving: bool,
+    /// Intra-op threads of the training thread and the host optimizer, the same with
+    /// --resident (default: libtorch's, every core).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    threads: Option<u64>,
+    /// AdamW's learning rate (default: 3e-3, smaller for models wider than 128).
+    #[arg(long, value_name = "LR")]
+    learning_rate: Option<f64>,
+    /// Weight blocks prefetched ahead (the handle's `prefetch_window`; default 2).
+    #[arg(long, value_name = "BLOCKS")]
+    prefetch_window: Option<u32>,
+    /// Loads and restores in flight at once (`max_inflight_h2d`; default: the plan's).
+    #[arg(long, value_name = "COPIES")]
+    max_inflight_h2d: Option<u32>,
+    /// Spills in flight at once (`max_inflight_d2h`; default: the plan's).
+    #[arg(long, value_name = "COPIES")]
+    max_inflight_d2h: Option<u32>,
+    /// Spilled tensors restored ahead of backward (`restore_lookahead`; default 8).
+    #[arg(long, value_name = "TENSORS")]
+    restore_lookahead: Option<u32>,
+    /// The least pinned slabs in each size class of the activation pool (`slabs_per_class`;
+    /// default: what the traced first step held at once).
+    #[arg(long, value_name = "SLABS")]
+    slabs_per_class: Option<u32>,
+}
+
+/// The handle's settings the flags above give, applied to its builder.
+fn knobs(args: &Args, mut b: stagehand::StagehandBuilder) -> stagehand::StagehandBuilder {
+    if let Some(k) = args.prefetch_window {
+        b = b.prefetch_window(k);
+    }
+    if let Some(n) = args.max_inflight_h2d {
+        b = b.max_inflight_h2d(n);
+    }
+    if let Some(n) = args.max_inflight_d2h {
+        b = b.max_inflight_d2h(n);
+    }
+    if let Some(n) = args.restore_lookahead {
+        b = b.restore_lookahead(n);
+    }
+    if let Some(n) = args.slabs_per_class {
+        b = b.slabs_per_class(n);
+    }
+    b
+}
+
+/// Prints a line above the progress bar (also when the bar is hidden: output to a file or a
+/// pipe shows every line and no bar).
+fn say(bar: &ProgressBar, line: String) {
+    bar.suspend(|| println!("{line}"));
+}
+
+/// Prints a line for each event a user should see as it happens (the watermarks moving), above
+/// the progress bar.
+struct Lines(ProgressBar);
+
+impl EventSink for Lines {
+    fn on_event(&mut self, e: &Event) {
+        if let EventKind::WatermarksMoved { from_high_bytes, from_low_bytes, high_bytes, low_bytes, reason } = &e.kind {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            say(&self.0, format!(
+                "  watermarks spill {:.1}/{:.1} MiB -> {:.1}/{:.1} MiB (high/low) after step {}: {reason}",
+                mib(*from_high_bytes),
+                mib(*from_low_bytes),
+                mib(*high_bytes),
+                mib(*low_bytes),
+                e.step
+            ));
+        }
+    }
 }
 
 fn parse_level(s: &str) -> Result<Level, String> {
@@ -113,29 +194,10 @@ fn parse_state(s: &str) -> Result<StateStorage, String> {
     s.parse()
 }
 
-/// How to run a sibling binary as printed: its path when it was built beside this one (as
-/// `scripts/demo` does), its name when it is installed on PATH, else the cargo command that
-/// builds and runs it from the repository (where `scripts/demo` runs).
-fn sibling(name: &str, package: &str) -> String {
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join(name)))
-        .filter(|p| p.exists());
-    if let Some(p) = beside {
-        let cwd = std::env::current_dir().unwrap_or_default();
-        return p.strip_prefix(&cwd).map(Path::to_path_buf).unwrap_or(p).display().to_string();
-    }
-    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()));
-    if on_path {
-        name.to_owned()
-    } else {
-        format!("cargo run --release -q -p {package} --bin {name} --")
-    }
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     stagehand::torch::init();
+    let stop = Stop::install()?;
     let asked = args.budget_mib.unwrap_or(DEMO_DEFAULTS.budget_mib);
     let asked = asked.checked_mul(1 << 20).context("--budget-mib is too large")?;
     let device = if args.cpu { Device::host(asked) } else { Device::auto(asked) };
@@ -191,18 +253,30 @@ fn main() -> Result<()> {
         cfg.memory = Memory::Resident;
     }
     cfg.conductor = !args.no_conductor;
+    cfg.threads = args.threads.map(|n| n as usize);
+    if let Some(lr) = args.learning_rate {
+        cfg.learning_rate = lr;
+    }
     let run_id = out
         .file_name()
         .map(|s| s.to_string_lossy().split(".jsonl").next().unwrap_or_default().to_owned())
         .unwrap_or_default();
-    let described = serde_json::json!({ "telemetry": &tcfg, "guards": args.guards, "checksums": args.checksums });
+    let described = serde_json::json!({
+        "telemetry": &tcfg, "guards": args.guards, "checksums": args.checksums, "threads": cfg.thread_count(),
+        "knobs": {
+            "prefetch_window": args.prefetch_window, "max_inflight_h2d": args.max_inflight_h2d,
+            "max_inflight_d2h": args.max_inflight_d2h, "restore_lookahead": args.restore_lookahead,
+            "slabs_per_class": args.slabs_per_class,
+        },
+    });
 
     // The devices of a data-parallel run: the GPUs when CUDA is here (all N of them, or an
     // error), else N simulated host devices.
-    let group_devices = (gpus > 1).then(|| -> Result<Vec<Device>> {
-        Ok(if device.is_cuda() { stagehand::parallel::Devices::cuda(gpus)? } else { stagehand::parallel::Devices::host(gpus, budget) })
-    });
-    let group_devices = group_devices.transpose()?;
+    let group_devices = (gpus > 1)
+        .then(|| -> Result<Vec<Device>> {
+            Ok(if device.is_cuda() { stagehand::parallel::Devices::cuda(gpus)? } else { stagehand::parallel::Devices::host(gpus, budget) })
+        })
+        .transpose()?;
     println!("stagehand demo: {}", cfg.describe());
     println!(
         "  device     {}{}{}",
@@ -211,10 +285,7 @@ fn main() -> Result<()> {
         if gpus > 1 { format!(", {gpus} of them: data parallel, each its slice of the batch, one host copy of the model") } else { String::new() }
     );
     if gpus > 1 && device.is_cuda() {
-        match stagehand::parallel::nccl_version() {
-            Ok(v) => println!("  nccl       {v}"),
-            Err(e) => anyhow::bail!("{e}"),
-        }
+        println!("  nccl       {}", stagehand::parallel::nccl_version()?);
     }
     println!(
         "  precision  {}{}{}",
@@ -229,13 +300,10 @@ fn main() -> Result<()> {
             None => println!("  metrics    {url}/metrics"),
             Some(t) => println!("  metrics    {url}/metrics (send 'Authorization: Bearer {t}')"),
         }
-        if url.starts_with("http://") {
-            let connect = match server.token() {
-                None => url.clone(),
-                Some(t) => format!("{url}/api/stream?token={t}"),
-            };
-            println!("  live TUI   {} --connect {connect}", sibling("stagehand-top", "stagehand-dashboard"));
-        }
+        // The token goes in the environment: a command line shows in `ps` to every user.
+        let token = server.token().map(|t| format!("STAGEHAND_TOKEN={t} ")).unwrap_or_default();
+        let cert = args.serve.tls_cert.as_ref().map(|c| format!(" --tls-cert {}", c.display())).unwrap_or_default();
+        println!("  live TUI   {token}{} --connect {url}{cert}", sibling("stagehand-top", "stagehand-dashboard"));
     }
     if writes_file {
         println!("  telemetry  {} ({} level)", out.display(), args.telemetry_level.as_str());
@@ -257,150 +325,134 @@ fn main() -> Result<()> {
     }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     match cfg.memory {
-        Memory::Resident => println!("  memory     resident: plain tch, no streaming, no spilling (--resident)"),
+        Memory::Resident => {
+            println!("  memory     resident: plain tch, no streaming, no spilling, no budget (--resident)")
+        }
         Memory::Stagehand => {
-            println!(
-                "  memory     {} with a {:.0} MiB budget{}; the plan follows the first step",
-                if gpus > 1 { "a Stagehand handle per GPU" } else { "one Stagehand handle" },
-                mib(budget),
-                if gpus > 1 { " each" } else { "" }
-            );
+            if gpus > 1 {
+                println!("  memory     a Stagehand handle per GPU, each with a {:.0} MiB budget", mib(budget));
+            } else {
+                println!("  memory     one Stagehand handle with a {:.0} MiB budget", mib(budget));
+            }
             if !cfg.conductor {
                 println!("  conductor  off (--no-conductor)");
             }
         }
     }
+    println!(
+        "  threads    {} intra-op threads for the training thread and the optimizer, as in --resident (--threads)",
+        cfg.thread_count()
+    );
+    if args.guards && cfg.memory == Memory::Stagehand {
+        println!("  guards     every block output, gradient and the loss checked for NaN and infinity, read once a step");
+    }
+    if args.checksums && cfg.memory == Memory::Stagehand {
+        println!("  checksums  every spilled activation checksummed (CRC32C) and checked before its restore");
+    }
+    println!("  stop       Ctrl-C or SIGTERM ends the run after the step in progress; a second one at once");
 
     let bar = ProgressBar::new(args.steps);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    hub.add_sink(Box::new(Lines(bar.clone())));
+    // Says at once that a signal was heard (the step in progress may take a while).
+    {
+        let (stop, bar) = (stop.clone(), bar.clone());
+        std::thread::spawn(move || loop {
+            if let Some((name, _)) = stop.signal() {
+                say(&bar, format!("  {name}: stopping after the step in progress (again to exit at once)"));
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        });
+    }
     let on_step = |step: u64, loss: f64, dt: f64| {
         bar.set_message(format!("loss {loss:.3}  {:.0} ms/step", dt * 1e3));
         bar.inc(1);
-        if step == 1 {
-            bar.println("  step 1 traced the itinerary and sized the pools");
+        if step == 1 && cfg.memory == Memory::Stagehand {
+            say(&bar, "  step 1 traced the itinerary and sized the pools".into());
         }
+    };
+    let on_plan = |plan: &stagehand::Plan| {
+        say(&bar, "plan".into());
+        for line in &plan.reasons {
+            say(&bar, format!("  {line}"));
+        }
+    };
+    let hooks = Hooks { on_plan: Some(Box::new(on_plan)), stop: Some(stop.flag()) };
+    // The telemetry is attached before `run_started`, which comes before anything else.
+    let (b, c, d, r) = (bus.clone(), cfg.clone(), device.clone(), run_id.clone());
+    let mut resident_telemetry = None;
+    if cfg.memory == Memory::Resident {
+        resident_telemetry = Some(telemetry::attach(&bus, tcfg.clone()).context("attaching the telemetry")?);
+        announce_with(&bus, &cfg, &device, &run_id, described.clone());
+    }
+    let customize = |builder| {
+        knobs(&args, builder).telemetry(tcfg).guards(args.guards).checksums(args.checksums).attach(move |_| {
+            announce_with(&b, &c, &d, &r, described);
+            Ok(Box::new(()))
+        })
     };
     let mut ranks = Vec::new();
-    let summary = match (cfg.memory, group_devices) {
-        (Memory::Stagehand, Some(devices)) => {
-            let (b, c, d) = (bus.clone(), cfg.clone(), device.clone());
-            // Rank 0 drives the progress bar (the ranks step together).
-            let on_rank_step = |rank: usize, step: u64, loss: f64, dt: f64| {
-                if rank == 0 {
-                    on_step(step, loss, dt);
-                }
-            };
-            ranks = train_group(&cfg, devices, &bus, on_rank_step, move |builder| {
-                builder.telemetry(tcfg).guards(args.guards).checksums(args.checksums).attach(move |_| {
-                    announce_with(&b, &c, &d, &run_id, described);
-                    Ok(Box::new(()))
-                })
-            })?;
-            ranks.first().map(|r| r.summary.clone()).context("a group of no ranks")?
-        }
-        (Memory::Resident, _) => {
-            // No handle: the telemetry is attached to the bus directly.
-            let _t = telemetry::attach(&bus, tcfg).context("attaching the telemetry")?;
-            announce_with(&bus, &cfg, &device, &run_id, described);
-            train(&cfg, &device, &bus, on_step)?
-        }
-        (Memory::Stagehand, None) => {
-            let (b, c, d) = (bus.clone(), cfg.clone(), device.clone());
-            train_stagehand(&cfg, &device, &bus, on_step, move |builder| {
-                // The handle attaches the telemetry first; `run_started` follows, before the
-                // handle publishes anything of its own.
-                builder.telemetry(tcfg).guards(args.guards).checksums(args.checksums).attach(move |_| {
-                    announce_with(&b, &c, &d, &run_id, described);
-                    Ok(Box::new(()))
-                })
-            })?
-        }
+    let trained = match group_devices {
+        // Rank 0 drives the progress bar (the ranks step together).
+        Some(devices) => train_group(&cfg, devices, &bus, |rank, step, loss, dt| if rank == 0 { on_step(step, loss, dt) }, hooks, customize)
+            .map(|r| {
+                ranks = r;
+                ranks.first().map(|r| r.summary.clone())
+            })
+            .and_then(|s| s.context("a group of no ranks")),
+        None => train_with(&cfg, &device, &bus, on_step, hooks, customize),
     };
+    if trained.is_err() {
+        bar.abandon();
+    }
+    let summary = trained?;
     bar.finish();
     // Closing delivers everything, flushes the sinks and publishes what they report about it
     // (telemetry lost to a failed write included) before the summary reads the snapshot.
     bus.close();
+    drop(resident_telemetry);
     let snap = hub.snapshot();
+    let stopped = stop.signal().filter(|_| summary.stopped);
 
-    if let Some(plan) = &summary.plan {
-        println!("plan");
-        for line in &plan.reasons {
-            println!("  {line}");
-        }
-    }
     println!("summary");
-    let (first, last) = summary.loss_drop();
-    println!("  loss       {first:.3} -> {last:.3} (mean of the first and last tenth)");
-    println!(
-        "  step time  {:.1} ms mean over steps 2 and later (step 1: {:.1} ms)",
-        summary.steady_step_s() * 1e3,
-        summary.step_times.first().copied().unwrap_or(0.0) * 1e3
-    );
-    println!("  peak VRAM  {:.1} MiB of a {:.0} MiB budget", mib(summary.peak_bytes), mib(budget));
-    if cfg.memory == Memory::Stagehand {
-        println!(
-            "  moved      {:.1} MiB H2D, {:.1} MiB D2H (weights, gradients, activations)",
-            mib(snap.transfers.h2d.bytes),
-            mib(snap.transfers.d2h.bytes)
-        );
-        let hits = snap.weights.prefetch_hits;
-        let misses = snap.weights.prefetch_misses;
-        println!(
-            "  weights    {hits} prefetch hits, {misses} misses ({:.1}% hit rate), {} evictions",
-            100.0 * hits as f64 / (hits + misses).max(1) as f64,
-            snap.weights.evictions
-        );
-        println!(
-            "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} through pageable memory, {} recomputed ({:.1} MiB never stored)",
-            snap.activations.saved,
-            snap.activations.spilled,
-            mib(snap.activations.spill_bytes),
-            snap.activations.restored,
-            snap.activations.predicted,
-            snap.activations.pool_misses,
-            snap.activations.recomputed,
-            mib(snap.activations.recompute_bytes)
-        );
-        if let Some(t) = summary.breakdowns.last() {
-            println!(
-                "  last step  {:.1} ms: compute {:.1}, waiting on copies {:.1} in / {:.1} out, stalls {:.1}, optimizer {:.1}",
-                t.step_ms,
-                t.compute_ms,
-                t.h2d_wait_ms,
-                t.d2h_wait_ms,
-                t.weight_stall_ms + t.restore_stall_ms,
-                t.optimizer_ms
-            );
-        }
-        // Each GPU of a data-parallel run: its own lane (the lines above are GPU 0's).
-        for r in &ranks {
-            let lane = snap.lanes.get(&r.device);
-            let moved = lane.map(|l| l.transfers).unwrap_or_default();
-            let coll: f64 = r.weights.iter().skip(1).map(|w| w.collective_ms).sum::<f64>() / r.weights.len().saturating_sub(1).max(1) as f64;
-            println!(
-                "  GPU {}      {:.1} ms/step, peak {:.1} MiB; moved {:.1} MiB H2D, {:.1} MiB D2H; collectives {:.1} MiB reduced, {coll:.2} ms a step on the device",
-                r.device,
-                r.summary.steady_step_s() * 1e3,
-                mib(r.summary.peak_bytes),
-                mib(moved.h2d.bytes),
-                mib(moved.d2h.bytes),
-                mib(moved.collective.bytes)
-            );
-        }
+    let report = Report {
+        summary: &summary,
+        snapshot: &snap,
+        memory: cfg.memory,
+        budget,
+        vram_measured: cfg.memory == Memory::Stagehand || device.is_cuda(),
+        steps_asked: args.steps,
+        stopped_by: stopped.map(|s| s.0),
+    };
+    for line in report.lines() {
+        println!("{line}");
     }
-    println!(
-        "  events     {} recorded, {} dropped, {} lost writing the telemetry",
-        snap.events_applied, snap.dropped_events, snap.telemetry_lost
-    );
+    // Each GPU of a data-parallel run: its own lane (the lines above follow GPU 0).
+    for r in &ranks {
+        let lane = snap.lanes.get(&r.device);
+        let moved = lane.map(|l| l.transfers).unwrap_or_default();
+        let steady = r.weights.iter().skip(1);
+        let coll = steady.clone().map(|w| w.collective_ms).sum::<f64>() / r.weights.len().saturating_sub(1).max(1) as f64;
+        println!(
+            "  GPU {}      {:.1} ms/step, peak {:.1} MiB; moved {:.1} MiB H2D, {:.1} MiB D2H; collectives {:.1} MiB reduced, {coll:.2} ms a step on the device",
+            r.device,
+            r.summary.steady_step_s() * 1e3,
+            mib(r.summary.peak_bytes),
+            mib(moved.h2d.bytes),
+            mib(moved.d2h.bytes),
+            mib(moved.collective.bytes)
+        );
+    }
     if writes_file {
         let size = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
         println!(
             "  telemetry  {} ({:.1} KB, {:.1} KB a step)",
             out.display(),
             size as f64 / 1e3,
-            size as f64 / 1e3 / args.steps.max(1) as f64
+            size as f64 / 1e3 / summary.steps.max(1) as f64
         );
     }
     if snap.flight_records.is_empty() {
@@ -410,12 +462,26 @@ fn main() -> Result<()> {
         println!("  flight     {path}");
     }
     if let Some(server) = server {
-        if args.keep_serving {
-            println!("serving {} until Enter is pressed", server.login_url());
-            let mut line = String::new();
-            let _ = std::io::stdin().read_line(&mut line);
+        if args.keep_serving && stopped.is_none() {
+            println!("serving {} until Enter is pressed (or Ctrl-C)", server.login_url());
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                let _ = std::io::stdin().read_line(&mut line);
+                let _ = tx.send(());
+            });
+            while rx.recv_timeout(Duration::from_millis(100)) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                if stop.signal().is_some() {
+                    break;
+                }
+            }
         }
         server.shutdown()?;
+    }
+    // A loss gone NaN or infinite is a failed run, unless asked otherwise.
+    let guards: Vec<&str> = snap.non_finite.keys().map(String::as_str).collect();
+    if let Some(why) = summary.non_finite(&guards).filter(|_| !args.allow_non_finite) {
+        anyhow::bail!("{why}; --allow-non-finite to exit 0 anyway");
     }
     // A run whose record is incomplete must not look like a clean one to a script.
     if snap.dropped_events > 0 || snap.telemetry_lost > 0 {
@@ -425,6 +491,10 @@ fn main() -> Result<()> {
             snap.telemetry_lost,
             out.display()
         );
+    }
+    // Nor one a signal cut short (everything above is written and flushed by now).
+    if let Some((_, code)) = stop.signal() {
+        std::process::exit(code);
     }
     Ok(())
 }

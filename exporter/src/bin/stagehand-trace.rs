@@ -2,9 +2,12 @@
 //! trace / Perfetto JSON file, streaming (memory does not grow with the file). Without `-o` the
 //! trace goes next to the input as `FILE.trace.json`; `-o -` writes to stdout.
 //!
-//! The trace is written to a temporary file beside the output and renamed over it only when the
-//! conversion succeeded, so a failure leaves nothing behind (and an older trace untouched). The
-//! input is never the output: the same file by path, link or inode is refused.
+//! A regular file (or a new one) is written as a temporary file beside it and renamed over it
+//! only when the conversion succeeded, so a failure, Ctrl-C or SIGTERM leave nothing behind
+//! (and an older trace untouched). A symbolic link to a regular file keeps being the link: the
+//! file it names is replaced. Anything else (`/dev/null`, `/dev/stdout`, a pipe, a link to one)
+//! is written in place and never renamed over: renaming would replace a device node with a
+//! file. The input is never the output: the same file by path, link or inode is refused.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -49,11 +52,48 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 fn report(summary: &stagehand_exporter::trace::Summary) {
-    if summary.report.skipped_total > 0 {
-        eprintln!("stagehand-trace: {}", summary.report.summary());
+    let r = &summary.report;
+    // Whatever was not read (skipped, damaged, blank) is said.
+    if r.skipped_total > 0 || r.damaged > 0 || r.blank > 0 {
+        eprintln!("stagehand-trace: {}", r.summary());
     }
     if summary.unpaired > 0 {
         eprintln!("stagehand-trace: {} copies without both their issue and their completion", summary.unpaired);
+    }
+}
+
+/// Where the trace goes.
+#[derive(Debug)]
+enum Output {
+    /// A regular file (existing or not): written beside it and renamed over it.
+    Replace(PathBuf),
+    /// A device, a pipe, or a link to one: written in place.
+    InPlace(PathBuf),
+}
+
+/// How to write `out`: replaced through a rename only where that leaves no device, pipe or
+/// link changed into a plain file.
+fn plan_output(out: &Path) -> Result<Output, String> {
+    let shown = out.display();
+    match std::fs::symlink_metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Output::Replace(out.to_path_buf())),
+        Err(e) => Err(format!("cannot use '{shown}': {e}")),
+        Ok(m) if m.file_type().is_symlink() => match std::fs::metadata(out) {
+            // The link stays; the regular file it names is replaced.
+            Ok(t) if t.is_file() => out
+                .canonicalize()
+                .map(Output::Replace)
+                .map_err(|e| format!("cannot resolve the link '{shown}': {e}")),
+            Ok(t) if t.is_dir() => Err(format!("'{shown}' is a link to a folder: give a file name with -o")),
+            Ok(_) => Ok(Output::InPlace(out.to_path_buf())),
+            Err(e) => Err(format!(
+                "'{shown}' is a symbolic link to '{}', which cannot be used ({e}); give another file with -o",
+                std::fs::read_link(out).map(|p| p.display().to_string()).unwrap_or_default()
+            )),
+        },
+        Ok(m) if m.is_file() => Ok(Output::Replace(out.to_path_buf())),
+        Ok(m) if m.is_dir() => Err(format!("'{shown}' is a folder: give a file name with -o")),
+        Ok(_) => Ok(Output::InPlace(out.to_path_buf())),
     }
 }
 
@@ -107,7 +147,12 @@ fn main() -> ExitCode {
             input.display()
         ));
     }
-    let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let target = match plan_output(&out) {
+        Ok(Output::InPlace(path)) => return write_in_place(reader, &input, &path),
+        Ok(Output::Replace(path)) => path,
+        Err(e) => return fail(&e),
+    };
+    let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let mut builder = tempfile::Builder::new();
     builder.prefix(".stagehand-trace-").suffix(".tmp");
     // A trace is a plain output file: readable as any file the user writes (the umask applies),
@@ -121,6 +166,16 @@ fn main() -> ExitCode {
         Ok(t) => t,
         Err(e) => return fail(&format!("cannot write in '{}': {e}", dir.display())),
     };
+    // Ctrl-C or SIGTERM mid-way: the temporary file goes, and the exit says it was interrupted.
+    let tmp_path = tmp.path().to_path_buf();
+    let interrupted = ctrlc::set_handler(move || {
+        let _ = std::fs::remove_file(&tmp_path);
+        eprintln!("stagehand-trace: interrupted; nothing was written");
+        std::process::exit(130);
+    });
+    if let Err(e) = interrupted {
+        eprintln!("stagehand-trace: warning: cannot watch for Ctrl-C ({e}): an interrupted run may leave a .tmp file");
+    }
     let mut w = std::io::BufWriter::new(tmp);
     let summary = match stagehand_exporter::trace::convert_events(reader, &mut w) {
         Ok(s) => s,
@@ -134,8 +189,8 @@ fn main() -> ExitCode {
     if let Err(e) = tmp.as_file().sync_all() {
         return fail(&format!("writing '{}': {e}", out.display()));
     }
-    if let Err(e) = tmp.persist(&out) {
-        return fail(&format!("cannot move the trace to '{}': {}", out.display(), e.error));
+    if let Err(e) = tmp.persist(&target) {
+        return fail(&format!("cannot move the trace to '{}': {}", target.display(), e.error));
     }
     report(&summary);
     eprintln!(
@@ -145,4 +200,30 @@ fn main() -> ExitCode {
         summary.trace_events
     );
     ExitCode::SUCCESS
+}
+
+/// Writes the trace straight into `path` (a device, a pipe): nothing is renamed over it.
+fn write_in_place<S: stagehand::events::jsonl::ByteSource>(
+    reader: stagehand::events::jsonl::Reader<S>,
+    input: &Path,
+    path: &Path,
+) -> ExitCode {
+    let file = match std::fs::OpenOptions::new().write(true).open(path) {
+        Ok(f) => f,
+        Err(e) => return fail(&format!("cannot write to '{}': {e}", path.display())),
+    };
+    let mut w = std::io::BufWriter::new(file);
+    match stagehand_exporter::trace::convert_events(reader, &mut w).and_then(|s| w.flush().map(|_| s).map_err(Into::into)) {
+        Ok(s) => {
+            report(&s);
+            eprintln!(
+                "stagehand-trace: wrote {} ({} events into {} trace events)",
+                path.display(),
+                s.report.events,
+                s.trace_events
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("'{}' to '{}': {e}", input.display(), path.display())),
+    }
 }

@@ -429,11 +429,13 @@ impl<W: Write> Converter<W> {
                 self.emit(&json!({ "ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": { "sort_index": pid } }))?;
             }
             let tr = &self.tracks[&pid];
+            // Only the lanes copies used: a summary-level file has no copies, and an empty track
+            // would say there were none.
             let mut tracks = vec![(COMPUTE_TID, "compute".to_owned())];
-            for lane in 0..tr.h2d.ends.len().max(1) as u64 {
+            for lane in 0..tr.h2d.ends.len() as u64 {
                 tracks.push((H2D_TID + lane, lane_name("H2D", lane)));
             }
-            for lane in 0..tr.d2h.ends.len().max(1) as u64 {
+            for lane in 0..tr.d2h.ends.len() as u64 {
                 tracks.push((D2H_TID + lane, lane_name("D2H", lane)));
             }
             for lane in 0..tr.collective.ends.len() as u64 {
@@ -449,6 +451,8 @@ impl<W: Write> Converter<W> {
         let mut other = std::mem::take(&mut self.other);
         other.insert("events".into(), json!(report.events));
         other.insert("lines_skipped".into(), json!(report.skipped_total));
+        other.insert("blank_lines".into(), json!(report.blank));
+        other.insert("events_lost_in_damaged_frames".into(), json!(report.damaged_events));
         other.insert("copies_unpaired".into(), json!(self.unpaired));
         self.out.write_all(b"\n],\"displayTimeUnit\":\"ms\",\"otherData\":")?;
         serde_json::to_writer(&mut self.out, &Value::Object(other))?;
@@ -468,13 +472,13 @@ fn lane_name(dir: &str, lane: u64) -> String {
 
 /// Converts telemetry read from `input` (plain JSONL) into a trace written to `out`, an event
 /// at a time. Fails when reading or writing fails, or when no line holds an event.
-pub fn convert(input: impl BufRead, out: impl Write) -> Result<Summary> {
+pub fn convert(input: impl BufRead + Send, out: impl Write) -> Result<Summary> {
     convert_events(jsonl::Reader::new(input), out)
 }
 
 /// Converts the events a streaming [`jsonl::Reader`] yields (see [`convert`]): memory stays
 /// bounded by the reader's line bound, whatever the file's size.
-pub fn convert_events<R: BufRead>(mut events: jsonl::Reader<R>, out: impl Write) -> Result<Summary> {
+pub fn convert_events<S: jsonl::ByteSource>(mut events: jsonl::Reader<S>, out: impl Write) -> Result<Summary> {
     let mut w = TraceWriter::new(out)?;
     for e in &mut events {
         w.write(&e?)?;

@@ -118,6 +118,9 @@ pub struct ActivationConfig {
     pub max_pool_classes: u32,
     /// Pinned bytes a traced pool may take at most (`None`: no limit).
     pub pinned_limit_bytes: Option<u64>,
+    /// The least slabs each size class of a traced pool has (0: as many as the traced step
+    /// held at once).
+    pub min_slabs_per_class: u32,
 }
 
 impl Default for ActivationConfig {
@@ -146,6 +149,7 @@ impl Default for ActivationConfig {
             size_pool_from_trace: DEFAULT_SIZE_POOL_FROM_TRACE,
             max_pool_classes: DEFAULT_MAX_POOL_CLASSES,
             pinned_limit_bytes: None,
+            min_slabs_per_class: 0,
         }
     }
 }
@@ -346,6 +350,11 @@ impl ActivationConfigBuilder {
     pub fn size_pool_from_trace(mut self, on: bool, limit: Option<u64>) -> Self {
         self.cfg.size_pool_from_trace = on;
         self.cfg.pinned_limit_bytes = limit;
+        self
+    }
+    /// The least slabs each size class of a traced pool has.
+    pub fn min_slabs_per_class(mut self, slabs: u32) -> Self {
+        self.cfg.min_slabs_per_class = slabs;
         self
     }
     /// Validates and returns the configuration.

@@ -60,6 +60,8 @@ pub(super) struct Restorer {
     predicted_bytes: u64,
     /// The compute stream's waits for restores it needed before they landed.
     probes: Vec<WaitProbe>,
+    /// Restores whose bytes were checked against their spill's checksum.
+    pub(super) verified: u64,
 }
 
 impl Restorer {
@@ -68,6 +70,7 @@ impl Restorer {
             copier: Copier::new(device, bus, Owner::Activations)?,
             inflight: VecDeque::new(),
             predicted_bytes: 0,
+            verified: 0,
             probes: Vec::new(),
         })
     }
@@ -104,6 +107,7 @@ impl Restorer {
         // Checked before anything changes: a refused restore leaves the record spilled.
         if let (Some(spilled), Some(host)) = (rec.crc, rec.host.as_ref()) {
             let found = crc32c::crc32c(host.as_slice());
+            self.verified += 1;
             if found != spilled {
                 let e = Error::SpillCorrupted {
                     tensor: rec.id,

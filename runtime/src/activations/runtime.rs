@@ -244,6 +244,13 @@ impl ActivationRuntime {
         self.shared.lock().metrics.clone()
     }
 
+    /// Spills checksummed as they landed, and restores checked against their checksum, over
+    /// the run (both 0 unless `debug_checksums` is on).
+    pub fn checksums(&self) -> (u64, u64) {
+        let g = self.shared.lock();
+        (g.spills.checksummed.load(std::sync::atomic::Ordering::Relaxed), g.restorer.verified)
+    }
+
     /// Metrics of the last ended step.
     pub fn last_step_metrics(&self) -> Option<ActivationStepMetrics> {
         self.shared.lock().last.clone()

@@ -64,6 +64,8 @@ pub(super) struct SpillQueue {
     inflight: VecDeque<Flight>,
     gathering: Option<Gathering>,
     checksums: bool,
+    /// Spills whose bytes were checksummed once they landed.
+    pub(super) checksummed: std::sync::atomic::AtomicU64,
 }
 
 impl SpillQueue {
@@ -73,6 +75,7 @@ impl SpillQueue {
             inflight: VecDeque::new(),
             gathering: None,
             checksums,
+            checksummed: Default::default(),
         })
     }
 
@@ -234,6 +237,7 @@ impl SpillQueue {
             let part = LeasePart::new(lease.clone(), offset, rec.bytes as usize)?;
             if self.checksums {
                 rec.crc = Some(crc32c::crc32c(part.as_slice()));
+                self.checksummed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             rec.host = Some(part);
             rec.set_device_bytes(0, device);

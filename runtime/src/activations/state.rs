@@ -788,7 +788,10 @@ impl Shared {
     /// no lease may be live.
     pub(super) fn rebuild_pool(&self, g: &mut State) -> Result<()> {
         let current = g.pool.stats();
-        let (classes, slabs) = g.sizes.plan_with(self.config.max_pool_classes as usize, g.pool_extra);
+        let (classes, mut slabs) = g.sizes.plan_with(self.config.max_pool_classes as usize, g.pool_extra);
+        for n in &mut slabs {
+            *n = (*n).max(self.config.min_slabs_per_class);
+        }
         let total: u64 = classes.iter().zip(&slabs).map(|(c, n)| c * *n as u64).sum();
         if let Some(limit) = self.config.pinned_limit_bytes.filter(|&l| total > l) {
             self.warn(format!(

@@ -50,15 +50,25 @@ enum Stored {
     Int8 { m: Vec<u8>, v: Vec<u8>, m_scale: Vec<f32>, v_scale: Vec<f32> },
 }
 
+/// `n` zeros, their pages touched now by every core: a fresh allocation's pages are mapped at
+/// their first write, which for gigabytes of optimizer state would otherwise fall on the first
+/// host steps, one thread each.
+fn touched<T: Copy + Default + Send + Sync>(n: usize) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut v = vec![T::default(); n];
+    v.par_chunks_mut(1 << 16).for_each(|c| c.fill(T::default()));
+    v
+}
+
 impl Stored {
     fn zeros(storage: StateStorage, n: usize) -> Stored {
         match storage {
-            StateStorage::Fp32 => Stored::F32 { m: vec![0.0; n], v: vec![0.0; n] },
-            StateStorage::Bf16 => Stored::Bf16 { m: vec![0; n], v: vec![0; n] },
+            StateStorage::Fp32 => Stored::F32 { m: touched(n), v: touched(n) },
+            StateStorage::Bf16 => Stored::Bf16 { m: touched(n), v: touched(n) },
             StateStorage::Int8 => {
                 let blocks = n.div_ceil(QUANT_BLOCK);
                 // Scales of 0: every code decodes to 0 (the state starts at zero).
-                Stored::Int8 { m: vec![0; n], v: vec![0; n], m_scale: vec![0.0; blocks], v_scale: vec![0.0; blocks] }
+                Stored::Int8 { m: touched(n), v: touched(n), m_scale: touched(blocks), v_scale: touched(blocks) }
             }
         }
     }

@@ -289,6 +289,12 @@ impl Optimizer {
         Ok(false)
     }
 
+    /// Makes the host optimizers of the blocks registered so far, with their state allocated (the
+    /// handle does it while it prepares, so the first step does not).
+    pub(crate) fn prepare(&mut self) -> Result<()> {
+        self.ensure_built()
+    }
+
     /// Multiplies every gradient by `scale` before the next updates (fp16's 1 / loss scale).
     pub(crate) fn set_grad_scale(&mut self, scale: f32) {
         self.grad_scale = scale;

@@ -11,8 +11,8 @@
 //! is there because steps differ: the second allocates the optimizer's state, and copies in
 //! flight and recomputations in backward overlap differently from step to step (measured on the
 //! 1.21 B main job: steps at 4022 MiB with an occasional one about 80 MiB higher). Each move is
-//! published as the activations' new limits; a step over the budget also gets a warning that
-//! says why.
+//! published as the activations' new limits and as `watermarks_moved`, which says why (the demo
+//! prints it as a line); a step over the budget also gets a warning.
 
 use super::Stagehand;
 use crate::activations::ActivationRuntime;
@@ -22,15 +22,32 @@ impl Stagehand {
     /// After step `step` peaked at `peak` allocated bytes: after the first, sets the watermarks
     /// from what it measured above its own (the high one at most `planned`); after later ones,
     /// lowers them when the peak was within the margin of the budget or over it. Says once when
-    /// they cannot go lower.
+    /// they cannot go lower. Every move is published as `watermarks_moved`, with why.
     pub(super) fn keep_under_budget(&self, acts: &ActivationRuntime, step: u64, peak: u64, floor: u64, planned: u64) {
         let margin = self.budget / 32;
         let target = self.budget - margin;
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         if step == 1 {
-            let (high, _) = acts.watermarks();
-            let above = peak.saturating_sub(high);
+            let before = acts.watermarks();
+            let above = peak.saturating_sub(before.0);
             let to = planned.min(target.saturating_sub(above));
-            acts.move_watermarks(to, floor);
+            if let Some(now) = acts.move_watermarks(to, floor) {
+                let why = if to >= planned {
+                    "the plan's watermark fits the budget".to_owned()
+                } else {
+                    format!(
+                        "the plan's {:.1} MiB would not fit the {:.1} MiB budget less its margin of {:.1} MiB",
+                        mib(planned),
+                        mib(self.budget),
+                        mib(margin)
+                    )
+                };
+                self.watermarks_moved(before, now, format!(
+                    "step 1 peaked at {:.1} MiB with {:.1} MiB above its spill watermark (temporaries, restores, spills landing): {why}",
+                    mib(peak),
+                    mib(above)
+                ));
+            }
             // Below the floor the watermarks stop at it, which the rule for later steps says.
             if to >= floor {
                 // Under the budget the new limits are news enough (published by the move).
@@ -52,8 +69,18 @@ impl Stagehand {
             }
         }
         let Some(by) = peak.checked_sub(target).filter(|&o| o > 0) else { return };
-        let message = match acts.lower_watermarks(by, floor) {
-            // Within the margin is the plan working: the new limits are published, not warned.
+        let before = acts.watermarks();
+        let lowered = acts.lower_watermarks(by, floor);
+        if let Some(now) = lowered {
+            self.watermarks_moved(before, now, format!(
+                "step {step} peaked at {:.1} MiB, {} the {:.1} MiB budget: activations spill earlier",
+                mib(peak),
+                if peak > self.budget { "over" } else { "within a 32nd of" },
+                mib(self.budget)
+            ));
+        }
+        let message = match lowered {
+            // Within the margin is the plan working: the move is published, not warned.
             Some(_) if peak <= self.budget => return,
             Some((high, low)) => format!(
                 "step {step} peaked at {} MiB, {} MiB over the {} MiB budget: activations now spill above {} MiB until under {} MiB",
@@ -72,5 +99,18 @@ impl Stagehand {
             None => return,
         };
         self.bus.publish(EventKind::Warning { source: Owner::Activations, message });
+    }
+
+    fn watermarks_moved(&self, from: (u64, u64), to: (u64, u64), reason: String) {
+        if from == to {
+            return;
+        }
+        self.bus.publish(EventKind::WatermarksMoved {
+            from_high_bytes: from.0,
+            from_low_bytes: from.1,
+            high_bytes: to.0,
+            low_bytes: to.1,
+            reason,
+        });
     }
 }

@@ -38,6 +38,7 @@
 
 mod checkpoint;
 mod forensics;
+mod knobs;
 mod numerics;
 pub mod plan;
 mod planner;
@@ -90,6 +91,7 @@ pub struct StagehandBuilder {
     checksums: bool,
     precision: Precision,
     optimizer_state: StateStorage,
+    knobs: knobs::Knobs,
 }
 
 impl std::fmt::Debug for StagehandBuilder {
@@ -104,6 +106,7 @@ impl std::fmt::Debug for StagehandBuilder {
             .field("checksums", &self.checksums)
             .field("precision", &self.precision)
             .field("optimizer_state", &self.optimizer_state)
+            .field("knobs", &self.knobs)
             .finish_non_exhaustive()
     }
 }
@@ -287,6 +290,7 @@ impl StagehandBuilder {
             checksums: self.checksums,
             precision: self.precision,
             optimizer_state: self.optimizer_state,
+            knobs: self.knobs,
         }
     }
 
@@ -333,6 +337,7 @@ impl StagehandBuilder {
         if let Some((below, max)) = self.spill_batches {
             crate::activations::config::check_batches(below, max)?;
         }
+        self.knobs.check()?;
         let device = match self.device {
             Some(d) => d,
             None => Device::auto(budget),
@@ -400,6 +405,7 @@ impl StagehandBuilder {
             budget,
             prefetch_window,
             (self.precision, self.optimizer_state),
+            self.knobs,
             store.table(),
             store.vars(),
             member.as_ref().map_or((0, 1), |m| (m.rank as u32, m.world as u32)),
@@ -424,6 +430,7 @@ impl StagehandBuilder {
             optimizer_state: self.optimizer_state,
             tf32_before: tf32,
             member,
+            knobs: self.knobs,
             _attached: attached,
         })
     }
@@ -453,6 +460,7 @@ pub struct Stagehand {
     tf32_before: Option<bool>,
     /// This handle's place in its data-parallel group (`None`: the run's only device).
     member: Option<crate::collective::Membership>,
+    knobs: knobs::Knobs,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
 }
@@ -502,6 +510,7 @@ impl Stagehand {
             checksums: crate::activations::config::DEFAULT_DEBUG_CHECKSUMS,
             precision: Precision::Fp32,
             optimizer_state: StateStorage::Fp32,
+            knobs: knobs::Knobs::default(),
         }
     }
 
@@ -540,6 +549,17 @@ impl Stagehand {
         }
         let n = rows / world;
         Ok(batch.f_narrow(0, rank * n, n)?.f_to_device(self.device.tch_device())?)
+    }
+
+    /// Whether `flag` is set on any rank of the group (on one device, `flag`): every rank calls
+    /// it at the same point of its loop and gets the same answer, so the ranks can decide
+    /// together (stop after this step, evaluate now) and keep making the same calls. A rank
+    /// that does not come within the group's timeout stops the group.
+    pub fn any_rank(&self, flag: bool) -> Result<bool> {
+        match &self.member {
+            Some(m) => m.exchange.any(m.rank, "any_rank", flag),
+            None => Ok(flag),
+        }
     }
 
     /// This handle's place in its group.
@@ -652,7 +672,8 @@ impl Stagehand {
                 // Spills still landing hold their device memory: at most the room above the
                 // high watermark.
                 .max_inflight_spill_bytes(Some(plan.restore_allowance_bytes.max(1)))
-                .restore_ahead(8, plan.restore_allowance_bytes.max(1))
+                .restore_ahead(self.knobs.restore_lookahead(), plan.restore_allowance_bytes.max(1))
+                .min_slabs_per_class(self.knobs.slabs_per_class.unwrap_or(0))
                 // The last block's activations stay on the device only while they fit in the
                 // room kept for restores (backward needs them first).
                 .tail_max_bytes(Some(plan.restore_allowance_bytes))

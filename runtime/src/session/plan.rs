@@ -435,9 +435,12 @@ impl Plan {
         // The activation pool is sized from what a traced step spills at once, which depends on
         // the model's activations, not on the device's room: a model whose activations are many
         // times the room needs that much pinned memory. The limit only keeps the pool within
-        // half the host memory left (or, where that cannot be read, 8x the device's room).
+        // half the host memory left (or, where that cannot be read, 8x the device's room),
+        // rounded down to a power of two: the memory a host has free moves a little from run to
+        // run, and the plan should not.
         p.pool_limit_bytes = if machine.host_available_bytes > 0 {
-            host_left / 2
+            let half = (host_left / 2).max(1);
+            1u64 << (63 - half.leading_zeros())
         } else {
             8 * activations.max(MIB)
         };
@@ -663,5 +666,12 @@ mod tests {
         let unknown = Machine { device_bytes: 80 * GB, host_available_bytes: 0 };
         let p = Plan::derive(16 * MIB, &gpt(8, 800 << 10), unknown, 2).expect("plan");
         assert!(p.pool_limit_bytes > 0 && p.pool_limit_bytes <= 8 * 16 * MIB, "{p:?}");
+        // The host's free memory moves a little from run to run; the plan does not.
+        let limit = |free: u64| {
+            let m = Machine { device_bytes: 80 * GB, host_available_bytes: free };
+            Plan::derive(16 * MIB, &gpt(8, 800 << 10), m, 2).expect("plan").pool_limit_bytes
+        };
+        assert_eq!(limit(22 * GB), limit(22 * GB + 300 * MIB));
+        assert_eq!(limit(22 * GB), 8 * GB, "half of what is left, down to a power of two");
     }
 }

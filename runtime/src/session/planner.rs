@@ -17,6 +17,8 @@ pub(super) struct Planner {
     prefetch_window: u32,
     /// The run's precision and how the host optimizer stores its state.
     precision: (Precision, StateStorage),
+    /// Settings given on the builder over the plan's choice.
+    knobs: super::knobs::Knobs,
     table: Arc<Table>,
     vars: Arc<Mutex<tch::nn::Variables>>,
     /// Optimizer state per trainable byte, from the optimizer made (Adam's 2 until then).
@@ -40,6 +42,7 @@ impl Planner {
         budget: u64,
         prefetch_window: u32,
         precision: (Precision, StateStorage),
+        knobs: super::knobs::Knobs,
         table: Arc<Table>,
         vars: Arc<Mutex<tch::nn::Variables>>,
         group: (u32, u32),
@@ -49,6 +52,7 @@ impl Planner {
             budget,
             prefetch_window,
             precision,
+            knobs,
             table,
             vars,
             group,
@@ -135,7 +139,8 @@ impl Planner {
             return Ok(p.clone());
         }
         let (facts, machine) = self.facts()?;
-        let plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
+        let mut plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
+        self.knobs.apply(&mut plan);
         self.table.close_registration();
         let dev = self.device.tch_device();
         let managed = self.table.managed_names();

@@ -160,11 +160,14 @@ impl Stagehand {
             let scale = self.precision.scales_loss().then(|| run.scaler.scale());
             (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes), scale)
         };
+        // The host optimizers and their state are made now, with the plan, not in the step.
+        opt.prepare()?;
         let weights = self.weights();
         let t0 = Instant::now();
         self.device.reset_peak();
         self.guards_begin();
         self.enter(&conductor, step, Phase::StepBegin)?;
+        self.publish_reading();
         weights.begin_step()?;
         if let Some(a) = &acts {
             a.begin_step(step);
@@ -211,7 +214,7 @@ impl Stagehand {
                     }
                 }
             }
-            self.bus.publish(EventKind::VramOwners(self.vram_owners()));
+            self.publish_reading();
             self.enter(&conductor, step, Phase::Backward)?;
             if non_finite_loss.is_some() {
                 break;
@@ -258,10 +261,7 @@ impl Stagehand {
             Some(a) => Some(a.end_step()?),
             None => None,
         };
-        self.bus.publish(EventKind::VramOwners(self.vram_owners()));
-        if crate::optim::stepper::trace_on() {
-            eprintln!("TRACE step {step} activations ended at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
-        }
+        self.publish_reading();
         let t_opt = Instant::now();
         let skip = |why: String| {
             let total = {
@@ -334,14 +334,8 @@ impl Stagehand {
             optimizer_ms,
             other_ms: (step_ms - parts).max(0.0),
         };
-        let mem = self.device.memory();
-        let owners = self.vram_owners();
-        self.bus.publish(EventKind::VramOwners(owners));
-        self.bus.publish(EventKind::VramSample {
-            allocated_bytes: mem.allocated,
-            reserved_bytes: mem.reserved,
-            peak_allocated_bytes: mem.peak,
-        });
+        // The step's last reading carries its peak, which the step's figures repeat.
+        let mem = self.publish_reading();
         self.bus.publish(EventKind::TrainStep(TrainStepMetrics {
             loss: loss_value,
             step_time_s: step_ms / 1e3,
@@ -370,6 +364,8 @@ impl Stagehand {
     pub fn finish(&self) -> Result<()> {
         self.weights().end_evaluation()?;
         let run = self.run();
+        // The next step's first block may be loading (it is loaded as a step ends).
+        self.weights().settle()?;
         if let Some(r) = &run.ready {
             r.conductor.shutdown();
         }

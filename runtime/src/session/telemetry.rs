@@ -12,6 +12,7 @@
 
 use super::{Stagehand, StagehandBuilder};
 use crate::events::telemetry::{Level, Telemetry, TelemetryConfig};
+use crate::events::{EventKind, VramByOwner};
 
 impl StagehandBuilder {
     /// Attaches telemetry when the handle is built, before anything is published: the file
@@ -73,6 +74,36 @@ impl StagehandBuilder {
 }
 
 impl Stagehand {
+    /// Publishes device memory now, one reading for both events: `vram_sample` (with the
+    /// step's peak so far) and `vram_owners` (who holds it). The handle takes one at the step's
+    /// start and at the end of the forward, the backward and the step: the shape of memory
+    /// within a step, which a summary file keeps.
+    pub(super) fn publish_reading(&self) -> crate::device::MemoryReading {
+        let mem = self.device.memory();
+        let owners = VramByOwner { allocated_bytes: mem.allocated, ..self.vram_owners() }.with_other();
+        self.bus.publish(EventKind::VramSample {
+            allocated_bytes: mem.allocated,
+            reserved_bytes: mem.reserved,
+            peak_allocated_bytes: mem.peak,
+        });
+        self.bus.publish(EventKind::VramOwners(owners));
+        mem
+    }
+
+    /// What the numeric guards checked over the run so far (`None` when they are off).
+    pub fn guard_checks(&self) -> Option<crate::guards::Checked> {
+        self.guards.as_ref().map(|g| g.checked())
+    }
+
+    /// Spills checksummed and restores verified over the run (`None` unless checksums are on
+    /// and activations spill).
+    pub fn checksum_counts(&self) -> Option<(u64, u64)> {
+        if !self.checksums {
+            return None;
+        }
+        self.activations().map(|a| a.checksums())
+    }
+
     /// The telemetry attached by the builder (its files, dumps on request, losses), if any.
     pub fn telemetry(&self) -> Option<&Telemetry> {
         self.telemetry.as_ref()

@@ -79,6 +79,10 @@ pub struct WeightConfig {
     /// host ([`crate::precision`]).
     #[serde(default)]
     pub precision: crate::precision::Precision,
+    /// How file-backed blocks' bytes are checked at each load against their first read:
+    /// sampled (the default) or every byte (see [`FileCheck`](super::file::FileCheck)).
+    #[serde(default)]
+    pub file_check: super::file::FileCheck,
 }
 
 impl Default for WeightConfig {
@@ -97,6 +101,7 @@ impl Default for WeightConfig {
             max_inflight_grad_bytes: None,
             room_origin: String::new(),
             precision: crate::precision::Precision::Fp32,
+            file_check: super::file::FileCheck::Sampled,
         }
     }
 }
@@ -258,6 +263,12 @@ impl WeightConfigBuilder {
     /// (default on; see [`WeightConfig::cyclic_pins`]).
     pub fn cyclic_pins(mut self, on: bool) -> Self {
         self.cfg.cyclic_pins = on;
+        self
+    }
+    /// How file-backed blocks' bytes are checked at each load (default sampled; see
+    /// [`WeightConfig::file_check`]).
+    pub fn file_check(mut self, check: super::file::FileCheck) -> Self {
+        self.cfg.file_check = check;
         self
     }
     /// Most device bytes of gradients in flight to the host.

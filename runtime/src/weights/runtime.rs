@@ -218,10 +218,11 @@ impl WeightRuntime {
     /// a file shortened, rewritten or touched under the run makes the load fail with
     /// [`Error::WeightsFileChanged`] (see [`file`](super::file) for what is checked). A new file
     /// renamed over the path is safe: the run keeps reading the one it opened.
+    /// Its bytes are checked as [`WeightConfig::file_check`] says.
     pub fn back_with_file(&self, id: BlockId, path: &std::path::Path, key_prefix: &str) -> Result<()> {
         let mut s = self.lock();
         let spec = s.block(id)?.spec.clone();
-        let f = FileSource::open(path, &spec, key_prefix)?;
+        let f = FileSource::open_checked(path, &spec, key_prefix, s.file_check())?;
         s.back_with_file(id, f)
     }
 
@@ -496,6 +497,12 @@ impl WeightRuntime {
     /// Ends an open step (layer mode's last step, which no later forward closes).
     pub fn finish(&self) -> Result<()> {
         self.lock().finish()
+    }
+
+    /// Waits for the loads in flight and reports every finished copy (a run's end: nothing of
+    /// the weights is reported after it).
+    pub fn settle(&self) -> Result<()> {
+        self.lock().settle()
     }
 
     /// After a backward: every trained streamed block still holding device gradients sends them

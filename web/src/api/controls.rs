@@ -87,7 +87,10 @@ pub(crate) async fn pause(State(s): State<AppState>) -> Answer {
 pub(crate) async fn seek(State(s): State<AppState>, body: Result<Json<SeekRequest>, JsonRejection>) -> Answer {
     let d = driver(&s)?;
     let Json(req) = body?;
-    Ok(Json(d.seek(&req, &s.hub)?.into()))
+    let state = d.seek(&req, &s.hub)?;
+    // The state jumped: the next snapshot is encoded afresh.
+    s.snapshots.clear().await;
+    Ok(Json(state.into()))
 }
 
 /// Sets the playback speed.
@@ -107,5 +110,7 @@ pub(crate) async fn speed(State(s): State<AppState>, body: Result<Json<SpeedRequ
 pub(crate) async fn step(State(s): State<AppState>, body: Result<Json<StepRequest>, JsonRejection>) -> Answer {
     let d = driver(&s)?;
     let Json(req) = body?;
-    Ok(Json(d.step(&req, &s.hub)?.into()))
+    let state = d.step(&req, &s.hub)?;
+    s.snapshots.clear().await;
+    Ok(Json(state.into()))
 }

@@ -12,9 +12,11 @@ pub(crate) use state::Shutdown;
 
 use crate::access::guard;
 use crate::replay::ControlError;
+use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, OriginalUri};
-use axum::http::StatusCode;
+use axum::extract::{DefaultBodyLimit, OriginalUri, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -83,6 +85,7 @@ impl From<ControlError> for ApiError {
 /// route, the fallback included, passes the state's [`Access`](crate::Access) checks.
 pub fn router(state: AppState) -> Router {
     let access = state.access.clone();
+    let body_timeout = state.body_timeout;
     Router::new()
         .route("/", get(routes::page))
         .route("/assets/{*file}", get(routes::asset))
@@ -106,7 +109,32 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(body_timeout, body_deadline))
         .layer(axum::middleware::from_fn_with_state(access, guard))
+}
+
+/// A request's body arrives whole within the body timeout, or the request is answered `408`
+/// and its connection closed: a client sending a byte every few seconds holds nothing for long.
+/// Read here, before any handler (bodies are at most [`MAX_BODY`] bytes).
+async fn body_deadline(State(limit): State<Duration>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    match tokio::time::timeout(limit, axum::body::to_bytes(body, MAX_BODY)).await {
+        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
+        Ok(Err(e)) => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body could not be read: {e} (at most {MAX_BODY} bytes)"),
+        )
+        .into_response(),
+        Err(_) => {
+            let mut r = ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the request body did not arrive within {} ms", limit.as_millis()),
+            )
+            .into_response();
+            r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            r
+        }
+    }
 }
 
 async fn not_found(OriginalUri(uri): OriginalUri) -> ApiError {

@@ -59,12 +59,57 @@ pub(crate) async fn openapi() -> Response {
     }
 }
 
-/// The current snapshot: everything known about the run, as every client's reducer has it.
+/// How long one encoding of the snapshot answers every request for it.
+pub const SNAPSHOT_REUSE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The snapshot's JSON, encoded at most once per [`SNAPSHOT_REUSE`] whatever the number of
+/// clients: encoding holds the hub (and so the events' delivery), and clients polling it must
+/// not add up to a load on the run.
+#[derive(Debug, Default)]
+pub(crate) struct SnapshotCache {
+    last: tokio::sync::Mutex<Option<Encoding>>,
+}
+
+/// One encoding of the snapshot.
+#[derive(Debug)]
+struct Encoding {
+    at: std::time::Instant,
+    /// The snapshot's (events applied, last sequence number) then.
+    key: (u64, u64),
+    json: bytes::Bytes,
+}
+
+impl SnapshotCache {
+    /// The snapshot's JSON: encoded now, or less than [`SNAPSHOT_REUSE`] ago, or when the
+    /// snapshot was as it is now.
+    async fn get(&self, hub: &stagehand::events::Hub) -> Result<bytes::Bytes, serde_json::Error> {
+        // One encoding at a time: the requests that wait get its result.
+        let mut last = self.last.lock().await;
+        let now = hub.with_snapshot(|s| (s.events_applied, s.last_seq));
+        if let Some(e) = &*last {
+            if e.key == now || e.at.elapsed() < SNAPSHOT_REUSE {
+                return Ok(e.json.clone());
+            }
+        }
+        // Serialized under the hub's lock, without a clone of the whole snapshot.
+        let (key, json) = hub.with_snapshot(|s| ((s.events_applied, s.last_seq), serde_json::to_vec(s)));
+        let json = bytes::Bytes::from(json?);
+        *last = Some(Encoding { at: std::time::Instant::now(), key, json: json.clone() });
+        Ok(json)
+    }
+
+    /// Forgets the encoding (the state jumped: a replay seek).
+    pub(crate) async fn clear(&self) {
+        *self.last.lock().await = None;
+    }
+}
+
+/// The current snapshot: everything known about the run, as every client's reducer has it
+/// (encoded at most four times a second, however many ask).
 #[utoipa::path(get, path = "/api/snapshot", tag = "state",
     responses((status = 200, description = "The snapshot", body = stagehand::events::Snapshot), Refusals))]
 pub(crate) async fn snapshot(State(s): State<AppState>) -> Response {
-    // Serialized under the hub's lock, without a clone of the whole snapshot.
-    match s.hub.with_snapshot(serde_json::to_vec) {
+    match s.snapshots.get(&s.hub).await {
         Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
         Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
@@ -172,5 +217,36 @@ pub(crate) async fn metrics(State(s): State<AppState>) -> Response {
     match s.metrics.render() {
         Ok(text) => ([(header::CONTENT_TYPE, TEXT_CONTENT_TYPE)], text).into_response(),
         Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagehand::events::synthetic::{self, SyntheticRun};
+    use stagehand::events::Hub;
+
+    #[tokio::test]
+    async fn the_snapshot_is_encoded_once_for_requests_close_together() {
+        let hub = Hub::new();
+        for e in synthetic::events(SyntheticRun::finished(2)) {
+            hub.ingest(e);
+        }
+        let cache = SnapshotCache::default();
+        let first = cache.get(&hub).await.expect("encodes");
+        for _ in 0..100 {
+            let again = cache.get(&hub).await.expect("encodes");
+            assert_eq!(again.as_ptr(), first.as_ptr(), "the same encoding, shared");
+        }
+        // A changed state is encoded again once the reuse window has passed...
+        for e in synthetic::events(SyntheticRun::finished(1)).into_iter().take(5) {
+            hub.ingest(e);
+        }
+        tokio::time::sleep(SNAPSHOT_REUSE).await;
+        let later = cache.get(&hub).await.expect("encodes");
+        assert_ne!(later.as_ptr(), first.as_ptr());
+        // ... or at once when told the state jumped.
+        cache.clear().await;
+        assert_ne!(cache.get(&hub).await.expect("encodes").as_ptr(), later.as_ptr());
     }
 }

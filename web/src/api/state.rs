@@ -29,6 +29,10 @@ pub struct AppState {
     pub(super) fanout: Arc<Fanout>,
     pub(super) views: Arc<ViewFeed>,
     pub(super) access: Arc<Access>,
+    /// How long a request's body may take to arrive.
+    pub(super) body_timeout: std::time::Duration,
+    /// The snapshot's JSON, shared by the requests that come close together.
+    pub(super) snapshots: Arc<super::routes::SnapshotCache>,
 }
 
 /// When the streams end. A router built by the user (served on their own tokio) has no
@@ -71,6 +75,8 @@ impl AppState {
             fanout,
             views: ViewFeed::new(),
             access: Arc::new(Access::loopback()),
+            body_timeout: std::time::Duration::from_millis(crate::config::DEFAULT_BODY_TIMEOUT_MS),
+            snapshots: Arc::default(),
         }
     }
 
@@ -89,6 +95,8 @@ impl AppState {
             fanout,
             views: ViewFeed::new(),
             access: Arc::new(Access::loopback()),
+            body_timeout: std::time::Duration::from_millis(crate::config::DEFAULT_BODY_TIMEOUT_MS),
+            snapshots: Arc::default(),
         }
     }
 
@@ -101,6 +109,13 @@ impl AppState {
     /// Who may use the routes (default: [`Access::loopback`], no token).
     pub fn with_access(mut self, access: Access) -> AppState {
         self.access = Arc::new(access);
+        self
+    }
+
+    /// How long a request's body may take to arrive, all of it (default
+    /// [`DEFAULT_BODY_TIMEOUT_MS`](crate::DEFAULT_BODY_TIMEOUT_MS)).
+    pub fn with_body_timeout(mut self, limit: std::time::Duration) -> AppState {
+        self.body_timeout = limit;
         self
     }
 

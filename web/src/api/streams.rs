@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures_util::stream;
+use futures_util::{stream, SinkExt};
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
@@ -88,7 +88,7 @@ fn feed(s: &AppState) -> Feed {
 pub(crate) async fn sse(State(s): State<AppState>) -> Response {
     let body = stream::unfold(feed(&s), |mut feed| async move {
         let chunk = match tokio::time::timeout(KEEP_ALIVE, feed.next()).await {
-            Ok(Some(m)) => m.sse(),
+            Ok(Some(c)) => c.sse(),
             Ok(None) => return None,
             Err(_) => Bytes::from_static(b": keep-alive\n\n"),
         };
@@ -121,11 +121,17 @@ async fn ws_session(mut socket: WebSocket, s: AppState) {
     let mut heard = Instant::now();
     loop {
         tokio::select! {
-            msg = feed.next() => {
-                let Some(msg) = msg else { break };
-                // The fan-out's JSON is UTF-8 by construction; the check is a scan, no copy.
-                let Ok(text) = axum::extract::ws::Utf8Bytes::try_from(msg.json()) else { break };
-                if socket.send(Message::Text(text)).await.is_err() {
+            chunk = feed.next() => {
+                let Some(chunk) = chunk else { break };
+                // A batch's messages go out as text frames, flushed once.
+                for json in chunk.json() {
+                    // The fan-out's JSON is UTF-8 by construction; the check is a scan, no copy.
+                    let Ok(text) = axum::extract::ws::Utf8Bytes::try_from(json) else { return };
+                    if socket.feed(Message::Text(text)).await.is_err() {
+                        return;
+                    }
+                }
+                if socket.flush().await.is_err() {
                     return;
                 }
             }

@@ -1,5 +1,5 @@
 //! The panels that say why a step is slow and where VRAM went: the findings, each step's time
-//! by cause, and device memory by owner over a step and at its peak.
+//! by cause, and device memory by owner over a step and at its fullest reading.
 
 use super::figures::{bytes_axis, decimal_axis, ms, Axis};
 use serde::Serialize;
@@ -138,7 +138,7 @@ pub struct OwnerFigure {
     pub bytes: u64,
 }
 
-/// Device memory by owner at the moment of a step's largest allocation.
+/// Device memory by owner at a step's fullest reading (the one with the most allocated).
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct AtPeak {
     pub step: u64,
@@ -146,7 +146,7 @@ pub struct AtPeak {
     pub parts: Vec<OwnerFigure>,
 }
 
-/// Where VRAM went over one step (stacked by owner), and at its peak.
+/// Where VRAM went over one step (stacked by owner), and at its fullest reading.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct OwnersPanel {
     /// The step shown: the newest finished one (the one in progress until a step has finished).
@@ -161,10 +161,10 @@ pub struct OwnersPanel {
     pub axis: Axis,
 }
 
-/// The step the owners panel shows: the newest one that has finished (all of a step before the
-/// current one, or the current one between steps), else the newest with readings.
+/// The step the owners panel shows: the newest finished one ([`Snapshot::is_finished`]) with
+/// readings, else the newest with readings.
 pub fn owners_step(s: &Snapshot) -> Option<u64> {
-    let finished = |step: u64| step < s.step || (step == s.step && s.phase == Phase::Idle);
+    let finished = |step: u64| s.step_record(step).map_or(step < s.step, |r| s.is_finished(r));
     let mut steps = s.vram_owners_history.iter().map(|r| r.step).filter(|st| *st > 0);
     steps.clone().rev().find(|st| finished(*st)).or_else(|| steps.next_back())
 }

@@ -55,6 +55,8 @@ pub struct PageView {
     pub header: Header,
     /// What is off and which knob fixes it, most severe first.
     pub findings: Vec<FindingView>,
+    /// What to say when there are no findings (so far, or in the whole ended run).
+    pub findings_note: String,
     pub vram: VramPanel,
     pub step_time: StepTimePanel,
     pub owners: OwnersPanel,
@@ -76,6 +78,7 @@ impl PageView {
             mode,
             header: panels::header(s),
             findings: insight::findings(s),
+            findings_note: stagehand::events::insight::nothing_found(s).to_owned(),
             vram: panels::vram(s),
             step_time: insight::step_time(s),
             owners: insight::owners(s),

@@ -4,7 +4,7 @@
 use super::figures::{bytes_axis, decimal_axis, ms, round, Axis};
 use serde::Serialize;
 use stagehand::events::snapshot::PoolView;
-use stagehand::events::{wire_name, BlockState, Direction, Owner, Phase, Snapshot};
+use stagehand::events::{wire_name, BlockState, Concern, DenyReason, Direction, Owner, Phase, Snapshot};
 
 /// Points of the VRAM chart at most (the snapshot keeps more; peaks survive the thinning).
 pub const VRAM_POINTS: usize = 300;
@@ -21,6 +21,13 @@ const TIMELINE_STEPS: usize = 3;
 
 fn name(s: &str) -> String {
     s.chars().take(MAX_NAME).collect()
+}
+
+/// Characters of a sentence kept (a replayed file may say anything).
+const MAX_SENTENCE: usize = 600;
+
+fn name_long(s: &str) -> String {
+    s.chars().take(MAX_SENTENCE).collect()
 }
 
 /// What is running, and where the stream is.
@@ -58,9 +65,16 @@ pub(crate) fn header(s: &Snapshot) -> Header {
 /// Device memory against its limits, with its recent history.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct VramPanel {
+    /// The latest reading.
     pub allocated_bytes: Option<u64>,
     pub reserved_bytes: Option<u64>,
+    /// The run's peak ([`Snapshot::vram_peak_bytes`]), once there is a reading.
     pub peak_allocated_bytes: Option<u64>,
+    /// The newest finished step and its own peak (its `train.vram_peak_bytes`).
+    pub last_step: Option<u64>,
+    pub last_step_peak_bytes: Option<u64>,
+    /// The last move of the spill watermarks, in words ("after step 1: ...").
+    pub watermarks_moved: Option<String>,
     pub high_watermark_bytes: Option<u64>,
     pub low_watermark_bytes: Option<u64>,
     pub budget_bytes: Option<u64>,
@@ -98,10 +112,25 @@ pub(crate) fn vram(s: &Snapshot) -> VramPanel {
     .into_iter()
     .max()
     .unwrap_or(0);
+    let last = s.last_finished_step().and_then(|r| r.train.as_ref().map(|t| (r.step, t.vram_peak_bytes)));
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
     VramPanel {
         allocated_bytes: s.vram.map(|v| v.allocated_bytes),
         reserved_bytes: s.vram.map(|v| v.reserved_bytes),
-        peak_allocated_bytes: s.vram.map(|v| v.peak_allocated_bytes),
+        peak_allocated_bytes: s.vram.map(|_| s.vram_peak_bytes),
+        last_step: last.map(|l| l.0),
+        last_step_peak_bytes: last.map(|l| l.1),
+        watermarks_moved: s.last_watermark_move.as_ref().map(|m| {
+            name_long(&format!(
+                "after step {}: {}/{} -> {}/{} (high/low): {}",
+                m.step,
+                mib(m.from_high_bytes),
+                mib(m.from_low_bytes),
+                mib(m.high_bytes),
+                mib(m.low_bytes),
+                m.reason
+            ))
+        }),
         high_watermark_bytes: high,
         low_watermark_bytes: low,
         budget_bytes: budget,
@@ -188,13 +217,16 @@ pub struct ClassFigures {
     pub peak_in_use: u32,
 }
 
-/// A pinned pool's slabs in use.
+/// A pinned pool's slabs in use (or, for weights that load straight from their pinned host
+/// copies, what those hold).
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct PoolPanel {
     pub name: &'static str,
     pub pinned: bool,
     pub classes: Vec<ClassFigures>,
     pub pageable_fallbacks: u64,
+    /// Said instead of slabs when the pool does not exist: how the weights reach the device.
+    pub note: Option<String>,
 }
 
 pub(crate) fn pools(s: &Snapshot) -> Vec<PoolPanel> {
@@ -213,11 +245,18 @@ pub(crate) fn pools(s: &Snapshot) -> Vec<PoolPanel> {
             })
             .collect(),
         pageable_fallbacks: p.pageable_fallbacks,
+        note: None,
     };
-    [("weights", &s.weight_pool), ("activations", &s.activation_pool)]
+    let mut out: Vec<PoolPanel> = [("weights", &s.weight_pool), ("activations", &s.activation_pool)]
         .into_iter()
         .filter_map(|(n, p)| p.as_ref().map(|p| panel(n, p)))
-        .collect()
+        .collect();
+    if s.weight_pool.is_none() {
+        if let Some(note) = stagehand::events::insight::weights_without_pool(s) {
+            out.insert(0, PoolPanel { name: "weights", pinned: true, classes: Vec::new(), pageable_fallbacks: 0, note: Some(note) });
+        }
+    }
+    out
 }
 
 /// One direction of PCIe traffic.
@@ -331,6 +370,19 @@ pub struct DenialLine {
     pub owner: Owner,
     pub what: String,
     pub reason: String,
+    /// Whether it is bad (`by_design`, `if_stalls_follow`).
+    pub concern: Concern,
+}
+
+/// Refusals of one reason over the run, with what they mean and whether they are bad.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct DenialReason {
+    pub reason: String,
+    pub count: u64,
+    pub meaning: String,
+    pub concern: Concern,
+    /// Whether it is bad, in words ("not bad: by design").
+    pub verdict: String,
 }
 
 /// Reservations, hints, phases and denials.
@@ -346,6 +398,8 @@ pub struct ConductorPanel {
     /// The last steps' phases, oldest first.
     pub timeline: Vec<PhaseSlice>,
     pub recent_denials: Vec<DenialLine>,
+    /// Every reason refusals had over the run, most frequent first.
+    pub denial_reasons: Vec<DenialReason>,
 }
 
 pub(crate) fn conductor(s: &Snapshot) -> ConductorPanel {
@@ -398,9 +452,30 @@ pub(crate) fn conductor(s: &Snapshot) -> ConductorPanel {
                 owner: d.owner,
                 what: name(&d.what),
                 reason: d.reason.as_str().to_owned(),
+                concern: d.reason.concern(),
             })
             .collect(),
+        denial_reasons: denial_reasons(s),
     }
+}
+
+/// The run's refusals by reason, explained.
+pub(crate) fn denial_reasons(s: &Snapshot) -> Vec<DenialReason> {
+    let mut out: Vec<DenialReason> = DenyReason::ALL
+        .iter()
+        .filter_map(|r| {
+            let count = s.conductor.denials_by_reason.get(r.as_str()).copied().unwrap_or(0);
+            (count > 0).then(|| DenialReason {
+                reason: r.as_str().to_owned(),
+                count,
+                meaning: r.meaning().to_owned(),
+                concern: r.concern(),
+                verdict: r.concern().verdict().to_owned(),
+            })
+        })
+        .collect();
+    out.sort_by_key(|d| std::cmp::Reverse(d.count));
+    out
 }
 
 /// One GPU of a data-parallel run (its lane): where it is and what its last step did.

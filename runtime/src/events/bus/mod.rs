@@ -23,9 +23,9 @@
 //! The file is long because the publish path and the hub's delivery share the queue's bounds and
 //! the drop accounting, which read best side by side.
 
-use super::model::{Event, EventKind, Phase, TransferStepMetrics};
+use super::model::{Event, EventKind, Phase};
 use super::snapshot::Snapshot;
-use super::steps::StepCloser;
+use super::steps::{Closed, StepCloser};
 use crossbeam_queue::ArrayQueue;
 use std::borrow::Borrow;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -274,9 +274,17 @@ impl Shared {
         self.hub.ingest(Event::new(seq, t_ns, step, phase, kind));
     }
 
-    fn ingest_aggregate(&self, at: (u64, Phase), device: Option<u32>, (step, m): (u64, TransferStepMetrics)) {
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        self.hub.ingest(Event::new(seq, at.0, step, at.1, EventKind::TransferStep(m)).on_device(device));
+    fn ingest_aggregate(&self, at: (u64, Phase), device: Option<u32>, mut closed: Closed) {
+        // The state the step left behind, as the hub's snapshot has it now (in a data-parallel
+        // run, the first device's: the snapshot's other domains follow it).
+        if let Some(c) = &mut closed.counts {
+            c.end = Some(self.hub.with_snapshot(|s| s.end_state()));
+        }
+        let step = closed.step;
+        for kind in closed.kinds() {
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+            self.hub.ingest(Event::new(seq, at.0, step, at.1, kind).on_device(device));
+        }
     }
 
     fn dispatch_pending(&self, st: &mut DispatchState) -> usize {

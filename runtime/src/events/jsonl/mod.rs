@@ -1,25 +1,34 @@
-//! JSONL telemetry: one event per line, plain or zstd-compressed (`.jsonl.zst`).
+//! JSONL telemetry: one event per line, plain or zstd-compressed (`.jsonl.zst`), in one file or
+//! rotated into numbered segments.
 //!
 //! - [`JsonlSink`] writes whole lines only and never leaves a broken line in the middle of a
 //!   file: a failed write is rolled back to the last complete line, and what is lost is counted.
-//! - [`Reader`] streams events from any byte stream in constant memory; [`open`] opens a plain or
-//!   compressed file (told apart by its first bytes, not its name); [`read_file`] reads a whole
-//!   file into memory for small inputs.
+//!   Compressed, each batch is a zstd frame with a record of its events ([`zst`]).
+//! - [`Reader`] streams events from any [`ByteSource`] in bounded memory and time; [`open`]
+//!   opens a file, plain or compressed (told apart by its first bytes, not its name), and reads a
+//!   rotated run's segments as one file; [`read_file`] reads a whole file into memory for small
+//!   inputs. A damaged compressed frame costs that frame, counted in events.
 //! - [`Follower`] follows a file that is still being written, like `tail -f`, and says when the
 //!   file was truncated or replaced under it.
 
-mod follow;
+pub(crate) mod follow;
 pub(crate) mod read;
+pub mod rotation;
 mod sink;
+pub mod source;
 pub mod zst;
 
 pub use follow::{Follower, Polled, Restart};
-pub use read::{parse_line, read_from, ReadReport, Reader, SkipReason, Skipped, MAX_LINE_BYTES, MAX_SKIPPED_KEPT};
-pub use sink::{segment_path, segments, JsonlSink, OpenMode, SinkTarget};
+pub use read::{
+    parse_line, read_from, Continuation, Next, ReadReport, Reader, SkipReason, Skipped, MAX_BARREN_BYTES, MAX_LINE_BYTES,
+    MAX_SKIPPED_KEPT,
+};
+pub use rotation::{segment_path, segments};
+pub use sink::{JsonlSink, OpenMode, SinkTarget};
+pub use source::{ByteSource, Plain, Position, RunSource};
 
 use super::model::Event;
-use std::fs::File;
-use std::io::{self, BufRead, BufReader};
+use std::io;
 use std::path::{Path, PathBuf};
 
 /// Errors of the JSONL sink and reader.
@@ -46,32 +55,17 @@ impl JsonlError {
     }
 }
 
-/// A file's bytes, decompressed when it is zstd.
-pub type FileStream = Box<dyn BufRead + Send>;
-
-/// Opens a telemetry file for reading, plain or zstd-compressed (recognised by its magic
-/// number), as a streaming [`Reader`].
-/// In a compressed file a damaged frame is skipped and an incomplete last frame (a writer killed
-/// mid-frame) ends the events; each counts as one truncated line, and the rest reads.
-pub fn open(path: impl AsRef<Path>) -> Result<Reader<FileStream>, JsonlError> {
+/// Opens a telemetry file for reading, plain or zstd-compressed (recognised by its first
+/// bytes), as a streaming [`Reader`]. A rotated run's later segments (`run.0001.jsonl`, ...)
+/// follow its first as one file; a missing segment is an error that names it.
+pub fn open(path: impl AsRef<Path>) -> Result<Reader<RunSource>, JsonlError> {
     let path = path.as_ref();
-    let (stream, damage) = open_stream(path).map_err(|e| JsonlError::io(path, e))?;
-    Ok(Reader::with_damage(stream, damage))
+    let src = RunSource::open(path, Position::default(), false).map_err(|e| JsonlError::io(path, e))?;
+    Ok(Reader::from_source(src))
 }
 
-/// The decompressed bytes of a file, and where a compressed one reports damage.
-pub(crate) fn open_stream(path: &Path) -> io::Result<(FileStream, Option<zst::Damage>)> {
-    let mut file = BufReader::with_capacity(256 * 1024, File::open(path)?);
-    if zst::is_zstd(file.fill_buf()?) {
-        let (d, damage) = zst::Frames::new(file);
-        Ok((Box::new(BufReader::with_capacity(256 * 1024, d)), Some(damage)))
-    } else {
-        Ok((Box::new(file), None))
-    }
-}
-
-/// Reads a whole file into memory: every event that parses, and a report of what was skipped.
-/// For large files stream with [`open`] instead.
+/// Reads a whole file (every segment of a rotated run) into memory: every event that parses,
+/// and a report of what was skipped. For large files stream with [`open`] instead.
 pub fn read_file(path: impl AsRef<Path>) -> Result<(Vec<Event>, ReadReport), JsonlError> {
     let path = path.as_ref();
     let mut reader = open(path)?;

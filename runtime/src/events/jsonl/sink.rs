@@ -14,6 +14,7 @@
 use super::super::bus::EventSink;
 use super::super::model::{Event, EventKind};
 use super::super::preamble::Preamble;
+use super::rotation::segment_path;
 use super::{zst, JsonlError};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -50,7 +51,8 @@ impl SinkTarget for File {
     }
 }
 
-/// Bytes buffered before a write, whatever the batching says.
+/// Bytes buffered before a write, whatever the batching says (a compressed batch is one frame:
+/// far below [`zst::MAX_FRAME_DECODED`]).
 const MAX_BUFFER: usize = 1 << 20;
 /// A plain file is written at the end of a batch once this much is buffered or ...
 const PLAIN_BATCH_BYTES: usize = 64 * 1024;
@@ -74,6 +76,8 @@ pub struct JsonlSink {
     oldest: Option<Instant>,
     /// Bytes of the current segment known to end on a complete line.
     committed: u64,
+    /// Events written to the current segment (what a frame record says came before its frame).
+    segment_events: u64,
     /// Bytes of the current segment's preamble: a segment holding no more is never rotated (a
     /// bound smaller than the preamble would otherwise open a segment per batch).
     floor: u64,
@@ -130,28 +134,6 @@ fn open_file(path: &Path, mode: OpenMode) -> Result<(File, u64), JsonlError> {
     Ok((file, len))
 }
 
-/// The path of segment `n` of a rotated file: `run.jsonl` is segment 0, `run.0001.jsonl` segment
-/// 1 (`run.0001.jsonl.zst` when compressed).
-pub fn segment_path(base: &Path, n: u32) -> PathBuf {
-    if n == 0 {
-        return base.to_path_buf();
-    }
-    let name = base.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    let (stem, ext) = match name.find(".jsonl") {
-        Some(i) => name.split_at(i),
-        None => (name.as_str(), ""),
-    };
-    base.with_file_name(format!("{stem}.{n:04}{ext}"))
-}
-
-/// The segments of a rotated file that exist, in order, starting with `base`.
-pub fn segments(base: &Path) -> Vec<PathBuf> {
-    (0..)
-        .map(|n| segment_path(base, n))
-        .take_while(|p| p.exists())
-        .collect()
-}
-
 impl JsonlSink {
     /// Opens `path` for writing plain JSONL; parent folders are created.
     pub fn open(path: impl AsRef<Path>, mode: OpenMode) -> Result<JsonlSink, JsonlError> {
@@ -187,6 +169,7 @@ impl JsonlSink {
             buffered: 0,
             oldest: None,
             committed: 0,
+            segment_events: 0,
             floor: 0,
             broken_tail: false,
             written: 0,
@@ -233,7 +216,7 @@ impl JsonlSink {
             self.buf.insert(0, b'\n');
         }
         let data = if self.compress {
-            match zst::compress_frame(&self.buf) {
+            match zst::compress_frame(&self.buf, events, self.segment_events) {
                 Ok(frame) => frame,
                 Err(e) => {
                     self.buf.clear();
@@ -248,6 +231,7 @@ impl JsonlSink {
             Ok(()) => {
                 self.committed += data.len() as u64;
                 self.written += events;
+                self.segment_events += events;
                 self.broken_tail = false;
             }
             Err(e) => {
@@ -289,6 +273,7 @@ impl JsonlSink {
                 self.segment += 1;
                 self.target = Box::new(file);
                 self.committed = 0;
+                self.segment_events = 0;
                 self.broken_tail = false;
                 self.paths.push(next);
                 // Whatever is buffered goes after the preamble, which is written at once so
@@ -297,6 +282,11 @@ impl JsonlSink {
                 let pending_events = std::mem::take(&mut self.buffered);
                 for e in self.preamble.events() {
                     self.push_line(&e);
+                    // Frames stay small whatever the preamble (a reader decodes them in a
+                    // bounded window).
+                    if self.buf.len() >= MAX_BUFFER {
+                        self.write_batch();
+                    }
                 }
                 self.write_batch();
                 self.floor = self.committed;

@@ -16,10 +16,12 @@
 //! data-parallel run each event also carries `"dev"`, the device whose lane it belongs to (with
 //! that lane's step and phase).
 
+mod counts;
 mod holdings;
 mod metrics;
 mod values;
 
+pub use counts::*;
 pub use holdings::*;
 pub use metrics::*;
 pub use values::*;
@@ -258,6 +260,10 @@ pub enum EventKind {
 
     // ---- memory --------------------------------------------------------------------------
     /// A reading of device memory (readings only: limits are [`EventKind::LimitsSet`]).
+    /// `peak_allocated_bytes` is the most allocated since the step began (the device's peak
+    /// counter is reset as each step begins; before the first step, since the run began), so
+    /// a step's last reading carries that step's peak. The run's peak is the largest of them
+    /// ([`Snapshot::vram_peak_bytes`](crate::events::Snapshot)).
     VramSample {
         allocated_bytes: u64,
         reserved_bytes: u64,
@@ -274,8 +280,21 @@ pub enum EventKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         low_watermark_bytes: Option<u64>,
     },
-    /// Device memory by owner (at phase boundaries and at the step's peak).
+    /// Device memory by owner at one moment (the step's start and the end of each phase).
     VramOwners(VramByOwner),
+    /// The spill watermarks moved during the run: why, from what, to what.
+    /// The handle moves them after the first step (from what it measured above its
+    /// watermark) and lowers them after a step that came near the budget or went over it.
+    WatermarksMoved {
+        /// The watermarks before the move, high then low.
+        from_high_bytes: u64,
+        from_low_bytes: u64,
+        /// The watermarks now.
+        high_bytes: u64,
+        low_bytes: u64,
+        /// Why, in a sentence.
+        reason: String,
+    },
     /// A device allocation failed: what held the device at that moment, and what was next.
     OutOfMemory {
         requested_bytes: u64,
@@ -304,6 +323,10 @@ pub enum EventKind {
     /// begins, the run goes idle or ends), summed from the step's `transfer_completed` events,
     /// so that a summary-level file still carries the run's transfer totals.
     TransferStep(TransferStepMetrics),
+    /// The step's detail events counted by label (see [`StepCounts`]). The bus adds it beside
+    /// `transfer_step` when a step closes, so a summary-level file replays every breakdown and
+    /// histogram the views and exporters keep.
+    StepCounts(Box<StepCounts>),
 
     // ---- health --------------------------------------------------------------------------
     /// Something a user should know about.

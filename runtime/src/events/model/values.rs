@@ -118,7 +118,7 @@ impl fmt::Display for BlockState {
 
 /// Direction of a copy across PCIe.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum Direction {
@@ -193,7 +193,8 @@ impl DeviceInfo {
 }
 
 /// Why a block was evicted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum EvictionReason {
@@ -208,7 +209,8 @@ pub enum EvictionReason {
 }
 
 /// Which pool an event is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum PoolKind {
@@ -219,7 +221,8 @@ pub enum PoolKind {
 }
 
 /// What the pack hook decided for one saved tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum PackDecision {
@@ -236,7 +239,8 @@ pub enum PackDecision {
 }
 
 /// Why a saved tensor was kept on the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum KeepReason {
@@ -266,7 +270,8 @@ pub enum KeepReason {
 }
 
 /// How a Conductor reservation may be granted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum ReservationMode {
@@ -283,6 +288,7 @@ pub enum ReservationMode {
 }
 
 /// Conductor priorities, highest first.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
@@ -294,6 +300,7 @@ pub enum Priority {
 }
 
 /// The resource a reservation is for.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
@@ -303,7 +310,8 @@ pub enum Resource {
 }
 
 /// How a reservation request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum ReservationOutcome {
@@ -316,7 +324,7 @@ pub enum ReservationOutcome {
 
 /// Why the Conductor refused a reservation or a transfer slot.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, strum::IntoStaticStr, strum::VariantNames)]
 #[serde(rename_all = "snake_case")]
 #[strum(serialize_all = "snake_case")]
 pub enum DenyReason {
@@ -337,9 +345,86 @@ pub enum DenyReason {
 }
 
 impl DenyReason {
+    /// Every reason, in declaration order.
+    pub const ALL: [DenyReason; 7] = [
+        DenyReason::InsufficientHeadroom,
+        DenyReason::PriorityReserve,
+        DenyReason::OverCeiling,
+        DenyReason::H2dSlotsExhausted,
+        DenyReason::D2hSlotsExhausted,
+        DenyReason::PhaseRuleSuppressedSpeculative,
+        DenyReason::Shutdown,
+    ];
+
     /// The name used on the wire and in labels (derived from the variant, as serde's).
     pub fn as_str(self) -> &'static str {
         self.into()
+    }
+
+    /// What the refusal means, in a sentence a user reads beside it.
+    pub fn meaning(self) -> &'static str {
+        match self {
+            DenyReason::InsufficientHeadroom => {
+                "not enough room under the VRAM cap for the request's mode: work that can wait (a prefetch, a restore ahead of need) waits until memory frees"
+            }
+            DenyReason::PriorityReserve => {
+                "near the cap, room is kept back for higher priorities (a 64th of the budget per level on the handle): a speculative request, a prefetch or a restore ahead of need, waits so that what the step needs now always finds room"
+            }
+            DenyReason::OverCeiling => "the owner asked beyond a ceiling it recorded for itself (an upper bound it set as a hint)",
+            DenyReason::H2dSlotsExhausted => {
+                "every host-to-device transfer slot was taken: a speculative copy waits for one to free (required copies are never refused)"
+            }
+            DenyReason::D2hSlotsExhausted => {
+                "every device-to-host transfer slot was taken: a speculative copy waits for one to free (required copies are never refused)"
+            }
+            DenyReason::PhaseRuleSuppressedSpeculative => {
+                "the optimizer phase holds speculative copies back so they do not compete with the optimizer's own memory traffic; they resume at the next step"
+            }
+            DenyReason::Shutdown => "the Conductor was shut down (the run ended)",
+        }
+    }
+
+    /// Whether the refusal is a problem ([`Concern`]).
+    pub fn concern(self) -> Concern {
+        match self {
+            DenyReason::InsufficientHeadroom | DenyReason::H2dSlotsExhausted | DenyReason::D2hSlotsExhausted => {
+                Concern::IfStallsFollow
+            }
+            DenyReason::PriorityReserve
+            | DenyReason::OverCeiling
+            | DenyReason::PhaseRuleSuppressedSpeculative
+            | DenyReason::Shutdown => Concern::ByDesign,
+        }
+    }
+}
+
+/// Whether a Conductor refusal is bad. None is an error by itself: the Conductor refuses only
+/// work that can wait (speculative copies, reservations that may be partial), never a copy the
+/// step needs now.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr)]
+#[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
+pub enum Concern {
+    /// Not bad: the Conductor holding back work that can wait, as designed. Nothing to do.
+    ByDesign,
+    /// Not bad by itself; bad only when the step then stalls on what was held back (the
+    /// findings `weight_stalls`, `restore_stalls`, `prefetch_late` say so, with the knob).
+    IfStallsFollow,
+}
+
+impl Concern {
+    /// The name on the wire.
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+
+    /// Whether it is bad, in words.
+    pub fn verdict(self) -> &'static str {
+        match self {
+            Concern::ByDesign => "not bad: by design",
+            Concern::IfStallsFollow => "bad only if stalls follow",
+        }
     }
 }
 
@@ -382,6 +467,7 @@ impl Hints {
 }
 
 /// One size class of a pool, as configured.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolClass {
     pub slab_bytes: u64,

@@ -1,22 +1,27 @@
 //! A replay of a telemetry file of any size: [`FileReplay::open`] returns at once with the start
 //! of the file, while the file is indexed in the background; seeks start from the nearest
-//! checkpoint and read only the events between it and the target.
+//! checkpoint and read only the events between it and the target. [`FileReplay::follow`] does
+//! the same for a file still being written, which it keeps indexing as it grows: memory holds
+//! the checkpoints and the recent events, never the file's events.
+//!
+//! Playing reads at most [`TICK_BYTES`] of the file per [`FileReplay::tick`], so a caller's
+//! loop (a terminal UI's) stays responsive whatever the file holds.
 
-use super::index::{self, Checkpoint, Index, Position};
+use super::index::{self, Checkpoint, Index};
 use super::{ReplayStatus, MAX_SPEED, MIN_SPEED};
-use crate::events::jsonl::{JsonlError, ReadReport, Reader};
+use crate::events::jsonl::{Continuation, JsonlError, Next, ReadReport, Reader, Restart, RunSource};
 use crate::events::model::Event;
 use crate::events::snapshot::Snapshot;
 use std::collections::VecDeque;
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Events applied last that a file replay keeps (for the consumers' recent-events views).
 pub const RECENT_KEPT: usize = 4096;
 /// Most events one tick applies, so that a fast replay of a huge file stays responsive.
 const MAX_PER_TICK: usize = 200_000;
+/// Most decoded bytes one tick reads (about a millisecond of decoding).
+pub const TICK_BYTES: u64 = 4 << 20;
 
 /// What an operation did to the replayed stream.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,12 +49,15 @@ pub trait IndexObserver: Send {
 /// A replay that reads its file on demand.
 pub struct FileReplay {
     path: PathBuf,
-    compressed: bool,
-    index: Arc<Index>,
+    follow: bool,
+    index: std::sync::Arc<Index>,
+    /// The index generation the position belongs to (a followed file that started over has a
+    /// new one).
+    generation: u64,
     pos: usize,
     snapshot: Snapshot,
     /// Positioned at event `pos`; `None` at the end.
-    reader: Option<Reader<Box<dyn BufRead + Send>>>,
+    reader: Option<Reader<RunSource>>,
     /// The next event, read ahead to know when it is due.
     peeked: Option<Event>,
     recent: VecDeque<Event>,
@@ -74,26 +82,45 @@ impl Drop for FileReplay {
 }
 
 impl FileReplay {
-    /// Opens `path` (plain or zstd) positioned before its first event, playing at recorded
-    /// speed; indexing starts in the background.
+    /// Opens `path` (plain or zstd, a rotated run's segments as one file) positioned before its
+    /// first event, playing at recorded speed; indexing starts in the background. The file
+    /// must be a regular file: a replay reads it more than once.
     pub fn open(path: impl AsRef<Path>) -> Result<FileReplay, JsonlError> {
-        FileReplay::open_with(path, None)
+        FileReplay::open_with(path, false, None)
     }
 
     /// Opens `path` as [`FileReplay::open`] does, handing every event the index reads to
     /// `observer` as well: the one pass over the file serves both.
     pub fn open_observed(path: impl AsRef<Path>, observer: Box<dyn IndexObserver>) -> Result<FileReplay, JsonlError> {
-        FileReplay::open_with(path, Some(observer))
+        FileReplay::open_with(path, false, Some(observer))
     }
 
-    fn open_with(path: impl AsRef<Path>, observer: Option<Box<dyn IndexObserver>>) -> Result<FileReplay, JsonlError> {
+    /// Opens a file that is still being written (like `tail -f`): the index follows it as it
+    /// grows (across a rotated run's new segments), and a file truncated and rewritten, or
+    /// replaced, starts the replay over ([`FileReplay::restarts`] says why).
+    pub fn follow(path: impl AsRef<Path>) -> Result<FileReplay, JsonlError> {
+        FileReplay::open_with(path, true, None)
+    }
+
+    fn open_with(path: impl AsRef<Path>, follow: bool, observer: Option<Box<dyn IndexObserver>>) -> Result<FileReplay, JsonlError> {
         let path = path.as_ref().to_path_buf();
-        let compressed = index::is_compressed(&path).map_err(|e| JsonlError::io(&path, e))?;
-        let index = index::spawn(path.clone(), compressed, observer)?;
+        let meta = std::fs::metadata(&path).map_err(|e| JsonlError::io(&path, e))?;
+        if !meta.is_file() {
+            return Err(JsonlError::io(
+                &path,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "not a regular file (a device, a pipe or a folder): a replay reads its file more than once; \
+                     copy it to a file first",
+                ),
+            ));
+        }
+        let index = index::spawn(path.clone(), follow, observer)?;
         let mut r = FileReplay {
             path,
-            compressed,
+            follow,
             index,
+            generation: 0,
             pos: 0,
             snapshot: Snapshot::new(),
             reader: None,
@@ -103,12 +130,7 @@ impl FileReplay {
             paused: false,
             anchor: None,
         };
-        r.reposition(Checkpoint {
-            pos: 0,
-            at: Position::default(),
-            t_ns: 0,
-            snapshot: Arc::new(Snapshot::new()),
-        })?;
+        r.reposition(Checkpoint::start())?;
         Ok(r)
     }
 
@@ -134,7 +156,8 @@ impl FileReplay {
 
     /// Events known so far (all of them once indexing is done).
     pub fn len(&self) -> usize {
-        self.index.lock().total.max(self.pos)
+        let st = self.index.lock();
+        self.known(&st)
     }
 
     /// True when the file has no events (as far as indexed).
@@ -155,6 +178,22 @@ impl FileReplay {
     /// Snapshot checkpoints indexed so far (seeks start from the nearest one).
     pub fn checkpoints(&self) -> usize {
         self.index.lock().checkpoints.len()
+    }
+
+    /// Bytes the checkpoints' snapshots take (measured as JSON): bounded by
+    /// [`index::CHECKPOINT_BUDGET`] whatever the file's size.
+    pub fn checkpoint_bytes(&self) -> u64 {
+        self.index.lock().checkpoints.iter().map(|c| c.bytes).sum()
+    }
+
+    /// Whether the file is followed as it grows.
+    pub fn following(&self) -> bool {
+        self.follow
+    }
+
+    /// Why a followed file started over, each time it did.
+    pub fn restarts(&self) -> Vec<Restart> {
+        self.index.lock().restarts.clone()
     }
 
     /// Events this replay holds in memory: the recent ones and the one read ahead. Bounded by
@@ -180,8 +219,8 @@ impl FileReplay {
     /// that rebuild their state from every event (metrics after a seek). A read error ends the
     /// iteration early, as it ends the index.
     pub fn applied(&self) -> Result<impl Iterator<Item = Event> + Send, JsonlError> {
-        let stream = index::stream_at(&self.path, self.compressed, Position::default()).map_err(|e| self.io(e))?;
-        Ok(Reader::new(stream).map_while(Result::ok).take(self.pos))
+        let reader = index::reader_at(&self.path, Default::default(), Continuation::default(), false).map_err(|e| self.io(e))?;
+        Ok(reader.map_while(Result::ok).take(self.pos))
     }
 
     /// Blocks until the whole file is indexed (tests, tools that need the total).
@@ -210,18 +249,28 @@ impl FileReplay {
         self.recent.back().map_or(self.snapshot.t_ns, |e| e.t_ns)
     }
 
+    /// Events known: the index's count, or the position when playing ran ahead of the index; a
+    /// followed file that started over has only the new content's.
+    fn known(&self, st: &index::IndexState) -> usize {
+        if st.generation == self.generation {
+            st.total.max(self.pos)
+        } else {
+            st.total
+        }
+    }
+
     /// Where the replay is.
     pub fn status(&self) -> ReplayStatus {
         let st = self.index.lock();
         ReplayStatus {
             position: self.pos,
-            total: st.total.max(self.pos),
+            total: self.known(&st),
             paused: self.paused,
             speed: self.speed,
             t_ns: self.t_ns(),
             end_t_ns: st.end_t_ns,
             step: self.snapshot.step,
-            following: false,
+            following: self.follow,
             indexing: !st.done,
         }
     }
@@ -260,8 +309,8 @@ impl FileReplay {
 
     /// Starts over from a checkpoint.
     fn reposition(&mut self, cp: Checkpoint) -> Result<(), JsonlError> {
-        let stream = index::stream_at(&self.path, self.compressed, cp.at).map_err(|e| self.io(e))?;
-        self.reader = Some(Reader::new(stream));
+        let reader = index::reader_at(&self.path, cp.at, cp.run.clone(), self.follow).map_err(|e| self.io(e))?;
+        self.reader = Some(reader);
         self.peeked = None;
         self.pos = cp.pos;
         self.snapshot = (*cp.snapshot).clone();
@@ -273,14 +322,37 @@ impl FileReplay {
     fn peek(&mut self) -> Result<Option<&Event>, JsonlError> {
         if self.peeked.is_none() {
             if let Some(r) = &mut self.reader {
-                match r.next() {
-                    Some(Ok(e)) => self.peeked = Some(e),
-                    Some(Err(e)) => return Err(JsonlError::io(&self.path, e)),
-                    None => self.reader = None,
+                match r.poll() {
+                    Ok(Next::Event { event, .. }) => self.peeked = Some(*event),
+                    // A followed file has nothing more yet, or this tick read its share.
+                    Ok(Next::Pending) => {}
+                    Ok(Next::End) => self.reader = None,
+                    Err(e) => {
+                        self.reader = None;
+                        return Err(JsonlError::io(&self.path, e));
+                    }
                 }
             }
         }
         Ok(self.peeked.as_ref())
+    }
+
+    /// Reads without a bound (seeks), or at most [`TICK_BYTES`] (ticks).
+    fn budget(&mut self, bytes: Option<u64>) {
+        if let Some(r) = &mut self.reader {
+            r.set_budget(bytes);
+        }
+    }
+
+    /// A followed file that started over: the replay starts over with it.
+    fn restarted(&mut self) -> Result<bool, JsonlError> {
+        let generation = self.index.lock().generation;
+        if generation == self.generation {
+            return Ok(false);
+        }
+        self.generation = generation;
+        self.reposition(Checkpoint::start())?;
+        Ok(true)
     }
 
     /// Applies the next event, if any.
@@ -302,6 +374,10 @@ impl FileReplay {
     /// Moves to `target` events applied: forward by reading on, backward (or far forward) from
     /// the nearest checkpoint.
     fn go_to(&mut self, target: usize) -> Result<Played, JsonlError> {
+        if self.restarted()? {
+            return Ok(Played::Reset);
+        }
+        self.budget(None);
         if target == self.pos {
             return Ok(Played::None);
         }
@@ -331,6 +407,10 @@ impl FileReplay {
 
     /// Applies every event that is due at wall time `now`, at the current speed.
     pub fn tick(&mut self, now: Instant) -> Result<Played, JsonlError> {
+        if self.restarted()? {
+            return Ok(Played::Reset);
+        }
+        self.budget(Some(TICK_BYTES));
         if self.paused {
             self.anchor = None;
             return Ok(Played::None);
@@ -390,6 +470,8 @@ impl FileReplay {
 
     /// Jumps to the first event at or after `t_ns`.
     pub fn seek_time(&mut self, t_ns: u64) -> Result<Played, JsonlError> {
+        self.restarted()?;
+        self.budget(None);
         let cp = {
             let st = self.index.lock();
             let i = st.checkpoints.partition_point(|c| c.t_ns < t_ns);

@@ -118,3 +118,44 @@ fn the_index_pass_finds_steps_hands_events_to_an_observer_and_the_replay_holds_f
     r.seek(n / 2).expect("seeks");
     assert_eq!(r.applied().expect("reads").collect::<Vec<_>>(), events[..n / 2].to_vec());
 }
+
+#[test]
+fn a_large_snapshot_makes_fewer_checkpoints_not_more_memory() {
+    use crate::events::model::{BlockId, EventKind, Phase};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("wide.jsonl.zst");
+    // Many blocks with long names: a snapshot of a few MiB, and events after it to index.
+    let name = "x".repeat(200);
+    let mut events = Vec::new();
+    let mut seq = 0;
+    let mut ev = |kind| {
+        seq += 1;
+        Event::new(seq, seq * 1000, 1, Phase::Forward, kind)
+    };
+    for b in 0..20_000u32 {
+        events.push(ev(EventKind::BlockRegistered {
+            block: BlockId(b),
+            name: format!("{name}{b}"),
+            bytes: 1,
+            exec_order: b,
+            file_backed: false,
+            trainable: false,
+        }));
+    }
+    for i in 0..60_000u32 {
+        events.push(ev(EventKind::PrefetchHit { block: BlockId(i % 20_000) }));
+    }
+    write(&path, &events, true);
+    let mut r = FileReplay::open(&path).expect("opens");
+    r.wait_indexed();
+    assert_eq!(r.len(), events.len());
+    let snapshot = super::index::json_size_of(&Snapshot::from_events(&events));
+    assert!(snapshot > super::index::CHECKPOINT_BUDGET / 8, "a large snapshot: {snapshot} bytes");
+    assert!(r.checkpoint_bytes() <= super::index::CHECKPOINT_BUDGET, "{} bytes of checkpoints", r.checkpoint_bytes());
+    assert!(r.checkpoints() >= 2, "still some checkpoints: {}", r.checkpoints());
+    // Seeks still land on the right state.
+    for target in [events.len() - 1, 30_000, 25_000] {
+        r.seek(target).expect("seeks");
+        assert_eq!(r.snapshot(), &Snapshot::from_events(&events[..target]), "at {target}");
+    }
+}

@@ -8,7 +8,6 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
     match &e.kind {
         EventKind::Pack {
             decision,
-            reason,
             bytes,
             pool_hit,
             ..
@@ -33,21 +32,8 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 }
                 PackDecision::Duplicate => {}
             }
-            let a = &mut s.activations;
-            match decision {
-                PackDecision::Kept => {
-                    if let Some(r) = reason {
-                        bump(&mut a.kept_by_reason, &wire_name(r));
-                    }
-                }
-                PackDecision::Duplicate => a.duplicates = a.duplicates.saturating_add(1),
-                PackDecision::Spilled | PackDecision::WeightHandle | PackDecision::Recomputed => {}
-            }
+            // Kept by reason and duplicates: counts (`counts`).
             refresh(s);
-        }
-        EventKind::SpillFinalized { inline: true, .. } => {
-            let a = &mut s.activations;
-            a.finalized_inline = a.finalized_inline.saturating_add(1);
         }
         EventKind::Restored {
             bytes,

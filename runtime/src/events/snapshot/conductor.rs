@@ -1,4 +1,6 @@
-//! The Conductor: reservations, transfer slots, policy hints, and their totals.
+//! The Conductor: reservations, transfer slots, policy hints. Its totals (grants, partial
+//! grants, refusals, slots) are counts of its events (`counts`), so they cover what happens
+//! before the first step too; `conductor_step` keeps the Conductor's own per-step figures.
 
 use super::super::model::*;
 use super::tally::ConductorCounts;
@@ -9,31 +11,18 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
         EventKind::Reservation {
             owner,
             mode,
-            priority,
             granted_bytes,
             outcome,
             reason,
             ..
         } => {
-            let t = s.tallies.conductor.detail(e.step);
-            match outcome {
-                ReservationOutcome::Granted => t.grants = t.grants.saturating_add(1),
-                ReservationOutcome::Partial => t.partials = t.partials.saturating_add(1),
-                ReservationOutcome::Denied => t.denials = t.denials.saturating_add(1),
-                ReservationOutcome::CapRecorded => {}
-            }
+            // Totals, and by mode, priority and reason: counts (`counts`).
             let c = &mut s.conductor;
-            bump(&mut c.by_mode, &wire_name(mode));
-            bump(&mut c.by_priority, &wire_name(priority));
-            if *outcome == ReservationOutcome::CapRecorded {
-                c.ceilings = c.ceilings.saturating_add(1);
-            }
             if matches!(outcome, ReservationOutcome::Granted | ReservationOutcome::Partial) {
                 c.active_reservations = c.active_reservations.saturating_add(1);
                 c.active_bytes = c.active_bytes.saturating_add(*granted_bytes);
             }
             if let Some(r) = reason {
-                bump(&mut c.denials_by_reason, r.as_str());
                 push_bounded(
                     &mut c.recent_denials,
                     DenialRecord {
@@ -47,19 +36,13 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                     RECENT_DENIALS,
                 );
             }
-            refresh(s);
         }
         EventKind::ReservationReleased { bytes, .. } => {
             let c = &mut s.conductor;
             c.active_reservations = c.active_reservations.saturating_sub(1);
             c.active_bytes = c.active_bytes.saturating_sub(*bytes);
         }
-        EventKind::SlotGranted { dir, inflight, .. } => {
-            let t = s.tallies.conductor.detail(e.step);
-            t.slot_grants = t.slot_grants.saturating_add(1);
-            set_inflight(&mut s.conductor, *dir, *inflight);
-            refresh(s);
-        }
+        EventKind::SlotGranted { dir, inflight, .. } => set_inflight(&mut s.conductor, *dir, *inflight),
         EventKind::SlotReleased { dir, inflight, .. } => {
             set_inflight(&mut s.conductor, *dir, *inflight)
         }
@@ -69,10 +52,7 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             speculative,
             reason,
         } => {
-            let t = s.tallies.conductor.detail(e.step);
-            t.slot_denials = t.slot_denials.saturating_add(1);
             let c = &mut s.conductor;
-            bump(&mut c.denials_by_reason, reason.as_str());
             push_bounded(
                 &mut c.recent_denials,
                 DenialRecord {
@@ -89,7 +69,6 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 },
                 RECENT_DENIALS,
             );
-            refresh(s);
         }
         EventKind::HintsChanged { hints, rule } => {
             let c = &mut s.conductor;
@@ -99,7 +78,6 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
         }
         EventKind::ConductorStep(m) => {
             s.tallies.conductor.aggregate(e.step, &ConductorCounts::from(m));
-            refresh(s);
             s.conductor.last_step = Some(m.clone());
             s.step_record_mut(e.step).conductor = Some(m.clone());
         }
@@ -114,14 +92,4 @@ fn set_inflight(c: &mut ConductorView, dir: Direction, inflight: u32) {
         // Collectives take no transfer slot.
         Direction::Collective => {}
     }
-}
-
-fn refresh(s: &mut Snapshot) {
-    let t = s.tallies.conductor.total();
-    let c = &mut s.conductor;
-    c.grants = t.grants;
-    c.partials = t.partials;
-    c.denials = t.denials;
-    c.slot_grants = t.slot_grants;
-    c.slot_denials = t.slot_denials;
 }

@@ -17,7 +17,25 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 peak_allocated_bytes: *peak_allocated_bytes,
             };
             s.vram = Some(r);
+            s.vram_peak_bytes = s.vram_peak_bytes.max(*peak_allocated_bytes).max(*allocated_bytes);
             push_bounded(&mut s.vram_history, r, VRAM_HISTORY);
+        }
+        EventKind::WatermarksMoved {
+            from_high_bytes,
+            from_low_bytes,
+            high_bytes,
+            low_bytes,
+            reason,
+        } => {
+            s.watermark_moves = s.watermark_moves.saturating_add(1);
+            s.last_watermark_move = Some(WatermarkMove {
+                step: e.step,
+                from_high_bytes: *from_high_bytes,
+                from_low_bytes: *from_low_bytes,
+                high_bytes: *high_bytes,
+                low_bytes: *low_bytes,
+                reason: clip(reason),
+            });
         }
         EventKind::LimitsSet {
             owner,
@@ -45,7 +63,7 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
             push_bounded(&mut s.vram_owners_history, r, OWNERS_HISTORY);
             if e.step > 0 {
                 let rec = s.step_record_mut(e.step);
-                // The first reading at the step's largest allocation (a summary file keeps exactly those).
+                // The first reading at the step's largest allocation.
                 if rec.vram_at_peak.is_none_or(|p| o.allocated_bytes > p.allocated_bytes) {
                     rec.vram_at_peak = Some(*o);
                 }

@@ -12,10 +12,17 @@
 //!
 //! `apply` is split by domain: `run` (lifecycle, phases, steps, health), `weights`, `activations`,
 //! `transfers`, `pools`, `conductor`, `memory`. Totals that have a per-step aggregate are kept by
-//! the tallies in `tally`, so a summary-level file shows the same totals as a full one.
+//! the tallies in `tally`, and breakdowns by label by `counts` (from the `step_counts` aggregate
+//! where a file has no detail), so a summary-level file shows the same figures as a full one.
+//!
+//! A step is *finished* ([`Snapshot::is_finished`]) once its time breakdown arrived (the last
+//! thing a step publishes), a later step began, or the run went idle or ended. Whatever judges
+//! or shows "the last step" (findings, the owners chart, the exporters' gauges) reads the newest
+//! finished one ([`Snapshot::last_finished_step`]): the step in progress has no figures yet.
 
 mod activations;
 mod conductor;
+mod counts;
 pub mod lanes;
 mod memory;
 mod pools;
@@ -60,6 +67,9 @@ pub enum Refusal {
     PoolClassOutOfRange,
     /// An itinerary, window or class list longer than [`MAX_LIST`] or [`MAX_POOL_CLASSES`].
     ListTooLong,
+    /// A `step_counts` aggregate whose distributions do not fit their bounds or hold more than
+    /// [`MAX_STEP_OBSERVATIONS`] values.
+    UnboundedAggregate,
     /// An event of a device beyond [`lanes::MAX_LANES`] lanes.
     TooManyDevices,
 }
@@ -72,6 +82,7 @@ impl Refusal {
             Refusal::UnknownBlock => "unknown_block",
             Refusal::PoolClassOutOfRange => "pool_class_out_of_range",
             Refusal::ListTooLong => "list_too_long",
+            Refusal::UnboundedAggregate => "unbounded_aggregate",
             Refusal::TooManyDevices => "too_many_devices",
         }
     }
@@ -93,12 +104,23 @@ pub struct Snapshot {
     pub step: u64,
     pub phase: Phase,
     pub phase_started_ns: u64,
+    /// The latest reading of device memory.
     pub vram: Option<VramReading>,
+    /// The run's peak: the most allocated at any moment so far (the largest step peak and
+    /// reading). The one "peak VRAM" every surface shows for the run; a step's own is its
+    /// `train.vram_peak_bytes`.
+    #[serde(default)]
+    pub vram_peak_bytes: u64,
     #[cfg_attr(feature = "openapi", schema(value_type = Vec<VramReading>))]
     pub vram_history: VecDeque<VramReading>,
     /// Each owner's limits, as last published.
     #[serde(default)]
     pub limits: BTreeMap<Owner, OwnerLimits>,
+    /// Times the spill watermarks moved away from the plan's, and the last move.
+    #[serde(default)]
+    pub watermark_moves: u64,
+    #[serde(default)]
+    pub last_watermark_move: Option<WatermarkMove>,
     /// The latest reading of device memory by owner.
     #[serde(default)]
     pub vram_owners: Option<OwnersReading>,
@@ -325,6 +347,7 @@ impl Snapshot {
                 return;
             }
         }
+        counts::apply(self, e);
 
         use EventKind::*;
         match &e.kind {
@@ -337,6 +360,8 @@ impl Snapshot {
             TransferIssued { .. } | TransferCompleted { .. } | TransferStep(_) => {
                 transfers::apply(self, e)
             }
+            // Counted above, for every event.
+            StepCounts(_) => {}
             PoolConfigured { .. } | SlabAcquired { .. } | SlabReleased { .. }
             | PoolExhausted { .. } | PageableFallback { .. } => pools::apply(self, e),
             Pack { .. } | SpillFinalized { .. } | Restored { .. } | SpillingToggled { .. }
@@ -345,9 +370,8 @@ impl Snapshot {
             | SlotDenied { .. } | SlotReleased { .. } | HintsChanged { .. } | ConductorStep(_) => {
                 conductor::apply(self, e)
             }
-            VramSample { .. } | LimitsSet { .. } | VramOwners(_) | OutOfMemory { .. } => {
-                memory::apply(self, e)
-            }
+            VramSample { .. } | LimitsSet { .. } | VramOwners(_) | OutOfMemory { .. }
+            | WatermarksMoved { .. } => memory::apply(self, e),
         }
     }
 
@@ -365,6 +389,18 @@ impl Snapshot {
     pub fn spill_watermarks(&self) -> Option<(u64, u64)> {
         let l = self.limits.get(&Owner::Activations)?;
         Some((l.high_watermark_bytes?, l.low_watermark_bytes?))
+    }
+
+    /// Whether the step of `r` is over: its time breakdown arrived (the last thing a step
+    /// publishes), a later step began, or the run went idle or ended.
+    pub fn is_finished(&self, r: &StepRecord) -> bool {
+        r.time.is_some() || r.step < self.step || self.ended || self.phase == Phase::Idle
+    }
+
+    /// The newest finished step (see [`Snapshot::is_finished`]): what "the last step" means on
+    /// every surface, live and in a replay.
+    pub fn last_finished_step(&self) -> Option<&StepRecord> {
+        self.steps.iter().rev().find(|r| r.step > 0 && self.is_finished(r))
     }
 
     /// The most recent step that has trainer metrics.

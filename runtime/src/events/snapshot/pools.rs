@@ -25,31 +25,22 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                     .collect(),
                 ..Default::default()
             };
+            super::counts::refresh_pools(s);
         }
-        EventKind::SlabAcquired {
-            pool,
-            class,
-            waited_ms,
-            ..
-        } => {
+        // Hits, misses, pageable bytes and waits are counts (`counts`); here only what is
+        // taken now.
+        EventKind::SlabAcquired { pool, class, .. } => {
             let Some(c) = class_mut(s, *pool, *class) else { return };
             c.in_use = c.in_use.saturating_add(1);
-            c.hits = c.hits.saturating_add(1);
             c.peak_in_use = c.peak_in_use.max(c.in_use);
-            pool_mut(s, *pool).total_wait_ms += waited_ms;
         }
         EventKind::SlabReleased { pool, class, .. } => {
             let Some(c) = class_mut(s, *pool, *class) else { return };
             c.in_use = c.in_use.saturating_sub(1);
         }
-        EventKind::PoolExhausted { pool, class, .. } => {
-            let Some(c) = class_mut(s, *pool, *class) else { return };
-            c.exhausted = c.exhausted.saturating_add(1);
-        }
-        EventKind::PageableFallback { pool, bytes } => {
-            let p = pool_mut(s, *pool);
-            p.pageable_fallbacks = p.pageable_fallbacks.saturating_add(1);
-            p.pageable_bytes = p.pageable_bytes.saturating_add(*bytes);
+        // The class must be one a pool can have (else refused); the miss is a count.
+        EventKind::PoolExhausted { pool, class, .. } if class_mut(s, *pool, *class).is_some() => {
+            super::counts::refresh_pools(s);
         }
         _ => {}
     }

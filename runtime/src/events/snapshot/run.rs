@@ -47,7 +47,10 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 s.step_record_mut(e.step);
             }
         }
-        EventKind::TrainStep(m) => s.step_record_mut(e.step).train = Some(m.clone()),
+        EventKind::TrainStep(m) => {
+            s.vram_peak_bytes = s.vram_peak_bytes.max(m.vram_peak_bytes);
+            s.step_record_mut(e.step).train = Some(m.clone());
+        }
         EventKind::StepTime(t) => s.step_record_mut(e.step).time = Some(*t),
         EventKind::Warning { source, message } => push_bounded(
             &mut s.warnings,

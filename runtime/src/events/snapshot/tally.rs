@@ -27,26 +27,67 @@ pub struct Tally<T> {
     pub open_step: u64,
     /// Detail counts of `open_step`, until its aggregate replaces them.
     pub open: T,
+    /// What was last added to `committed` (a step's aggregate, or the detail of a step that
+    /// got none), and how many additions there were: exporters that count finished steps
+    /// read it, so they add the same numbers in the same order live and in a replay.
+    #[serde(default)]
+    pub last: T,
+    #[serde(default)]
+    pub commits: u64,
+    /// The step whose aggregate came last: its later detail (a copy reported after the step's
+    /// figures, at the run's end) is in that aggregate, or in the next one the bus adds for the
+    /// step, and is not counted again.
+    #[serde(default)]
+    pub closed: Option<u64>,
+    /// Where such detail goes (never read).
+    #[serde(skip)]
+    discard: Scratch<T>,
+}
+
+/// Counts thrown away: equal to any other, so two tallies compare by what they keep.
+#[derive(Debug, Clone, Default)]
+struct Scratch<T>(T);
+
+impl<T> PartialEq for Scratch<T> {
+    fn eq(&self, _: &Scratch<T>) -> bool {
+        true
+    }
 }
 
 impl<T: StepSum> Tally<T> {
     /// The counts of `step`'s detail events, to add one to. A detail event of another step
     /// closes the open one as it stands (no aggregate came for it).
     pub fn detail(&mut self, step: u64) -> &mut T {
+        if self.is_closed(step) {
+            self.discard = Scratch::default();
+            return &mut self.discard.0;
+        }
         if step != self.open_step {
             let open = std::mem::take(&mut self.open);
-            self.committed.add(&open);
+            self.commit(open);
             self.open_step = step;
         }
         &mut self.open
     }
 
-    /// `step`'s aggregate: it replaces that step's detail counts.
-    pub fn aggregate(&mut self, step: u64, agg: &T) {
-        if step == self.open_step {
-            self.open = T::default();
-        }
-        self.committed.add(agg);
+    /// `step`'s aggregate: it replaces that step's detail counts, which are returned (empty
+    /// when the open step is another).
+    pub fn aggregate(&mut self, step: u64, agg: &T) -> T {
+        let replaced = if step == self.open_step { std::mem::take(&mut self.open) } else { T::default() };
+        self.commit(agg.clone());
+        self.closed = Some(step);
+        replaced
+    }
+
+    /// Whether `step`'s aggregate came and its detail is no longer counted.
+    pub fn is_closed(&self, step: u64) -> bool {
+        self.closed == Some(step)
+    }
+
+    fn commit(&mut self, add: T) {
+        self.committed.add(&add);
+        self.last = add;
+        self.commits = self.commits.wrapping_add(1);
     }
 
     /// Committed plus open.
@@ -253,14 +294,25 @@ impl TransferStepMetrics {
     }
 }
 
+impl StepSum for StepCounts {
+    fn add(&mut self, o: &Self) {
+        StepCounts::add(self, o);
+    }
+}
+
 /// The tallies of every domain whose totals have a per-step aggregate.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Tallies {
     pub weights: Tally<WeightCounts>,
     pub activations: Tally<ActivationCounts>,
+    /// The Conductor's own per-step figures (`conductor_step` only). The views' totals count
+    /// its events instead (`counts`), which also covers what happens before the first step.
     pub conductor: Tally<ConductorCounts>,
     pub transfers: Tally<TransferStepMetrics>,
+    /// Detail events counted by label ([`StepCounts`]).
+    #[serde(default)]
+    pub counts: Tally<StepCounts>,
 }
 
 #[cfg(test)]
@@ -293,5 +345,9 @@ mod tests {
         // Step 2 never got an aggregate: its detail stays when step 3 starts.
         t.detail(3).denials += 1;
         assert_eq!((t.total().grants, t.total().denials), (6, 1));
+        // Detail of a step after its aggregate is in that aggregate already.
+        t.aggregate(3, &ConductorCounts { denials: 1, ..Default::default() });
+        t.detail(3).denials += 1;
+        assert_eq!(t.total().denials, 1);
     }
 }

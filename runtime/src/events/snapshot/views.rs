@@ -52,6 +52,19 @@ pub struct OwnerLimits {
     pub low_watermark_bytes: Option<u64>,
 }
 
+/// A move of the spill watermarks away from the plan's ([`EventKind::WatermarksMoved`]).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct WatermarkMove {
+    /// The step after which they moved.
+    pub step: u64,
+    pub from_high_bytes: u64,
+    pub from_low_bytes: u64,
+    pub high_bytes: u64,
+    pub low_bytes: u64,
+    pub reason: String,
+}
+
 /// Device memory by owner at one moment of a step.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
@@ -333,7 +346,9 @@ pub struct StepRecord {
     pub conductor: Option<ConductorStepMetrics>,
     #[serde(default)]
     pub time: Option<StepTimeBreakdown>,
-    /// Device memory by owner at the step's peak (the largest allocation seen in the step).
+    /// Device memory by owner at the step's fullest reading (the one with the most allocated,
+    /// the first of equals): where the step's memory went when it was highest among the
+    /// readings. The step's true peak, between readings, is `train.vram_peak_bytes`.
     #[serde(default)]
     pub vram_at_peak: Option<VramByOwner>,
     /// The step's copies by direction.

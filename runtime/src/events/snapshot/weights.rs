@@ -67,9 +67,6 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             b.refcount = refcount;
             b.last = last;
             b.last_seq = seq;
-            if to == BlockState::GpuReady {
-                b.loads = b.loads.saturating_add(1);
-            }
             count_state(s, old, -1);
             count_state(s, to, 1);
         }
@@ -90,20 +87,15 @@ fn apply_event(s: &mut Snapshot, e: &Event) {
             }
             mark(s, *block, e.seq, format!("miss, stalled {stall_ms:.2} ms"));
         }
-        EventKind::Eviction {
-            block,
-            reason,
-            score,
-            ..
-        } => {
+        EventKind::Eviction { block, reason, .. } => {
+            // An evaluation's uses belong to no training step: its own totals come in
+            // `evaluation`.
             if e.phase != Phase::Eval {
                 let t = tally(s, e.step);
                 t.evictions = t.evictions.saturating_add(1);
             }
-            let last = format!("evicted ({}, score {score:.3e})", wire_name(reason));
-            if let Some(b) = block_mut(s, *block) {
-                b.evictions = b.evictions.saturating_add(1);
-            }
+            // The score is in the event (its details); the view keeps what fits a column.
+            let last = format!("evicted: {}", wire_name(reason));
             mark(s, *block, e.seq, last);
         }
         EventKind::PrefetchWindow {

@@ -80,8 +80,9 @@ pub fn publish(run: SyntheticRun, bus: &Bus, pause: Duration) -> u64 {
                     std::thread::sleep(pause);
                 }
             }
-            // The bus sums each step's copies itself (and they count: consumers see them).
-            EventKind::TransferStep(_) => {}
+            // The bus sums each step's copies and counts itself (and they count: consumers see
+            // them).
+            EventKind::TransferStep(_) | EventKind::StepCounts(_) => {}
             mut kind => {
                 // The run starts now, on the bus's wall clock.
                 if let EventKind::RunStarted { wall_clock_unix_ms, .. } = &mut kind {

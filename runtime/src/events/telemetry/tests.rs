@@ -31,6 +31,26 @@ fn totals(s: &Snapshot) -> String {
     )
 }
 
+fn breakdowns(s: &Snapshot) -> String {
+    let c = &s.conductor;
+    let a = &s.activations;
+    let blocks: Vec<_> = s.blocks.iter().map(|b| (b.loads, b.evictions, b.state, b.refcount, b.protected)).collect();
+    let pool = |p: &Option<crate::events::snapshot::PoolView>| {
+        p.as_ref().map(|p| {
+            let classes: Vec<(u64, u64)> = p.classes.iter().map(|c| (c.hits, c.exhausted)).collect();
+            let held: Vec<(u32, u32)> = p.classes.iter().map(|c| (c.in_use, c.peak_in_use)).collect();
+            format!("{classes:?} {held:?} {} {} {}", p.pageable_fallbacks, p.pageable_bytes, p.total_wait_ms)
+        })
+    };
+    format!(
+        "{:?} {:?} {:?} {} | {:?} {} {} | {blocks:?} {:?} | {:?} {:?} | {} {} {} {} {} {} | {:?}",
+        c.by_mode, c.by_priority, c.denials_by_reason, c.ceilings, a.kept_by_reason, a.duplicates, a.finalized_inline,
+        s.residency, pool(&s.weight_pool), pool(&s.activation_pool),
+        c.active_reservations, c.active_bytes, c.h2d_inflight, c.d2h_inflight, s.transfers.h2d.inflight, s.transfers.d2h.inflight,
+        (s.itinerary.cursor, s.itinerary.backward, &s.itinerary.window),
+    )
+}
+
 #[test]
 fn summary_and_full_files_replay_to_the_same_steps_and_totals() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -51,6 +71,16 @@ fn summary_and_full_files_replay_to_the_same_steps_and_totals() {
     assert_eq!(from_summary.steps, from_full.steps, "per-step records");
     assert_eq!(totals(&from_summary), totals(&from_full));
     assert_eq!(totals(&from_full), totals(&live));
+    // The breakdowns by label, each block's loads and evictions, the pools' counts and the
+    // shape of memory come out the same from the summary's aggregates and readings.
+    for (name, s) in [("summary", &from_summary), ("live", &live)] {
+        assert_eq!(breakdowns(s), breakdowns(&from_full), "{name}");
+        assert_eq!(s.vram_history, from_full.vram_history, "{name}: every reading");
+        assert_eq!(s.vram_owners_history, from_full.vram_owners_history, "{name}");
+        assert_eq!(s.vram_peak_bytes, from_full.vram_peak_bytes, "{name}");
+        assert_eq!(s.tallies.counts.committed, from_full.tallies.counts.committed, "{name}");
+    }
+    assert!(!from_summary.conductor.denials_by_reason.is_empty() && from_summary.blocks.iter().all(|b| b.loads > 0));
     assert!(from_summary.weights.prefetch_hits > 0 && from_summary.transfers.d2h.count > 0);
     assert_eq!((full.lost(), summary.lost()), (0, 0));
 }

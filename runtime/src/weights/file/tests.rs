@@ -139,3 +139,33 @@ fn the_sampled_checksum_covers_small_tensors_whole_and_spans_large_ones() {
         "bytes between the windows are not"
     );
 }
+
+#[test]
+fn a_rewrite_between_the_windows_that_restores_the_time_is_seen_only_by_the_full_check() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("w.safetensors");
+    // 16 MiB: far larger than the sampled windows.
+    let spec = one_tensor(&path, 4 << 20);
+    let when = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+    std::fs::File::options().write(true).open(&path).and_then(|f| f.set_modified(when)).expect("date");
+    let open = |check| FileSource::open_checked(&path, &spec, "", check).expect("open");
+    let (sampled, full) = (open(FileCheck::Sampled), open(FileCheck::Full));
+    assert_eq!((sampled.check(), full.check()), (FileCheck::Sampled, FileCheck::Full));
+    let mut dst = vec![0u8; spec.bytes];
+    sampled.stage(&spec, &mut dst).expect("first read");
+    full.stage(&spec, &mut dst).expect("first read");
+    // 4 KiB rewritten halfway between two sampled windows, the modification time put back.
+    let len = std::fs::metadata(&path).expect("meta").len();
+    let data_start = len - spec.bytes as u64;
+    let last = spec.bytes - SAMPLE_WINDOW_BYTES;
+    let between = (last / (SAMPLE_WINDOWS - 1)) / 2;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::options().write(true).open(&path).expect("open");
+        f.write_all_at(&[0x7f; 4096], data_start + between as u64).expect("rewrite");
+        f.set_modified(when).expect("time put back");
+    }
+    sampled.stage(&spec, &mut dst).expect("sampling does not see it: its documented limit");
+    let e = full.stage(&spec, &mut dst).expect_err("the full check sees it");
+    assert!(changed(&e).contains("differ from their first read"), "{e}");
+}

@@ -143,6 +143,10 @@ pub(crate) struct Scheduler {
     /// Handles of managed variables that other parts of the runtime hold (the device
     /// optimizer of resident blocks), beside the block's own.
     noted: HashMap<crate::torch::VariableId, usize>,
+    /// The next block to load, whose host optimizer step was still running when the forward
+    /// reached the block before it: loaded (after waiting for that step) once the block being
+    /// entered has queued its kernels, at its `leave` (see `room::prefetch`).
+    after_leave: Option<BlockId>,
     /// This runtime's rank of a data-parallel group, if it is one (`parallel`).
     rank: Option<parallel::Rank>,
 }
@@ -222,6 +226,7 @@ impl Scheduler {
             owner: super::claims::owner(),
             new_blocks_resident: false,
             noted: HashMap::new(),
+            after_leave: None,
             rank: None,
         })
     }
@@ -392,6 +397,11 @@ impl Scheduler {
     }
 
     /// Switches a frozen, unloaded block to stream from a safetensors file (its host copy goes).
+    /// How file-backed blocks are checked (the configuration's choice).
+    pub(crate) fn file_check(&self) -> super::file::FileCheck {
+        self.cfg.file_check
+    }
+
     pub(crate) fn back_with_file(&mut self, id: BlockId, file: FileSource) -> Result<()> {
         self.check_live()?;
         let b = self.block(id)?;
@@ -448,6 +458,7 @@ impl Scheduler {
         self.first_entered = None;
         self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
         self.submitted.clear();
+        self.after_leave = None;
         if self.auto_step {
             self.bus.enter_phase(self.step + 1, Phase::Forward);
         }
@@ -497,6 +508,7 @@ impl Scheduler {
             }),
         }
         self.plan_pins()?;
+        self.preload_next_step()?;
         let mem = self.device.memory();
         let min = self.min_h2d_bytes();
         let wait = self.loads.take_wait_ms(false);
@@ -619,7 +631,8 @@ impl Scheduler {
         self.timed(|s| {
             s.block(id)?;
             s.residency.release(id)?;
-            s.mark_used(id)
+            s.mark_used(id)?;
+            s.load_after_leave()
         })
     }
 
@@ -720,7 +733,7 @@ impl Scheduler {
     /// The canonical value of a parameter (a fresh CPU tensor), after any pending optimizer
     /// step of its block.
     pub(crate) fn host_param(&self, id: BlockId, i: usize) -> Result<Tensor> {
-        self.wait_update(id)?;
+        self.wait_host_copy(id)?;
         self.block(id)?.host_param(i)
     }
 

@@ -126,11 +126,17 @@ impl Scheduler {
         }
     }
 
-    /// Waits until no host step changes `id`'s host copy (every rank's, in a group).
-    pub(super) fn wait_update(&self, id: BlockId) -> Result<()> {
+    /// Waits until no host step changes `id`'s host copy (every rank's, in a group), to read or
+    /// write its values (checkpoints).
+    pub(super) fn wait_host_copy(&self, id: BlockId) -> Result<()> {
         if let Some(s) = &self.stepper {
             s.wait(id)?;
         }
+        self.wait_group_update(id)
+    }
+
+    /// In a group: waits until every rank's host step of `id` queued so far has run.
+    pub(super) fn wait_group_update(&self, id: BlockId) -> Result<()> {
         if let Some(r) = &self.rank {
             r.model.board().wait(r.member.rank, id, r.submitted.get(&id).copied().unwrap_or(0))?;
         }

@@ -131,6 +131,15 @@ impl Scheduler {
     /// earlier was measured (forward only, room for 4 of 16 blocks) to evict the blocks a cyclic
     /// itinerary keeps across steps, 15 loads a step instead of 14, with no gain forward and
     /// backward (docs/benchmarks.md).
+    ///
+    /// In the forward, the first block of the window that needs a load is loaded even when the
+    /// host optimizer is still stepping it: once the block entered now has queued its kernels
+    /// (at its `leave`, so the device has work while the thread waits), the thread waits for
+    /// that step (counted as waiting for the optimizer, which it is) and issues the load, which
+    /// then overlaps the blocks before it instead of stalling the block's use. At a step's start
+    /// that is the first streamed block: the last step's backward ends on it, so its host step
+    /// is the last to start, and skipping it here made it a miss in almost every step. Blocks
+    /// further ahead, and blocks in the backward, are skipped while their step runs.
     pub(super) fn prefetch(&mut self) -> Result<()> {
         let k = self.knobs.prefetch_window() as usize;
         if k == 0 || self.route.itinerary().is_none() {
@@ -144,6 +153,7 @@ impl Scheduler {
             window: window.iter().map(|w| w.0).collect(),
         });
         let step_end = self.route.to_step_end();
+        let mut first_to_load = true;
         for (i, &(b, distance)) in window.iter().enumerate() {
             if self.residency.state(b)? != BlockState::Unloaded || self.blocks[b.0 as usize].resident {
                 continue;
@@ -157,7 +167,11 @@ impl Scheduler {
             {
                 continue;
             }
+            let first = std::mem::replace(&mut first_to_load, false);
             if self.update_pending(b) {
+                if first && !backward {
+                    self.after_leave = Some(b);
+                }
                 continue;
             }
             let why = if i == 0 { Load::Next } else { Load::Ahead };
@@ -177,14 +191,7 @@ impl Scheduler {
             if !demand {
                 return Ok(false);
             }
-            // What the wait costs is the compute stream's idle time during it.
-            let probe = self.device.idle_probe()?;
-            let t0 = std::time::Instant::now();
             self.wait_update(id)?;
-            if crate::optim::stepper::trace_on() {
-                eprintln!("TRACE load-wait block {id} at {:.1} ms waited {:.2}", crate::optim::stepper::since_epoch(t0), t0.elapsed().as_secs_f64() * 1e3);
-            }
-            self.update_waits.push(probe.end(&self.device)?);
         }
         if self.blocks[id.0 as usize].resident {
             return self.load_resident(id);
@@ -246,6 +253,75 @@ impl Scheduler {
         self.loads.start(id, t);
         self.metrics.h2d_bytes += bytes as u64;
         Ok(true)
+    }
+
+    /// At a step's end, once the optimizer has queued the host steps: loads the first streamed
+    /// block of the next forward, after its host step. No block runs before it in the next step,
+    /// so nothing could prefetch it there (the window that wraps over the step's end leaves a
+    /// trained block alone until its step is queued): it was a miss in every step. The wait is
+    /// the optimizer's, counted in this step; the copy overlaps the device finishing this step
+    /// and the host's work between steps.
+    pub(super) fn preload_next_step(&mut self) -> Result<()> {
+        if self.knobs.prefetch_window() == 0 || self.slots.is_none() {
+            return Ok(());
+        }
+        let Some(first) = self
+            .route
+            .itinerary()
+            .and_then(|it| it.forward().iter().copied().find(|b| !self.blocks[b.0 as usize].resident))
+        else {
+            return Ok(());
+        };
+        if self.residency.state(first)? != BlockState::Unloaded {
+            return Ok(());
+        }
+        // A frozen block is prefetched by the window wrapping over the step's end (inference
+        // loops keep their schedule); a trained one only once this step queued its host step.
+        let trained = !self.blocks[first.0 as usize].grads.is_empty();
+        if !trained || (self.update_expected && !self.submitted.contains(&first)) {
+            return Ok(());
+        }
+        if self.update_pending(first) {
+            self.wait_update(first)?;
+        }
+        let distance = self.route.distance(first);
+        self.load(first, Load::Next, Some(distance)).map(|_| ())
+    }
+
+    /// Waits for the loads in flight (made usable) and reports every finished copy, so that
+    /// nothing of the weights is reported after the run's end.
+    pub(crate) fn settle(&mut self) -> Result<()> {
+        let landing: Vec<BlockId> =
+            (0..self.blocks.len() as u32).map(BlockId).filter(|&b| self.loads.is_landing(b)).collect();
+        for b in landing {
+            self.finalize(b, false)?;
+        }
+        self.reap();
+        Ok(())
+    }
+
+    /// The load [`prefetch`](Self::prefetch) left for the end of a forward use: waits for the
+    /// block's host step, then loads it as the next block.
+    pub(super) fn load_after_leave(&mut self) -> Result<()> {
+        let Some(b) = self.after_leave.take() else { return Ok(()) };
+        if self.residency.state(b)? != BlockState::Unloaded || self.blocks[b.0 as usize].resident {
+            return Ok(());
+        }
+        self.wait_update(b)?;
+        let distance = self.route.distance(b);
+        self.load(b, Load::Next, Some(distance)).map(|_| ())
+    }
+
+    /// Waits for the host optimizer's pending step of `id` (in a data-parallel group, every
+    /// rank's step of it); what the wait costs is the compute stream's idle time during it,
+    /// counted as waiting for the optimizer.
+    fn wait_update(&mut self, id: BlockId) -> Result<()> {
+        let Some(s) = self.stepper.clone() else { return Ok(()) };
+        let probe = self.device.idle_probe()?;
+        s.wait(id)?;
+        self.wait_group_update(id)?;
+        self.update_waits.push(probe.end(&self.device)?);
+        Ok(())
     }
 
     /// A block the plan keeps resident: loaded once into its own device buffer.

@@ -37,7 +37,7 @@ impl Scheduler {
     /// the block, sharing memory where it can (see `Block::value`). Valid until the next step
     /// or load. Also after shutdown (the host copy then holds every block's final values).
     pub(crate) fn param_value(&self, id: BlockId, i: usize) -> Result<Tensor> {
-        self.wait_update(id)?;
+        self.wait_host_copy(id)?;
         self.block(id)?.value(i)
     }
 
@@ -69,7 +69,7 @@ impl Scheduler {
                 "load a checkpoint between steps",
             ));
         }
-        self.wait_update(id)?;
+        self.wait_host_copy(id)?;
         let on_device = matches!(self.blocks[id.0 as usize].placement, Some(Placement::Own(_)));
         if let Source::File(f) = &self.blocks[id.0 as usize].source {
             let p = &self.blocks[id.0 as usize].spec.params[i];
