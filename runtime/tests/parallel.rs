@@ -270,18 +270,32 @@ fn a_checkpoint_of_the_group_loads_into_one_device_and_back() {
     let _g = rng();
     assert_eq!(resumed, want_losses[2], "the resumed step's loss");
     let one_file = dir.path().join("one.safetensors");
+    let one_state = dir.path().join("one.optimizer.safetensors");
     sh.save(&one_file).expect("saves");
+    opt.save_state(&one_state).expect("saves the optimizer state");
     let after_one = values(&sh);
-    // A group loads the one device's checkpoint: every rank has its values.
+    drop(_g);
+    let (want_losses, want_values) = one_device(Precision::Fp32, &data[..4]);
+    let _g = rng();
+    // A group loads the one device's checkpoint and optimizer state: every rank has its values,
+    // and the group's next step is the one device's.
     let group = builder(Precision::Fp32).devices(Devices::host(2, BUDGET)).build_group().expect("group");
     let loaded = group
-        .run(build, |sh, _| -> stagehand::Result<_> {
+        .run(build, |sh, model| -> stagehand::Result<_> {
             sh.load(&one_file)?;
-            Ok(values(sh))
+            let loaded = values(sh);
+            let mut opt = sh.optimizer(nn::AdamW::default(), LR)?;
+            opt.load_state(&one_state)?;
+            let (x, y) = batch(&data[3]);
+            let (x, y) = (sh.shard(&x)?, sh.shard(&y)?);
+            let next = sh.train_step(&mut opt, || loss(model, &x, &y))?.loss;
+            Ok((loaded, next, values(sh)))
         })
         .expect("loads");
-    for (rank, v) in loaded.iter().enumerate() {
+    for (rank, (v, next, stepped)) in loaded.iter().enumerate() {
         assert_same_values(v, &after_one, &format!("rank {rank} after loading one device's checkpoint"));
+        assert_eq!(*next, want_losses[3], "rank {rank}'s step after loading one device's checkpoint");
+        assert_same_values(stepped, &want_values, &format!("rank {rank} stepped from one device's optimizer state"));
     }
 }
 
@@ -315,6 +329,33 @@ fn a_failing_rank_stops_every_rank_with_its_cause() {
         assert!(text.contains("rank 1 (host:1 (simulated)) failed") && text.contains(cause), "{text}");
         assert!(t0.elapsed() < Duration::from_secs(60), "no rank waited for the timeout: {:?}", t0.elapsed());
     }
+}
+
+#[test]
+fn a_rank_out_of_memory_stops_every_rank_with_its_report() {
+    let data = batches();
+    let _g = rng();
+    let group = builder(Precision::Fp32).devices(Devices::host(2, BUDGET)).collective_timeout(Duration::from_secs(120)).build_group().expect("group");
+    let t0 = Instant::now();
+    let e = group
+        .run(build, |sh, model| -> stagehand::Result<()> {
+            let mut opt = sh.optimizer(nn::AdamW::default(), LR)?;
+            for (s, b) in data.iter().enumerate() {
+                if sh.rank() == 1 && s == 2 {
+                    // Something else fills rank 1's device: its next block load does not fit.
+                    sh.device().account(BUDGET as i64);
+                }
+                let (x, y) = batch(b);
+                let (x, y) = (sh.shard(&x)?, sh.shard(&y)?);
+                sh.train_step(&mut opt, || loss(model, &x, &y))?;
+            }
+            Ok(())
+        })
+        .expect_err("rank 1 ran out of memory");
+    let text = e.to_string();
+    assert!(matches!(e, Error::RankFailed { rank: 1, .. }), "{text}");
+    assert!(text.contains("rank 1 (host:1 (simulated)) failed") && text.contains("out of device memory in the forward of step 3"), "{text}");
+    assert!(t0.elapsed() < Duration::from_secs(60), "no rank waited for the timeout: {:?}", t0.elapsed());
 }
 
 #[test]
@@ -359,4 +400,134 @@ fn ranks_that_build_different_models_are_refused() {
         )
         .expect_err("different models");
     assert!(e.to_string().contains("differently from rank 0"), "{e}");
+}
+
+/// CUDA devices present (after loading libtorch's CUDA backend).
+fn gpus() -> usize {
+    if !stagehand::torch::init() {
+        return 0;
+    }
+    usize::try_from(tch::Cuda::device_count()).unwrap_or(0)
+}
+
+/// On a machine with two GPUs: the same training over NCCL trains as one GPU does over the same
+/// global batch in two micro-batches, within float rounding (NCCL sums in its own order, the
+/// fused host kernel rounds its own way), in fp32 and bf16; skipped elsewhere.
+#[test]
+fn two_gpus_train_as_one_gpu_within_float_rounding() {
+    if gpus() < 2 {
+        eprintln!("skipped: needs 2 CUDA devices, {} here", gpus());
+        return;
+    }
+    let data = batches();
+    let _g = rng();
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        // Above what libtorch holds for itself on each device, small enough that blocks stream.
+        let base = |d: usize| {
+            let dev = Device::cuda(d).expect("cuda");
+            dev.warm_up().expect("warm up");
+            dev.memory().allocated
+        };
+        let budget = |d: usize| BUDGET + base(d);
+        let one = {
+            let dev = Device::cuda(0).expect("cuda");
+            let sh = Stagehand::builder().budget_bytes(budget(0)).precision(precision).device(dev).build().expect("handle");
+            tch::manual_seed(3);
+            let model = build(&sh);
+            let mut opt = sh.optimizer(nn::AdamW::default(), LR).expect("optimizer");
+            let mut losses = Vec::new();
+            for b in &data {
+                let (x, y) = batch(b);
+                let half = BATCH / 2;
+                let dev = sh.device().tch_device();
+                let r = sh
+                    .train_step_micro(&mut opt, 2, |i| {
+                        loss(&model, &x.narrow(0, i as i64 * half, half).to_device(dev), &y.narrow(0, i as i64 * half, half).to_device(dev))
+                    })
+                    .expect("step");
+                losses.push(r.loss);
+            }
+            (losses, values(&sh))
+        };
+        let group = Stagehand::builder()
+            .budget_bytes(budget(0).max(budget(1)))
+            .precision(precision)
+            .devices(Devices::cuda(2).expect("two GPUs"))
+            .collective_timeout(Duration::from_secs(120))
+            .build_group()
+            .expect("group");
+        tch::manual_seed(3);
+        let ranks = group
+            .run(build, |sh, model| -> stagehand::Result<_> {
+                let mut opt = sh.optimizer(nn::AdamW::default(), LR)?;
+                let mut losses = Vec::new();
+                for b in &data {
+                    let (x, y) = batch(b);
+                    let (x, y) = (sh.shard(&x)?, sh.shard(&y)?);
+                    losses.push(sh.train_step(&mut opt, || loss(model, &x, &y))?.loss);
+                }
+                assert!(sh.plan().expect("plan").streams(), "the blocks stream");
+                Ok((losses, values(sh)))
+            })
+            .expect("two GPUs train");
+        let tol = if precision == Precision::Fp32 { 1e-4 } else { 2e-2 };
+        for (rank, (losses, got)) in ranks.iter().enumerate() {
+            for (a, b) in losses.iter().zip(&one.0) {
+                assert!((a - b).abs() <= tol * b.abs().max(1e-3), "{precision}: rank {rank}'s losses {losses:?} against {:?}", one.0);
+            }
+            for (name, w) in &one.1 {
+                let g = &got[name];
+                let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+                let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst <= 10.0 * tol as f32 * scale, "{precision}: rank {rank}: '{name}' differs by {worst} (scale {scale})");
+            }
+        }
+        // Both ranks hold the same values: one host copy, and the device variables reduced.
+        assert_same_values(&ranks[1].1, &ranks[0].1, &format!("{precision}: rank 1 against rank 0"));
+    }
+}
+
+/// On a machine with two GPUs: a rank that fails mid-run stops the other, whose collectives
+/// NCCL aborts, with the failed rank's error and no hang; and a rank that stalls past the
+/// timeout is declared failed. Skipped elsewhere.
+#[test]
+fn a_gpu_rank_that_fails_or_stalls_stops_the_other_without_a_hang() {
+    if gpus() < 2 {
+        eprintln!("skipped: needs 2 CUDA devices, {} here", gpus());
+        return;
+    }
+    let data = batches();
+    let _g = rng();
+    let budget = 256 << 20;
+    for stall in [false, true] {
+        let group = Stagehand::builder()
+            .budget_bytes(budget)
+            .devices(Devices::cuda(2).expect("two GPUs"))
+            .collective_timeout(Duration::from_secs(if stall { 5 } else { 120 }))
+            .build_group()
+            .expect("group");
+        let t0 = Instant::now();
+        let e = group
+            .run(build, |sh, model| -> stagehand::Result<()> {
+                let mut opt = sh.optimizer(nn::AdamW::default(), LR)?;
+                for (s, b) in data.iter().enumerate() {
+                    if sh.rank() == 1 && s == 2 {
+                        if stall {
+                            std::thread::sleep(Duration::from_secs(15));
+                        } else {
+                            return Err(Error::Config { field: "data", value: "batch 2".into(), expected: "a readable batch".into() });
+                        }
+                    }
+                    let (x, y) = batch(b);
+                    let (x, y) = (sh.shard(&x)?, sh.shard(&y)?);
+                    sh.train_step(&mut opt, || loss(model, &x, &y))?;
+                }
+                Ok(())
+            })
+            .expect_err("rank 1 failed");
+        let text = e.to_string();
+        assert!(matches!(e, Error::RankFailed { rank: 1, .. }), "{text}");
+        assert!(text.contains(if stall { "did not" } else { "batch 2" }), "{text}");
+        assert!(t0.elapsed() < Duration::from_secs(90), "{:?}: {text}", t0.elapsed());
+    }
 }
