@@ -4,9 +4,10 @@
 //! The layers that hold weights come from a [`Layers`] factory, so one model definition trains
 //! resident (plain `tch::nn`, [`TchLayers`]) or streamed by Stagehand's layer mode
 //! ([`StreamedLayers`]): the diff a user makes is the factory. The norms carry no parameters, so
-//! every parameter lives in a linear or embedding layer. The attention probabilities and the MLP's
-//! activation are recomputed in backward under an activation runtime
-//! ([`stagehand::activations::recompute`]); in plain tch that is the same computation.
+//! every parameter lives in a linear or embedding layer. The attention probabilities (of the
+//! recomputed attention), the norms' outputs and the MLP's activation are recomputed in backward
+//! under an activation runtime ([`stagehand::activations::recompute`]) rather than stored; in
+//! plain tch that is the same computation.
 
 use stagehand::activations::recompute;
 use stagehand::nn as snn;
@@ -53,6 +54,14 @@ fn at(prefix: &[String], name: &str) -> Vec<String> {
     let mut v = prefix.to_vec();
     v.push(name.to_owned());
     v
+}
+
+/// The norm before a linear layer, recomputed in backward rather than stored: the linear saves
+/// its input, which is the norm's output, and the norm's own input is saved anyway; recomputing
+/// one layer norm costs less than keeping (or spilling and restoring) a tensor of the block's
+/// width.
+fn normed(x: &Tensor) -> Tensor {
+    recompute(&[x], |s| norm(&s[0]))
 }
 
 /// Layer norm without learnable parameters.
@@ -144,9 +153,9 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let x = x + self.attention(&norm(x));
+        let x = x + self.attention(&normed(x));
         // The activation's output is as large as its input and elementwise to recompute.
-        let h = recompute(&[&self.fc.forward(&norm(&x))], |s| s[0].gelu("tanh"));
+        let h = recompute(&[&self.fc.forward(&normed(&x))], |s| s[0].gelu("tanh"));
         &x + self.fc_out.forward(&h)
     }
 }

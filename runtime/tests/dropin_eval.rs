@@ -158,22 +158,33 @@ struct Run {
     samples: Vec<Vec<i64>>,
 }
 
+/// The held-out batch and each step's batch, on the device for the whole test: on CUDA the
+/// plan counts what the device holds when it is made, so the budgets a guide states hold for a
+/// handle planned later only if the data was there for both.
+struct Data {
+    held_out: (Tensor, Tensor),
+    steps: Vec<(Tensor, Tensor)>,
+}
+
+fn data(dev: tch::Device) -> Data {
+    Data { held_out: batch(77, dev), steps: (0..STEPS).map(|s| batch(1000 + s, dev)).collect() }
+}
+
 /// The loop: a training step (`step` takes the batch), and every few steps an evaluation under
 /// `no_grad` and sampling. Every forward draws dropout masks and samples from libtorch's RNG,
 /// seeded the same way in both programs.
-fn run(gpt: &Gpt, dev: tch::Device, mut step: impl FnMut(&Tensor, &Tensor) -> f64) -> Run {
+fn run(gpt: &Gpt, d: &Data, dev: tch::Device, mut step: impl FnMut(&Tensor, &Tensor) -> f64) -> Run {
     let mut r = Run { losses: Vec::new(), evals: Vec::new(), samples: Vec::new() };
-    let (vx, vy) = batch(77, dev);
-    for s in 0..STEPS {
-        let (x, y) = batch(1000 + s, dev);
+    let (vx, vy) = &d.held_out;
+    for (s, (x, y)) in (0..STEPS).zip(&d.steps) {
         r.losses.push({
             let _g = rng();
             tch::manual_seed(2000 + s);
-            step(&x, &y)
+            step(x, y)
         });
         if s % EVAL_EVERY == EVAL_EVERY - 1 {
             let _g = rng();
-            r.evals.push(tch::no_grad(|| loss(&gpt.forward_t(&vx, false), &vy).double_value(&[])));
+            r.evals.push(tch::no_grad(|| loss(&gpt.forward_t(vx, false), vy).double_value(&[])));
             tch::manual_seed(3000 + s);
             r.samples.push(sample(gpt, dev));
         }
@@ -205,7 +216,7 @@ fn handle(device: &Device, budget: u64, bus: Bus) -> Stagehand {
 }
 
 /// The loop through the handle at `budget`, with every event it published.
-fn through_the_handle(device: &Device, budget: u64) -> (Run, Vec<Event>, Stagehand, stagehand::optim::Optimizer) {
+fn through_the_handle(device: &Device, d: &Data, budget: u64) -> (Run, Vec<Event>, Stagehand, stagehand::optim::Optimizer) {
     let dev = device.tch_device();
     let events = Arc::new(Mutex::new(Vec::new()));
     let hub = Arc::new(Hub::new());
@@ -218,7 +229,7 @@ fn through_the_handle(device: &Device, budget: u64) -> (Run, Vec<Event>, Stageha
         gpt!(sh.root(), snn)
     };
     let mut opt = sh.optimizer(nn::AdamW::default(), 3e-3).expect("adamw");
-    let got = run(&model, dev, |x, y| {
+    let got = run(&model, d, dev, |x, y| {
         sh.train_step(&mut opt, || loss(&model.forward_t(x, true), y))
             .unwrap_or_else(|e| panic!("budget {budget}: {e}"))
             .loss
@@ -235,9 +246,10 @@ fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch_at_every_budget(
     let dev = device.tch_device();
     let cuda = device.is_cuda();
 
+    let d = data(dev);
     let (vs, plain) = common::seeded_on_cpu(21, dev, |vs| gpt!(vs.root(), nn));
     let mut popt = nn::AdamW::default().build(&vs, 3e-3).expect("adamw");
-    let want = run(&plain, dev, |x, y| {
+    let want = run(&plain, &d, dev, |x, y| {
         let l = loss(&plain.forward_t(x, true), y);
         popt.backward_step(&l);
         l.double_value(&[])
@@ -261,7 +273,7 @@ fn a_tied_gpt_evaluates_and_samples_through_the_handle_like_tch_at_every_budget(
     budgets.sort_unstable();
     budgets.dedup();
     for budget in budgets {
-        let (got, events, sh, opt) = through_the_handle(&device, budget);
+        let (got, events, sh, opt) = through_the_handle(&device, &d, budget);
         let plan = sh.plan().expect("plan");
         assert_eq!(plan.streams(), budget < guide.resident_bytes, "budget {budget}");
         assert_losses(&got.losses, &want.losses, cuda);

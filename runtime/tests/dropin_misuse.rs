@@ -217,8 +217,20 @@ fn a_layer_made_after_the_first_step_is_registered_and_trains_like_tch() {
         got.push(sh.train_step(&mut opt, || forward(&model, &x(dev))).expect("step").loss);
         let _ = s;
     }
-    // A head made after the model ran, in both programs, on the same draws.
-    let phead = seeded(8, || nn::linear(vs.root() / "head", D, D, Default::default()));
+    // A head made after the model ran, in both programs, on the same draws: the CPU's, where
+    // the handle's store makes its variables (made on the plain program's CUDA store, tch would
+    // draw them from the CUDA generator, other numbers for the same seed).
+    let phead = seeded(8, || {
+        let drawn = nn::linear(nn::VarStore::new(tch::Device::Cpu).root() / "head", D, D, Default::default());
+        let head = nn::linear(vs.root() / "head", D, D, Default::default());
+        tch::no_grad(|| {
+            head.ws.shallow_clone().copy_(&drawn.ws);
+            if let (Some(b), Some(d)) = (&head.bs, &drawn.bs) {
+                b.shallow_clone().copy_(d);
+            }
+        });
+        head
+    });
     let shead = seeded(8, || snn::linear(sh.root() / "head", D, D, Default::default()));
     for _ in 0..3 {
         let l = phead.forward(&(forward(&plain, &x(dev)) * Tensor::ones([1, D], (Kind::Float, dev)))).square().mean(Kind::Float);
@@ -251,16 +263,16 @@ fn a_second_optimizer_on_one_handle_is_an_error() {
 #[test]
 fn layer_mode_with_a_tiny_or_zero_budget_is_an_error_not_a_panic() {
     let device = common::device();
-    let dev = device.tch_device();
-    // One step through the fallible calls: the store, each layer, the optimizer's step.
-    let attempt = |budget: u64, on: Option<Device>| -> stagehand::Result<f64> {
+    // One step through the fallible calls: the store, each layer, the optimizer's step, with
+    // the input on `input`.
+    let attempt = |budget: u64, on: Option<Device>, input: tch::Device| -> stagehand::Result<f64> {
         let ms = ManagedVarStore::new(
             nn::VarStore::new(tch::Device::Cpu),
             LayerOptions { vram_budget: Some(budget), device: on, ..LayerOptions::default() },
         )?;
         let model: Vec<snn::Linear> = seeded(3, || (0..3).map(|i| snn::linear(ms.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
         let mut opt = ms.optimizer(nn::Sgd::default(), 0.1)?;
-        let mut h = x(dev);
+        let mut h = x(input);
         for l in &model {
             h = l.try_forward(&h)?.tanh();
         }
@@ -269,8 +281,10 @@ fn layer_mode_with_a_tiny_or_zero_budget_is_an_error_not_a_panic() {
         Ok(loss.double_value(&[]))
     };
     for budget in [0u64, 1, 100, 4 << 10, 20 << 10] {
+        // Without a device, a CPU VarStore's layers compute on the host device: the input there.
         for on in [Some(device.clone()), None] {
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| attempt(budget, on.clone()))) {
+            let input = on.as_ref().map_or(tch::Device::Cpu, Device::tch_device);
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| attempt(budget, on.clone(), input))) {
                 Ok(Ok(loss)) => assert!(budget >= 4 << 10 && loss.is_finite(), "budget {budget}"),
                 Ok(Err(e)) => {
                     let m = e.to_string();
@@ -279,6 +293,20 @@ fn layer_mode_with_a_tiny_or_zero_budget_is_an_error_not_a_panic() {
                 Err(_) => panic!("budget {budget}: a panic, not an error"),
             }
         }
+    }
+    // An input on the GPU for layers computing on the host (no device set): an error naming
+    // both devices and the setting, not libtorch's panic inside the layer.
+    if device.is_cuda() {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| attempt(20 << 10, None, device.tch_device()))) {
+            Ok(Err(e)) => {
+                let m = e.to_string();
+                assert!(m.contains(&format!("{:?}", device.tch_device())) && m.contains("Cpu") && m.contains("LayerOptions::device"), "{m}");
+            }
+            Ok(Ok(_)) => panic!("an input on another device than the layers' trained"),
+            Err(_) => panic!("an input on another device: a panic, not an error"),
+        }
+    } else {
+        eprintln!("skipping the input on another device: no CUDA device");
     }
 }
 

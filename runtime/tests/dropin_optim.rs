@@ -294,3 +294,91 @@ fn unmanaged_variables_live_on_the_compute_device_once_the_model_runs() {
     assert!(ws.equal(&vals.iter().find(|(n, _)| n == "fc.weight").expect("weight").1));
 }
 
+
+/// Models whose backward reads no managed weight: layer mode tells their steps apart by the
+/// optimizer's step alone.
+#[derive(Debug, Clone, Copy)]
+enum Unread {
+    /// One linear on the input (which needs no gradient): its weight is not saved for backward.
+    OneLinear,
+    /// The same, followed by a layer Stagehand does not manage.
+    OneLinearThenUnmanaged,
+    /// Two embeddings summed: backward reads neither table.
+    TwoEmbeddings,
+}
+
+/// The layers of an [`Unread`] model, made with `$lib`'s constructors on path `$r`; the
+/// unmanaged layer with tch's own on the same path.
+macro_rules! unread {
+    ($r:expr, $lib:ident, $case:expr) => {{
+        let r = $r;
+        let layers: Vec<Box<dyn Module>> = match $case {
+            Unread::OneLinear => vec![Box::new($lib::linear(&r / "fc", D, D, Default::default()))],
+            Unread::OneLinearThenUnmanaged => vec![
+                Box::new($lib::linear(&r / "fc", D, D, Default::default())),
+                Box::new(nn::linear(&r / "out", D, D, Default::default())),
+            ],
+            Unread::TwoEmbeddings => vec![
+                Box::new($lib::embedding(&r / "tok", V, D, Default::default())),
+                Box::new($lib::embedding(&r / "pos", V, D, Default::default())),
+            ],
+        };
+        layers
+    }};
+}
+
+fn unread_loss(case: Unread, layers: &[Box<dyn Module>], step: i64, dev: tch::Device) -> Tensor {
+    let h = match case {
+        Unread::TwoEmbeddings => {
+            let x = ids(step, dev);
+            layers[0].forward(&x) + layers[1].forward(&x.flip([1]))
+        }
+        _ => {
+            let x = {
+                let _g = rng();
+                tch::manual_seed(400 + step);
+                Tensor::randn([4, D], (Kind::Float, tch::Device::Cpu)).to_device(dev)
+            };
+            layers.iter().fold(x, |h, l| l.forward(&h).tanh())
+        }
+    };
+    h.square().mean(Kind::Float)
+}
+
+#[test]
+fn models_whose_backward_reads_no_managed_weight_train_every_step_like_tch() {
+    // Layer mode ended a step when the next forward followed a backward use of a managed
+    // weight: without one, every later step ran inside the first, and the optimizer, which
+    // steps each block once a step, stepped them only once (the loss then stayed put).
+    let device = common::device();
+    let dev = device.tch_device();
+    let cuda = device.is_cuda();
+    for case in [Unread::OneLinear, Unread::OneLinearThenUnmanaged, Unread::TwoEmbeddings] {
+        let what = format!("{case:?}");
+        let (vs, net) = common::seeded_on_cpu(29, dev, |vs| unread!(vs.root(), nn, case));
+        let ms = layer_store(&device, 16 << 10);
+        let snet = {
+            let _g = rng();
+            tch::manual_seed(29);
+            unread!(ms.root(), snn, case)
+        };
+        let initial = values(&vs);
+        let mut popt = nn::Adam::default().build(&vs, 1e-2).expect("adam");
+        let mut opt = ms.optimizer(nn::Adam::default(), 1e-2).expect("optimizer");
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        for s in 0..6 {
+            let (l1, l2) = (unread_loss(case, &net, s, dev), unread_loss(case, &snet, s, dev));
+            popt.backward_step(&l1);
+            opt.backward_step(&l2).expect("step");
+            want.push(l1.double_value(&[]));
+            got.push(l2.double_value(&[]));
+        }
+        assert_losses(&got, &want, cuda);
+        let m = ms.runtime().last_step_metrics();
+        assert!(m.d2h_bytes > 0, "{what}: the blocks streamed and were stepped on the host: {m:?}");
+        assert_eq!(ms.runtime().step(), 5, "{what}: five steps ended, the sixth still open");
+        let trained = cpu(ms.var_store().expect("snapshot").variables());
+        assert_same(&trained, &values(&vs), cuda, &what);
+        assert_all_changed(&trained, &initial, &[]);
+    }
+}

@@ -235,6 +235,22 @@ fn a_variable_shared_by_blocks_and_an_unmanaged_use_trains_like_tch() {
         Shared { scale, blocks }
     };
     let (vs, plain) = common::seeded_on_cpu(19, dev, build_plain);
+    let x = |s: i64| {
+        let _g = rng();
+        tch::manual_seed(900 + s);
+        Tensor::randn([BATCH, D], (Kind::Float, tch::Device::Cpu)).to_device(dev)
+    };
+    // The plain program first: on CUDA the handle's budget is counted from what the device
+    // holds when it is made, and the plain program's gradients and optimizer state would come
+    // after that reading.
+    let mut popt = nn::Adam::default().build(&vs, 1e-2).expect("adam");
+    let want: Vec<f64> = (0..STEPS)
+        .map(|s| {
+            let loss = plain.loss(&x(s));
+            popt.backward_step(&loss);
+            loss.double_value(&[])
+        })
+        .collect();
     let sh = handle(&device, 24 << 10);
     let model = {
         let _g = rng();
@@ -252,20 +268,13 @@ fn a_variable_shared_by_blocks_and_an_unmanaged_use_trains_like_tch() {
             .collect();
         Shared { scale, blocks }
     };
-    let mut popt = nn::Adam::default().build(&vs, 1e-2).expect("adam");
     let mut opt = sh.optimizer(nn::Adam::default(), 1e-2).expect("adam");
-    let (mut want, mut got) = (Vec::new(), Vec::new());
-    for s in 0..STEPS {
-        let x = {
-            let _g = rng();
-            tch::manual_seed(900 + s);
-            Tensor::randn([BATCH, D], (Kind::Float, tch::Device::Cpu)).to_device(dev)
-        };
-        let loss = plain.loss(&x);
-        popt.backward_step(&loss);
-        want.push(loss.double_value(&[]));
-        got.push(sh.train_step(&mut opt, || model.loss(&x)).expect("step").loss);
-    }
+    let got: Vec<f64> = (0..STEPS)
+        .map(|s| {
+            let x = x(s);
+            sh.train_step(&mut opt, || model.loss(&x)).expect("step").loss
+        })
+        .collect();
     assert!(sh.plan().expect("plan").streams(), "blocks stream");
     assert_losses(&got, &want, cuda);
     opt.wait().expect("host steps");
@@ -298,6 +307,21 @@ fn a_weight_read_again_in_backward_after_its_gradient_is_complete_keeps_its_valu
         )
     };
     let (vs, (pa, pb, pc)) = common::seeded_on_cpu(29, dev, |vs| layers(&vs.root()));
+    let plain_a = |x: &Tensor, detached: bool| if detached { x.matmul(&pa.ws.detach().tr()) } else { pa.forward(x) };
+    let x = |s: i64| {
+        let _g = rng();
+        tch::manual_seed(40 + s);
+        Tensor::randn([BATCH, W], (Kind::Float, tch::Device::Cpu)).to_device(dev)
+    };
+    // The plain program first, its gradients made before the handle reads the device (CUDA).
+    let mut popt = nn::Sgd::default().build(&vs, 0.5).expect("sgd");
+    let want: Vec<f64> = (0..STEPS)
+        .map(|s| {
+            let l = loss(&plain_a, &pb, &pc, &x(s));
+            popt.backward_step(&l);
+            l.double_value(&[])
+        })
+        .collect();
     // Three blocks of 16 KiB: at this budget none stays resident.
     let sh = handle(&device, 144 << 10);
     let (sa, sb, sc) = {
@@ -310,7 +334,6 @@ fn a_weight_read_again_in_backward_after_its_gradient_is_complete_keeps_its_valu
             snn::linear(&r / "c", W, W, Default::default()),
         )
     };
-    let plain_a = |x: &Tensor, detached: bool| if detached { x.matmul(&pa.ws.detach().tr()) } else { pa.forward(x) };
     let managed_a = |x: &Tensor, detached: bool| {
         if detached {
             sa.run(|l| x.matmul(&l.ws.detach().tr())).expect("run")
@@ -318,20 +341,13 @@ fn a_weight_read_again_in_backward_after_its_gradient_is_complete_keeps_its_valu
             sa.forward(x)
         }
     };
-    let mut popt = nn::Sgd::default().build(&vs, 0.5).expect("sgd");
     let mut opt = sh.optimizer(nn::Sgd::default(), 0.5).expect("sgd");
-    let (mut want, mut got) = (Vec::new(), Vec::new());
-    for s in 0..STEPS {
-        let x = {
-            let _g = rng();
-            tch::manual_seed(40 + s);
-            Tensor::randn([BATCH, W], (Kind::Float, tch::Device::Cpu)).to_device(dev)
-        };
-        let l = loss(&plain_a, &pb, &pc, &x);
-        popt.backward_step(&l);
-        want.push(l.double_value(&[]));
-        got.push(sh.train_step(&mut opt, || loss(&managed_a, &sb, &sc, &x)).expect("step").loss);
-    }
+    let got: Vec<f64> = (0..STEPS)
+        .map(|s| {
+            let x = x(s);
+            sh.train_step(&mut opt, || loss(&managed_a, &sb, &sc, &x)).expect("step").loss
+        })
+        .collect();
     assert!(sh.plan().expect("plan").streams(), "blocks stream");
     assert_losses(&got, &want, cuda);
     opt.wait().expect("host steps");

@@ -311,6 +311,57 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
 }
 
 #[test]
+fn a_prefetch_window_of_zero_loads_every_block_on_demand_and_trains_the_same() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let cuda = device.is_cuda();
+    let (steps, lr) = (3, 1e-2);
+    let (vs, net) = plain_seeded(9, dev);
+    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
+    let want: Vec<f64> = (0..steps)
+        .map(|s| {
+            let (ids, targets) = batch(300 + s, dev);
+            let loss = net.loss(&ids, &targets);
+            opt.backward_step(&loss);
+            loss.double_value(&[])
+        })
+        .collect();
+
+    let budget = (400 << 10) + if cuda { device.memory().allocated } else { 0 };
+    let sh = Stagehand::builder()
+        .budget_bytes(budget)
+        .device(if cuda { device.clone() } else { Device::host(budget) })
+        .kernel(Kernel::Exact)
+        .prefetch_window(0)
+        .build()
+        .expect("handle");
+    let net = managed_seeded(&sh, 9);
+    let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
+    let got: Vec<f64> = (0..steps)
+        .map(|s| {
+            let (ids, targets) = batch(300 + s, dev);
+            sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step").loss
+        })
+        .collect();
+    if cuda {
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "losses {got:?} vs {want:?}");
+        }
+    } else {
+        assert_eq!(got, want, "losses step for step");
+    }
+    // The window asked for is the window used: nothing loads ahead, so every trained streamed
+    // block (the host optimizer changed it) is a demand load at its first use of the step.
+    let plan = sh.plan().expect("planned");
+    assert!(plan.streams(), "{plan:?}");
+    assert_eq!(plan.prefetch_window, 0, "{plan:?}");
+    let streamed = (sh.weights().blocks().len() - plan.resident_blocks.len()) as u64;
+    let wm = sh.weights().last_step_metrics();
+    assert!(wm.prefetch_misses >= streamed, "{streamed} streamed blocks: {wm:?}");
+    sh.shutdown().expect("shutdown");
+}
+
+#[test]
 fn budgets_that_cannot_work_are_refused_with_the_reason() {
     let e = Stagehand::builder().build().expect_err("no budget");
     assert!(e.to_string().contains("budget"), "{e}");

@@ -1,7 +1,9 @@
 //! One run, every surface, the same numbers.
 //!
 //! The demo's training loop runs under one `Stagehand` handle on the host device, in a
-//! configuration whose weights thrash (a finding is due in every step after the first), with
+//! configuration whose weights thrash by count, not by timing (no prefetch window: every trained
+//! streamed block is a demand load, so `weights_thrashing` is due in every step after the first
+//! however loaded the machine is), with
 //! the demo's telemetry (a summary-level file from the handle's builder) and a full-level file
 //! beside it on the same bus, the live server (page, `/api/*`, `/metrics`) and `stagehand-top`'s
 //! live source. While it runs, the page's view is read: findings must judge a finished step. Once
@@ -227,7 +229,9 @@ fn one_run_every_surface_the_same_numbers() {
     stagehand::torch::init();
     let dir = tempfile::tempdir().expect("tempdir");
     let (summary_path, full_path) = (dir.path().join("run.jsonl"), dir.path().join("run-full.jsonl"));
-    // Two slots for ten streamed blocks: the weights thrash, a finding in every later step.
+    // Ten blocks stream through two slots. With the default window prefetching keeps up (no
+    // miss after the first step on the host device); with none, every trained block is loaded
+    // at its use, a counted miss, and the hit rate is under the finding's floor in every step.
     let budget = 2 << 20;
     let device = Device::host(budget);
     let hub = Arc::new(Hub::new());
@@ -263,7 +267,7 @@ fn one_run_every_surface_the_same_numbers() {
     let summary_file = TelemetryConfig { path: Some(summary_path.clone()), ..Default::default() };
     assert_eq!(summary_file.level, Level::Summary, "the demo's default");
     let summary = train_with(&cfg, &device, &bus, |_, _, _| {}, Hooks::default(), move |builder| {
-        builder.telemetry(summary_file).attach(move |_| {
+        builder.prefetch_window(0).telemetry(summary_file).attach(move |_| {
             announce(&b, &c, &d, "every-surface");
             Ok(Box::new(()))
         })

@@ -108,7 +108,8 @@ struct Args {
     /// AdamW's learning rate (default: 3e-3, smaller for models wider than 128).
     #[arg(long, value_name = "LR")]
     learning_rate: Option<f64>,
-    /// Weight blocks prefetched ahead (the handle's `prefetch_window`; default 2).
+    /// Weight blocks prefetched ahead (the handle's `prefetch_window`; default 2; 0: each block
+    /// loads when it is used).
     #[arg(long, value_name = "BLOCKS")]
     prefetch_window: Option<u32>,
     /// Loads and restores in flight at once (`max_inflight_h2d`; default: the plan's).

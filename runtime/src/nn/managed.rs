@@ -124,6 +124,31 @@ impl Binding {
         Ok(out)
     }
 
+    /// An input on another device than the one the layer computes on is refused here, with
+    /// both named, rather than by libtorch's panic inside the tch layer (a CPU VarStore in layer
+    /// mode without `LayerOptions::device` computes on the host, whatever the input's device).
+    /// A 0-dim tensor may sit on the CPU beside CUDA ones, as in libtorch.
+    fn check_input(&self, xs: &Tensor) -> Result<()> {
+        let rt = match &self.state {
+            State::Layer { table, .. } => table.runtime(),
+            State::Block { rt, .. } => rt,
+            State::Plain | State::Failed(_) => return Ok(()),
+        };
+        let on = rt.device().tch_device();
+        if xs.dim() == 0 || xs.device() == on {
+            return Ok(());
+        }
+        let hint = if rt.device().is_cuda() {
+            String::new()
+        } else {
+            " (the host device: in layer mode LayerOptions::device sets where layers compute)".to_string()
+        };
+        Err(Error::misuse(
+            format!("layer '{}' given an input on {:?}", self.name, xs.device()),
+            format!("its input on {on:?}, where the layer computes{hint}"),
+        ))
+    }
+
     /// Hands a block's output to the numeric guards (nothing when they are off or the layer is
     /// not bound to a runtime).
     fn observe(&self, out: &Tensor) {
@@ -225,6 +250,7 @@ wrapper!(
 impl<M: Module> Managed<M> {
     /// `forward` with errors returned instead of panicking.
     pub fn try_forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.binding.check_input(xs)?;
         let out = self.run(|m| m.forward(xs))?;
         self.binding.observe(&out);
         Ok(out)
@@ -241,6 +267,7 @@ impl<M: Module> Module for Managed<M> {
 impl<M: ModuleT> ManagedT<M> {
     /// `forward_t` with errors returned instead of panicking.
     pub fn try_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        self.binding.check_input(xs)?;
         let out = self.run(|m| m.forward_t(xs, train))?;
         self.binding.observe(&out);
         Ok(out)

@@ -121,62 +121,86 @@ fn f32_to_f16(x: f32) -> u16 {
 #[inline(always)]
 pub fn encode_signed(x: f32, r: u32) -> u8 {
     let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    sign | encode_magnitude(x.abs(), 15, r)
+    (sign | encode_magnitude(x.abs(), 15, r)) as u8
 }
 
 /// The second moment's 8-bit code of `x` in [0, 1]: 5 exponent bits and 3 mantissa bits, the
 /// same rule with `e` up to 31 (down to 2^-30 of the block's largest value).
 #[inline(always)]
 pub fn encode_unsigned(x: f32, r: u32) -> u8 {
-    encode_magnitude(x.max(0.0), 31, r)
+    encode_magnitude(x, 31, r) as u8
 }
 
 /// `(e << 3) | k` for `x` in [0, 1] with exponents 0..`emax` (`emax`: the subnormal row),
-/// rounded up with probability equal to the fraction dropped.
+/// rounded up with probability equal to the fraction dropped. Branch-free, so that the
+/// compiler vectorizes the loops that call it.
 #[inline(always)]
-fn encode_magnitude(x: f32, emax: u32, r: u32) -> u8 {
-    let bits = x.min(1.0).to_bits();
-    let biased = bits >> 23;
-    let e = 127u32.saturating_sub(biased);
-    if x > 0.0 && e < emax {
-        // 20 dropped mantissa bits against 20 random ones.
-        let mut k = ((bits & 0x7f_ffff) + (r >> 12)) >> 20;
-        let mut e = e;
-        if k == 8 {
-            // The mantissa rounded up into the next power of two.
-            k = 0;
-            e = e.saturating_sub(1);
-        }
-        return ((e << 3) | k) as u8;
+fn encode_magnitude(x: f32, emax: u32, r: u32) -> u32 {
+    let bits = x.clamp(0.0, 1.0).to_bits();
+    // Normal codes: the 20 dropped mantissa bits against 20 random ones. A carry out of the
+    // mantissa lands in the exponent: the next power of two, as it should.
+    let t = (bits + (r >> 12)) >> 20;
+    let normal = ((127 - (t >> 3)) << 3) | (t & 7);
+    // The subnormal row: multiples of 2^-(emax-1) / 8; rounding up past 7 is the smallest
+    // normal code.
+    // floor(scaled + u) counted by comparisons rather than converted: a float-to-integer
+    // conversion does not vectorize on x86 without AVX-512, comparisons do.
+    let z = f32::from_bits(bits) * f32::from_bits((127 + emax + 2) << 23) + ((r >> 8) as i32) as f32 * (1.0 / 16_777_216.0);
+    let k = (1..=8u32).map(|j| u32::from(z >= j as f32)).sum::<u32>();
+    let sub = if k >= 8 { (emax - 1) << 3 } else { (emax << 3) | k };
+    if bits >> 23 >= 127 - (emax - 1) {
+        normal
+    } else {
+        sub
     }
-    // Below: multiples of 2^-(emax-1)/8.
-    let unit = f32::from_bits((127 - (emax - 1) - 3) << 23);
-    let k = (x / unit + (r >> 8) as f32 * (1.0 / 16_777_216.0)) as u32;
-    if k >= 8 {
-        // Rounds up to the smallest normal code.
-        return ((emax - 1) << 3) as u8;
+}
+
+/// The magnitude of `(e << 3) | k` (see [`encode_magnitude`]), branch-free.
+#[inline(always)]
+fn decode_magnitude(c: u32, emax: u32) -> f32 {
+    let (e, k) = (c >> 3, c & 7);
+    let normal = f32::from_bits(((127 - e) << 23) | (k << 20));
+    let sub = (k as i32) as f32 * f32::from_bits((127 - (emax + 2)) << 23);
+    if e < emax {
+        normal
+    } else {
+        sub
     }
-    ((emax << 3) | k) as u8
+}
+
+/// The value of a first-moment code times its block's scale.
+#[inline(always)]
+pub fn decode_signed(code: u8, scale: f32) -> f32 {
+    let c = u32::from(code);
+    let mag = decode_magnitude(c & 0x7f, 15);
+    f32::from_bits(mag.to_bits() | ((c & 0x80) << 24)) * scale
+}
+
+/// The value of a second-moment code times its block's scale.
+#[inline(always)]
+pub fn decode_unsigned(code: u8, scale: f32) -> f32 {
+    decode_magnitude(u32::from(code), 31) * scale
 }
 
 /// Bfloat16 of `x` rounded stochastically with the random bits `r` (state storage only; the
 /// weights' copy rounds to nearest, as libtorch does).
 #[inline(always)]
 pub fn f32_to_bf16_stochastic(x: f32, r: u32) -> u16 {
-    let bits = x.to_bits();
-    if !x.is_finite() {
-        return f32_to_bf16(x);
+    let rounded = (x.to_bits().wrapping_add(r >> 16) >> 16) as u16;
+    if x.is_finite() {
+        rounded
+    } else {
+        f32_to_bf16(x)
     }
-    (bits.wrapping_add(r >> 16) >> 16) as u16
 }
 
 /// Uniform random bits for element `i` of a step (`salt` tells the two moments apart): a
-/// stateless hash (Chris Wellons' lowbias32 over the element's position mixed with the step), so
-/// a step's rounding depends on nothing but its position and runs repeat; 32-bit multiplies only,
-/// which the compiler vectorizes.
+/// stateless hash (Chris Wellons' lowbias32) of the element's position mixed with the step and
+/// salt, so a step's rounding depends on nothing but its position and runs repeat; 32-bit
+/// multiplies only, which vectorize.
 #[inline(always)]
-fn random_bits(i: u64, step: u64, salt: u32) -> u32 {
-    let mut x = (i as u32) ^ ((i >> 32) as u32).wrapping_mul(0x9E37_79B9) ^ (step as u32).wrapping_mul(0x85EB_CA6B) ^ salt;
+fn random_bits(i: u32, key: u32) -> u32 {
+    let mut x = i ^ key;
     x ^= x >> 16;
     x = x.wrapping_mul(0x7FEB_352D);
     x ^= x >> 15;
@@ -184,40 +208,10 @@ fn random_bits(i: u64, step: u64, salt: u32) -> u32 {
     x ^ (x >> 16)
 }
 
-fn decode_table(signed: bool) -> [f32; 256] {
-    let emax: i32 = if signed { 15 } else { 31 };
-    let mut t = [0f32; 256];
-    for (c, slot) in t.iter_mut().enumerate() {
-        let (neg, code) = if signed { (c & 0x80 != 0, c & 0x7f) } else { (false, c) };
-        let (e, k) = ((code >> 3) as i32, (code & 7) as f32);
-        let mag = if e < emax {
-            (1.0 + k / 8.0) * 2f32.powi(-e)
-        } else {
-            k / 8.0 * 2f32.powi(-(emax - 1))
-        };
-        *slot = if neg { -mag } else { mag };
-    }
-    t
-}
-
-fn signed_table() -> &'static [f32; 256] {
-    static T: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
-    T.get_or_init(|| decode_table(true))
-}
-
-fn unsigned_table() -> &'static [f32; 256] {
-    static T: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
-    T.get_or_init(|| decode_table(false))
-}
-
-/// The value of a first-moment code times its block's scale.
-pub fn decode_signed(code: u8, scale: f32) -> f32 {
-    signed_table()[code as usize] * scale
-}
-
-/// The value of a second-moment code times its block's scale.
-pub fn decode_unsigned(code: u8, scale: f32) -> f32 {
-    unsigned_table()[code as usize] * scale
+/// The key of a step's random bits for one moment.
+#[inline(always)]
+fn step_key(step: u64, salt: u32) -> u32 {
+    random_bits((step as u32).wrapping_mul(0x85EB_CA6B) ^ ((step >> 32) as u32), salt)
 }
 
 // ---- the kernel -----------------------------------------------------------------------------
@@ -447,10 +441,11 @@ unsafe fn chunk_body(v: &Views, start: usize, end: usize, s: Scalars) {
                         q[i] = bf16_to_f32(vv[i]);
                     }
                     update(p, &g[..k], &mut m[..k], &mut q[..k], s);
+                    let (km, kv) = (step_key(s.step, SALT_M), step_key(s.step, SALT_V));
                     for i in 0..k {
-                        let at = (b + i) as u64;
-                        mm[i] = f32_to_bf16_stochastic(m[i], random_bits(at, s.step, SALT_M));
-                        vv[i] = f32_to_bf16_stochastic(q[i], random_bits(at, s.step, SALT_V));
+                        let at = (b + i) as u32;
+                        mm[i] = f32_to_bf16_stochastic(m[i], random_bits(at, km));
+                        vv[i] = f32_to_bf16_stochastic(q[i], random_bits(at, kv));
                     }
                 }
                 _ => {
@@ -458,22 +453,27 @@ unsafe fn chunk_body(v: &Views, start: usize, end: usize, s: Scalars) {
                     let vv = std::slice::from_raw_parts_mut(v.state.1[1].add(b), k);
                     let ms = &mut *(v.state.1[2] as *mut f32).add(block);
                     let vs = &mut *(v.state.1[3] as *mut f32).add(block);
-                    let (st, ut) = (signed_table(), unsigned_table());
+                    let (sm, sv) = (*ms, *vs);
                     for i in 0..k {
-                        m[i] = st[mm[i] as usize] * *ms;
-                        q[i] = ut[vv[i] as usize] * *vs;
+                        m[i] = decode_signed(mm[i], sm);
+                        q[i] = decode_unsigned(vv[i], sv);
                     }
                     update(p, &g[..k], &mut m[..k], &mut q[..k], s);
-                    let (mut am, mut av) = (0f32, 0f32);
+                    // Eight lanes of running maxima, folded at the end: a single running maximum
+                    // is a dependency chain the compiler may not reorder into SIMD lanes.
+                    let (mut lm, mut lv) = ([0f32; 8], [0f32; 8]);
                     for i in 0..k {
-                        am = am.max(m[i].abs());
-                        av = av.max(q[i]);
+                        lm[i % 8] = lm[i % 8].max(m[i].abs());
+                        lv[i % 8] = lv[i % 8].max(q[i]);
                     }
+                    let am = lm.iter().fold(0f32, |a, &x| a.max(x));
+                    let av = lv.iter().fold(0f32, |a, &x| a.max(x));
                     let (im, iv) = (if am > 0.0 { 1.0 / am } else { 0.0 }, if av > 0.0 { 1.0 / av } else { 0.0 });
+                    let (km, kv) = (step_key(s.step, SALT_M), step_key(s.step, SALT_V));
                     for i in 0..k {
-                        let at = (b + i) as u64;
-                        mm[i] = encode_signed(m[i] * im, random_bits(at, s.step, SALT_M));
-                        vv[i] = encode_unsigned(q[i] * iv, random_bits(at, s.step, SALT_V));
+                        let at = (b + i) as u32;
+                        mm[i] = encode_signed(m[i] * im, random_bits(at, km));
+                        vv[i] = encode_unsigned(q[i] * iv, random_bits(at, kv));
                     }
                     *ms = am;
                     *vs = av;
@@ -524,7 +524,7 @@ mod tests {
     fn codes_round_trip_within_an_eighth() {
         for i in 0..100_000u32 {
             let x = (i as f32 / 100_000.0).powi(3);
-            let r = random_bits(u64::from(i), 1, 0);
+            let r = random_bits(i, step_key(1, 0));
             let s = decode_signed(encode_signed(x, r), 1.0);
             let ns = decode_signed(encode_signed(-x, r), 1.0);
             assert_eq!(s, -ns);
@@ -547,15 +547,36 @@ mod tests {
     }
 
     #[test]
+    fn every_code_decodes_to_its_defining_value() {
+        for c in 0..=255u8 {
+            let u = u32::from(c);
+            let (e, k) = ((u >> 3) as i32, (u & 7) as f32);
+            let want = if e < 31 { (1.0 + k / 8.0) * 2f32.powi(-e) } else { k / 8.0 * 2f32.powi(-30) };
+            assert_eq!(decode_unsigned(c, 1.0), want, "unsigned code {c}");
+            let (neg, e) = (u & 0x80 != 0, ((u >> 3) & 15) as i32);
+            let mag = if e < 15 { (1.0 + k / 8.0) * 2f32.powi(-e) } else { k / 8.0 * 2f32.powi(-14) };
+            assert_eq!(decode_signed(c, 1.0), if neg { -mag } else { mag }, "signed code {c}");
+            // A value a code stands for (within a block's range, at most 1) encodes back to that
+            // code when the random bits add nothing.
+            if mag > 0.0 && mag <= 1.0 && !neg {
+                assert_eq!(encode_signed(mag, 0), c, "signed {mag}");
+            }
+            if want > 0.0 && want <= 1.0 {
+                assert_eq!(encode_unsigned(want, 0), c, "unsigned {want}");
+            }
+        }
+    }
+
+    #[test]
     fn stochastic_codes_are_unbiased() {
         // A value between two codes decodes, on average over the random bits, to itself.
         for x in [0.3f32, 0.0123, 3e-5, 1e-9] {
             let n = 20_000u64;
-            let mean_s: f64 = (0..n).map(|i| f64::from(decode_signed(encode_signed(x, random_bits(i, 7, 1)), 1.0))).sum::<f64>() / n as f64;
-            let mean_u: f64 = (0..n).map(|i| f64::from(decode_unsigned(encode_unsigned(x, random_bits(i, 7, 2)), 1.0))).sum::<f64>() / n as f64;
+            let mean_s: f64 = (0..n).map(|i| f64::from(decode_signed(encode_signed(x, random_bits(i as u32, step_key(7, 1))), 1.0))).sum::<f64>() / n as f64;
+            let mean_u: f64 = (0..n).map(|i| f64::from(decode_unsigned(encode_unsigned(x, random_bits(i as u32, step_key(7, 2))), 1.0))).sum::<f64>() / n as f64;
             assert!((mean_s / f64::from(x) - 1.0).abs() < 0.01 || x < 1e-8, "signed {x}: mean {mean_s}");
             assert!((mean_u / f64::from(x) - 1.0).abs() < 0.01, "unsigned {x}: mean {mean_u}");
-            let mean_b: f64 = (0..n).map(|i| f64::from(bf16_to_f32(f32_to_bf16_stochastic(x, random_bits(i, 3, 4))))).sum::<f64>() / n as f64;
+            let mean_b: f64 = (0..n).map(|i| f64::from(bf16_to_f32(f32_to_bf16_stochastic(x, random_bits(i as u32, step_key(3, 4)))))).sum::<f64>() / n as f64;
             assert!((mean_b / f64::from(x) - 1.0).abs() < 1e-3, "bf16 {x}: mean {mean_b}");
         }
     }
@@ -663,7 +684,7 @@ mod tests {
                     .iter()
                     .zip(&target)
                     .enumerate()
-                    .map(|(i, (a, b))| 2.0 * (a - b) + (random_bits(i as u64, t, 9) as f32 / u32::MAX as f32 - 0.5) * 0.02)
+                    .map(|(i, (a, b))| 2.0 * (a - b) + (random_bits(i as u32, step_key(t, 9)) as f32 / u32::MAX as f32 - 0.5) * 0.02)
                     .collect();
                 let h = AdamHyper { lr: 1e-2, weight_decay: 0.0, ..hyper(t + 1, true) };
                 let moments = match storage {

@@ -169,7 +169,8 @@ impl StagehandBuilder {
         self
     }
 
-    /// Blocks prefetched ahead (default 2); with [`Grouping::Parts`], as many blocks' parts.
+    /// Blocks prefetched ahead (default 2); with [`Grouping::Parts`], as many blocks' parts. 0
+    /// prefetches nothing: each block loads when it is used, a counted miss.
     pub fn prefetch_window(mut self, k: u32) -> Self {
         self.prefetch_window = k;
         self

@@ -193,9 +193,15 @@ impl Plan {
                     budget_bytes: budget,
                     minimum_bytes: guide.minimum_bytes,
                     why: format!(
-                        "{why}; from {} the streaming room holds the prefetch window, from {} nothing streams",
+                        "{why}; from {} the streaming room holds the prefetch window, from {} nothing streams{}",
                         mib(guide.full_window_bytes),
-                        mib(guide.resident_bytes)
+                        mib(guide.resident_bytes),
+                        // Sizes that count what the device held: they move with it.
+                        if model.baseline_bytes > 0 {
+                            format!(" (each counting the {} the device held already)", mib(model.baseline_bytes))
+                        } else {
+                            String::new()
+                        }
                     ),
                 })
             }
@@ -261,7 +267,9 @@ impl Plan {
         let largest = model.blocks.iter().map(|b| b.0).max().unwrap_or(0);
         let mut p = Plan {
             budget_bytes: budget,
-            prefetch_window: prefetch_window.max(1),
+            // 0 is honoured (every block loads at its use, a baseline for what prefetching
+            // buys); the room keeps two slots whatever the window.
+            prefetch_window,
             ..Plan::default()
         };
         let available = budget
@@ -360,6 +368,9 @@ impl Plan {
                 p.resident_blocks.len(),
                 mib(p.resident_bytes)
             ));
+            if p.prefetch_window == 0 {
+                p.reasons.push("prefetch window 0: each streamed block loads when it is used (a counted miss)".into());
+            }
         }
         let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
         let activations = usable.saturating_sub(weights);
@@ -602,6 +613,17 @@ mod tests {
         let small_host = Machine { device_bytes: 80 * GB, host_available_bytes: 2 * GB };
         let e = Plan::derive(8 * GB, &gpt(24, block), small_host, 2).expect_err("host too small");
         assert!(e.to_string().contains("host's available memory"), "{e}");
+    }
+
+    #[test]
+    fn a_budget_error_says_what_the_device_held_since_its_sizes_count_it() {
+        let held = ModelFacts { baseline_bytes: 3 * MIB, ..mnist() };
+        let g = Plan::guide(&held, HOST, 2).expect("guide");
+        assert_eq!(g.minimum_bytes - Plan::guide(&mnist(), HOST, 2).expect("guide").minimum_bytes, 3 * MIB, "{g:?}");
+        let e = Plan::derive(g.minimum_bytes - 1, &held, HOST, 2).expect_err("one byte short").to_string();
+        assert!(e.contains("each counting the 3.0 MiB the device held already"), "{e}");
+        let e = Plan::derive(1, &mnist(), HOST, 2).expect_err("too small").to_string();
+        assert!(!e.contains("held already"), "nothing held, nothing said: {e}");
     }
 
     /// The shape of tch's mnist_conv: two small convolutions, a 4 MiB linear, a small head.

@@ -61,9 +61,21 @@ pub fn sgd_steps(
     (losses, metrics)
 }
 
+/// The tests of one binary that run on the GPU take it one at a time (see [`device`]).
+static GPU: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// The GPU, held by this test's thread until it ends (passing or panicking).
+    static GPU_HELD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, ()>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// The host device, or CUDA where present, with the hook engine installed. The hook engine must
 /// be libtorch's engine before the first backward of the process (a resident run included):
 /// the device threads start once per process, for the first engine.
+///
+/// On CUDA the calling test holds the GPU until its thread ends: the allocator's readings are
+/// the whole device's, and a budget computed from one (what the device holds plus the model's
+/// needs, a plan's stated minimum) must not count the tensors of a test running beside it.
 pub fn device() -> Device {
     stagehand::torch::hooks::install().expect("hook engine");
     // The tests compare runs bit for bit. libtorch's CPU reductions (a bias gradient's sum over
@@ -72,6 +84,14 @@ pub fn device() -> Device {
     // 30 before): one intra-op thread makes every run sum in the same order.
     tch::set_num_threads(1);
     let d = Device::auto(1 << 30);
+    if d.is_cuda() {
+        GPU_HELD.with(|held| {
+            let mut held = held.borrow_mut();
+            if held.is_none() {
+                *held = Some(GPU.lock().unwrap_or_else(|p| p.into_inner()));
+            }
+        });
+    }
     // cuBLAS's workspaces, allocated now, so budgets computed from a reading count them.
     d.warm_up().expect("warm up");
     d

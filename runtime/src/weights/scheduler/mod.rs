@@ -65,8 +65,11 @@ pub(crate) type PtrIndex = Arc<Mutex<BTreeMap<u64, IndexEntry>>>;
 enum StepState {
     /// Between steps.
     Closed,
-    /// A step is open; `backward` once a backward use happened in it.
-    Open { backward: bool },
+    /// A step is open; `backward` once a backward use happened in it, `stepped` once the
+    /// optimizer queued its host steps. Either ends it at the next forward use in layer mode: a
+    /// backward that reads no managed weight (one block whose input needs no gradient, an
+    /// embedding) leaves only the optimizer's step to tell one step from the next.
+    Open { backward: bool, stepped: bool },
     /// Between steps, forwards outside a step (evaluation, sampling): see `eval`.
     Eval,
     /// Shut down: every call fails; `dropped` when the handle that owned the runtime went.
@@ -452,7 +455,7 @@ impl Scheduler {
                 "end the open step first",
             ));
         }
-        self.state = StepState::Open { backward: false };
+        self.state = StepState::Open { backward: false, stepped: false };
         self.metrics = WeightStepMetrics::default();
         self.route.begin();
         self.first_entered = None;
@@ -603,9 +606,9 @@ impl Scheduler {
         if self.auto_step {
             match self.state {
                 StepState::Closed => self.begin_step()?,
-                StepState::Open { backward } => {
+                StepState::Open { backward, stepped } => {
                     let again = self.first_entered == Some(id) && self.route.current() != Some(id);
-                    if backward || (again && self.cfg.inference_mode) {
+                    if backward || stepped || (again && self.cfg.inference_mode) {
                         self.end_step()?;
                         self.begin_step()?;
                     }
@@ -659,7 +662,7 @@ impl Scheduler {
                 "the forward and its backward inside one step (Stagehand::train_step with the handle)",
             ));
         }
-        if let StepState::Open { backward } = &mut self.state {
+        if let StepState::Open { backward, .. } = &mut self.state {
             if !*backward && self.auto_step {
                 self.bus.enter_phase(self.step + 1, Phase::Backward);
             }

@@ -3,7 +3,7 @@
 //! to be trained there.
 
 use super::super::block::{ParamGrad, Source};
-use super::Scheduler;
+use super::{Scheduler, StepState};
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, Direction, Owner, Priority};
 use crate::optim::stepper::{Job, JobMaker, Stepper};
@@ -234,6 +234,9 @@ impl Scheduler {
         }
         self.update_expected = false;
         self.eager = None;
+        if let StepState::Open { stepped, .. } = &mut self.state {
+            *stepped = true;
+        }
         Ok(())
     }
 
