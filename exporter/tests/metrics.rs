@@ -243,7 +243,7 @@ fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
 
 #[test]
 fn each_device_of_a_data_parallel_run_has_its_series() {
-    use stagehand::events::model::{DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, TransferId};
+    use stagehand::events::model::{CopyCount, DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, StepCounts, TransferId};
     let started = Event::new(
         1,
         0,
@@ -259,10 +259,15 @@ fn each_device_of_a_data_parallel_run_has_its_series() {
         },
     );
     let mut events = vec![started];
-    for (seq, (device, bytes)) in [(0u32, 1000u64), (1, 3000), (1, 500)].into_iter().enumerate() {
+    // Each device's copies and their step's counts (the counters' source), as its step closer
+    // publishes them.
+    for (seq, (device, step, bytes)) in [(0u32, 1u64, 1000u64), (1, 1, 3000), (1, 2, 500)].into_iter().enumerate() {
         let id = TransferId(seq as u64);
         let kind = EventKind::TransferCompleted { id, dir: Direction::Collective, owner: Owner::Weights, bytes, duration_ms: Some(1.0) };
-        events.push(Event::new(seq as u64 + 2, 10, 1, Phase::Backward, kind).on_device(Some(device)));
+        events.push(Event::new(2 * seq as u64 + 2, 10, step, Phase::Backward, kind).on_device(Some(device)));
+        let mut counts = StepCounts::default();
+        counts.copies.entry(Direction::Collective).or_default().insert(Owner::Weights, CopyCount { count: 1, bytes });
+        events.push(Event::new(2 * seq as u64 + 3, 11, step, Phase::StepEnd, EventKind::StepCounts(Box::new(counts))).on_device(Some(device)));
     }
     let mut sink = Metrics::new();
     for e in &events {

@@ -6,7 +6,7 @@
 //! or stalls stops every rank with an error naming it. With two GPUs, the same over NCCL.
 
 use stagehand::device::Device;
-use stagehand::events::{Direction, Event, EventKind, EventSink};
+use stagehand::events::{Direction, Event, EventKind, EventSink, Phase};
 use stagehand::nn as snn;
 use stagehand::optim::Kernel;
 use stagehand::parallel::Devices;
@@ -222,6 +222,20 @@ fn every_event_carries_its_device_and_the_reductions_are_collectives() {
         assert!(shards, "device {d} copies its shard of the gradients to the host");
         let aggregated = events.iter().filter(|e| e.device == Some(d)).any(|e| matches!(&e.kind, EventKind::TransferStep(m) if m.collective.count > 0));
         assert!(aggregated, "device {d}'s transfer_step counts its collectives");
+        // Overlapped with backward: in every step, the blocks' reductions start while backward
+        // still runs (each as its block's backward leaves it), not after it.
+        for step in 1..=STEPS as u64 {
+            let mut backward = false;
+            let mut during = 0;
+            for e in events.iter().filter(|e| e.device == Some(d) && e.step == step) {
+                match &e.kind {
+                    EventKind::PhaseChanged { to, .. } => backward = *to == Phase::Backward,
+                    EventKind::TransferIssued { dir: Direction::Collective, .. } if backward => during += 1,
+                    _ => {}
+                }
+            }
+            assert!(during >= (LAYERS - 1) as usize, "device {d}, step {step}: {during} reductions issued during backward");
+        }
     }
 }
 
