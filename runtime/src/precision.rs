@@ -82,11 +82,9 @@ impl Precision {
     /// Host bytes per trained parameter besides the optimizer state: the float32 master (mixed
     /// only), the pinned copy that streams and the pinned gradient buffer.
     pub fn host_bytes_per_param(self) -> u64 {
-        if self.is_mixed() {
-            4 + 2 + 2
-        } else {
-            4 + 4
-        }
+        // (master, copy, gradient): the same 8 bytes either way, split differently.
+        let (master, copy, grad) = if self.is_mixed() { (4, 2, 2) } else { (0, 4, 4) };
+        master + copy + grad
     }
 }
 
