@@ -401,15 +401,15 @@ impl StagehandBuilder {
             }
             None => None,
         };
+        let (rank, world_size) = member.as_ref().map_or((0, 1), |m| (m.rank as u32, m.world as u32));
         let planner = planner::Planner::new(
-            device.clone(),
+            planner::Place { device: device.clone(), rank, world_size },
             budget,
             prefetch_window,
             (self.precision, self.optimizer_state),
             self.knobs,
             store.table(),
             store.vars(),
-            member.as_ref().map_or((0, 1), |m| (m.rank as u32, m.world as u32)),
         );
         Ok(Stagehand {
             planner,

@@ -10,6 +10,14 @@ use crate::precision::{Precision, StateStorage};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+/// Where a plan's model runs: its device, and its rank and group size in a data-parallel group
+/// ((0, 1) on one device).
+pub(super) struct Place {
+    pub device: Device,
+    pub rank: u32,
+    pub world_size: u32,
+}
+
 /// What the plan needs and the plan, once made.
 pub(super) struct Planner {
     device: Device,
@@ -38,24 +46,23 @@ impl Planner {
     /// A planner for the model on `table` (its VarStore's variables are `vars`); the weight
     /// runtime asks it for the plan before its first block use.
     pub(super) fn new(
-        device: Device,
+        place: Place,
         budget: u64,
         prefetch_window: u32,
         precision: (Precision, StateStorage),
         knobs: super::knobs::Knobs,
         table: Arc<Table>,
         vars: Arc<Mutex<tch::nn::Variables>>,
-        group: (u32, u32),
     ) -> Arc<Planner> {
         let p = Arc::new(Planner {
-            device,
+            device: place.device,
             budget,
             prefetch_window,
             precision,
             knobs,
             table,
             vars,
-            group,
+            group: (place.rank, place.world_size),
             state_factor: AtomicU64::new(2),
             plan: Mutex::new(None),
         });
