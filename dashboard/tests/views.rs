@@ -352,3 +352,26 @@ fn extreme_numbers_from_a_server_draw_without_panicking() {
         }
     }
 }
+
+#[test]
+fn a_data_parallel_run_shows_a_row_per_gpu_on_the_overview() {
+    use stagehand::events::{Event, EventKind, Phase, StepTimeBreakdown, WeightStepMetrics};
+    let mut state = State::new();
+    let on = |d: u32, seq: u64, kind: EventKind| Event::new(seq, seq, 3, Phase::Backward, kind).on_device(Some(d));
+    for (i, d) in [0u32, 1].into_iter().enumerate() {
+        let seq = 10 * i as u64;
+        state.snapshot.apply(&on(d, seq + 1, EventKind::StepTime(StepTimeBreakdown { step_ms: 120.0 + d as f64, compute_ms: 100.0, ..Default::default() })));
+        state.snapshot.apply(&on(d, seq + 2, EventKind::WeightStep(WeightStepMetrics { collective_ms: 4.5, collective_bytes: 64 << 20, ..Default::default() })));
+    }
+    let theme = Theme::default();
+    for size in [SMALL, LARGE] {
+        let s = screen(&draw_at(&state, &view(View::Overview), &theme, size));
+        assert!(s.contains("GPU 0") && s.contains("GPU 1"), "a row per GPU at {size:?}:\n{s}");
+        assert!(s.contains("GPUs"), "{s}");
+    }
+    let s = screen(&draw_at(&state, &view(View::Overview), &theme, LARGE));
+    assert!(s.contains("121 ms") && s.contains("4.50 ms"), "each GPU's step and collectives:\n{s}");
+    // A run on one device has no such box.
+    let (one, _) = replayed(RUN, &[Control::ToEnd]);
+    assert!(!screen(&draw(&one, &view(View::Overview), &theme)).contains("GPUs"));
+}

@@ -27,6 +27,15 @@
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
 //!
+//! `MJ_GPUS=N` (N > 1) then trains the same model data parallel on N GPUs (on the host device,
+//! N simulated ones) at the same global batch (each GPU its `MJ_BATCH / N` sequences), from the
+//! same initial weights and batches, and prints each GPU's step breakdown (compute, waits, the
+//! optimizer, its gradient reductions' time on the device, the H2D and D2H bytes, its host
+//! optimizer's time), the tokens a second against the one-GPU run's (the scaling), both loss
+//! curves, and the host memory each run took (peak resident set over what was there before, and
+//! what the plans count) with its ratio. Two GPUs:
+//! `MJ_GPUS=2 cargo bench -p stagehand-examples --bench main_job`.
+//!
 //! Run: `cargo bench -p stagehand-examples --bench main_job`.
 
 use stagehand::device::{bandwidth, Device};
@@ -35,7 +44,7 @@ use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad, Moments};
 use stagehand::precision::QUANT_BLOCK;
 use stagehand::torch::optim::{fused_adam, AdamStep, FusedAdam};
 use stagehand::{Precision, StateStorage};
-use stagehand_examples::trainer::{time_forward_backward, train, train_stagehand, Memory, Summary, TrainConfig};
+use stagehand_examples::trainer::{time_forward_backward, train, train_group, train_stagehand, Memory, Summary, TrainConfig};
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, Tensor};
@@ -161,6 +170,17 @@ fn host_memory() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// Hands freed heap memory back to the system and restarts the resident set's high-water mark,
+/// so that the next run's peak counts only what it holds.
+fn reset_host_memory() {
+    // SAFETY: glibc's malloc_trim only releases free memory of the allocator's arenas.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    // "5" restarts VmHWM (Linux 4.0 and later); a kernel without it keeps the process's peak.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
@@ -244,6 +264,7 @@ fn main() -> anyhow::Result<()> {
         other => anyhow::bail!("MJ_RESIDENT={other}: one of train, fwdbwd, skip"),
     };
     device.synchronize()?;
+    reset_host_memory();
     let (rss_before, _) = host_memory();
 
     // ---- Stagehand, with telemetry written and exported ------------------------------------
@@ -460,6 +481,10 @@ fn main() -> anyhow::Result<()> {
         );
     }
     let _ = metrics.render();
+    let gpus = env("MJ_GPUS", 1).max(1) as usize;
+    if gpus > 1 {
+        data_parallel(&cfg, gpus, cuda, budget, &s, customize, (hwm.saturating_sub(rss_before), rss_before))?;
+    }
     if std::env::var_os("MJ_COMPARE_DISABLED").is_some() {
         // The same run with no event bus: what every sink together (the full-level file and
         // the metrics) costs the step.
@@ -473,5 +498,95 @@ fn main() -> anyhow::Result<()> {
             100.0 * (step_s / quiet_s.max(1e-12) - 1.0)
         );
     }
+    Ok(())
+}
+
+/// `MJ_GPUS`: the same model data parallel on `gpus` GPUs at the same global batch, against the
+/// one-GPU run `one` (its host memory: peak growth over what was there before, and that base).
+fn data_parallel(
+    cfg: &TrainConfig,
+    gpus: usize,
+    cuda: bool,
+    budget: u64,
+    one: &Summary,
+    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+    (one_host, _): (u64, u64),
+) -> anyhow::Result<()> {
+    use stagehand::parallel::Devices;
+    let devices = if cuda { Devices::cuda(gpus)? } else { Devices::host(gpus, budget) };
+    println!();
+    println!(
+        "data parallel: {gpus} GPUs ({}), the same global batch of {} sequences ({} each), the same initial weights and batches{}",
+        if cuda { "cuda" } else { "host-simulated" },
+        cfg.batch,
+        cfg.batch / gpus as i64,
+        if cuda { stagehand::parallel::nccl_version().map(|v| format!(", NCCL {v}")).unwrap_or_default() } else { String::new() }
+    );
+    reset_host_memory();
+    let (before, _) = host_memory();
+    let t0 = Instant::now();
+    let ranks = train_group(cfg, devices, &Bus::disabled(), |_, _, _, _| {}, Default::default(), customize)?;
+    let (_, hwm) = host_memory();
+    let group_host = hwm.saturating_sub(before);
+    println!("  {:.1} s in all", t0.elapsed().as_secs_f64());
+    let one_s = mean(steady(&one.step_times));
+    // The group's step ends when its slowest rank's does.
+    let steps = ranks.iter().map(|r| r.summary.step_times.len()).min().unwrap_or(0);
+    let group_times: Vec<f64> = (0..steps).map(|i| ranks.iter().map(|r| r.summary.step_times[i]).fold(0.0, f64::max)).collect();
+    let group_s = mean(steady(&group_times));
+    for r in &ranks {
+        let b: Vec<StepTimeBreakdown> = steady(&r.summary.breakdowns).to_vec();
+        let avg = |f: fn(&StepTimeBreakdown) -> f64| b.iter().map(f).sum::<f64>() / b.len().max(1) as f64;
+        let w = steady(&r.weights);
+        let wavg = |f: &dyn Fn(&stagehand::events::WeightStepMetrics) -> f64| w.iter().map(f).sum::<f64>() / w.len().max(1) as f64;
+        println!(
+            "  GPU {}: {:.1} ms/step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, stalls {:.1}, optimizer {:.1}, other {:.1}; collectives {:.2} ms on the device ({:.1} MiB reduced); H2D {:.1} MiB, D2H {:.1} MiB; host optimizer {:.1} ms; peak {:.0} MiB of {:.0} MiB",
+            r.device,
+            mean(steady(&r.summary.step_times)) * 1e3,
+            avg(|b| b.compute_ms),
+            avg(|b| b.h2d_wait_ms),
+            avg(|b| b.d2h_wait_ms),
+            avg(|b| b.weight_stall_ms + b.restore_stall_ms),
+            avg(|b| b.optimizer_ms),
+            avg(|b| b.other_ms),
+            wavg(&|w| w.collective_ms),
+            wavg(&|w| w.collective_bytes as f64) / MIB,
+            wavg(&|w| w.h2d_bytes as f64) / MIB,
+            wavg(&|w| w.d2h_bytes as f64) / MIB,
+            mean(steady(&r.host_optimizer_ms)),
+            r.summary.peak_bytes as f64 / MIB,
+            budget as f64 / MIB
+        );
+        let over: Vec<u64> = r.summary.step_peaks.iter().copied().filter(|&p| p > budget).collect();
+        if !over.is_empty() {
+            println!("    GPU {} went OVER its budget in {} step(s): {:?} MiB", r.device, over.len(), over.iter().map(|b| b >> 20).collect::<Vec<_>>());
+        }
+    }
+    let (one_tps, group_tps) = (cfg.tokens() as f64 / one_s.max(1e-12), cfg.tokens() as f64 / group_s.max(1e-12));
+    println!(
+        "  tokens/s: {group_tps:.0} on {gpus} GPUs against {one_tps:.0} on one: {:.2}x (target: {})",
+        group_tps / one_tps.max(1e-12),
+        match gpus {
+            2 => ">= 1.85x",
+            4 => ">= 3.6x",
+            _ => "none set",
+        }
+    );
+    let losses = &ranks[0].summary.losses;
+    println!("  losses one GPU   {:?}", one.losses);
+    println!("  losses {gpus} GPUs  {:?}", losses);
+    let drift = one.losses.iter().zip(losses).map(|(a, b)| (a - b).abs() / a.abs().max(1e-12)).fold(0.0, f64::max);
+    println!("  largest relative loss difference: {drift:.2e} (the reduction adds in another order)");
+    let plan_one = one.plan.as_ref().map_or(0, |p| p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes);
+    let plan_group: u64 = ranks.iter().map(|r| r.plan_host_bytes).sum();
+    println!(
+        "  host memory: {:.2} GiB on {gpus} GPUs against {:.2} GiB on one ({:.2}x; peak resident set over what was there before the run); the plans count {:.2} GiB against {:.2} GiB ({:.2}x)",
+        group_host as f64 / (1u64 << 30) as f64,
+        one_host as f64 / (1u64 << 30) as f64,
+        group_host as f64 / one_host.max(1) as f64,
+        plan_group as f64 / (1u64 << 30) as f64,
+        plan_one as f64 / (1u64 << 30) as f64,
+        plan_group as f64 / plan_one.max(1) as f64
+    );
     Ok(())
 }

@@ -180,7 +180,7 @@ impl TrainConfig {
 }
 
 /// Called with the memory plan once it is known.
-pub type OnPlan<'a> = Box<dyn FnMut(&Plan) + 'a>;
+pub type OnPlan<'a> = Box<dyn FnMut(&Plan) + Send + 'a>;
 
 /// What a caller adds to a run beyond each step's progress.
 #[derive(Default)]
@@ -634,6 +634,152 @@ fn stagehand_run(
     s.checksums = sh.checksum_counts();
     sh.finish()?;
     Ok(s)
+}
+
+/// One GPU's record of a data-parallel run ([`train_group`]).
+#[derive(Debug, Clone)]
+pub struct RankSummary {
+    pub rank: usize,
+    /// Its device's index.
+    pub device: u32,
+    /// Its steps: the group's loss (every rank reports the same), its own step times, time
+    /// breakdowns and peaks, its plan.
+    pub summary: Summary,
+    /// Its weight runtime's figures of each step: the copies (H2D weights, D2H gradient
+    /// shards) and its gradient reductions' time on the device (`collective_ms`).
+    pub weights: Vec<stagehand::events::WeightStepMetrics>,
+    /// Milliseconds its host optimizer worker spent stepping its shards, by step.
+    pub host_optimizer_ms: Vec<f64>,
+    /// Host bytes its plan counts: pinned weights (rank 0: the one copy) and gradient shards,
+    /// optimizer state, float32 masters.
+    pub plan_host_bytes: u64,
+}
+
+/// The global batches of a data-parallel run, each drawn once, in step order, from the
+/// process's generator (as one device's loop draws them), and shared by the ranks, each of
+/// which trains on its slice.
+struct SharedBatches {
+    world: usize,
+    cfg: (i64, i64, i64),
+    /// By step: the batch and how many ranks took it.
+    drawn: std::sync::Mutex<std::collections::BTreeMap<u64, (crate::data::Batch, usize)>>,
+}
+
+impl SharedBatches {
+    fn take(&self, step: u64) -> crate::data::Batch {
+        let mut d = self.drawn.lock().unwrap_or_else(|p| p.into_inner());
+        let (batch, block, vocab) = self.cfg;
+        let e = d.entry(step).or_insert_with(|| (progression_batch(batch, block, vocab, tch::Device::Cpu), 0));
+        e.1 += 1;
+        let out = crate::data::Batch { inputs: e.0.inputs.shallow_clone(), targets: e.0.targets.shallow_clone() };
+        if e.1 == self.world {
+            d.remove(&step);
+        }
+        out
+    }
+}
+
+/// Trains the GPT data parallel over `devices` (one rank each, the budget each device's) on
+/// the global batch `cfg.batch`, each rank on its slice: the steps one device trains with
+/// [`train_with`] over the same batches (drawn from the same generator). `on_step(rank, step,
+/// loss, seconds)` runs on each rank's thread after its steps; `hooks.on_plan` gets rank 0's
+/// plan; `hooks.stop` ends every rank after the same step (the ranks decide together). Each
+/// rank's host optimizer takes its share of `cfg.thread_count()`. Returns each rank's record.
+pub fn train_group(
+    cfg: &TrainConfig,
+    devices: Vec<Device>,
+    bus: &Bus,
+    on_step: impl Fn(usize, u64, f64, f64) + Sync,
+    hooks: Hooks<'_>,
+    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+) -> Result<Vec<RankSummary>> {
+    let world = devices.len();
+    anyhow::ensure!(world > 0 && cfg.batch % world as i64 == 0, "a global batch of {} sequences over {world} GPUs: a multiple of the GPU count", cfg.batch);
+    tch::set_num_threads(cfg.thread_count() as i32);
+    let mut builder = Stagehand::builder()
+        .budget_bytes(cfg.budget_bytes)
+        .devices(devices)
+        .bus(bus.clone())
+        .conductor(cfg.conductor)
+        .precision(cfg.precision)
+        .optimizer_state(cfg.optimizer_state)
+        .host_optimizer_threads((cfg.thread_count() / world).max(1));
+    if let Some(k) = cfg.kernel {
+        builder = builder.kernel(k);
+    }
+    let group = customize(builder).build_group()?;
+    let batches = SharedBatches {
+        world,
+        cfg: (cfg.batch, cfg.model.block_size, cfg.model.vocab),
+        drawn: std::sync::Mutex::new(Default::default()),
+    };
+    let Hooks { on_plan, stop } = hooks;
+    let on_plan = std::sync::Mutex::new(on_plan);
+    // As one device's loop: seeded before the model is built (rank 0's build draws what one
+    // device's would; the group puts the generator back after the other ranks').
+    tch::manual_seed(cfg.seed);
+    let model_cfg = cfg.model;
+    let tokens = cfg.tokens() / world as u64;
+    let ranks = group.run(
+        |sh| Gpt::new(&StreamedLayers(sh.store()), model_cfg),
+        |sh, model| -> Result<RankSummary> {
+            sh.set_tokens_per_step(tokens);
+            let mut opt = sh.optimizer(nn::AdamW::default(), cfg.learning_rate)?;
+            let plan = sh.prepare()?;
+            if sh.rank() == 0 {
+                if let Some(f) = on_plan.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                    f(&plan);
+                }
+            }
+            let mut s = Summary {
+                steps: 0,
+                stopped: false,
+                losses: Vec::new(),
+                step_times: Vec::new(),
+                breakdowns: Vec::new(),
+                activations_spilled: 0,
+                spill_bytes: 0,
+                peak_bytes: 0,
+                step_peaks: Vec::new(),
+                plan: None,
+                guards: None,
+                checksums: None,
+            };
+            let (mut weights, mut host_ms) = (Vec::new(), Vec::new());
+            for step in 1..=cfg.steps {
+                // Every rank stops after the same step, or none does.
+                if sh.any_rank(stop.is_some_and(|s| s.load(Ordering::SeqCst)))? {
+                    s.stopped = true;
+                    break;
+                }
+                let batch = batches.take(step);
+                let (x, y) = (sh.shard(&batch.inputs)?, sh.shard(&batch.targets)?);
+                let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&*model, &x), &y))?;
+                if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
+                    s.activations_spilled += m.activations_spilled;
+                    s.spill_bytes += m.spill_bytes;
+                }
+                s.peak_bytes = s.peak_bytes.max(r.vram_peak_bytes);
+                s.step_peaks.push(r.vram_peak_bytes);
+                s.losses.push(r.loss);
+                s.step_times.push(r.step_ms / 1e3);
+                s.breakdowns.push(r.time);
+                s.steps = step;
+                weights.push(sh.weights().last_step_metrics());
+                host_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
+                on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);
+            }
+            opt.wait()?;
+            s.plan = sh.plan();
+            s.guards = sh.guard_checks();
+            s.checksums = sh.checksum_counts();
+            sh.finish()?;
+            let plan_host_bytes = s.plan.as_ref().map_or(0, |p| p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes);
+            Ok(RankSummary { rank: sh.rank(), device: sh.device().info().index, summary: s, weights, host_optimizer_ms: host_ms, plan_host_bytes })
+        },
+    )?;
+    group.flush();
+    Ok(ranks)
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@
 //! low-cardinality (direction, owner, state, pool, class index, reason, phase, part); block and
 //! tensor ids stay in the events and never become labels. Every series carries the const labels
 //! `device` (the CUDA ordinal) and `device_name`, as GPU exporters (DCGM, nvidia_gpu_exporter)
-//! label theirs, so the series can be joined.
+//! label theirs, so the series can be joined. A data-parallel run's events carry their device:
+//! each device gets series of its own (its `device` label), fed by its events and the run's.
 
 use crate::catalog::{Kind, CATALOG};
 use crate::mapping::{initial, Mapper, Observation, Value};
@@ -137,13 +138,22 @@ struct Inner {
     families: Families,
     mapper: Mapper,
     scratch: Vec<Observation>,
+    /// A data-parallel run: each device's series, by its index (empty for a run on one device,
+    /// whose events carry none).
+    lanes: std::collections::BTreeMap<u32, (Families, Mapper)>,
+    /// The run's `run_started`, for a device's series made after it.
+    started: Option<Event>,
 }
+
+/// Devices with series of their own, at most (events of others go to the run's series).
+const MAX_LANES: usize = 64;
 
 impl Inner {
     /// Fresh series under `labels` and an empty run: what Prometheus reads as a counter reset.
     fn restart(&mut self, labels: &DeviceLabels) -> Result<()> {
         self.families = Families::new(labels)?;
         self.mapper = Mapper::new();
+        self.lanes.clear();
         Ok(())
     }
 
@@ -156,11 +166,48 @@ impl Inner {
                 self.restart(&labels)?;
                 self.labels = Some(labels);
             }
+            self.started = Some(e.clone());
+        }
+        if let Some(d) = e.device {
+            if self.lanes.contains_key(&d) || self.lanes.len() < MAX_LANES {
+                self.lane_event(d, e)?;
+                return Ok(());
+            }
+        }
+        // The run's own events reach every device's series too.
+        if e.device.is_none() {
+            let devices: Vec<u32> = self.lanes.keys().copied().collect();
+            for d in devices {
+                self.lane_event(d, e)?;
+            }
         }
         self.scratch.clear();
         self.mapper.on_event(e, &mut self.scratch);
         for o in &self.scratch {
             self.families.apply(o);
+        }
+        Ok(())
+    }
+
+    /// Applies `e` to device `d`'s series, made (with the run's start) at its first event.
+    fn lane_event(&mut self, d: u32, e: &Event) -> Result<()> {
+        if !self.lanes.contains_key(&d) {
+            let name = self.labels.as_ref().map(|l| l.device_name.clone()).unwrap_or_default();
+            let mut lane = (Families::new(&DeviceLabels::new(d, name))?, Mapper::new());
+            if let Some(s) = &self.started {
+                self.scratch.clear();
+                lane.1.on_event(s, &mut self.scratch);
+                for o in &self.scratch {
+                    lane.0.apply(o);
+                }
+            }
+            self.lanes.insert(d, lane);
+        }
+        let Some((families, mapper)) = self.lanes.get_mut(&d) else { return Ok(()) };
+        self.scratch.clear();
+        mapper.on_event(e, &mut self.scratch);
+        for o in &self.scratch {
+            families.apply(o);
         }
         Ok(())
     }
@@ -172,6 +219,32 @@ impl Inner {
         for o in &self.scratch {
             self.families.apply(o);
         }
+        for (families, mapper) in self.lanes.values() {
+            self.scratch.clear();
+            mapper.gauges(&mut self.scratch);
+            for o in &self.scratch {
+                families.apply(o);
+            }
+        }
+    }
+
+    /// What `/metrics` shows: the run's series, or each device's of a data-parallel run (one
+    /// family per name, its series from every device).
+    fn gather(&mut self) -> Vec<prometheus::proto::MetricFamily> {
+        self.refresh_gauges();
+        if self.lanes.is_empty() {
+            return self.families.registry.gather();
+        }
+        let mut out: Vec<prometheus::proto::MetricFamily> = Vec::new();
+        for (families, _) in self.lanes.values() {
+            for mut f in families.registry.gather() {
+                match out.iter_mut().find(|o| o.name() == f.name()) {
+                    Some(o) => o.mut_metric().extend(f.take_metric()),
+                    None => out.push(f),
+                }
+            }
+        }
+        out
     }
 }
 
@@ -231,6 +304,8 @@ impl Metrics {
                 families,
                 mapper: Mapper::new(),
                 scratch: Vec::new(),
+                lanes: std::collections::BTreeMap::new(),
+                started: None,
             })),
         })
     }
@@ -250,6 +325,8 @@ impl Metrics {
     }
 
     /// The registry, for callers that gather or serve it themselves. Gauges are refreshed first.
+    /// A data-parallel run's devices have registries of their own: [`render`](Self::render)
+    /// shows them all.
     pub fn registry(&self) -> Registry {
         let mut inner = self.lock();
         inner.refresh_gauges();
@@ -258,11 +335,7 @@ impl Metrics {
 
     /// The metrics in the Prometheus text format ([`TEXT_CONTENT_TYPE`]).
     pub fn render(&self) -> Result<String> {
-        let families = {
-            let mut inner = self.lock();
-            inner.refresh_gauges();
-            inner.families.registry.gather()
-        };
+        let families = self.lock().gather();
         let mut buf = Vec::new();
         TextEncoder::new().encode(&families, &mut buf)?;
         String::from_utf8(buf).map_err(|e| Error::Encode(e.to_string()))

@@ -240,3 +240,51 @@ fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
         assert!(value(&s, name, &[]) > 0.0, "{name}");
     }
 }
+
+#[test]
+fn each_device_of_a_data_parallel_run_has_its_series() {
+    use stagehand::events::model::{CopyCount, DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, StepCounts, TransferId};
+    let started = Event::new(
+        1,
+        0,
+        0,
+        Phase::Idle,
+        EventKind::RunStarted {
+            run_id: "r".into(),
+            wall_clock_unix_ms: 0,
+            device: DeviceInfo { kind: DeviceKind::Cuda, index: 0, name: "NVIDIA H100".into(), total_bytes: 80 << 30 },
+            model: "m".into(),
+            versions: Default::default(),
+            config: serde_json::Value::Null,
+        },
+    );
+    let mut events = vec![started];
+    // Each device's copies and their step's counts (the counters' source), as its step closer
+    // publishes them.
+    for (seq, (device, step, bytes)) in [(0u32, 1u64, 1000u64), (1, 1, 3000), (1, 2, 500)].into_iter().enumerate() {
+        let id = TransferId(seq as u64);
+        let kind = EventKind::TransferCompleted { id, dir: Direction::Collective, owner: Owner::Weights, bytes, duration_ms: Some(1.0) };
+        events.push(Event::new(2 * seq as u64 + 2, 10, step, Phase::Backward, kind).on_device(Some(device)));
+        let mut counts = StepCounts::default();
+        counts.copies.entry(Direction::Collective).or_default().insert(Owner::Weights, CopyCount { count: 1, bytes });
+        events.push(Event::new(2 * seq as u64 + 3, 11, step, Phase::StepEnd, EventKind::StepCounts(Box::new(counts))).on_device(Some(device)));
+    }
+    let mut sink = Metrics::new();
+    for e in &events {
+        sink.on_event(e);
+    }
+    let text = sink.render().expect("renders");
+    let s = scrape(&text);
+    for (device, bytes) in [("0", 1000.0), ("1", 3500.0)] {
+        let labels = [("direction", "collective"), ("device", device), ("device_name", "NVIDIA H100")];
+        assert_eq!(value(&s, "stagehand_transfer_bytes_total", &labels), bytes, "device {device}");
+    }
+    // One family per name, one series per label set.
+    let mut seen = std::collections::HashSet::new();
+    for x in &s.samples {
+        let mut labels: Vec<String> = x.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        assert!(seen.insert((x.metric.clone(), labels.join(","))), "duplicate series {} {:?}", x.metric, x.labels);
+    }
+    assert_eq!(text.matches("# TYPE stagehand_transfer_bytes_total ").count(), 1);
+}

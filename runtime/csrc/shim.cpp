@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
@@ -25,6 +26,7 @@
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_fused_sgd.h>
+#include <ATen/ops/empty.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
@@ -611,6 +613,38 @@ int stagehand_tf32() { return at::globalContext().allowTF32CuBLAS() ? 1 : 0; }
 // libgomp's (libtorch's OpenMP runtime): sets the calling thread's team size for its parallel
 // regions, and no other thread's.
 void omp_set_num_threads(int n);
+
+// The default CPU generator's state (the random numbers tch's initialisers and `randn` draw
+// next): its size in bytes, copied into `out` when `cap` holds it; 0 when it cannot be read.
+size_t stagehand_cpu_rng_state(uint8_t* out, size_t cap) {
+  try {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    at::Tensor state = gen.get_state();
+    size_t n = state.nbytes();
+    if (out != nullptr && n <= cap) {
+      std::memcpy(out, state.data_ptr(), n);
+    }
+    return n;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// Puts the default CPU generator back to a state read by stagehand_cpu_rng_state.
+int stagehand_cpu_rng_set_state(const uint8_t* in, size_t len, char* err, size_t err_len) {
+  try {
+    at::Tensor state = at::empty({static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(state.data_ptr(), in, len);
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return 1;
+  }
+}
 
 void stagehand_set_local_intra_op_threads(int n) {
   // at::set_num_threads would also change the process-wide count that every thread adopts at

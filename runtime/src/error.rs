@@ -121,6 +121,14 @@ pub enum Error {
     #[cfg(feature = "torch")]
     #[error("{0}")]
     OutOfMemory(Box<crate::session::OomReport>),
+    /// A rank of a data-parallel group failed, which stopped every rank: the rank, its device
+    /// and the cause (its error, a panic in the training closure, a collective that did not
+    /// complete in time). Every rank's calls return it, so no rank waits for one that is gone.
+    #[error("rank {rank} ({device}) failed: {cause}; every rank of the group stopped")]
+    RankFailed { rank: usize, device: String, cause: String },
+    /// An NCCL call failed, or the library could not be loaded.
+    #[error("nccl: {what}: {message}")]
+    Nccl { what: String, message: String },
     /// Attaching the telemetry file or the flight recorder failed.
     #[error("telemetry: {0}")]
     Telemetry(#[from] crate::events::telemetry::TelemetryError),

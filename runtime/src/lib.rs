@@ -2,6 +2,8 @@
 
 #[cfg(feature = "torch")]
 pub mod checkpoint;
+#[cfg(feature = "torch")]
+pub(crate) mod collective;
 pub mod conductor;
 #[cfg(feature = "torch")]
 pub mod device;
@@ -15,6 +17,8 @@ pub mod activations;
 pub mod nn;
 #[cfg(feature = "torch")]
 pub mod optim;
+#[cfg(feature = "torch")]
+pub mod parallel;
 #[cfg(feature = "torch")]
 pub(crate) mod pinned;
 pub mod precision;

@@ -236,6 +236,22 @@
       h("td", {}, d.what), h("td", { class: "reason " + d.concern }, d.reason))));
   }
 
+  // ---- a data-parallel run's GPUs --------------------------------------------------------------
+  function gpus(list) {
+    $("gpus-card").classList.toggle("hidden", !list.length);
+    if (!list.length) return;
+    $("gpus-first").textContent = String(list[0].device);
+    fill($("gpus-rows"), list.map((g) => h("tr", { "data-testid": "gpu", "data-device": String(g.device) },
+      h("td", {}, "GPU " + g.device), h("td", { "data-testid": "gpu-step", "data-value": String(g.step) }, String(g.step)),
+      h("td", {}, h("span", { class: "phase-chip ph-" + g.phase }, g.phase)),
+      h("td", {}, g.loss == null ? "-" : g.loss.toFixed(4)),
+      h("td", {}, ms(g.step_ms)), h("td", {}, ms(g.compute_ms)), h("td", {}, ms(g.h2d_wait_ms)), h("td", {}, ms(g.optimizer_ms)),
+      h("td", { "data-testid": "gpu-collective-ms", "data-value": g.collective_ms == null ? "" : String(g.collective_ms) }, ms(g.collective_ms)),
+      h("td", { "data-testid": "gpu-collective-bytes", "data-value": String(g.collective_bytes) }, bytes(g.collective_bytes)),
+      h("td", {}, bytes(g.h2d_bytes)), h("td", {}, bytes(g.d2h_bytes)),
+      h("td", {}, bytes(g.allocated_bytes)), h("td", {}, bytes(g.peak_bytes)), h("td", {}, bytes(g.budget_bytes)))));
+  }
+
   // ---- the run's own description (/api/run), nested config included -------------------------------
   function tree(value) {
     if (value === null || typeof value !== "object") return h("span", { class: "val" }, JSON.stringify(value));
@@ -322,6 +338,7 @@
     transfers(view.transfers);
     activations(view.activations);
     conductor(view.conductor);
+    gpus(view.gpus);
     replay(view.replay);
     takeLog(msg.log);
   }

@@ -243,6 +243,50 @@ fn a_page_opened_after_the_run_shows_how_it_ended() {
     assert_eq!(n.as_u64(), Some(stagehand_web::RECENT_EVENTS as u64), "the log is filled from history");
 }
 
+/// A data-parallel run of two GPUs: each lane its copy of the synthetic run's step events.
+fn two_gpu_events(steps: u64) -> Vec<Event> {
+    let mut out = Vec::new();
+    for e in run_events(steps) {
+        match e.kind {
+            EventKind::RunStarted { .. } | EventKind::RunEnded { .. } => out.push(e),
+            _ => {
+                out.push(e.clone().on_device(Some(0)));
+                out.push(e.on_device(Some(1)));
+            }
+        }
+    }
+    for (i, e) in out.iter_mut().enumerate() {
+        e.seq = i as u64 + 1;
+    }
+    out
+}
+
+#[test]
+fn a_data_parallel_run_shows_each_gpu() {
+    let Some((chromium, chromedriver)) = browser() else { return };
+    let hub = Arc::new(Hub::new());
+    let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
+    for e in two_gpu_events(3) {
+        hub.ingest(e);
+    }
+    let profile = tempfile::tempdir().expect("profile dir");
+    let driver = Driver::start(&chromium, &chromedriver, profile.path());
+    driver.open(&server.url());
+    let api = snapshot(server.addr());
+    let total = api.events_applied.to_string();
+    driver.wait_for("the finished run", |f| f.get("events-applied") == Some(&total));
+    let rows = driver.script(
+        "return Array.from(document.querySelectorAll('[data-testid=gpu]')).map(r => [r.dataset.device, r.querySelector('[data-testid=gpu-step]').dataset.value]);",
+    );
+    let want: Vec<Value> = api.lanes.values().map(|l| json!([l.device.to_string(), l.step.to_string()])).collect();
+    assert_eq!(api.lanes.len(), 2);
+    assert_eq!(rows, Value::Array(want), "a row per GPU, at its step");
+    assert_eq!(driver.script("return document.querySelector('[data-testid=gpus]').offsetParent !== null;"), json!(true), "the GPUs card shows");
+    save("web-dashboard-gpus.png", &driver.full_page_screenshot());
+    drop(driver);
+    server.shutdown().expect("shuts down");
+}
+
 #[test]
 fn replay_page_follows_its_controls_and_says_the_speed_in_force() {
     let Some((chromium, chromedriver)) = browser() else { return };

@@ -10,6 +10,7 @@ mod chrome;
 mod conductor;
 mod events;
 mod findings;
+mod gpus;
 mod memory;
 mod overview;
 mod parts;

@@ -23,13 +23,19 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
     let vram_h = if tall { 7 } else { 5 };
     let step_h = if tall { 6 } else { 5 };
     let findings_h = findings::summary_rows(&state.snapshot, area.width as usize);
-    let [vram, step, found, counters] = Layout::vertical([
+    // A data-parallel run's GPUs first (nothing on one device).
+    let gpus_h = super::gpus::height(state);
+    let [gpus, vram, step, found, counters] = Layout::vertical([
+        Constraint::Length(gpus_h),
         Constraint::Length(vram_h),
         Constraint::Length(step_h),
         Constraint::Length(findings_h),
         Constraint::Min(3),
     ])
     .areas(area);
+    if gpus_h > 0 {
+        super::gpus::draw(f, gpus, state, theme);
+    }
     draw_vram(f, vram, state, tall, theme);
     draw_step(f, step, state, tall, theme);
     findings::draw_summary(f, found, &state.snapshot, theme);

@@ -19,6 +19,7 @@ pub(crate) fn reference_gbps(state: &State, dir: Direction) -> (f64, &'static st
     let key = match dir {
         Direction::H2d => "/bandwidth/h2d_gbps",
         Direction::D2h => "/bandwidth/d2h_gbps",
+        Direction::Collective => "/bandwidth/collective_gbps",
     };
     if let Some(g) = state
         .snapshot
@@ -55,6 +56,8 @@ fn draw_dir(f: &mut Frame<'_>, area: Rect, state: &State, dir: Direction, theme:
     let (cap, slots) = match dir {
         Direction::H2d => (c.hints.max_inflight_h2d, c.h2d_inflight),
         Direction::D2h => (c.hints.max_inflight_d2h, c.d2h_inflight),
+        // Collectives take no transfer slot.
+        Direction::Collective => (None, 0),
     };
     let (reference, what) = reference_gbps(state, dir);
     let w = area.width.saturating_sub(2) as usize;
@@ -84,6 +87,8 @@ fn draw_dir(f: &mut Frame<'_>, area: Rect, state: &State, dir: Direction, theme:
         (Direction::D2h, false) => " D2H (device to host) ",
         (Direction::H2d, true) => " H2D (simulated: host memory copies) ",
         (Direction::D2h, true) => " D2H (simulated: host memory copies) ",
+        (Direction::Collective, false) => " collectives (between the GPUs) ",
+        (Direction::Collective, true) => " collectives (simulated: host memory sums) ",
     };
     f.render_widget(Paragraph::new(lines).block(boxed(title, theme)), area);
 }

@@ -15,7 +15,7 @@ use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::{Bus, Event, EventKind, EventSink};
 use stagehand_examples::process::{sibling, Stop};
 use stagehand_examples::report::Report;
-use stagehand_examples::trainer::{announce_with, demo_budget, train_with, Hooks, Memory, TrainConfig, DEMO_DEFAULTS};
+use stagehand_examples::trainer::{announce_with, demo_budget, train_group, train_with, Hooks, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand::{Precision, StateStorage};
 use stagehand_web::cli::ServeArgs;
 use std::path::PathBuf;
@@ -68,6 +68,11 @@ struct Args {
     /// Run on the host device even when CUDA is present.
     #[arg(long)]
     cpu: bool,
+    /// Train data parallel on this many GPUs (CUDA devices 0..N; without CUDA, or with --cpu,
+    /// N simulated host devices), each under the budget, on its slice of the batch, all streaming
+    /// from one host copy of the model. The batch is the global batch (a multiple of N).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    gpus: u64,
     /// What the run computes and updates in: fp32, tf32 (float32 storage, TF32 matmuls on
     /// CUDA), bf16 or fp16 (16-bit weights and gradients on the device and over PCIe, float32
     /// masters and optimizer state on the host; fp16 with dynamic loss scaling), or auto: bf16
@@ -197,6 +202,10 @@ fn main() -> Result<()> {
     let asked = args.budget_mib.unwrap_or(DEMO_DEFAULTS.budget_mib);
     let asked = asked.checked_mul(1 << 20).context("--budget-mib is too large")?;
     let device = if args.cpu { Device::host(asked) } else { Device::auto(asked) };
+    let gpus = args.gpus as usize;
+    if gpus > 1 && args.resident {
+        anyhow::bail!("--resident trains plain tch on one device: leave out --gpus {gpus}");
+    }
     let above = args.budget_mib.is_none().then(|| DEMO_DEFAULTS.budget_above(&device));
     let budget = demo_budget(&device, above)?.unwrap_or(asked);
     let info = device.info();
@@ -262,12 +271,23 @@ fn main() -> Result<()> {
         },
     });
 
+    // The devices of a data-parallel run: the GPUs when CUDA is here (all N of them, or an
+    // error), else N simulated host devices.
+    let group_devices = (gpus > 1)
+        .then(|| -> Result<Vec<Device>> {
+            Ok(if device.is_cuda() { stagehand::parallel::Devices::cuda(gpus)? } else { stagehand::parallel::Devices::host(gpus, budget) })
+        })
+        .transpose()?;
     println!("stagehand demo: {}", cfg.describe());
     println!(
-        "  device     {}{}",
+        "  device     {}{}{}",
         info.name,
-        if info.host_simulated() { " (no CUDA: VRAM is simulated on the host)" } else { "" }
+        if info.host_simulated() { " (no CUDA: VRAM is simulated on the host)" } else { "" },
+        if gpus > 1 { format!(", {gpus} of them: data parallel, each its slice of the batch, one host copy of the model") } else { String::new() }
     );
+    if gpus > 1 && device.is_cuda() {
+        println!("  nccl       {}", stagehand::parallel::nccl_version()?);
+    }
     println!(
         "  precision  {}{}{}",
         precision,
@@ -310,7 +330,11 @@ fn main() -> Result<()> {
             println!("  memory     resident: plain tch, no streaming, no spilling, no budget (--resident)")
         }
         Memory::Stagehand => {
-            println!("  memory     one Stagehand handle with a {:.0} MiB budget", mib(budget));
+            if gpus > 1 {
+                println!("  memory     a Stagehand handle per GPU, each with a {:.0} MiB budget", mib(budget));
+            } else {
+                println!("  memory     one Stagehand handle with a {:.0} MiB budget", mib(budget));
+            }
             if !cfg.conductor {
                 println!("  conductor  off (--no-conductor)");
             }
@@ -365,12 +389,23 @@ fn main() -> Result<()> {
         resident_telemetry = Some(telemetry::attach(&bus, tcfg.clone()).context("attaching the telemetry")?);
         announce_with(&bus, &cfg, &device, &run_id, described.clone());
     }
-    let trained = train_with(&cfg, &device, &bus, on_step, hooks, |builder| {
+    let customize = |builder| {
         knobs(&args, builder).telemetry(tcfg).guards(args.guards).checksums(args.checksums).attach(move |_| {
             announce_with(&b, &c, &d, &r, described);
             Ok(Box::new(()))
         })
-    });
+    };
+    let mut ranks = Vec::new();
+    let trained = match group_devices {
+        // Rank 0 drives the progress bar (the ranks step together).
+        Some(devices) => train_group(&cfg, devices, &bus, |rank, step, loss, dt| if rank == 0 { on_step(step, loss, dt) }, hooks, customize)
+            .map(|r| {
+                ranks = r;
+                ranks.first().map(|r| r.summary.clone())
+            })
+            .and_then(|s| s.context("a group of no ranks")),
+        None => train_with(&cfg, &device, &bus, on_step, hooks, customize),
+    };
     if trained.is_err() {
         bar.abandon();
     }
@@ -395,6 +430,22 @@ fn main() -> Result<()> {
     };
     for line in report.lines() {
         println!("{line}");
+    }
+    // Each GPU of a data-parallel run: its own lane (the lines above follow GPU 0).
+    for r in &ranks {
+        let lane = snap.lanes.get(&r.device);
+        let moved = lane.map(|l| l.transfers).unwrap_or_default();
+        let steady = r.weights.iter().skip(1);
+        let coll = steady.clone().map(|w| w.collective_ms).sum::<f64>() / r.weights.len().saturating_sub(1).max(1) as f64;
+        println!(
+            "  GPU {}      {:.1} ms/step, peak {:.1} MiB; moved {:.1} MiB H2D, {:.1} MiB D2H; collectives {:.1} MiB reduced, {coll:.2} ms a step on the device",
+            r.device,
+            r.summary.steady_step_s() * 1e3,
+            mib(r.summary.peak_bytes),
+            mib(moved.h2d.bytes),
+            mib(moved.d2h.bytes),
+            mib(moved.collective.bytes)
+        );
     }
     if writes_file {
         let size = std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);

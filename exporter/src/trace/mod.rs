@@ -3,10 +3,11 @@
 //! memory does not grow with the file (what is held is bounded: the open step's phases, the
 //! copies in flight, the copy lanes, the pool classes).
 //!
-//! One process for the run; one track for the compute stream, which carries a slice per step
-//! with its phases nested inside and an instant per prefetch miss; one track per copy lane of
-//! each direction (`H2D`, `D2H`; copies that overlap in time go to extra lanes `H2D 2`, ... so the
-//! slices of a track never overlap). Counter tracks follow VRAM (readings, and the limits), VRAM
+//! One process for the run (a data-parallel run: one process per GPU, `GPU 0`, `GPU 1`, ...,
+//! from each event's device); in each, one track for the compute stream, which carries a slice
+//! per step with its phases nested inside and an instant per prefetch miss; one track per copy
+//! lane of each direction (`H2D`, `D2H`, and `collective` for a group's reductions; copies that
+//! overlap in time go to extra lanes `H2D 2`, ... so the slices of a track never overlap). Counter tracks follow VRAM (readings, and the limits), VRAM
 //! by owner (stacked: weights, kept and restored activations, copies in flight, the rest), the
 //! step time by part, and the bytes taken in each pinned pool. Incidents (out of memory,
 //! non-finite values, flight records, lost telemetry, dropped events, itinerary changes,
@@ -31,12 +32,19 @@ use std::io::{self, BufRead, Write};
 
 /// The process id used for the run.
 pub const PID: u64 = 1;
+/// The process id of device `d` of a data-parallel run is `DEVICE_PID + d`.
+pub const DEVICE_PID: u64 = 100;
+/// Devices of a data-parallel run with tracks of their own, at most (events of others share
+/// the last one).
+const MAX_DEVICES: u64 = 1024;
 /// The compute stream's track.
 pub const COMPUTE_TID: u64 = 1;
 /// First track of the H2D lanes (lane `n` is `H2D_TID + n`).
 pub const H2D_TID: u64 = 100;
 /// First track of the D2H lanes.
 pub const D2H_TID: u64 = 200;
+/// First track of the collectives' lanes (a data-parallel run's reductions).
+pub const COLLECTIVE_TID: u64 = 300;
 /// Lanes per direction; copies beyond this many in flight share the lane that frees first.
 const MAX_LANES: u64 = 99;
 /// Copies waiting for their completion, at most; issues beyond wait unpaired.
@@ -90,6 +98,7 @@ impl Lanes {
 /// A finished slice waiting to be written.
 #[derive(Debug, Clone)]
 struct Slice {
+    pid: u64,
     tid: u64,
     name: String,
     cat: &'static str,
@@ -101,29 +110,49 @@ struct Slice {
 impl Slice {
     fn to_json(&self) -> Value {
         json!({
-            "ph": "X", "name": self.name, "cat": self.cat, "pid": PID, "tid": self.tid,
+            "ph": "X", "name": self.name, "cat": self.cat, "pid": self.pid, "tid": self.tid,
             "ts": us(self.start_ns), "dur": us(self.end_ns.saturating_sub(self.start_ns)), "args": self.args,
         })
     }
 }
+
+/// One process's tracks: the run's, or one device's of a data-parallel run.
+#[derive(Debug, Default)]
+struct Tracks {
+    open_step: Option<(u64, u64)>,
+    open_phase: Option<(u64, Phase, u64)>,
+    /// Phase slices of the open step, written after the step's own slice.
+    held: Vec<Slice>,
+    h2d: Lanes,
+    d2h: Lanes,
+    collective: Lanes,
+    /// Per pool: (slab bytes, slabs in use) by class.
+    pools: [Vec<(u64, u64)>; 2],
+    limits: BTreeMap<&'static str, u64>,
+}
+
+/// The process an event's tracks belong to.
+fn pid_of(e: &Event) -> u64 {
+    match e.device {
+        None => PID,
+        Some(d) => DEVICE_PID + u64::from(d).min(MAX_DEVICES - 1),
+    }
+}
+
+/// A copy's transfer id, direction, owner and process.
+type CopyKey = (u64, Direction, Owner, u64);
 
 /// The converter's state: everything in it is bounded, whatever the input's size.
 struct Converter<W: Write> {
     out: W,
     written: u64,
     named: bool,
-    open_step: Option<(u64, u64)>,
-    open_phase: Option<(u64, Phase, u64)>,
-    /// Phase slices of the open step, written after the step's own slice.
-    held: Vec<Slice>,
-    pending: HashMap<(u64, Direction, Owner), Vec<(u64, String)>>,
+    /// By process id.
+    tracks: BTreeMap<u64, Tracks>,
+    /// Issued copies by (id, direction, owner, process): their issue times and subjects.
+    pending: HashMap<CopyKey, Vec<(u64, String)>>,
     pending_n: usize,
     unpaired: u64,
-    h2d: Lanes,
-    d2h: Lanes,
-    /// Per pool: (slab bytes, slabs in use) by class.
-    pools: [Vec<(u64, u64)>; 2],
-    limits: BTreeMap<&'static str, u64>,
     last_t: u64,
     other: Map<String, Value>,
 }
@@ -142,16 +171,10 @@ impl<W: Write> Converter<W> {
             out,
             written: 0,
             named: false,
-            open_step: None,
-            open_phase: None,
-            held: Vec::new(),
+            tracks: BTreeMap::new(),
             pending: HashMap::new(),
             pending_n: 0,
             unpaired: 0,
-            h2d: Lanes::default(),
-            d2h: Lanes::default(),
-            pools: [Vec::new(), Vec::new()],
-            limits: BTreeMap::new(),
             last_t: 0,
             other: Map::new(),
         })
@@ -168,25 +191,30 @@ impl<W: Write> Converter<W> {
         Ok(())
     }
 
-    fn counter(&mut self, name: &str, t_ns: u64, args: Value) -> io::Result<()> {
-        self.emit(&json!({ "ph": "C", "name": name, "cat": "memory", "pid": PID, "tid": 0, "ts": us(t_ns), "args": args }))
+    fn counter(&mut self, pid: u64, name: &str, t_ns: u64, args: Value) -> io::Result<()> {
+        self.emit(&json!({ "ph": "C", "name": name, "cat": "memory", "pid": pid, "tid": 0, "ts": us(t_ns), "args": args }))
     }
 
     fn instant(&mut self, name: &str, cat: &str, e: &Event, args: Value) -> io::Result<()> {
-        self.emit(&json!({ "ph": "i", "s": "g", "name": name, "cat": cat, "pid": PID, "tid": 0, "ts": us(e.t_ns),
+        self.emit(&json!({ "ph": "i", "s": "g", "name": name, "cat": cat, "pid": pid_of(e), "tid": 0, "ts": us(e.t_ns),
                            "args": args }))
     }
 
-    /// Ends the open phase at `t`: held with its step, or written when outside one.
-    fn close_phase(&mut self, t: u64, unfinished: bool) -> io::Result<()> {
-        if let Some((step, phase, start)) = self.open_phase.take() {
+    fn tracks(&mut self, pid: u64) -> &mut Tracks {
+        self.tracks.entry(pid).or_default()
+    }
+
+    /// Ends `pid`'s open phase at `t`: held with its step, or written when outside one.
+    fn close_phase(&mut self, pid: u64, t: u64, unfinished: bool) -> io::Result<()> {
+        let tr = self.tracks(pid);
+        if let Some((step, phase, start)) = tr.open_phase.take() {
             let mut args = json!({ "step": step });
             if unfinished {
                 args["unfinished"] = json!(true);
             }
-            let s = Slice { tid: COMPUTE_TID, name: phase.as_str().to_owned(), cat: "phase", start_ns: start, end_ns: t.max(start), args };
-            if self.open_step.is_some() && self.held.len() < MAX_HELD_PHASES {
-                self.held.push(s);
+            let s = Slice { pid, tid: COMPUTE_TID, name: phase.as_str().to_owned(), cat: "phase", start_ns: start, end_ns: t.max(start), args };
+            if tr.open_step.is_some() && tr.held.len() < MAX_HELD_PHASES {
+                tr.held.push(s);
             } else {
                 self.emit(&s.to_json())?;
             }
@@ -194,17 +222,21 @@ impl<W: Write> Converter<W> {
         Ok(())
     }
 
-    /// Ends the open step at `t`: its slice, then its phases, so parents come before children.
-    fn close_step(&mut self, t: u64, unfinished: bool) -> io::Result<()> {
-        if let Some((step, start)) = self.open_step.take() {
+    /// Ends `pid`'s open step at `t`: its slice, then its phases, so parents come before
+    /// children.
+    fn close_step(&mut self, pid: u64, t: u64, unfinished: bool) -> io::Result<()> {
+        let tr = self.tracks(pid);
+        let open = tr.open_step.take();
+        let held = std::mem::take(&mut tr.held);
+        if let Some((step, start)) = open {
             let mut args = json!({ "step": step });
             if unfinished {
                 args["unfinished"] = json!(true);
             }
-            let s = Slice { tid: COMPUTE_TID, name: format!("step {step}"), cat: "step", start_ns: start, end_ns: t.max(start), args };
+            let s = Slice { pid, tid: COMPUTE_TID, name: format!("step {step}"), cat: "step", start_ns: start, end_ns: t.max(start), args };
             self.emit(&s.to_json())?;
         }
-        for s in std::mem::take(&mut self.held) {
+        for s in held {
             self.emit(&s.to_json())?;
         }
         Ok(())
@@ -212,6 +244,7 @@ impl<W: Write> Converter<W> {
 
     fn on_event(&mut self, e: &Event) -> io::Result<()> {
         self.last_t = self.last_t.max(e.t_ns);
+        let pid = pid_of(e);
         match &e.kind {
             EventKind::RunStarted { run_id, model, device, wall_clock_unix_ms, .. } => {
                 self.named = true;
@@ -223,25 +256,25 @@ impl<W: Write> Converter<W> {
                 self.other.insert("wall_clock_unix_ms".into(), json!(wall_clock_unix_ms));
             }
             EventKind::PhaseChanged { from, to, .. } => {
-                self.close_phase(e.t_ns, false)?;
+                self.close_phase(pid, e.t_ns, false)?;
                 if *to == Phase::StepBegin || *from == Phase::StepEnd {
-                    self.close_step(e.t_ns, false)?;
+                    self.close_step(pid, e.t_ns, false)?;
                 }
                 if *to == Phase::StepBegin {
-                    self.open_step = Some((e.step, e.t_ns));
+                    self.tracks(pid).open_step = Some((e.step, e.t_ns));
                 }
                 if *to != Phase::Idle {
-                    self.open_phase = Some((e.step, *to, e.t_ns));
+                    self.tracks(pid).open_phase = Some((e.step, *to, e.t_ns));
                 }
             }
             EventKind::RunEnded { .. } => {
-                self.close_phase(e.t_ns, false)?;
-                self.close_step(e.t_ns, false)?;
+                self.close_phase(pid, e.t_ns, false)?;
+                self.close_step(pid, e.t_ns, false)?;
             }
             EventKind::TransferIssued { id, dir, owner, subject, .. } => {
                 if self.pending_n < MAX_PENDING {
                     let subject: String = subject.chars().take(MAX_SUBJECT).collect();
-                    self.pending.entry((id.0, *dir, *owner)).or_default().push((e.t_ns, subject));
+                    self.pending.entry((id.0, *dir, *owner, pid)).or_default().push((e.t_ns, subject));
                     self.pending_n += 1;
                 } else {
                     self.unpaired += 1;
@@ -249,7 +282,7 @@ impl<W: Write> Converter<W> {
             }
             EventKind::TransferCompleted { id, dir, owner, bytes, duration_ms } => {
                 let timed_ms = duration_ms.filter(|ms| ms.is_finite() && *ms >= 0.0);
-                let key = (id.0, *dir, *owner);
+                let key = (id.0, *dir, *owner, pid);
                 // The most recent issue of this id: ids are unique per run, but a file may hold
                 // two runs or a writer that restarted its count.
                 let issued = self.pending.get_mut(&key).and_then(Vec::pop);
@@ -271,15 +304,18 @@ impl<W: Write> Converter<W> {
                 // A rate only for a timed copy (null in the slice's arguments otherwise).
                 let gbps = copy_gbps(*bytes, *duration_ms);
                 let name = if subject.is_empty() { format!("{} {}", dir.as_str(), owner.as_str()) } else { subject };
+                let tr = self.tracks(pid);
                 let tid = match dir {
-                    Direction::H2d => H2D_TID + self.h2d.place(start, end),
-                    Direction::D2h => D2H_TID + self.d2h.place(start, end),
+                    Direction::H2d => H2D_TID + tr.h2d.place(start, end),
+                    Direction::D2h => D2H_TID + tr.d2h.place(start, end),
+                    Direction::Collective => COLLECTIVE_TID + tr.collective.place(start, end),
                 };
                 let args = json!({ "id": id.0, "owner": owner.as_str(), "bytes": bytes, "duration_ms": duration_ms, "gbps": gbps });
-                let s = Slice { tid, name, cat: "transfer", start_ns: start, end_ns: end, args };
+                let s = Slice { pid, tid, name, cat: "transfer", start_ns: start, end_ns: end, args };
                 self.emit(&s.to_json())?;
             }
             EventKind::VramSample { allocated_bytes, reserved_bytes, peak_allocated_bytes } => self.counter(
+                pid,
                 "VRAM",
                 e.t_ns,
                 json!({ "allocated": allocated_bytes, "reserved": reserved_bytes, "peak": peak_allocated_bytes }),
@@ -292,17 +328,19 @@ impl<W: Write> Converter<W> {
                     Owner::Conductor => ("conductor soft cap", "conductor hard cap", "conductor low"),
                     Owner::Trainer => ("trainer budget", "trainer high", "trainer low"),
                 };
-                self.limits.insert(b, *budget_bytes);
+                let limits = &mut self.tracks(pid).limits;
+                limits.insert(b, *budget_bytes);
                 if let Some(v) = high_watermark_bytes {
-                    self.limits.insert(h, *v);
+                    limits.insert(h, *v);
                 }
                 if let Some(v) = low_watermark_bytes {
-                    self.limits.insert(l, *v);
+                    limits.insert(l, *v);
                 }
-                let args = Value::Object(self.limits.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect());
-                self.counter("VRAM limits", e.t_ns, args)?;
+                let args = Value::Object(limits.iter().map(|(k, v)| ((*k).to_owned(), json!(v))).collect());
+                self.counter(pid, "VRAM limits", e.t_ns, args)?;
             }
             EventKind::VramOwners(o) => self.counter(
+                pid,
                 "VRAM by owner",
                 e.t_ns,
                 json!({ "weights": o.weights_bytes, "activations_kept": o.activations_kept_bytes,
@@ -312,6 +350,7 @@ impl<W: Write> Converter<W> {
             EventKind::StepTime(t) => {
                 let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
                 self.counter(
+                    pid,
                     "step time (ms)",
                     e.t_ns,
                     json!({ "compute": finite(t.compute_ms), "h2d_wait": finite(t.h2d_wait_ms), "d2h_wait": finite(t.d2h_wait_ms),
@@ -320,19 +359,19 @@ impl<W: Write> Converter<W> {
                 )?
             }
             EventKind::PoolConfigured { pool, classes, .. } => {
-                let p = &mut self.pools[pool_index(*pool)];
+                let p = &mut self.tracks(pid).pools[pool_index(*pool)];
                 *p = classes.iter().take(MAX_POOL_CLASSES).map(|c| (c.slab_bytes, 0)).collect();
-                self.pool_counter(*pool, e.t_ns)?;
+                self.pool_counter(pid, *pool, e.t_ns)?;
             }
             EventKind::SlabAcquired { pool, class, .. } | EventKind::SlabReleased { pool, class, .. } => {
                 let up = matches!(e.kind, EventKind::SlabAcquired { .. });
-                if let Some(c) = self.pools[pool_index(*pool)].get_mut(*class as usize) {
+                if let Some(c) = self.tracks(pid).pools[pool_index(*pool)].get_mut(*class as usize) {
                     c.1 = if up { c.1.saturating_add(1) } else { c.1.saturating_sub(1) };
-                    self.pool_counter(*pool, e.t_ns)?;
+                    self.pool_counter(pid, *pool, e.t_ns)?;
                 }
             }
             EventKind::PrefetchMiss { block, stall_ms } => self.emit(&json!({
-                "ph": "i", "s": "t", "name": "prefetch miss", "cat": "stall", "pid": PID, "tid": COMPUTE_TID,
+                "ph": "i", "s": "t", "name": "prefetch miss", "cat": "stall", "pid": pid, "tid": COMPUTE_TID,
                 "ts": us(e.t_ns), "args": { "block": block.0, "stall_ms": stall_ms },
             }))?,
             EventKind::OutOfMemory { requested_bytes, doing, .. } => {
@@ -359,35 +398,53 @@ impl<W: Write> Converter<W> {
         Ok(())
     }
 
-    fn pool_counter(&mut self, pool: PoolKind, t_ns: u64) -> io::Result<()> {
-        let used: u64 = self.pools[pool_index(pool)].iter().map(|(b, n)| b.saturating_mul(*n)).fold(0, u64::saturating_add);
+    fn pool_counter(&mut self, pid: u64, pool: PoolKind, t_ns: u64) -> io::Result<()> {
+        let used: u64 = self.tracks(pid).pools[pool_index(pool)].iter().map(|(b, n)| b.saturating_mul(*n)).fold(0, u64::saturating_add);
         let name = match pool {
             PoolKind::Weights => "weight pool",
             PoolKind::Activations => "activation pool",
         };
-        self.counter(name, t_ns, json!({ "in_use_bytes": used }))
+        self.counter(pid, name, t_ns, json!({ "in_use_bytes": used }))
     }
 
     /// Closes what the file left open, names the tracks, and ends the JSON document.
     fn finish(mut self, report: &ReadReport) -> io::Result<(W, u64, u64)> {
         let t = self.last_t;
-        self.close_phase(t, true)?;
-        self.close_step(t, true)?;
+        // A run on one device has the run's process and its tracks, whatever it held.
+        if self.tracks.is_empty() {
+            self.tracks(PID);
+        }
+        let pids: Vec<u64> = self.tracks.keys().copied().collect();
+        for &pid in &pids {
+            self.close_phase(pid, t, true)?;
+            self.close_step(pid, t, true)?;
+        }
         if !self.named {
             self.emit(&json!({ "ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": { "name": "stagehand run" } }))?;
         }
-        // Only the lanes copies used: a summary-level file has no copies, and an empty track
-        // would say there were none.
-        let mut tracks = vec![(COMPUTE_TID, "compute".to_owned())];
-        for lane in 0..self.h2d.ends.len() as u64 {
-            tracks.push((H2D_TID + lane, lane_name("H2D", lane)));
-        }
-        for lane in 0..self.d2h.ends.len() as u64 {
-            tracks.push((D2H_TID + lane, lane_name("D2H", lane)));
-        }
-        for (tid, name) in tracks {
-            self.emit(&json!({ "ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "args": { "name": name } }))?;
-            self.emit(&json!({ "ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": { "sort_index": tid } }))?;
+        for pid in pids {
+            if pid != PID {
+                let name = format!("GPU {}", pid - DEVICE_PID);
+                self.emit(&json!({ "ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": { "name": name } }))?;
+                self.emit(&json!({ "ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": { "sort_index": pid } }))?;
+            }
+            let tr = &self.tracks[&pid];
+            // Only the lanes copies used: a summary-level file has no copies, and an empty track
+            // would say there were none.
+            let mut tracks = vec![(COMPUTE_TID, "compute".to_owned())];
+            for lane in 0..tr.h2d.ends.len() as u64 {
+                tracks.push((H2D_TID + lane, lane_name("H2D", lane)));
+            }
+            for lane in 0..tr.d2h.ends.len() as u64 {
+                tracks.push((D2H_TID + lane, lane_name("D2H", lane)));
+            }
+            for lane in 0..tr.collective.ends.len() as u64 {
+                tracks.push((COLLECTIVE_TID + lane, lane_name("collective", lane)));
+            }
+            for (tid, name) in tracks {
+                self.emit(&json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": { "name": name } }))?;
+                self.emit(&json!({ "ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": { "sort_index": tid } }))?;
+            }
         }
         // Issues still waiting for their completion never completed in this file.
         self.unpaired += self.pending_n as u64;

@@ -145,3 +145,33 @@ fn a_compressed_file_converts_like_the_plain_one() {
     assert_eq!(sb.report.events, sa.report.events);
     assert_eq!(a, b, "the same trace");
 }
+
+#[test]
+fn each_device_of_a_data_parallel_run_is_a_process_with_its_lanes() {
+    let mut es = Vec::new();
+    for (d, t0) in [(0u32, 1_000u64), (1, 1_500)] {
+        let on = |e: Event| e.on_device(Some(d));
+        es.push(on(phase(1, t0, 1, Phase::Idle, Phase::StepBegin)));
+        es.push(on(phase(2, t0 + 100, 1, Phase::StepBegin, Phase::Backward)));
+        let id = TransferId(u64::from(d));
+        es.push(on(ev(3, t0 + 200, 1, EventKind::TransferIssued { id, dir: Direction::Collective, owner: Owner::Weights, bytes: 1 << 20, subject: "block 'blocks.0' gradients".into() })));
+        es.push(on(ev(4, t0 + 900, 1, EventKind::TransferCompleted { id, dir: Direction::Collective, owner: Owner::Weights, bytes: 1 << 20, duration_ms: Some(0.0007) })));
+        es.push(on(phase(5, t0 + 1_000, 1, Phase::Backward, Phase::StepEnd)));
+        es.push(on(phase(6, t0 + 1_100, 1, Phase::StepEnd, Phase::Idle)));
+    }
+    es.sort_by_key(|e| e.t_ns);
+    let t = to_chrome_trace(&es);
+    validate(&t).expect("valid trace");
+    let evs = t["traceEvents"].as_array().expect("array");
+    for d in [0u64, 1] {
+        let pid = DEVICE_PID + d;
+        let name = format!("GPU {d}");
+        assert!(evs.iter().any(|e| e["ph"] == "M" && e["pid"] == pid && e["args"]["name"] == name.as_str()), "{name} is named");
+        let xs: Vec<&Value> = slices(&t).into_iter().filter(|e| e["pid"] == pid).collect();
+        assert!(xs.iter().any(|e| e["name"] == "step 1" && e["tid"] == COMPUTE_TID), "{name}'s step");
+        assert!(xs.iter().any(|e| e["name"] == "block 'blocks.0' gradients" && e["tid"] == COLLECTIVE_TID), "{name}'s collective");
+        assert!(evs.iter().any(|e| e["ph"] == "M" && e["pid"] == pid && e["args"]["name"] == "collective"), "{name}'s collective lane is named");
+    }
+    // Each GPU's step is its own: two step slices, one per process.
+    assert_eq!(slices(&t).iter().filter(|e| e["name"] == "step 1").count(), 2);
+}

@@ -48,11 +48,13 @@ pub struct TransferCounts {
     pub d2h_bytes: u64,
 }
 
-/// The two slot pools and the contention counter.
+/// The two slot pools and the contention counter (collectives take no slot: their pool never
+/// fills).
 #[derive(Debug)]
 pub struct TransferManager {
     h2d: Pool,
     d2h: Pool,
+    collective: Pool,
     consecutive_full: u32,
     counts: TransferCounts,
 }
@@ -69,6 +71,10 @@ impl TransferManager {
                 slots: d2h_slots,
                 inflight: 0,
             },
+            collective: Pool {
+                slots: u32::MAX,
+                inflight: 0,
+            },
             consecutive_full: 0,
             counts: TransferCounts::default(),
         }
@@ -78,6 +84,7 @@ impl TransferManager {
         match dir {
             Direction::H2d => &mut self.h2d,
             Direction::D2h => &mut self.d2h,
+            Direction::Collective => &mut self.collective,
         }
     }
 
@@ -87,6 +94,7 @@ impl TransferManager {
         let pool = match dir {
             Direction::H2d => self.h2d,
             Direction::D2h => self.d2h,
+            Direction::Collective => self.collective,
         };
         pool.inflight >= limit_hint.map_or(pool.slots, |h| h.min(pool.slots))
     }
@@ -96,6 +104,7 @@ impl TransferManager {
         match dir {
             Direction::H2d => self.h2d.inflight,
             Direction::D2h => self.d2h.inflight,
+            Direction::Collective => self.collective.inflight,
         }
     }
 
@@ -144,7 +153,7 @@ impl TransferManager {
                 self.counts.denials += 1;
                 return SlotDecision::Denied(match dir {
                     Direction::H2d => DenyReason::H2dSlotsExhausted,
-                    Direction::D2h => DenyReason::D2hSlotsExhausted,
+                    Direction::D2h | Direction::Collective => DenyReason::D2hSlotsExhausted,
                 });
             }
         }
@@ -173,6 +182,7 @@ impl TransferManager {
         match dir {
             Direction::H2d => self.counts.h2d_bytes += bytes,
             Direction::D2h => self.counts.d2h_bytes += bytes,
+            Direction::Collective => {}
         }
     }
 }

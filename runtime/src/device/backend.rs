@@ -29,6 +29,11 @@ pub(crate) trait Backend: Send + Sync + fmt::Debug {
     fn record_compute(&self) -> Result<StreamEvent>;
     fn compute_wait(&self, event: &StreamEvent) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
+    /// The CUDA context (the CUDA backend): for streams of libraries the runtime drives itself
+    /// (NCCL's collectives).
+    fn cuda_context(&self) -> Option<std::sync::Arc<cudarc::driver::CudaContext>> {
+        None
+    }
 }
 
 /// A copy stream.

@@ -122,6 +122,49 @@ impl Backend for CudaBackend {
     fn synchronize(&self) -> Result<()> {
         self.ctx.synchronize().map_err(cuda_err("synchronizing"))
     }
+
+    fn cuda_context(&self) -> Option<Arc<CudaContext>> {
+        Some(self.ctx.clone())
+    }
+}
+
+/// A non-blocking stream for work another library queues (NCCL's collectives), ordered against
+/// the compute stream and the copy streams with events like theirs.
+#[derive(Debug)]
+pub(crate) struct SideStream {
+    stream: Arc<CudaStream>,
+}
+
+impl SideStream {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<SideStream> {
+        Ok(SideStream { stream: ctx.new_stream().map_err(cuda_err("creating a side stream"))? })
+    }
+
+    /// The raw stream handle (a `cudaStream_t`) to give the library.
+    pub(crate) fn raw(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Makes the stream wait for `event` (no host synchronisation).
+    pub(crate) fn wait(&self, event: &StreamEvent) -> Result<()> {
+        match cuda_event(event) {
+            Some(e) => self.stream.wait(&e.0).map_err(cuda_err("making a side stream wait")),
+            None => Ok(()),
+        }
+    }
+
+    /// An event after the work queued so far (`timed` ones can be measured against each other).
+    pub(crate) fn record(&self, timed: bool) -> Result<StreamEvent> {
+        let ev = CudaBackend::event(self.stream.context(), timed)?;
+        ev.record(&self.stream).map_err(cuda_err("recording on a side stream"))?;
+        Ok(StreamEvent(Arc::new(CudaEventBackend(ev))))
+    }
+
+    /// Makes the stream's context current on the calling thread (a library call uses the
+    /// thread's current device).
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.stream.context().bind_to_thread().map_err(cuda_err("binding the context"))
+    }
 }
 
 /// One copy in this many on a CUDA copy stream is timed (see `StreamBackend::timed_every`): at

@@ -14,14 +14,17 @@ use std::time::Instant;
 #[derive(Debug)]
 pub(super) struct HostBackend {
     budget: u64,
+    /// Which simulated device this is (several simulate the GPUs of a data-parallel group).
+    index: u32,
     allocated: AtomicU64,
     peak: AtomicU64,
 }
 
 impl HostBackend {
-    pub(super) fn new(budget: u64) -> HostBackend {
+    pub(super) fn new(budget: u64, index: u32) -> HostBackend {
         HostBackend {
             budget,
+            index,
             allocated: AtomicU64::new(0),
             peak: AtomicU64::new(0),
         }
@@ -40,7 +43,7 @@ impl Backend for HostBackend {
     fn info(&self) -> DeviceInfo {
         DeviceInfo {
             kind: DeviceKind::Host,
-            index: 0,
+            index: self.index,
             name: "host (simulated)".into(),
             total_bytes: self.budget,
         }

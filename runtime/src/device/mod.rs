@@ -26,6 +26,7 @@ pub(crate) mod idle;
 pub mod pool;
 
 pub use buffer::{HostBuffer, HostMemory, HostTarget};
+pub(crate) use cuda::SideStream;
 pub use copy::{CopyStream, Failed, Order, Pending, WaitProbe};
 pub use idle::{IdleProbe, IdleSpan, IdleSpans};
 pub use pool::{HostPool, HostPoolStats};
@@ -87,7 +88,13 @@ impl Device {
 
     /// The host device, with `budget_bytes` of simulated VRAM.
     pub fn host(budget_bytes: u64) -> Device {
-        Device::with(Box::new(host::HostBackend::new(budget_bytes)))
+        Device::host_numbered(budget_bytes, 0)
+    }
+
+    /// Simulated device number `index` with `budget_bytes` of simulated VRAM: several stand for
+    /// the GPUs of a data-parallel group on a machine without CUDA.
+    pub fn host_numbered(budget_bytes: u64, index: u32) -> Device {
+        Device::with(Box::new(host::HostBackend::new(budget_bytes, index)))
     }
 
     /// CUDA device 0 when present, otherwise the host device with `host_budget_bytes`.
@@ -191,6 +198,26 @@ impl Device {
     /// Arms numeric guards on this device (once; later calls return the guards armed first).
     pub fn arm_guards(&self, bus: &crate::events::Bus) -> Arc<crate::guards::Guards> {
         self.shared.guards.get_or_init(|| Arc::new(crate::guards::Guards::new(bus.clone()))).clone()
+    }
+
+    /// A new stream for work another library queues on this device (NCCL's collectives);
+    /// `None` on the host device, whose collectives run on the calling thread.
+    pub(crate) fn side_stream(&self) -> Result<Option<SideStream>> {
+        match self.backend().cuda_context() {
+            Some(ctx) => Ok(Some(SideStream::new(&ctx)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Makes this device current on the calling thread (CUDA: its primary context, which the
+    /// runtime and libtorch share), so that work queued on the compute stream from this thread
+    /// goes to this device. A no-op on the host device. Each rank's thread of a data-parallel
+    /// group calls it first.
+    pub fn bind_to_thread(&self) -> Result<()> {
+        match self.backend().cuda_context() {
+            Some(ctx) => ctx.bind_to_thread().map_err(|source| Error::Cuda { what: "binding the context", source }),
+            None => Ok(()),
+        }
     }
 
     /// A new non-blocking copy stream.

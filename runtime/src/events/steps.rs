@@ -107,36 +107,42 @@ impl StepCloser {
 /// numbers stay 1, 2, 3, ... (times are kept; an added event takes the time of the event that
 /// closed its step).
 pub fn close_steps(events: Vec<Event>) -> Vec<Event> {
-    let mut closer = StepCloser::new();
+    // One closer per device lane (a data-parallel run's GPUs step on their own).
+    let mut closers: std::collections::BTreeMap<Option<u32>, StepCloser> = std::collections::BTreeMap::new();
     // The state each step leaves behind, as a live hub's snapshot has it.
     let mut snap = Snapshot::new();
     let mut out = Vec::with_capacity(events.len() + events.len() / 32);
-    let aggregate = |out: &mut Vec<Event>, snap: &mut Snapshot, at: &Event, mut closed: Closed| {
+    let aggregate = |out: &mut Vec<Event>, snap: &mut Snapshot, at: &Event, device: Option<u32>, mut closed: Closed| {
         if let Some(c) = &mut closed.counts {
             c.end = Some(snap.end_state());
         }
         let step = closed.step;
         for kind in closed.kinds() {
-            let e = Event::new(0, at.t_ns, step, at.phase, kind);
+            let e = Event::new(0, at.t_ns, step, at.phase, kind).on_device(device);
             snap.apply(&e);
             out.push(e);
         }
     };
     let mut last: Option<Event> = None;
     for e in events {
+        let closer = closers.entry(e.device).or_default();
         if let Some(agg) = closer.before(&e) {
-            aggregate(&mut out, &mut snap, &e, agg);
+            aggregate(&mut out, &mut snap, &e, e.device, agg);
         }
         let after = closer.after(&e);
         snap.apply(&e);
         out.push(e.clone());
         if let Some(agg) = after {
-            aggregate(&mut out, &mut snap, &e, agg);
+            aggregate(&mut out, &mut snap, &e, e.device, agg);
         }
         last = Some(e);
     }
-    if let (Some(agg), Some(at)) = (closer.finish(), last) {
-        aggregate(&mut out, &mut snap, &at, agg);
+    if let Some(at) = last {
+        for (device, closer) in closers.iter_mut() {
+            if let Some(agg) = closer.finish() {
+                aggregate(&mut out, &mut snap, &at, *device, agg);
+            }
+        }
     }
     for (i, e) in out.iter_mut().enumerate() {
         e.seq = i as u64 + 1;

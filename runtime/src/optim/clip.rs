@@ -15,6 +15,7 @@ impl Optimizer {
     fn gradients(&mut self) -> Result<Vec<Tensor>> {
         self.ensure_built()?;
         self.rt.collect_grads()?;
+        self.reduce_device_grads()?;
         let specs = self.rt.blocks();
         let mut host: Vec<(String, Tensor)> = Vec::new();
         let mut blocks: Vec<u32> = self.host.keys().copied().collect();
@@ -60,6 +61,9 @@ impl Optimizer {
     /// (the norm of the stacked per-gradient norms); returns the norm before clipping.
     pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
         let grads = self.gradients()?;
+        if self.member.is_some() {
+            return self.clip_grad_norm_group(max, &grads);
+        }
         if grads.is_empty() {
             return Ok(0.0);
         }
@@ -72,6 +76,44 @@ impl Optimizer {
             let coef = max / (total + 1e-6);
             if coef < 1.0 {
                 for g in &grads {
+                    let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+                }
+            }
+            Ok(total)
+        })
+    }
+
+    /// [`clip_grad_norm`](Self::clip_grad_norm) in a data-parallel group, where each rank holds
+    /// its shard of the streamed parameters' gradients and the whole (summed) gradients of the
+    /// device variables: the squares of the shards' norms are summed over the ranks (in rank
+    /// order, so every rank gets the same total), the device gradients' added once. Equal to one
+    /// device's norm within float rounding (it adds in another order).
+    fn clip_grad_norm_group(&mut self, max: f64, grads: &[Tensor]) -> Result<f64> {
+        let Some(m) = self.member.clone() else { return Ok(0.0) };
+        tch::no_grad(|| -> Result<f64> {
+            let sq = |t: &Tensor| -> Result<f64> {
+                let n = t.f_norm()?.f_double_value(&[])?;
+                Ok(n * n)
+            };
+            let mut shards = 0.0;
+            let mut blocks: Vec<u32> = self.host.keys().copied().collect();
+            blocks.sort_unstable();
+            for b in blocks {
+                for (_, g) in self.rt.received_grads(BlockId(b))? {
+                    shards += sq(&g)?;
+                }
+            }
+            let mut device = 0.0;
+            for p in &self.device_params {
+                let g = p.var.grad();
+                if g.defined() {
+                    device += sq(&g)?;
+                }
+            }
+            let total = (m.exchange.sum_f64(m.rank, "the gradient norm", shards)? + device).sqrt();
+            let coef = max / (total + 1e-6);
+            if coef < 1.0 {
+                for g in grads {
                     let _ = g.shallow_clone().f_mul_scalar_(coef)?;
                 }
             }

@@ -118,6 +118,15 @@ pub struct Optimizer {
     /// Loaded state of parameters whose optimizer is not made yet, by name.
     pub(super) pending: HashMap<String, ParamState>,
     pub(super) rt: WeightRuntime,
+    /// In a data-parallel group: this rank's place in it (see `parallel`).
+    pub(super) member: Option<crate::collective::Membership>,
+    /// The device variables' gradients of this window were summed over the group.
+    device_reduced: bool,
+    /// Those sums still in flight (reported once they completed).
+    reductions: Vec<crate::collective::InFlight>,
+    /// In a group, each streamed parameter's piece this rank steps: (offset in the parameter,
+    /// elements, the parameter's shape), by name (for the optimizer state file).
+    pub(super) pieces: HashMap<String, (i64, i64, Vec<i64>)>,
 }
 
 impl Drop for Optimizer {
@@ -202,6 +211,10 @@ impl Optimizer {
             checked: None,
             pending: HashMap::new(),
             rt: rt.clone(),
+            member: rt.membership(),
+            device_reduced: false,
+            reductions: Vec::new(),
+            pieces: HashMap::new(),
         })
     }
 
@@ -247,7 +260,17 @@ impl Optimizer {
     /// streamed blocks' host gradients (complete once `collect_grads` returned) and the device
     /// variables' gradients.
     pub(crate) fn found_inf(&mut self) -> Result<bool> {
+        let local = self.found_inf_here()?;
+        match &self.member {
+            // Every rank skips the step, or none does.
+            Some(m) => m.exchange.any(m.rank, "the overflow check", local),
+            None => Ok(local),
+        }
+    }
+
+    fn found_inf_here(&mut self) -> Result<bool> {
         self.ensure_built()?;
+        self.reduce_device_grads()?;
         let finite = |t: &Tensor| -> Result<bool> { Ok(t.f_isfinite()?.f_all()?.f_int64_value(&[])? != 0) };
         let ids: Vec<u32> = self.host.keys().copied().collect();
         for id in ids {
@@ -316,6 +339,9 @@ impl Optimizer {
                 .into_iter()
                 .map(|p| {
                     let name = spec.params[p.index].name.clone();
+                    if let Some((at, n)) = p.piece {
+                        self.pieces.insert(name.clone(), (at, n, spec.params[p.index].shape.clone()));
+                    }
                     let group = group_by_name.get(name.as_str()).copied().unwrap_or(0);
                     HostParam { name, value: p.value, grad: p.grad, copy: p.copy, group }
                 })
@@ -326,6 +352,7 @@ impl Optimizer {
             let mut state = BlockOptimizer::new(params, self.algorithm, self.kernel, self.storage)?;
             for i in 0..state.params().len() {
                 if let Some(st) = self.pending.remove(&state.params()[i].name) {
+                    let st = self.own_piece(&state.params()[i].name, st)?;
                     let st = fit_state(&self.algorithm, &state.params()[i].name, &st, &state.params()[i].value)?;
                     state.set_state(i, &st)?;
                 }
@@ -439,6 +466,8 @@ impl Optimizer {
     /// Clears every gradient (libtorch's `zero_grad(set_to_none)`): device gradients go, the next
     /// gradient of a streamed parameter replaces its host gradient. Never evicts a block.
     pub fn zero_grad(&mut self) -> Result<()> {
+        self.device_reduced = false;
+        self.finish_reductions(true)?;
         if let Some(d) = &mut self.device {
             d.zero_grad()?;
         }
@@ -466,6 +495,7 @@ impl Optimizer {
     pub fn step(&mut self) -> Result<()> {
         self.ensure_built()?;
         self.check_coverage()?;
+        self.reduce_device_grads()?;
         self.apply_groups()?;
         match self.clip {
             Some(GradClip::Value(max)) => self.clip_grad_value(max)?,
@@ -614,5 +644,74 @@ impl Optimizer {
     /// Time the host worker spent stepping since the last call.
     pub fn take_host_busy(&self) -> std::time::Duration {
         self.stepper.take_busy()
+    }
+
+    /// In a data-parallel group: sums the gradients of the variables stepped on the device
+    /// (those Stagehand does not stream) over the ranks, once per accumulation window, so that
+    /// every rank's device step computes the same values. One all-reduce per dtype, in the
+    /// optimizer's order of variables (the same on every rank). The compute stream waits for it.
+    pub(crate) fn reduce_device_grads(&mut self) -> Result<()> {
+        let Some(m) = self.member.clone() else { return Ok(()) };
+        if self.device_reduced {
+            return Ok(());
+        }
+        self.ensure_built()?;
+        self.finish_reductions(false)?;
+        let grads: Vec<Tensor> = self.device_params.iter().map(|p| p.var.grad()).filter(|g| g.defined()).collect();
+        let mut kinds: Vec<Kind> = Vec::new();
+        for g in &grads {
+            if !kinds.contains(&g.kind()) {
+                kinds.push(g.kind());
+            }
+        }
+        let device = self.rt.device().clone();
+        for kind in kinds {
+            let group: Vec<&Tensor> = grads.iter().filter(|g| g.kind() == kind).collect();
+            let flat = Tensor::f_cat(&group.iter().map(|g| g.f_reshape([-1])).collect::<std::result::Result<Vec<_>, _>>()?, 0)?;
+            let subject = format!("{} {kind:?} gradients of variables stepped on the device", group.len());
+            let op = m.collective.all_reduce(flat.shallow_clone(), crate::events::Owner::Trainer, &subject)?;
+            // The copies back run on the compute stream, after the sum.
+            device.compute_wait(op.done())?;
+            tch::no_grad(|| -> Result<()> {
+                let mut at = 0i64;
+                for g in &group {
+                    let n = g.numel() as i64;
+                    g.shallow_clone().f_copy_(&flat.f_narrow(0, at, n)?.f_view(g.size().as_slice())?)?;
+                    at += n;
+                }
+                Ok(())
+            })?;
+            self.reductions.push(op);
+        }
+        self.device_reduced = true;
+        Ok(())
+    }
+
+    /// Reports the device variables' sums that completed (`wait`: waits for every one).
+    fn finish_reductions(&mut self, wait: bool) -> Result<()> {
+        let Some(m) = &self.member else { return Ok(()) };
+        for op in std::mem::take(&mut self.reductions) {
+            if wait {
+                m.collective.wait(op)?;
+            } else if let Err(op) = m.collective.finish(op) {
+                self.reductions.push(op);
+            }
+        }
+        Ok(())
+    }
+
+    /// In a group, the part of a whole parameter's loaded state that this rank's piece of it
+    /// steps (each state tensor flattened and cut like the parameter); `st` itself elsewhere.
+    pub(super) fn own_piece(&self, name: &str, st: ParamState) -> Result<ParamState> {
+        let Some((at, n, shape)) = self.pieces.get(name) else { return Ok(st) };
+        let mut out = ParamState { step: st.step, tensors: [None, None, None] };
+        for (i, t) in st.tensors.iter().enumerate() {
+            let Some(t) = t else { continue };
+            if t.size() != *shape {
+                return Err(Error::Corrupt(format!("optimizer state of '{name}' has shape {:?}, but the variable has shape {shape:?}", t.size())));
+            }
+            out.tensors[i] = Some(t.f_reshape([-1])?.f_narrow(0, *at, *n)?);
+        }
+        Ok(out)
     }
 }

@@ -125,12 +125,53 @@ impl Optimizer {
 
     /// Saves the optimizer's state and group options to `path` (a safetensors file, format in
     /// [`crate::optim::state`]), atomically. Waits for pending host steps.
+    ///
+    /// In a data-parallel group every rank calls it: each rank's pieces of the streamed
+    /// parameters' state are gathered and rank 0 writes one file of whole tensors, the same file
+    /// one device writes (so a run resumes on one GPU or on N).
     pub fn save_state(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        match self.member.clone() {
+            Some(m) => self.save_state_group(&m, path),
+            None => self.write_states(path, self.states()?),
+        }
+    }
+
+    /// Gathers every rank's state on rank 0, which writes it; every rank learns whether it did.
+    fn save_state_group(&self, m: &crate::collective::Membership, path: &Path) -> Result<()> {
+        let mine: Vec<Piece> = self
+            .states()?
+            .into_iter()
+            .map(|(name, st)| {
+                let piece = self.pieces.get(&name).cloned();
+                (name, st, piece)
+            })
+            .collect();
+        let tag = format!("saving the optimizer state to {}", path.display());
+        let all: Option<Vec<Vec<Piece>>> = m.exchange.round(m.rank, &tag, Box::new(mine), |all| {
+            (m.rank == 0).then(|| {
+                all.iter()
+                    .filter_map(|d| d.as_ref().and_then(|(_, v)| v.downcast_ref::<Vec<Piece>>()))
+                    .map(|v| v.iter().map(|(n, st, p)| (n.clone(), share(st), p.clone())).collect())
+                    .collect()
+            })
+        })?;
+        let written = match all {
+            Some(ranks) => assemble(ranks).and_then(|states| self.write_states(path, states)).map_err(|e| e.to_string()),
+            None => Ok(()),
+        };
+        let outcome = m.exchange.all_gather(m.rank, &format!("{tag}: written"), written.clone().err())?;
+        match outcome.into_iter().flatten().next() {
+            Some(e) if written.is_ok() => Err(Error::misuse(format!("saving the optimizer state to {}", path.display()), format!("rank 0 could write it: {e}"))),
+            _ => written.map_err(|e| Error::misuse(format!("saving the optimizer state to {}", path.display()), e)),
+        }
+    }
+
+    fn write_states(&self, path: &Path, states: Vec<(String, ParamState)>) -> Result<()> {
         let fields = self.algorithm.state_fields();
         let failed = RefCell::new(None);
         let mut entries = Vec::new();
-        for (name, st) in self.states()? {
+        for (name, st) in states {
             for (i, t) in st.tensors.iter().enumerate() {
                 if let Some(t) = t {
                     let key = format!("{name}/{}", fields[i]);
@@ -254,6 +295,7 @@ impl Optimizer {
             for i in 0..b.params().len() {
                 let name = b.params()[i].name.clone();
                 if let Some(st) = by_name.remove(&name) {
+                    let st = self.own_piece(&name, st)?;
                     let st = fit_state(&self.algorithm, &name, &st, &b.params()[i].value)?;
                     b.set_state(i, &st)?;
                 }
@@ -270,4 +312,57 @@ impl Optimizer {
         self.pending = by_name;
         Ok(())
     }
+}
+
+/// A rank's state of one variable: its name, the state, and for a streamed parameter the piece
+/// the rank steps (offset in the parameter, elements, the parameter's shape).
+type Piece = (String, ParamState, Option<(i64, i64, Vec<i64>)>);
+
+/// Whole parameters' state from every rank's pieces (in rank order): each streamed parameter's
+/// pieces put back at their offsets (then given its shape), each other variable's state taken
+/// from the first rank that has it (every rank holds the same).
+fn assemble(ranks: Vec<Vec<Piece>>) -> Result<Vec<(String, ParamState)>> {
+    let mut out: Vec<(String, ParamState, Option<Vec<i64>>)> = Vec::new();
+    let mut at_index: HashMap<String, usize> = HashMap::new();
+    for (name, st, piece) in ranks.into_iter().flatten() {
+        let Some((at, n, shape)) = piece else {
+            if !at_index.contains_key(&name) {
+                at_index.insert(name.clone(), out.len());
+                out.push((name, st, None));
+            }
+            continue;
+        };
+        let i = match at_index.get(&name) {
+            Some(&i) => i,
+            None => {
+                at_index.insert(name.clone(), out.len());
+                out.push((name.clone(), ParamState { step: st.step, tensors: [None, None, None] }, Some(shape.clone())));
+                out.len() - 1
+            }
+        };
+        let numel: i64 = shape.iter().product();
+        for (f, t) in st.tensors.iter().enumerate() {
+            let Some(t) = t else { continue };
+            let full = match &out[i].1.tensors[f] {
+                Some(full) => full.shallow_clone(),
+                None => {
+                    let full = Tensor::f_zeros([numel], (t.kind(), tch::Device::Cpu))?;
+                    out[i].1.tensors[f] = Some(full.shallow_clone());
+                    full
+                }
+            };
+            tch::no_grad(|| full.f_narrow(0, at, n)?.f_copy_(&t.f_reshape([-1])?))?;
+        }
+        out[i].1.step = st.step;
+    }
+    out.into_iter()
+        .map(|(name, mut st, shape)| {
+            if let Some(shape) = shape {
+                for t in st.tensors.iter_mut().flatten() {
+                    *t = t.f_reshape(shape.as_slice())?;
+                }
+            }
+            Ok((name, st))
+        })
+        .collect()
 }

@@ -74,6 +74,10 @@ type Attach = Box<dyn FnOnce(&Arc<Hub>) -> Result<Attachment> + Send>;
 pub struct StagehandBuilder {
     budget: Option<u64>,
     device: Option<Device>,
+    /// The devices of a data-parallel group ([`build_group`](Self::build_group)).
+    devices: Vec<Device>,
+    /// How long a rank of a group waits for the others before it declares one failed.
+    collective_timeout: std::time::Duration,
     bus: Option<Bus>,
     prefetch_window: u32,
     grouping: Grouping,
@@ -155,6 +159,22 @@ impl StagehandBuilder {
         self
     }
 
+    /// The devices of a data-parallel group, one rank each (see [`crate::parallel`]); build it
+    /// with [`build_group`](Self::build_group). The budget is each device's.
+    /// [`Devices`](crate::parallel::Devices) makes the usual lists.
+    pub fn devices(mut self, devices: Vec<Device>) -> Self {
+        self.devices = devices;
+        self
+    }
+
+    /// How long a rank of a group waits for the others at one collective or rendezvous before
+    /// it declares the missing rank failed and stops the group (default
+    /// [`DEFAULT_COLLECTIVE_TIMEOUT`](crate::parallel::DEFAULT_COLLECTIVE_TIMEOUT)).
+    pub fn collective_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.collective_timeout = timeout;
+        self
+    }
+
     /// The event bus (default: a new one, whose hub [`Stagehand::hub`] returns).
     pub fn bus(mut self, bus: Bus) -> Self {
         self.bus = Some(bus);
@@ -226,7 +246,93 @@ impl StagehandBuilder {
     }
 
     /// Makes the handle: the device, the bus and its attachments, the managed VarStore.
-    pub fn build(self) -> Result<Stagehand> {
+    pub fn build(mut self) -> Result<Stagehand> {
+        if self.devices.len() > 1 {
+            return Err(Error::misuse(
+                format!("build() with {} devices", self.devices.len()),
+                "build_group() for a data-parallel group (or one device)",
+            ));
+        }
+        if let Some(d) = self.devices.pop() {
+            self.device = Some(d);
+        }
+        self.build_inner(None)
+    }
+
+    /// A data-parallel group over [`devices`](Self::devices) (see [`crate::parallel`]): the bus,
+    /// the telemetry and the attachments are the group's, each rank gets its own handle on its
+    /// device's lane when the group runs.
+    pub fn build_group(mut self) -> Result<crate::parallel::Group> {
+        let budget = self.checked_budget()?;
+        if self.host_pool.is_some() {
+            // Each rank pins its own buffers: a pool handed over belongs to one device.
+            return Err(Error::misuse("host_pool(..) on a data-parallel group", "a pool handed to a one-device handle (build())"));
+        }
+        let devices = match std::mem::take(&mut self.devices) {
+            d if !d.is_empty() => d,
+            _ => vec![self.device.take().unwrap_or_else(|| Device::auto(budget))],
+        };
+        let bus = self.bus.take().unwrap_or_default();
+        let telemetry = self.telemetry.take().map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
+        let mut attached = Vec::new();
+        if let Some(hub) = bus.hub().cloned() {
+            for a in std::mem::take(&mut self.attachments) {
+                attached.push(a(&hub)?);
+            }
+        }
+        let (timeout, tf32) = (self.collective_timeout, self.precision == Precision::Tf32);
+        crate::parallel::Group::new(self, devices, bus, telemetry, attached, timeout, tf32)
+    }
+
+    /// The settings of this builder for one rank of a group (no bus, telemetry, attachments or
+    /// devices: the group's).
+    pub(crate) fn replica(&self) -> StagehandBuilder {
+        StagehandBuilder {
+            budget: self.budget,
+            device: None,
+            devices: Vec::new(),
+            collective_timeout: self.collective_timeout,
+            bus: None,
+            prefetch_window: self.prefetch_window,
+            grouping: self.grouping.clone(),
+            conductor: self.conductor,
+            spill: self.spill,
+            kernel: self.kernel,
+            optimizer_threads: self.optimizer_threads,
+            recompute_fraction: self.recompute_fraction,
+            spill_batches: self.spill_batches,
+            attachments: Vec::new(),
+            telemetry: None,
+            guards: self.guards,
+            checksums: self.checksums,
+            precision: self.precision,
+            optimizer_state: self.optimizer_state,
+            knobs: self.knobs,
+            host_pool: None,
+        }
+    }
+
+    /// The handle of one rank of a group, on `device`, publishing on `bus` (its lane), its
+    /// weight runtime joined to the group before anything is registered.
+    pub(crate) fn build_rank(
+        mut self,
+        device: Device,
+        bus: Bus,
+        member: crate::collective::Membership,
+        model: Arc<crate::weights::shared::SharedModel>,
+    ) -> Result<Stagehand> {
+        self.device = Some(device);
+        self.bus = Some(bus);
+        // Each rank's host optimizer steps its shard on its own threads: a share of the cores,
+        // not every core each (N workers of every core each would contend for them).
+        if self.optimizer_threads.is_none() && member.world > 1 {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            self.optimizer_threads = Some((cores / member.world).max(1));
+        }
+        self.build_inner(Some((member, model)))
+    }
+
+    fn checked_budget(&self) -> Result<u64> {
         let budget = self.budget.ok_or_else(|| Error::Config {
             field: "budget",
             value: "unset".into(),
@@ -239,6 +345,11 @@ impl StagehandBuilder {
                 expected: "a device budget above 0".into(),
             });
         }
+        Ok(budget)
+    }
+
+    fn build_inner(self, group: Option<(crate::collective::Membership, Arc<crate::weights::shared::SharedModel>)>) -> Result<Stagehand> {
+        let budget = self.checked_budget()?;
         // Checked now, not when the plan makes the activation runtime's config.
         crate::activations::config::check_fraction("recompute_fraction", self.recompute_fraction)?;
         if let Some((below, max)) = self.spill_batches {
@@ -263,7 +374,8 @@ impl StagehandBuilder {
             });
         }
         let bus = self.bus.unwrap_or_default();
-        let tf32 = (self.precision == Precision::Tf32 && device.is_cuda()).then(|| crate::torch::amp::set_tf32(true));
+        // A group's ranks share the process-wide switch: the group sets it once.
+        let tf32 = (self.precision == Precision::Tf32 && device.is_cuda() && group.is_none()).then(|| crate::torch::amp::set_tf32(true));
         // First, so the file and the flight recorder see the run from its first event.
         let telemetry = self.telemetry.map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
         let guards = self.guards.then(|| device.arm_guards(&bus));
@@ -302,8 +414,16 @@ impl StagehandBuilder {
         if let Some(pool) = self.host_pool {
             store.runtime().set_host_pool(pool)?;
         }
+        let member = match group {
+            Some((member, model)) => {
+                store.runtime().join_group(member.clone(), model)?;
+                Some(member)
+            }
+            None => None,
+        };
+        let (rank, world_size) = member.as_ref().map_or((0, 1), |m| (m.rank as u32, m.world as u32));
         let planner = planner::Planner::new(
-            device.clone(),
+            planner::Place { device: device.clone(), rank, world_size },
             budget,
             prefetch_window,
             (self.precision, self.optimizer_state),
@@ -330,6 +450,7 @@ impl StagehandBuilder {
             precision: self.precision,
             optimizer_state: self.optimizer_state,
             tf32_before: tf32,
+            member,
             knobs: self.knobs,
             _attached: attached,
         })
@@ -358,6 +479,8 @@ pub struct Stagehand {
     optimizer_state: StateStorage,
     /// Whether TF32 was on before this handle turned it on (put back when it drops).
     tf32_before: Option<bool>,
+    /// This handle's place in its data-parallel group (`None`: the run's only device).
+    member: Option<crate::collective::Membership>,
     knobs: knobs::Knobs,
     // Dropped last: the server keeps serving the run until the handle goes.
     _attached: Vec<Attachment>,
@@ -391,6 +514,8 @@ impl Stagehand {
         StagehandBuilder {
             budget: None,
             device: None,
+            devices: Vec::new(),
+            collective_timeout: crate::parallel::DEFAULT_COLLECTIVE_TIMEOUT,
             bus: None,
             prefetch_window: plan::DEFAULT_PREFETCH_WINDOW,
             grouping: Grouping::Repeated,
@@ -414,6 +539,54 @@ impl Stagehand {
     /// The run's precision.
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// This handle's rank in its data-parallel group (0 for a handle on one device).
+    pub fn rank(&self) -> usize {
+        self.member.as_ref().map_or(0, |m| m.rank)
+    }
+
+    /// The ranks of its group (1 for a handle on one device).
+    pub fn world_size(&self) -> usize {
+        self.member.as_ref().map_or(1, |m| m.world)
+    }
+
+    /// This rank's slice of a global batch: the rows `rank * n .. (rank + 1) * n` of `batch`
+    /// (`n` its first dimension over the world size), on this rank's device. The first dimension
+    /// must divide evenly: every rank trains on as many rows, so the group's update equals one
+    /// device's over the whole batch. On one device, the batch itself on the device.
+    pub fn shard(&self, batch: &tch::Tensor) -> Result<tch::Tensor> {
+        let (rank, world) = (self.rank() as i64, self.world_size() as i64);
+        let rows = batch.size().first().copied().ok_or_else(|| Error::Config {
+            field: "batch",
+            value: "a scalar".into(),
+            expected: "a tensor whose first dimension is the batch".into(),
+        })?;
+        if rows % world != 0 {
+            return Err(Error::Config {
+                field: "batch",
+                value: format!("{rows} rows"),
+                expected: format!("a multiple of the group's {world} ranks (each trains on as many rows)"),
+            });
+        }
+        let n = rows / world;
+        Ok(batch.f_narrow(0, rank * n, n)?.f_to_device(self.device.tch_device())?)
+    }
+
+    /// Whether `flag` is set on any rank of the group (on one device, `flag`): every rank calls
+    /// it at the same point of its loop and gets the same answer, so the ranks can decide
+    /// together (stop after this step, evaluate now) and keep making the same calls. A rank
+    /// that does not come within the group's timeout stops the group.
+    pub fn any_rank(&self, flag: bool) -> Result<bool> {
+        match &self.member {
+            Some(m) => m.exchange.any(m.rank, "any_rank", flag),
+            None => Ok(flag),
+        }
+    }
+
+    /// This handle's place in its group.
+    pub(crate) fn member(&self) -> Option<&crate::collective::Membership> {
+        self.member.as_ref()
     }
 
     /// The root path to build the model on (Stagehand's layers stream; `tch::nn` layers made on

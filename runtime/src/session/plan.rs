@@ -78,6 +78,15 @@ pub struct ModelFacts {
     /// The models whose blocks these are, when the handle runs several (empty: one model).
     #[serde(default)]
     pub models: Vec<ModelFact>,
+    /// Ranks of the data-parallel group this plan is for (0 or 1: one device). In a group the
+    /// trained blocks stream (each rank's host optimizer steps its shard of them) and each
+    /// rank holds its shard's pinned gradients and optimizer state; rank 0 holds the one host
+    /// copy of the weights.
+    #[serde(default)]
+    pub world_size: u32,
+    /// This rank's number in the group.
+    #[serde(default)]
+    pub rank: u32,
 }
 
 /// One model of a handle that runs several, as the plan sees it.
@@ -345,7 +354,9 @@ impl Plan {
         let all: u64 = model.blocks.iter().map(|&(b, t)| cost(b, t)).sum();
         // Under mixed precision a trained block trains on the host against its float32 master:
         // it streams, whatever its size.
-        let may_stay = |trainable: bool| !(trainable && model.precision.is_mixed());
+        // So it does in a data-parallel group, where the host optimizer steps each rank's shard.
+        let world = u64::from(model.world_size.max(1));
+        let may_stay = |trainable: bool| !(trainable && (model.precision.is_mixed() || world > 1));
         if all <= usable / 2 && model.blocks.iter().all(|b| may_stay(b.1)) {
             p.resident_blocks = (0..model.blocks.len()).collect();
             p.resident_bytes = all;
@@ -370,10 +381,16 @@ impl Plan {
                 .filter(|(i, b)| b.1 && !p.resident_blocks.contains(i))
                 .map(|(_, b)| b.0)
                 .collect();
-            // The block backward is leaving and the one it works on hold device gradients: two
-            // of the largest trained block (a frozen model's larger blocks have none).
+            // The block backward is leaving and the one it works on hold device gradients: two of
+            // the largest trained block (a frozen model's larger blocks have none); in a group,
+            // two of their reductions in flight too, each a bucket of the block's gradients and
+            // this rank's shard of the sum.
             let largest_trained = trained.iter().copied().max().unwrap_or(0);
-            p.gradient_bytes = (trained.len() as u64).min(2) * largest_trained;
+            let streamed_trainable = trained.len() as u64;
+            p.gradient_bytes = streamed_trainable.min(2) * largest_trained;
+            if world > 1 {
+                p.gradient_bytes += streamed_trainable.min(2) * (largest_trained + largest_trained.div_ceil(world));
+            }
             let left = usable.saturating_sub(p.resident_bytes + p.gradient_bytes);
             let streamed = model.blocks.len() - p.resident_blocks.len();
             let want = (left as f64 * WEIGHT_SHARE) as u64 / largest.max(1);
@@ -467,14 +484,25 @@ impl Plan {
         p.hard_cap_bytes = budget + budget / 10;
         p.h2d_slots = p.max_inflight_h2d + p.max_inflight_restores;
         p.d2h_slots = p.max_inflight_spills + 8;
+        // In a group rank 0 holds the one host copy (weights and masters), and each rank its
+        // shard of the pinned gradients and of the optimizer state. A quantized block's host copy
+        // is its payload.
+        let holds_copy = u64::from(model.rank == 0);
         let transfer = |i: usize| model.transfer_bytes.get(i).copied().unwrap_or(model.blocks[i].0);
-        let weights_host: u64 = (0..model.blocks.len()).map(transfer).sum();
-        let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum();
+        let weights_host: u64 = (0..model.blocks.len()).map(transfer).sum::<u64>() * holds_copy;
+        let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum::<u64>().div_ceil(world);
         p.pinned_bytes = weights_host + grads_host;
         // Facts from before the element counts (serde default): each trained byte a float32.
-        let trained = if model.trained_elements > 0 { model.trained_elements } else { grads_host / 4 };
+        let trained = if model.trained_elements > 0 { model.trained_elements.div_ceil(world) } else { grads_host / 4 };
         p.optimizer_state_bytes = (trained as f64 * model.state_storage.bytes_per_param(state)).ceil() as u64;
-        p.master_bytes = model.master_elements * 4;
+        p.master_bytes = model.master_elements * 4 * holds_copy;
+        if world > 1 {
+            p.reasons.push(format!(
+                "rank {} of a data-parallel group of {world}: trained blocks stream from the one host copy{}; this rank's host optimizer steps its shard of each",
+                model.rank,
+                if model.rank == 0 { " (this rank's)" } else { " (rank 0's)" }
+            ));
+        }
         let host_need = p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes;
         let host_left = machine.host_available_bytes.saturating_sub(host_need);
         // The activation pool is sized from what a traced step spills at once, which depends on
@@ -701,6 +729,26 @@ mod tests {
         assert!(used < p.spill_high_bytes && p.spill_high_bytes <= p.budget_bytes, "{p:?}");
         assert_eq!(p.hard_cap_bytes, 4 * GB + 4 * GB / 10);
         assert!(!p.reasons.is_empty());
+    }
+
+    #[test]
+    fn a_rank_of_a_group_streams_its_trained_blocks_and_holds_its_share_of_the_host_state() {
+        let model = gpt(4, 50 * MIB);
+        let one = Plan::derive(16 * GB, &model, HOST, 2).expect("plan");
+        assert!(!one.streams(), "on one device the model stays resident");
+        for (rank, world) in [(0u32, 2u32), (1, 2), (3, 4)] {
+            let ranked = ModelFacts { rank, world_size: world, ..model.clone() };
+            let p = Plan::derive(16 * GB, &ranked, HOST, 2).expect("plan");
+            assert!(p.streams() && p.resident_blocks.is_empty(), "rank {rank} of {world}: trained blocks stream: {p:?}");
+            // Two blocks' gradients, and two reductions in flight (a bucket and its shard each).
+            let largest = 50 * MIB;
+            assert_eq!(p.gradient_bytes, 2 * largest + 2 * (largest + largest.div_ceil(u64::from(world))));
+            let weights: u64 = model.blocks.iter().map(|b| b.0).sum();
+            let grads = weights.div_ceil(u64::from(world));
+            let copy = if rank == 0 { weights } else { 0 };
+            assert_eq!(p.pinned_bytes, copy + grads, "rank {rank}: the one host copy on rank 0, a shard of the gradients each");
+            assert!(p.reasons.iter().any(|r| r.contains(&format!("rank {rank} of a data-parallel group of {world}"))), "{:?}", p.reasons);
+        }
     }
 
     #[test]

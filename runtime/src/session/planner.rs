@@ -10,6 +10,14 @@ use crate::precision::{Precision, StateStorage};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+/// Where a plan's model runs: its device, and its rank and group size in a data-parallel group
+/// ((0, 1) on one device).
+pub(super) struct Place {
+    pub device: Device,
+    pub rank: u32,
+    pub world_size: u32,
+}
+
 /// What the plan needs and the plan, once made.
 pub(super) struct Planner {
     device: Device,
@@ -23,6 +31,8 @@ pub(super) struct Planner {
     vars: Arc<Mutex<tch::nn::Variables>>,
     /// Optimizer state per trainable byte, from the optimizer made (Adam's 2 until then).
     state_factor: AtomicU64,
+    /// This rank's number and its group's size ((0, 1) on one device).
+    group: (u32, u32),
     plan: Mutex<Option<Plan>>,
 }
 
@@ -36,7 +46,7 @@ impl Planner {
     /// A planner for the model on `table` (its VarStore's variables are `vars`); the weight
     /// runtime asks it for the plan before its first block use.
     pub(super) fn new(
-        device: Device,
+        place: Place,
         budget: u64,
         prefetch_window: u32,
         precision: (Precision, StateStorage),
@@ -45,13 +55,14 @@ impl Planner {
         vars: Arc<Mutex<tch::nn::Variables>>,
     ) -> Arc<Planner> {
         let p = Arc::new(Planner {
-            device,
+            device: place.device,
             budget,
             prefetch_window,
             precision,
             knobs,
             table,
             vars,
+            group: (place.rank, place.world_size),
             state_factor: AtomicU64::new(2),
             plan: Mutex::new(None),
         });
@@ -107,6 +118,8 @@ impl Planner {
             stash_bytes: specs.iter().filter_map(|b| b.quant.as_ref().map(|q| q.stash_bytes as u64)).max().unwrap_or(0),
             quantization: self.table.runtime().quantization_reports(),
             models: self.model_facts(specs.len()),
+            rank: self.group.0,
+            world_size: self.group.1,
         };
         let machine = Machine {
             // The host device's "memory" is the budget itself (checked against the host's

@@ -116,7 +116,7 @@ impl Stagehand {
     pub fn train_step(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
         let mut once = Some(forward);
         let forward = move |_: usize| once.take().map(|f| f());
-        self.step_inner(opt, 1, forward).map_err(|e| self.explain_failure(e))
+        self.step_inner(opt, 1, forward).map_err(|e| self.stop_group(self.explain_failure(e)))
     }
 
     /// One training step over `micro_batches` micro-batches (gradient accumulation): for each
@@ -134,7 +134,17 @@ impl Stagehand {
                 expected: "at least 1".into(),
             });
         }
-        self.step_inner(opt, micro_batches, |i| Some(forward(i))).map_err(|e| self.explain_failure(e))
+        self.step_inner(opt, micro_batches, |i| Some(forward(i))).map_err(|e| self.stop_group(self.explain_failure(e)))
+    }
+
+    /// In a data-parallel group a step that fails on one rank stops every rank (the others
+    /// would wait for its collectives): the group's fault is raised with this error as the
+    /// cause (unless another rank failed first). The error itself is returned as it is.
+    fn stop_group(&self, e: crate::Error) -> crate::Error {
+        if let Some(m) = self.member() {
+            m.faults.raise(m.rank, e.to_string());
+        }
+        e
     }
 
     fn step_inner(&self, opt: &mut Optimizer, micro_batches: usize, mut forward: impl FnMut(usize) -> Option<Tensor>) -> Result<StepReport> {
@@ -194,6 +204,12 @@ impl Stagehand {
                 if !v.is_finite() {
                     non_finite_loss = Some(v);
                 }
+                // In a group every rank skips the step, or none does.
+                if let Some(m) = self.member() {
+                    if m.exchange.any(m.rank, "the loss check", !v.is_finite())? && non_finite_loss.is_none() {
+                        non_finite_loss = Some(f64::NAN);
+                    }
+                }
             }
             self.publish_reading();
             self.enter(&conductor, step, Phase::Backward)?;
@@ -203,8 +219,11 @@ impl Stagehand {
             if i == 0 {
                 opt.zero_grad()?;
             }
-            // Each micro-batch adds its share: one step over the whole batch.
-            let share = if micro_batches > 1 { &loss / micro_batches as f64 } else { loss.shallow_clone() };
+            // Each micro-batch adds its share: one step over the whole batch. In a group each
+            // rank's gradients are summed over the ranks, so each rank's share is of the
+            // group's batch (the same operation as a micro-batch's on one device).
+            let shares = micro_batches * self.world_size();
+            let share = if shares > 1 { &loss / shares as f64 } else { loss.shallow_clone() };
             match loss_scale {
                 // fp16: whether the step updates is known once every gradient is in, so the
                 // host steps wait for the end of backward.
@@ -225,7 +244,13 @@ impl Stagehand {
             self.guard_gradients();
         }
         let e2 = self.device.record_compute()?;
-        let loss_value = non_finite_loss.unwrap_or(loss_total / micro_batches as f64);
+        let mut loss_value = non_finite_loss.unwrap_or(loss_total / micro_batches as f64);
+        // In a group, the group's loss: the ranks' means averaged (in rank order, as one device
+        // averages its micro-batches).
+        if let Some(m) = self.member() {
+            let sum = m.exchange.sum_f64(m.rank, "the loss", loss_value)?;
+            loss_value = sum / m.world as f64;
+        }
         let am = match &acts {
             Some(a) => Some(a.end_step()?),
             None => None,

@@ -152,6 +152,8 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     pub(crate) fn stagehand_set_tf32(on: c_int);
+    pub(crate) fn stagehand_cpu_rng_state(out: *mut u8, cap: usize) -> usize;
+    pub(crate) fn stagehand_cpu_rng_set_state(state: *const u8, len: usize, err: *mut c_char, err_len: usize) -> c_int;
     pub(crate) fn stagehand_tf32() -> c_int;
     pub(crate) fn stagehand_cuda_mem_info(
         device: c_int,

@@ -8,6 +8,7 @@ pub mod hooks;
 mod init;
 pub mod optim;
 pub(crate) mod optimizer;
+pub(crate) mod rng;
 pub(crate) mod variable;
 
 pub use alloc::{AllocatorStats, MemoryInfo};

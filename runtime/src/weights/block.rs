@@ -30,6 +30,34 @@ pub(crate) struct HostCopy {
     pub buf: Arc<HostBuffer>,
 }
 
+impl HostCopy {
+    /// A new host copy of `params` in `spec`'s layout (pinned on CUDA), with a float32 master
+    /// for each trained 16-bit parameter.
+    fn of(spec: &BlockSpec, params: &[(String, Tensor)], pool: &HostPool) -> Result<HostCopy> {
+        let buf = pool.alloc(spec.bytes)?;
+        let mut views = Vec::with_capacity(params.len());
+        let mut masters = Vec::with_capacity(params.len());
+        for (p, (_, var)) in spec.params.iter().zip(params) {
+            let mut view = host_view(&buf, p)?;
+            // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
+            tch::no_grad(|| view.f_copy_(var))?;
+            views.push(view);
+            masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
+        }
+        Ok(HostCopy { views, masters, buf: Arc::new(buf) })
+    }
+
+    /// The same copy, for another rank of a data-parallel group (one host copy for all: the
+    /// buffer is shared, the views and masters are handles of the same memory).
+    pub(crate) fn share(&self) -> HostCopy {
+        HostCopy {
+            views: self.views.iter().map(Tensor::shallow_clone).collect(),
+            masters: self.masters.iter().map(|m| m.as_ref().map(Tensor::shallow_clone)).collect(),
+            buf: self.buf.clone(),
+        }
+    }
+}
+
 /// A frozen block's quantized payload on the host (see [`super::quant`]): one buffer (pinned on
 /// CUDA) in the layout's order, each parameter's views in it (its elements and scales, or its
 /// full-width tensor), and each parameter's quantization error. Loads read the buffer through
@@ -89,8 +117,11 @@ pub(crate) struct Block {
     /// Recorded on the compute stream right after the kernels of the block's latest use were
     /// queued: its slot may be refilled once this completes (not everything queued since).
     pub last_use: Option<crate::device::StreamEvent>,
-    /// Host gradients of trainable parameters (streamed trainable blocks).
+    /// Host gradients of trainable parameters (streamed trainable blocks). In a data-parallel
+    /// group each one views its piece of `shard` and has no buffer of its own.
     pub grads: Vec<ParamGrad>,
+    /// A data-parallel rank's shard of the reduced gradients (see `super::shard`).
+    pub shard: Option<super::shard::ShardGrad>,
     /// Sets the device gradients of the trainable parameters to none (libtorch's
     /// `zero_grad(set_to_none)`), so flushed gradients free their memory at once.
     pub grad_release: Option<COptimizer>,
@@ -103,38 +134,55 @@ impl Block {
     /// when `spec` has a quantized layout: the block is frozen) and leaves the variables
     /// pointing at placeholders on `device` until the block is first needed.
     pub(crate) fn from_module(spec: BlockSpec, params: Vec<(String, Tensor)>, device: &Device, pool: &HostPool) -> Result<Block> {
-        let source = match &spec.quant {
-            Some(layout) => Source::Quantized(QuantCopy::fill(&spec, layout, pool, |i| Ok(params[i].1.shallow_clone()))?),
-            None => {
-                let buf = pool.alloc(spec.bytes)?;
-                let mut views = Vec::with_capacity(params.len());
-                let mut masters = Vec::with_capacity(params.len());
-                for (p, (_, var)) in spec.params.iter().zip(&params) {
-                    let mut view = host_view(&buf, p)?;
-                    // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
-                    tch::no_grad(|| view.f_copy_(var))?;
-                    views.push(view);
-                    masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
-                }
-                Source::Host(HostCopy {
-                    views,
-                    masters,
-                    buf: Arc::new(buf),
-                })
-            }
+        Block::make(spec, params, device, pool, None, None)
+    }
+
+    /// A block of rank `rank` of a data-parallel group of `world`: the host copy `shared` (rank
+    /// 0's, which every rank streams from) or a new one (rank 0), and for its trained parameters
+    /// a pinned buffer for this rank's shard of their reduced gradients alone.
+    pub(crate) fn for_rank(
+        spec: BlockSpec,
+        params: Vec<(String, Tensor)>,
+        device: &Device,
+        pool: &HostPool,
+        shared: Option<HostCopy>,
+        (rank, world): (usize, usize),
+    ) -> Result<Block> {
+        let shard = super::shard::ShardLayout::new(&spec, rank, world)?;
+        Block::make(spec, params, device, pool, shared, shard)
+    }
+
+    fn make(
+        spec: BlockSpec,
+        params: Vec<(String, Tensor)>,
+        device: &Device,
+        pool: &HostPool,
+        shared: Option<HostCopy>,
+        shard: Option<super::shard::ShardLayout>,
+    ) -> Result<Block> {
+        let source = match (&spec.quant, shared) {
+            (_, Some(h)) => Source::Host(h),
+            (Some(layout), None) => Source::Quantized(QuantCopy::fill(&spec, layout, pool, |i| Ok(params[i].1.shallow_clone()))?),
+            (None, None) => Source::Host(HostCopy::of(&spec, &params, pool)?),
         };
+        let shard = shard.map(|l| super::shard::ShardGrad::new(l, device)).transpose()?;
         let mut grads = Vec::new();
         let mut grad_release = None;
         for (i, (p, (_, var))) in spec.params.iter().zip(&params).enumerate() {
             if !p.trainable {
                 continue;
             }
-            let gbuf = pool.alloc(p.bytes.max(1))?;
-            let view = param_tensor(&gbuf, 0, &p.shape, p.kind)?;
+            let (view, buf) = match &shard {
+                Some(s) => (s.piece_view(i)?, None),
+                None => {
+                    let gbuf = pool.alloc(p.bytes.max(1))?;
+                    (param_tensor(&gbuf, 0, &p.shape, p.kind)?, Some(gbuf))
+                }
+            };
             grads.push(ParamGrad {
                 param: i,
                 view,
-                buf: Some(gbuf),
+                buf,
                 received: false,
             });
             let opt = match &mut grad_release {
@@ -162,6 +210,7 @@ impl Block {
             resident: false,
             last_use: None,
             grads,
+            shard,
             grad_release,
             model: 0,
         })

@@ -178,6 +178,17 @@ impl WeightRuntime {
         Ok(())
     }
 
+    /// Makes this runtime rank `member.rank` of a data-parallel group whose one host copy of the
+    /// model is `model` (before any block is registered).
+    pub(crate) fn join_group(&self, member: crate::collective::Membership, model: Arc<super::shared::SharedModel>) -> Result<()> {
+        self.lock().join(member, model)
+    }
+
+    /// This runtime's place in its data-parallel group, if it is in one.
+    pub(crate) fn membership(&self) -> Option<crate::collective::Membership> {
+        self.lock().membership().cloned()
+    }
+
     /// Records the VarStore the blocks come from.
     pub(crate) fn set_origin(&self, origin: Origin) {
         *self.inner.origin.lock().unwrap_or_else(|p| p.into_inner()) = Some(origin);

@@ -15,7 +15,7 @@ use crate::api::Mode;
 use figures::round;
 use insight::{FindingView, OwnersPanel, StepTimePanel};
 use log::LogLine;
-use panels::{ActivationsPanel, ConductorPanel, Header, PoolPanel, ResidencyPanel, TransfersPanel, VramPanel};
+use panels::{ActivationsPanel, ConductorPanel, GpuPanel, Header, PoolPanel, ResidencyPanel, TransfersPanel, VramPanel};
 use serde::Serialize;
 use stagehand::events::{ReplayStatus, Snapshot};
 
@@ -65,6 +65,9 @@ pub struct PageView {
     pub transfers: TransfersPanel,
     pub activations: ActivationsPanel,
     pub conductor: ConductorPanel,
+    /// A data-parallel run's GPUs, each its lane (empty on one device; the other panels then
+    /// follow the first GPU).
+    pub gpus: Vec<GpuPanel>,
     pub replay: Option<ReplayPanel>,
 }
 
@@ -84,6 +87,7 @@ impl PageView {
             transfers: panels::transfers(s),
             activations: panels::activations(s),
             conductor: panels::conductor(s),
+            gpus: panels::gpus(s),
             replay: replay.map(ReplayPanel::from),
         }
     }

@@ -477,3 +477,76 @@ pub(crate) fn denial_reasons(s: &Snapshot) -> Vec<DenialReason> {
     out.sort_by_key(|d| std::cmp::Reverse(d.count));
     out
 }
+
+/// One GPU of a data-parallel run (its lane): where it is and what its last step did.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct GpuPanel {
+    pub device: u32,
+    pub step: u64,
+    pub phase: Phase,
+    pub loss: Option<f64>,
+    /// The last step's time and its parts, ms.
+    pub step_ms: Option<f64>,
+    pub compute_ms: Option<f64>,
+    pub h2d_wait_ms: Option<f64>,
+    pub optimizer_ms: Option<f64>,
+    /// Its gradient reductions' time on the device in the last step, ms, and their bytes.
+    pub collective_ms: Option<f64>,
+    pub collective_bytes: u64,
+    /// The last step's copies.
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub allocated_bytes: Option<u64>,
+    pub peak_bytes: Option<u64>,
+    pub budget_bytes: Option<u64>,
+}
+
+/// The GPUs of a data-parallel run (none for a run on one device).
+pub(crate) fn gpus(s: &Snapshot) -> Vec<GpuPanel> {
+    s.lanes
+        .values()
+        .map(|l| {
+            let t = l.last_time.as_ref();
+            let w = l.last_weights.as_ref();
+            GpuPanel {
+                device: l.device,
+                step: l.step,
+                phase: l.phase,
+                loss: l.last_train.as_ref().map(|m| m.loss).filter(|v| v.is_finite()),
+                step_ms: t.map(|t| ms(t.step_ms)),
+                compute_ms: t.map(|t| ms(t.compute_ms)),
+                h2d_wait_ms: t.map(|t| ms(t.h2d_wait_ms)),
+                optimizer_ms: t.map(|t| ms(t.optimizer_ms)),
+                collective_ms: w.map(|w| ms(w.collective_ms)),
+                collective_bytes: w.map_or(0, |w| w.collective_bytes),
+                h2d_bytes: w.map_or(0, |w| w.h2d_bytes),
+                d2h_bytes: w.map_or(0, |w| w.d2h_bytes),
+                allocated_bytes: l.vram.map(|v| v.allocated_bytes),
+                peak_bytes: l.vram.map(|v| v.peak_allocated_bytes),
+                budget_bytes: l.budget_bytes,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::*;
+    use stagehand::events::{Event, EventKind, StepTimeBreakdown, TrainStepMetrics, WeightStepMetrics};
+
+    #[test]
+    fn each_gpu_of_a_data_parallel_run_is_a_row_and_one_device_has_none() {
+        let on = |d: u32, seq: u64, kind: EventKind| Event::new(seq, seq, 1, Phase::Forward, kind).on_device(Some(d));
+        let events = [
+            on(0, 1, EventKind::TrainStep(TrainStepMetrics { loss: 2.5, ..Default::default() })),
+            on(1, 2, EventKind::StepTime(StepTimeBreakdown { step_ms: 40.0, ..Default::default() })),
+            on(1, 3, EventKind::WeightStep(WeightStepMetrics { collective_ms: 1.25, collective_bytes: 4096, ..Default::default() })),
+        ];
+        let g = gpus(&Snapshot::from_events(&events));
+        assert_eq!(g.iter().map(|g| g.device).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(g[0].loss, Some(2.5));
+        assert_eq!((g[1].step_ms, g[1].collective_ms, g[1].collective_bytes), (Some(40.0), Some(1.25), 4096));
+        let one = [Event::new(1, 1, 1, Phase::Forward, EventKind::TrainStep(TrainStepMetrics::default()))];
+        assert!(gpus(&Snapshot::from_events(&one)).is_empty());
+    }
+}

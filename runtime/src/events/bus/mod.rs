@@ -274,14 +274,16 @@ impl Shared {
         self.hub.ingest(Event::new(seq, t_ns, step, phase, kind));
     }
 
-    fn ingest_aggregate(&self, at: (u64, Phase), mut closed: Closed) {
-        // The state the step left behind, as the hub's snapshot has it now.
+    fn ingest_aggregate(&self, at: (u64, Phase), device: Option<u32>, mut closed: Closed) {
+        // The state the step left behind, as the hub's snapshot has it now (in a data-parallel
+        // run, the first device's: the snapshot's other domains follow it).
         if let Some(c) = &mut closed.counts {
             c.end = Some(self.hub.with_snapshot(|s| s.end_state()));
         }
         let step = closed.step;
         for kind in closed.kinds() {
-            self.ingest_own(at.0, step, at.1, kind);
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+            self.hub.ingest(Event::new(seq, at.0, step, at.1, kind).on_device(device));
         }
     }
 
@@ -296,13 +298,16 @@ impl Shared {
         let mut n = 0;
         while let Some(e) = self.queue.pop() {
             let at = (e.t_ns, e.phase);
-            if let Some(agg) = st.closer.before(&e) {
-                self.ingest_aggregate(at, agg);
+            // Each device's lane has steps of its own.
+            let closer = st.closers.entry(e.device).or_default();
+            if let Some(agg) = closer.before(&e) {
+                self.ingest_aggregate(at, e.device, agg);
             }
-            let after = st.closer.after(&e);
+            let after = closer.after(&e);
+            let device = e.device;
             self.hub.ingest(e);
             if let Some(agg) = after {
-                self.ingest_aggregate(at, agg);
+                self.ingest_aggregate(at, device, agg);
             }
             n += 1;
         }
@@ -330,8 +335,10 @@ impl Shared {
     /// The last delivery: what is queued, the open step's copies, and the sinks' last notices.
     fn finish(&self, st: &mut DispatchState) {
         self.dispatch_pending(st);
-        if let Some(agg) = st.closer.finish() {
-            self.ingest_aggregate((self.now_ns(), self.phase()), agg);
+        for (device, closer) in st.closers.iter_mut() {
+            if let Some(agg) = closer.finish() {
+                self.ingest_aggregate((self.now_ns(), self.phase()), *device, agg);
+            }
         }
         // A flush can fail and have a loss to report, whose write can fail again: twice is
         // enough to get the first report out without looping on a dead disk.
@@ -357,7 +364,8 @@ impl Shared {
 #[derive(Default)]
 struct DispatchState {
     last_dropped: u64,
-    closer: StepCloser,
+    /// One per device lane (`None`: a run on one device).
+    closers: std::collections::BTreeMap<Option<u32>, StepCloser>,
 }
 
 struct Dispatcher {
@@ -387,12 +395,24 @@ impl Drop for Dispatcher {
     }
 }
 
+/// One device's lane of a data-parallel run: its events carry the device, and its step and
+/// phase are its own (the devices of a group step together but not in lockstep).
+#[derive(Debug)]
+struct Lane {
+    device: u32,
+    step: AtomicU64,
+    phase: AtomicU8,
+    phase_since_ns: AtomicU64,
+}
+
 /// The publishing side. Cheap to clone; every clone publishes into the same run.
 ///
 /// A disabled bus (see [`Bus::disabled`]) allocates nothing and every publish is a no-op.
 #[derive(Clone)]
 pub struct Bus {
     inner: Option<Arc<Dispatcher>>,
+    /// Set on a device's lane ([`Bus::lane`]).
+    lane: Option<Arc<Lane>>,
 }
 
 impl std::fmt::Debug for Bus {
@@ -455,12 +475,41 @@ impl Bus {
                 shared,
                 thread: Mutex::new(thread),
             })),
+            lane: None,
         }
     }
 
     /// A bus that publishes nothing and costs nothing.
     pub fn disabled() -> Bus {
-        Bus { inner: None }
+        Bus { inner: None, lane: None }
+    }
+
+    /// Device `device`'s lane of this run: a bus into the same hub whose events carry the
+    /// device, with a step and phase of its own (each GPU of a data-parallel group publishes
+    /// on its lane).
+    pub fn lane(&self, device: u32) -> Bus {
+        Bus {
+            inner: self.inner.clone(),
+            lane: Some(Arc::new(Lane {
+                device,
+                step: AtomicU64::new(0),
+                phase: AtomicU8::new(Phase::Idle.to_u8()),
+                phase_since_ns: AtomicU64::new(self.now_ns()),
+            })),
+        }
+    }
+
+    /// The device this bus's events carry (its lane's), if any.
+    pub fn device(&self) -> Option<u32> {
+        self.lane.as_ref().map(|l| l.device)
+    }
+
+    /// The step and phase atomics events are tagged from: the lane's, else the run's.
+    fn context_of<'a>(&'a self, s: &'a Shared) -> (&'a AtomicU64, &'a AtomicU8, &'a AtomicU64) {
+        match &self.lane {
+            Some(l) => (&l.step, &l.phase, &l.phase_since_ns),
+            None => (&s.step, &s.phase, &s.phase_since_ns),
+        }
     }
 
     /// Whether events go anywhere.
@@ -479,14 +528,18 @@ impl Bus {
     pub fn publish(&self, kind: EventKind) {
         let Some(d) = &self.inner else { return };
         let s = &d.shared;
+        let (step, phase, _) = self.context_of(s);
         let seq = s.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        let e = Event::new(
+        let mut e = Event::new(
             seq,
             s.now_ns(),
-            s.step.load(Ordering::Relaxed),
-            Phase::from_u8(s.phase.load(Ordering::Relaxed)),
+            step.load(Ordering::Relaxed),
+            Phase::from_u8(phase.load(Ordering::Relaxed)),
             kind,
         );
+        if let Some(l) = &self.lane {
+            e.device = Some(l.device);
+        }
         if s.queue.push(e).is_err() {
             s.dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -506,10 +559,16 @@ impl Bus {
         let Some(d) = &self.inner else { return };
         let s = &d.shared;
         let now = s.now_ns();
-        let from = Phase::from_u8(s.phase.load(Ordering::Relaxed));
-        let since = s.phase_since_ns.swap(now, Ordering::Relaxed);
-        s.step.store(step, Ordering::Relaxed);
-        s.phase.store(phase.to_u8(), Ordering::Relaxed);
+        let (step_at, phase_at, since_at) = self.context_of(s);
+        let from = Phase::from_u8(phase_at.load(Ordering::Relaxed));
+        let since = since_at.swap(now, Ordering::Relaxed);
+        step_at.store(step, Ordering::Relaxed);
+        phase_at.store(phase.to_u8(), Ordering::Relaxed);
+        if self.lane.is_some() {
+            // The run's own context follows its lanes, so events the dispatcher adds (drops,
+            // sinks' notices) carry a recent step.
+            s.step.fetch_max(step, Ordering::Relaxed);
+        }
         self.publish(EventKind::PhaseChanged {
             from,
             to: phase,
@@ -521,10 +580,10 @@ impl Bus {
     pub fn context(&self) -> (u64, Phase) {
         match &self.inner {
             None => (0, Phase::Idle),
-            Some(d) => (
-                d.shared.step.load(Ordering::Relaxed),
-                Phase::from_u8(d.shared.phase.load(Ordering::Relaxed)),
-            ),
+            Some(d) => {
+                let (step, phase, _) = self.context_of(&d.shared);
+                (step.load(Ordering::Relaxed), Phase::from_u8(phase.load(Ordering::Relaxed)))
+            }
         }
     }
 

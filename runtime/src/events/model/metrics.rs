@@ -41,6 +41,20 @@ pub struct WeightStepMetrics {
     /// a teacher or a reference model beside the trained one); empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<super::ModelWeightStep>,
+    /// A data-parallel rank: milliseconds its gradient reductions (the collectives that
+    /// completed in the step) ran on the device, and the bytes they reduced. Absent elsewhere.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub collective_ms: f64,
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub collective_bytes: u64,
+}
+
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
 }
 
 /// What one evaluation did: the forwards a weight runtime ran outside training steps, between
@@ -214,6 +228,13 @@ pub struct CopyStats {
     pub last_gbps: f64,
 }
 
+impl CopyStats {
+    /// Whether nothing was counted (a direction a run never used).
+    pub fn is_none(&self) -> bool {
+        self.count == 0 && self.bytes == 0
+    }
+}
+
 /// GB/s of `bytes` copied in `duration_ms`, when that is a measured time (finite, above 0): the
 /// one rate formula for a timed copy and for the timed copies of a step or a run.
 pub fn copy_gbps(bytes: u64, duration_ms: Option<f64>) -> Option<f64> {
@@ -226,6 +247,10 @@ pub fn copy_gbps(bytes: u64, duration_ms: Option<f64>) -> Option<f64> {
 pub struct TransferStepMetrics {
     pub h2d: CopyStats,
     pub d2h: CopyStats,
+    /// Collectives between the devices of a data-parallel group (absent from older files and
+    /// single-device runs).
+    #[serde(default, skip_serializing_if = "CopyStats::is_none")]
+    pub collective: CopyStats,
 }
 
 /// Device memory by owner at one moment. `other_bytes` is what the allocator holds beyond the

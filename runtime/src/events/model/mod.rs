@@ -12,7 +12,9 @@
 //! ```
 //!
 //! `t_ns` counts nanoseconds on a monotonic clock from the run's start; the `run_started` event
-//! carries the wall-clock anchor (`wall_clock_unix_ms`) that turns it into a date.
+//! carries the wall-clock anchor (`wall_clock_unix_ms`) that turns it into a date. In a
+//! data-parallel run each event also carries `"dev"`, the device whose lane it belongs to (with
+//! that lane's step and phase).
 
 mod counts;
 mod holdings;
@@ -411,6 +413,11 @@ pub struct Event {
     pub step: u64,
     /// The phase of that step.
     pub phase: Phase,
+    /// The device the event comes from, in a data-parallel run (each GPU its own lane, with its
+    /// own step and phase); absent in a run on one device and in older files. On the wire it is
+    /// `dev` (`run_started` has a `device` of its own, the run's description).
+    #[serde(default, rename = "dev", skip_serializing_if = "Option::is_none")]
+    pub device: Option<u32>,
     /// What happened.
     #[serde(flatten)]
     pub kind: EventKind,
@@ -425,8 +432,15 @@ impl Event {
             t_ns,
             step,
             phase,
+            device: None,
             kind,
         }
+    }
+
+    /// The event, from `device`'s lane.
+    pub fn on_device(mut self, device: Option<u32>) -> Event {
+        self.device = device;
+        self
     }
 }
 

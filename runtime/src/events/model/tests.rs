@@ -143,3 +143,36 @@ fn residency_has_exactly_eight_valid_edges() {
     assert_eq!(valid, 8);
     assert!(!BlockState::GpuReady.can_transition_to(BlockState::GpuReady));
 }
+
+#[test]
+fn an_events_device_round_trips_beside_the_runs_own_device() {
+    // A data-parallel run's events carry `dev`; `run_started` keeps its `device`, the run's.
+    let started = Event::new(1, 0, 0, Phase::Idle, EventKind::RunStarted {
+        run_id: "r".into(),
+        wall_clock_unix_ms: 0,
+        device: DeviceInfo { kind: DeviceKind::Cuda, index: 0, name: "NVIDIA H100".into(), total_bytes: 1 },
+        model: "m".into(),
+        versions: Default::default(),
+        config: serde_json::Value::Null,
+    })
+    .on_device(Some(1));
+    let text = serde_json::to_string(&started).expect("serializes");
+    assert!(text.contains(r#""dev":1"#) && text.contains(r#""device":{"#), "{text}");
+    assert_eq!(serde_json::from_str::<Event>(&text).expect("reads back"), started);
+    let collective = Event::new(2, 5, 3, Phase::Backward, EventKind::TransferCompleted {
+        id: TransferId(9),
+        dir: Direction::Collective,
+        owner: Owner::Weights,
+        bytes: 4096,
+        duration_ms: Some(0.25),
+    })
+    .on_device(Some(0));
+    let text = serde_json::to_string(&collective).expect("serializes");
+    assert!(text.contains(r#""dir":"collective""#), "{text}");
+    assert_eq!(serde_json::from_str::<Event>(&text).expect("reads back"), collective);
+    // Files of one device (and older files) have no `dev`.
+    let one = Event::new(3, 6, 1, Phase::Forward, EventKind::RunEnded { steps: 1 });
+    assert!(!serde_json::to_string(&one).expect("serializes").contains("dev"));
+    let old = r#"{"v":2,"seq":1,"t_ns":5,"step":1,"phase":"forward","kind":"run_ended","steps":1}"#;
+    assert_eq!(serde_json::from_str::<Event>(old).expect("an old event reads").device, None);
+}

@@ -126,6 +126,9 @@ pub enum Direction {
     H2d,
     /// Device to host.
     D2h,
+    /// Between the devices of a data-parallel group: a collective (a reduce-scatter of a
+    /// block's gradients, an all-reduce), measured on the device that queued it.
+    Collective,
 }
 
 impl Direction {
@@ -457,6 +460,8 @@ impl Hints {
         match dir {
             Direction::H2d => self.max_inflight_h2d,
             Direction::D2h => self.max_inflight_d2h,
+            // Collectives take no transfer slot.
+            Direction::Collective => None,
         }
     }
 }

@@ -89,5 +89,7 @@ fn set_inflight(c: &mut ConductorView, dir: Direction, inflight: u32) {
     match dir {
         Direction::H2d => c.h2d_inflight = inflight,
         Direction::D2h => c.d2h_inflight = inflight,
+        // Collectives take no transfer slot.
+        Direction::Collective => {}
     }
 }

@@ -23,6 +23,7 @@
 mod activations;
 mod conductor;
 mod counts;
+pub mod lanes;
 mod memory;
 mod pools;
 mod run;
@@ -34,6 +35,7 @@ mod weights;
 #[cfg(test)]
 mod tests;
 
+pub use lanes::{Lane, LaneMemory};
 pub use tally::Tallies;
 pub use views::*;
 
@@ -68,6 +70,8 @@ pub enum Refusal {
     /// A `step_counts` aggregate whose distributions do not fit their bounds or hold more than
     /// [`MAX_STEP_OBSERVATIONS`] values.
     UnboundedAggregate,
+    /// An event of a device beyond [`lanes::MAX_LANES`] lanes.
+    TooManyDevices,
 }
 
 impl Refusal {
@@ -79,6 +83,7 @@ impl Refusal {
             Refusal::PoolClassOutOfRange => "pool_class_out_of_range",
             Refusal::ListTooLong => "list_too_long",
             Refusal::UnboundedAggregate => "unbounded_aggregate",
+            Refusal::TooManyDevices => "too_many_devices",
         }
     }
 }
@@ -172,6 +177,13 @@ pub struct Snapshot {
     /// The reducer's bookkeeping for totals (see the `tally` module).
     #[serde(default)]
     pub tallies: Tallies,
+    /// A data-parallel run's devices, each its lane (see the `lanes` module); empty for a run
+    /// on one device.
+    #[serde(default)]
+    pub lanes: BTreeMap<u32, Lane>,
+    /// The device the other domains follow in a data-parallel run: the first one seen.
+    #[serde(default)]
+    pub first_device: Option<u32>,
 }
 
 /// Position of each block id in `Snapshot::blocks`. Compares equal to any other index: it is
@@ -330,6 +342,11 @@ impl Snapshot {
         self.t_ns = self.t_ns.max(e.t_ns);
         self.step = self.step.max(e.step);
         bump(&mut self.event_counts, e.kind.name());
+        if let Some(d) = e.device {
+            if !lanes::apply(self, d, e) {
+                return;
+            }
+        }
         counts::apply(self, e);
 
         use EventKind::*;

@@ -248,6 +248,7 @@ impl StepSum for TransferStepMetrics {
     fn add(&mut self, o: &Self) {
         self.h2d.add(&o.h2d);
         self.d2h.add(&o.d2h);
+        self.collective.add(&o.collective);
     }
 }
 
@@ -283,12 +284,13 @@ impl TransferStepMetrics {
         match d {
             Direction::H2d => &mut self.h2d,
             Direction::D2h => &mut self.d2h,
+            Direction::Collective => &mut self.collective,
         }
     }
 
     /// True when no copy completed.
     pub fn is_empty(&self) -> bool {
-        self.h2d.count == 0 && self.d2h.count == 0
+        self.h2d.count == 0 && self.d2h.count == 0 && self.collective.count == 0
     }
 }
 

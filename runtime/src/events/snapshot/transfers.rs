@@ -28,6 +28,7 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
                 match dir {
                     Direction::H2d => t.h2d_bytes = t.h2d_bytes.saturating_add(*bytes),
                     Direction::D2h => t.d2h_bytes = t.d2h_bytes.saturating_add(*bytes),
+                    Direction::Collective => {}
                 }
                 weights::refresh(s);
             }
@@ -57,7 +58,7 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
 
 fn refresh(s: &mut Snapshot) {
     let t = s.tallies.transfers.total();
-    for (dir, c) in [(Direction::H2d, t.h2d), (Direction::D2h, t.d2h)] {
+    for (dir, c) in [(Direction::H2d, t.h2d), (Direction::D2h, t.d2h), (Direction::Collective, t.collective)] {
         let d = s.transfers.dir_mut(dir);
         d.count = c.count;
         d.bytes = c.bytes;

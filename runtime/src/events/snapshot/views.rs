@@ -207,6 +207,9 @@ impl TransferRecord {
 pub struct TransfersView {
     pub h2d: DirectionView,
     pub d2h: DirectionView,
+    /// Collectives between the devices of a data-parallel group.
+    #[serde(default)]
+    pub collective: DirectionView,
     #[cfg_attr(feature = "openapi", schema(value_type = Vec<TransferRecord>))]
     pub recent: VecDeque<TransferRecord>,
 }
@@ -217,12 +220,14 @@ impl TransfersView {
         match d {
             Direction::H2d => &self.h2d,
             Direction::D2h => &self.d2h,
+            Direction::Collective => &self.collective,
         }
     }
     pub(super) fn dir_mut(&mut self, d: Direction) -> &mut DirectionView {
         match d {
             Direction::H2d => &mut self.h2d,
             Direction::D2h => &mut self.d2h,
+            Direction::Collective => &mut self.collective,
         }
     }
 }

@@ -229,6 +229,7 @@ pub(super) fn step_counts(out: &[Event], step: u64) -> (WeightCounts, Activation
             EventKind::TransferCompleted { owner: Owner::Weights, dir, bytes, .. } => match dir {
                 Direction::H2d => w.h2d_bytes += bytes,
                 Direction::D2h => w.d2h_bytes += bytes,
+                Direction::Collective => {}
             },
             EventKind::Pack { decision, bytes, pool_hit, .. } => {
                 a.saved += 1;

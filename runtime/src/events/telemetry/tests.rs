@@ -200,6 +200,7 @@ fn the_first_steps_pool_fallbacks_do_not_dump_but_later_ones_do() {
         t_ns: step * 1_000_000_000_000,
         step,
         phase: Phase::Forward,
+        device: None,
         kind,
     };
     let fallback = || EventKind::PageableFallback { pool: PoolKind::Activations, bytes: 4096 };

@@ -19,6 +19,7 @@
 
 mod eval;
 mod quantize;
+mod parallel;
 mod room;
 mod train;
 mod values;
@@ -159,6 +160,8 @@ pub(crate) struct Scheduler {
     /// reached the block before it: loaded (after waiting for that step) once the block being
     /// entered has queued its kernels, at its `leave` (see `room::prefetch`).
     after_leave: Option<BlockId>,
+    /// This runtime's rank of a data-parallel group, if it is one (`parallel`).
+    rank: Option<parallel::Rank>,
 }
 
 /// A model whose blocks the runtime streams.
@@ -258,6 +261,7 @@ impl Scheduler {
             models: vec![ModelEntry { name: MAIN_MODEL.into(), frozen: false, quantize: None }],
             model_steps: Vec::new(),
             after_leave: None,
+            rank: None,
         })
     }
 
@@ -502,7 +506,7 @@ impl Scheduler {
         let bytes = spec.bytes as u64;
         super::claims::claim(self.owner, name, &params)?;
         let ids: Vec<crate::torch::VariableId> = params.iter().map(|(_, t)| crate::torch::VariableId::of(t)).collect();
-        let mut block = match Block::from_module(spec, params, &self.device, &self.pool) {
+        let mut block = match self.make_block(id, spec, params) {
             Ok(b) => b,
             Err(e) => {
                 super::claims::unclaim(&ids);
@@ -673,6 +677,7 @@ impl Scheduler {
         let wait = self.loads.take_wait_ms(false);
         let update_host_ms = self.update_waits.host_ms();
         let update_idle = self.update_waits.take_ms()?;
+        let (collective_ms, collective_bytes) = self.take_collective_totals();
         let m = &mut self.metrics;
         let seen = m.prefetch_hits + m.prefetch_misses;
         m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
@@ -682,6 +687,8 @@ impl Scheduler {
         m.update_wait_ms += update_idle;
         m.host_ms = (m.host_ms - update_host_ms).max(0.0);
         m.min_h2d_bytes = min;
+        m.collective_ms = collective_ms;
+        m.collective_bytes = collective_bytes;
         if let Some(p) = &self.staging {
             let s = p.stats();
             m.host_pool_free = s.free.iter().sum();
@@ -862,7 +869,8 @@ impl Scheduler {
     /// gradient copies).
     pub(crate) fn copies_in_flight(&self) -> (usize, usize) {
         let (landing, retired) = self.loads.in_flight();
-        (landing, retired + self.grads.in_flight())
+        let reducing = self.rank.as_ref().map_or(0, |r| r.reduce.in_flight());
+        (landing, retired + self.grads.in_flight() + reducing)
     }
 
     /// Device bytes held by streamed blocks (the room, once made) and resident blocks.
@@ -889,15 +897,13 @@ impl Scheduler {
 
     /// Bytes of copies in flight that hold device memory: loads landing and gradient copies.
     pub(crate) fn in_flight_bytes(&self) -> u64 {
-        self.loads.landing_bytes() + self.grads.in_flight_bytes()
+        self.loads.landing_bytes() + self.grads.in_flight_bytes() + self.rank.as_ref().map_or(0, |r| r.reduce.in_flight_bytes())
     }
 
     /// The canonical value of a parameter (a fresh CPU tensor), after any pending optimizer
     /// step of its block.
     pub(crate) fn host_param(&self, id: BlockId, i: usize) -> Result<Tensor> {
-        if let Some(s) = &self.stepper {
-            s.wait(id)?;
-        }
+        self.wait_host_copy(id)?;
         self.block(id)?.host_param(i)
     }
 
@@ -908,10 +914,7 @@ impl Scheduler {
         if matches!(self.state, StepState::ShutDown { .. }) {
             return Ok(());
         }
-        let result = self.end_evaluation().and_then(|_| match &self.stepper {
-            Some(s) => s.wait_all().map(|_| ()),
-            None => Ok(()),
-        });
+        let result = self.end_evaluation().and_then(|_| self.wait_all_updates());
         self.state = StepState::ShutDown { dropped: true };
         result
     }
@@ -919,9 +922,7 @@ impl Scheduler {
     /// Waits for the host optimizer, ends an evaluation or open step, evicts every block.
     fn evict_all(&mut self) -> Result<()> {
         self.end_evaluation()?;
-        if let Some(s) = &self.stepper {
-            s.wait_all()?;
-        }
+        self.wait_all_updates()?;
         for i in 0..self.blocks.len() {
             let id = BlockId(i as u32);
             if self.residency.state(id)? == BlockState::Prefetching {
@@ -933,7 +934,7 @@ impl Scheduler {
                 self.evict(id, crate::events::EvictionReason::Shutdown, 0.0)?;
             }
         }
-        self.grads.wait_all(&mut self.blocks)?;
+        self.wait_all_grads()?;
         self.loads.drain(&self.loader)
     }
 

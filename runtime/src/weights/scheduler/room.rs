@@ -92,6 +92,9 @@ impl Scheduler {
     pub(super) fn reap(&mut self) {
         self.loads.reap(&self.loader);
         self.grads.reap(&mut self.blocks);
+        if let Some(r) = &mut self.rank {
+            r.reduce.reap(&mut self.blocks);
+        }
     }
 
     /// Makes `id` usable now: a hit when it is on the device or landing, a counted miss (a demand
@@ -174,7 +177,7 @@ impl Scheduler {
                 continue;
             }
             let first = std::mem::replace(&mut first_to_load, false);
-            if self.stepper.as_ref().is_some_and(|s| s.is_pending(b)) {
+            if self.update_pending(b) {
                 if first && !backward {
                     self.after_leave = Some(b);
                 }
@@ -193,7 +196,7 @@ impl Scheduler {
     /// no staging slab is free, or its host copy is being updated).
     pub(super) fn load(&mut self, id: BlockId, why: Load, distance: Option<usize>) -> Result<bool> {
         let demand = why == Load::Demand;
-        if self.stepper.as_ref().is_some_and(|s| s.is_pending(id)) {
+        if self.update_pending(id) {
             if !demand {
                 return Ok(false);
             }
@@ -301,7 +304,7 @@ impl Scheduler {
         if !trained || (self.update_expected && !self.submitted.contains(&first)) {
             return Ok(());
         }
-        if self.stepper.as_ref().is_some_and(|s| s.is_pending(first)) {
+        if self.update_pending(first) {
             self.wait_update(first)?;
         }
         let distance = self.route.distance(first);
@@ -332,12 +335,14 @@ impl Scheduler {
         self.load(b, Load::Next, Some(distance)).map(|_| ())
     }
 
-    /// Waits for the host optimizer's pending step of `id`; what the wait costs is the compute
-    /// stream's idle time during it, counted as waiting for the optimizer.
+    /// Waits for the host optimizer's pending step of `id` (in a data-parallel group, every
+    /// rank's step of it); what the wait costs is the compute stream's idle time during it,
+    /// counted as waiting for the optimizer.
     fn wait_update(&mut self, id: BlockId) -> Result<()> {
         let Some(s) = self.stepper.clone() else { return Ok(()) };
         let probe = self.device.idle_probe()?;
         s.wait(id)?;
+        self.wait_group_update(id)?;
         self.update_waits.push(probe.end(&self.device)?);
         Ok(())
     }
@@ -539,7 +544,11 @@ impl Scheduler {
         }
         if !self.blocks[id.0 as usize].grads.is_empty() {
             self.residency.transition(id, BlockState::Evicting, &self.bus)?;
-            self.flush_grads(id)?;
+            // In a group the ranks reduce in the model's order, not in an eviction's (whose
+            // timing differs from rank to rank): the gradients wait on the device for it.
+            if self.rank.is_none() {
+                self.flush_grads(id)?;
+            }
         } else {
             self.residency.transition(id, BlockState::GpuFreeing, &self.bus)?;
         }

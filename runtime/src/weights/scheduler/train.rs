@@ -22,12 +22,18 @@ pub(crate) struct HostParam {
     /// The 16-bit host copy the next load streams, which the optimizer writes after updating
     /// the master (`None`: `value` is that copy).
     pub copy: Option<Tensor>,
+    /// In a data-parallel group, the piece of the parameter this rank steps (offset in the
+    /// parameter, elements): `value`, `grad` and `copy` are 1-D slices of it.
+    pub piece: Option<(i64, i64)>,
 }
 
 impl Scheduler {
     /// Sends `id`'s device gradients to the host (a no-op for frozen or resident blocks, or when
     /// it has none).
     pub(crate) fn flush_grads(&mut self, id: BlockId) -> Result<()> {
+        if self.rank.is_some() {
+            return self.flush_shard(id);
+        }
         let b = &self.blocks[id.0 as usize];
         if b.grads.is_empty() || b.resident {
             return Ok(());
@@ -71,7 +77,7 @@ impl Scheduler {
     pub(crate) fn collect_grads(&mut self) -> Result<()> {
         self.check_live()?;
         self.after_backward()?;
-        self.grads.wait_all(&mut self.blocks)?;
+        self.wait_all_grads()?;
         self.reap();
         Ok(())
     }
@@ -83,7 +89,7 @@ impl Scheduler {
     /// (`flush_grads`), so the next forward and backward overlap the last step's host steps.
     pub(crate) fn zero_grads(&mut self) -> Result<()> {
         self.check_live()?;
-        self.grads.wait_all(&mut self.blocks)?;
+        self.wait_all_grads()?;
         for b in &mut self.blocks {
             if b.resident {
                 continue;
@@ -93,6 +99,9 @@ impl Scheduler {
             }
             for g in &mut b.grads {
                 g.received = false;
+            }
+            if let Some(s) = &mut b.shard {
+                s.received = false;
             }
         }
         Ok(())
@@ -109,6 +118,9 @@ impl Scheduler {
 
     /// The host values and gradients of a trained streamed block (for building its optimizer).
     pub(crate) fn host_params(&self, id: BlockId) -> Result<Vec<HostParam>> {
+        if self.rank.is_some() {
+            return self.shard_params(id);
+        }
         let b = self.block(id)?;
         let Source::Host(h) = &b.source else {
             return Err(Error::internal(format!("trained block {id} has no host copy")));
@@ -118,8 +130,8 @@ impl Scheduler {
             .map(|g: &ParamGrad| {
                 let view = h.views[g.param].shallow_clone();
                 match &h.masters[g.param] {
-                    Some(m) => HostParam { index: g.param, value: m.shallow_clone(), grad: g.view.shallow_clone(), copy: Some(view) },
-                    None => HostParam { index: g.param, value: view, grad: g.view.shallow_clone(), copy: None },
+                    Some(m) => HostParam { index: g.param, value: m.shallow_clone(), grad: g.view.shallow_clone(), copy: Some(view), piece: None },
+                    None => HostParam { index: g.param, value: view, grad: g.view.shallow_clone(), copy: None, piece: None },
                 }
             })
             .collect())
@@ -181,7 +193,7 @@ impl Scheduler {
             .collect();
         ids.sort_by_key(|b| order.iter().position(|o| o == b).unwrap_or(usize::MAX));
         for (priority, id) in ids.into_iter().enumerate() {
-            self.grads.wait_block(id, &mut self.blocks[id.0 as usize])?;
+            self.wait_grads(id)?;
             match self.residency.state(id)? {
                 BlockState::Prefetching => {
                     self.finalize(id, false)?;
@@ -199,14 +211,21 @@ impl Scheduler {
                 }
             }
             self.loads.reap(&self.loader);
-            if let Source::Host(h) = &self.blocks[id.0 as usize].source {
+            match &self.blocks[id.0 as usize].source {
                 // Proof that no copy reads the host weights the step is about to change.
-                if Arc::strong_count(&h.buf) != 1 {
+                Source::Host(h) if self.rank.is_none() && Arc::strong_count(&h.buf) != 1 => {
                     return Err(Error::internal(format!("block {id}: a copy still reads its host weights")));
                 }
+                // In a group the copy is every rank's: the other ranks' loads of it for this
+                // step completed before their backward through it, which this rank's shard of
+                // its gradients waited for (the reduce-scatter needs every rank's part); its
+                // own loads still landing are waited for by the step.
+                _ => {}
             }
             let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
-            stepper.submit(id, priority as u64, job(id, &received, Vec::new())?);
+            let ready = if self.rank.is_some() { self.loads.pending_events(id) } else { Vec::new() };
+            let j = job(id, &received, ready)?;
+            self.submit_job(&stepper, id, priority as u64, j);
             self.submitted.insert(id);
         }
         self.update_expected = false;
@@ -256,7 +275,7 @@ impl Scheduler {
             // In use or landing: its step waits for the optimizer's own call.
             _ => return Ok(()),
         }
-        let mut ready = self.grads.pending_events(id);
+        let mut ready = self.grad_events(id);
         ready.extend(self.loads.pending_events(id));
         let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
         let priority = self.forward_position(id);
@@ -265,7 +284,7 @@ impl Scheduler {
             Some(make) => make(id, &received, ready)?,
             None => return Ok(()),
         };
-        stepper.submit(id, priority, job);
+        self.submit_job(&stepper, id, priority, job);
         self.submitted.insert(id);
         Ok(())
     }
@@ -299,6 +318,13 @@ impl Scheduler {
         }
         for &id in ids {
             let b = self.block(id)?;
+            // In a group, trained blocks are stepped on the host, each rank its shard.
+            if self.rank.is_some() && b.trainable() {
+                return Err(Error::misuse(
+                    format!("keeping trained block '{}' resident in a data-parallel group", b.spec.name),
+                    "frozen blocks resident: the ranks' trained blocks stream from the one host copy, where the host optimizer steps them",
+                ));
+            }
             // A resident block trains on the device, where it has no float32 master.
             if let Some(p) = b.spec.params.iter().find(|p| p.has_master()) {
                 return Err(Error::misuse(

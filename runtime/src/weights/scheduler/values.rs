@@ -37,9 +37,7 @@ impl Scheduler {
     /// the block, sharing memory where it can (see `Block::value`). Valid until the next step
     /// or load. Also after shutdown (the host copy then holds every block's final values).
     pub(crate) fn param_value(&self, id: BlockId, i: usize) -> Result<Tensor> {
-        if let Some(s) = &self.stepper {
-            s.wait(id)?;
-        }
+        self.wait_host_copy(id)?;
         self.block(id)?.value(i)
     }
 
@@ -71,9 +69,7 @@ impl Scheduler {
                 "load a checkpoint between steps",
             ));
         }
-        if let Some(s) = &self.stepper {
-            s.wait(id)?;
-        }
+        self.wait_host_copy(id)?;
         let on_device = matches!(self.blocks[id.0 as usize].placement, Some(Placement::Own(_)));
         if let Source::File(f) = &self.blocks[id.0 as usize].source {
             let p = &self.blocks[id.0 as usize].spec.params[i];
@@ -107,13 +103,21 @@ impl Scheduler {
                 }
             }
         }
+        // In a group rank 0 writes the one host copy; the others only dropped their device
+        // copies above.
+        if self.rank.as_ref().is_some_and(|r| r.member.rank != 0) {
+            return Ok(());
+        }
         self.loads.reap(&self.loader);
+        // In a group every rank's block holds the copy: the group loads a checkpoint between
+        // two barriers, each rank's loads drained first (`crate::parallel`).
+        let holders = if self.rank.is_some() { usize::MAX } else { 1 };
         let busy = match &self.blocks[id.0 as usize].source {
-            Source::Host(h) => Arc::strong_count(&h.buf) != 1,
-            Source::Quantized(q) => Arc::strong_count(&q.buf) != 1,
+            Source::Host(h) => Arc::strong_count(&h.buf) > holders,
+            Source::Quantized(q) => Arc::strong_count(&q.buf) > holders,
             _ => false,
         };
-        if busy {
+        if busy || self.rank.is_some() {
             // A copy still reads the host weights: let every load finish first.
             self.loads.drain(&self.loader)?;
         }
@@ -135,7 +139,7 @@ impl Scheduler {
         let Source::Host(h) = &self.blocks[id.0 as usize].source else {
             return Err(Error::internal(format!("block {id} has neither a file nor a host copy")));
         };
-        if Arc::strong_count(&h.buf) != 1 {
+        if Arc::strong_count(&h.buf) > holders {
             return Err(Error::internal(format!("block {id}: a copy still reads its host weights")));
         }
         let view = h.views[i].shallow_clone();
@@ -177,9 +181,15 @@ impl Scheduler {
     /// (views of the host buffers; complete after `collect_grads`).
     pub(crate) fn received_grads(&self, id: BlockId) -> Result<Vec<(usize, Tensor)>> {
         let b = self.block(id)?;
+        // In a group each parameter's piece of this rank's shard (landed with the shard's
+        // buffer back; a parameter with no piece here has none).
+        let landed = |g: &super::super::block::ParamGrad| match &b.shard {
+            Some(s) => s.buf.is_some() && g.view.numel() > 0,
+            None => g.buf.is_some(),
+        };
         Ok(b.grads
             .iter()
-            .filter(|g| g.received && g.buf.is_some() && !b.resident)
+            .filter(|g| g.received && landed(g) && !b.resident)
             .map(|g| (g.param, g.view.shallow_clone()))
             .collect())
     }
