@@ -117,10 +117,9 @@ pub enum Error {
     },
     /// A step ran out of device memory: what held the device at that moment, what the runtime
     /// was about to do, and the flight record written for it (see
-    /// [`OomReport`](crate::session::OomReport)).
-    #[cfg(feature = "torch")]
+    /// [`OomReport`](crate::oom::OomReport)).
     #[error("{0}")]
-    OutOfMemory(Box<crate::session::OomReport>),
+    OutOfMemory(Box<crate::oom::OomReport>),
     /// Attaching the telemetry file or the flight recorder failed.
     #[error("telemetry: {0}")]
     Telemetry(#[from] crate::events::telemetry::TelemetryError),

@@ -13,6 +13,7 @@ pub mod guards;
 pub mod activations;
 #[cfg(feature = "torch")]
 pub mod nn;
+pub mod oom;
 #[cfg(feature = "torch")]
 pub mod optim;
 #[cfg(feature = "torch")]
@@ -30,6 +31,7 @@ pub(crate) mod transfer;
 pub mod weights;
 
 pub use error::{Error, Result};
+pub use oom::OomReport;
 pub use precision::{LossScaler, Precision, StateStorage};
 #[cfg(feature = "torch")]
-pub use session::{OomReport, Plan, Stagehand, StagehandBuilder, StepReport};
+pub use session::{Plan, Stagehand, StagehandBuilder, StepReport};

@@ -46,7 +46,7 @@ mod adapt;
 mod step;
 mod telemetry;
 
-pub use forensics::OomReport;
+pub use crate::oom::OomReport;
 pub use plan::{BudgetGuide, Machine, ModelFacts, Plan};
 pub use step::StepReport;
 
