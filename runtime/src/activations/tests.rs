@@ -149,8 +149,9 @@ fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
     let flip = || {
         let shared = rt.shared();
         let mut g = shared.lock();
+        let ctx = shared.ctx(&g);
         let super::state::State { records, spills, .. } = &mut *g;
-        spills.drain(records, &shared.device, &shared.bus).expect("finalize");
+        spills.drain(records, &ctx).expect("finalize");
         let idx = records.index_of(h).expect("record");
         let host = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
         host.as_mut_slice().expect("the only tensor in its slab")[17] ^= 0x40;
