@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::events::{
     ActivationStepMetrics, BlockId, Bus, Direction, EventKind, KeepReason, Owner, PackDecision, PoolKind, Priority, TensorId,
 };
-use crate::pinned::{Lease, SlabPool};
+use crate::pinned::{Lease, PoolStats, SlabPool};
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::{Recompute, TensorIdentity};
 use std::collections::HashSet;
@@ -32,42 +32,42 @@ use tch::Tensor;
 
 /// Mutable state, behind the runtime's one lock.
 pub(super) struct State {
-    pub records: Records,
-    pub pool: SlabPool,
-    pub spills: SpillQueue,
-    pub restorer: Restorer,
-    pub policy: SpillPolicy,
+    records: Records,
+    pool: SlabPool,
+    spills: SpillQueue,
+    restorer: Restorer,
+    policy: SpillPolicy,
     /// Open regions, outermost first.
-    pub regions: Vec<String>,
+    regions: Vec<String>,
     /// Index of the open top-level group in this step's forward.
-    pub group: Option<u32>,
-    pub groups_opened: u32,
+    group: Option<u32>,
+    groups_opened: u32,
     /// Groups of this step's forward, being learned, and those learned from an earlier step.
-    pub learning: Vec<GroupProfile>,
-    pub profile: Vec<GroupProfile>,
+    learning: Vec<GroupProfile>,
+    profile: Vec<GroupProfile>,
     /// Backward has begun (an unpack happened) in this step.
-    pub in_backward: bool,
-    pub metrics: ActivationStepMetrics,
-    pub last: Option<ActivationStepMetrics>,
-    pub next_tensor: u64,
+    in_backward: bool,
+    metrics: ActivationStepMetrics,
+    last: Option<ActivationStepMetrics>,
+    next_tensor: u64,
     /// Storage addresses of registered model parameters.
-    pub parameters: HashSet<u64>,
+    parameters: HashSet<u64>,
     /// Grants the transfer slots (disabled: every copy proceeds at no cost).
-    pub conductor: Conductor,
+    conductor: Conductor,
     /// Spilled sizes and how many of each were held at once, for sizing the pool.
-    pub sizes: SizeProfile,
+    sizes: SizeProfile,
     /// The pool was sized from a traced step.
-    pub pool_traced: bool,
+    pool_traced: bool,
     /// Bytes the spill watermarks were lowered by since the trace: the pool holds that much more.
-    pub pool_extra: u64,
+    pool_extra: u64,
     /// The region the weight runtime said the forward was in at the last pack.
-    pub auto_region: Option<Arc<str>>,
+    auto_region: Option<Arc<str>>,
     /// This step's host waits for spills, read as the compute stream's idle time at its end.
-    pub d2h_waits: IdleSpans,
+    d2h_waits: IdleSpans,
     /// Reasons for refused spills already warned about in this step.
-    pub refusals_warned: HashSet<KeepReason>,
+    refusals_warned: HashSet<KeepReason>,
     /// This step's recompute scopes.
-    pub scopes: Scopes,
+    scopes: Scopes,
 }
 
 /// A tensor being packed to spill, with what is known of it.
@@ -78,6 +78,123 @@ struct Packing<'t> {
     id: TensorId,
     /// The region it is saved in.
     region: Option<String>,
+}
+
+impl State {
+    /// The state before the first step: the pool, the copy queues and the policy given,
+    /// nothing saved, no Conductor.
+    pub(super) fn new(pool: SlabPool, spills: SpillQueue, restorer: Restorer, policy: SpillPolicy) -> State {
+        State {
+            records: Records::default(),
+            pool,
+            spills,
+            restorer,
+            policy,
+            regions: Vec::new(),
+            group: None,
+            groups_opened: 0,
+            learning: Vec::new(),
+            profile: Vec::new(),
+            in_backward: false,
+            metrics: ActivationStepMetrics::default(),
+            last: None,
+            next_tensor: 0,
+            parameters: HashSet::new(),
+            conductor: Conductor::disabled(),
+            sizes: SizeProfile::default(),
+            pool_traced: false,
+            pool_extra: 0,
+            auto_region: None,
+            d2h_waits: Default::default(),
+            refusals_warned: Default::default(),
+            scopes: Default::default(),
+        }
+    }
+
+    pub(super) fn records(&self) -> &Records {
+        &self.records
+    }
+
+    /// A model parameter's storage: saves of it are kept.
+    pub(super) fn register_parameter(&mut self, storage_ptr: u64) {
+        self.parameters.insert(storage_ptr);
+    }
+
+    /// Puts the runtime under `conductor`; returns the one it was under.
+    pub(super) fn replace_conductor(&mut self, conductor: Conductor) -> Conductor {
+        std::mem::replace(&mut self.conductor, conductor)
+    }
+
+    /// A step begins (its records already retired): counters to zero, spilling off, the
+    /// forward's groups learned anew.
+    pub(super) fn reset_step(&mut self) {
+        self.metrics = ActivationStepMetrics::default();
+        self.policy.reset_step();
+        self.in_backward = false;
+        self.group = None;
+        self.groups_opened = 0;
+        self.learning.clear();
+        self.restorer.reset();
+        self.sizes.clear_step();
+        self.auto_region = None;
+        self.refusals_warned.clear();
+    }
+
+    /// Opens region `name` (nested in those open); a top-level one of the forward opens a group.
+    pub(super) fn open_region(&mut self, name: &str) {
+        if self.regions.is_empty() && !self.in_backward {
+            self.group = Some(self.groups_opened);
+            self.groups_opened += 1;
+            self.learning.push(GroupProfile {
+                name: name.to_string(),
+                bytes: 0,
+                tensors: 0,
+            });
+        }
+        self.regions.push(name.to_string());
+    }
+
+    /// Closes the innermost open region.
+    pub(super) fn close_region(&mut self) {
+        self.regions.pop();
+        if self.regions.is_empty() {
+            self.group = None;
+        }
+    }
+
+    /// Counters of the step in progress.
+    pub(super) fn metrics(&self) -> &ActivationStepMetrics {
+        &self.metrics
+    }
+
+    /// Metrics of the last ended step.
+    pub(super) fn last_metrics(&self) -> Option<&ActivationStepMetrics> {
+        self.last.as_ref()
+    }
+
+    /// Spills checksummed as they landed, and restores checked against their checksum.
+    pub(super) fn checksums(&self) -> (u64, u64) {
+        (self.spills.checksummed.load(std::sync::atomic::Ordering::Relaxed), self.restorer.verified)
+    }
+
+    pub(super) fn policy(&self) -> &SpillPolicy {
+        &self.policy
+    }
+
+    /// The region groups learned from the first step.
+    pub(super) fn profile(&self) -> &[GroupProfile] {
+        &self.profile
+    }
+
+    pub(super) fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// The records and the spill queue, for a test that reaches between them.
+    #[cfg(test)]
+    pub(super) fn records_and_spills(&mut self) -> (&mut Records, &mut SpillQueue) {
+        (&mut self.records, &mut self.spills)
+    }
 }
 
 /// What became of a tensor the policy asked to spill.
@@ -902,6 +1019,28 @@ impl Shared {
         }
         g.sizes.clear_step();
         Ok(())
+    }
+
+    /// Moves both spill watermarks (see `ActivationRuntime::move_watermarks`); a traced pool
+    /// grows for watermarks that moved down. `None` when they did not move.
+    pub(super) fn move_watermarks(&self, high: u64, floor: u64) -> Option<(u64, u64)> {
+        let mut g = self.lock();
+        let (before, _) = g.policy.watermarks();
+        let moved = g.policy.move_to(high, floor)?;
+        if moved.0 < before {
+            // Up to that many more bytes spill in later steps: a traced pool grows to hold
+            // them now, so they find slabs instead of pageable memory.
+            g.pool_extra = g.pool_extra.saturating_add(before - moved.0);
+            if g.pool_traced && g.records.live() == 0 {
+                if let Err(e) = self.rebuild_pool(&mut g) {
+                    drop(g);
+                    self.warn(format!("growing the activation pool for the lower watermarks: {e}"));
+                }
+            }
+        } else {
+            g.pool_extra = g.pool_extra.saturating_sub(moved.0 - before);
+        }
+        Some(moved)
     }
 
     /// Rebuilds the pool from the traced sizes and the bytes the watermarks moved since, within

@@ -142,7 +142,7 @@ fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
         let _first = store.pack(tensor(1.0)).expect("kept");
         let h = store.pack(t.shallow_clone()).expect("spilled");
         let g = rt.shared().lock();
-        let id = g.records.index_of(h).and_then(|i| g.records.get(i)).map(|r| r.id);
+        let id = g.records().index_of(h).and_then(|i| g.records().get(i)).map(|r| r.id);
         (h, id)
     };
     // The test hook: one bit of the spilled slab flipped in host memory.
@@ -150,7 +150,7 @@ fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
         let shared = rt.shared();
         let mut g = shared.lock();
         let ctx = shared.ctx(&g);
-        let super::state::State { records, spills, .. } = &mut *g;
+        let (records, spills) = g.records_and_spills();
         spills.drain(records, &ctx).expect("finalize");
         let idx = records.index_of(h).expect("record");
         let host = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
