@@ -38,6 +38,27 @@ pub fn describe(k: &EventKind) -> String {
             if *trainable { " trainable" } else { "" }
         ),
         ItineraryLearned { order } => format!("{} blocks", order.len()),
+        Quantized(r) => format!(
+            "#{} {} {}: {} -> {}, error max {:.3}% mean {:.3}%",
+            r.block,
+            r.name,
+            r.format,
+            fmt_bytes(r.full_bytes),
+            fmt_bytes(r.quantized_bytes),
+            r.max_rel_error * 100.0,
+            r.mean_rel_error * 100.0
+        ),
+        ModelRegistered { model, blocks, frozen, quantized } => format!(
+            "{model}: {} blocks{}{}",
+            blocks.len(),
+            if *frozen { " frozen" } else { "" },
+            quantized.map_or(String::new(), |q| format!(" {q}"))
+        ),
+        ModelMemory { models } => models
+            .iter()
+            .map(|m| format!("{} {} ({}/{} on device)", m.model, fmt_bytes(m.device_bytes), m.on_device, m.blocks))
+            .collect::<Vec<_>>()
+            .join(", "),
         Residency { block, from, to, refcount } => {
             format!("#{block} {from} -> {to} ref={refcount}")
         }

@@ -40,6 +40,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
+/// One chunk's 8-bit moments: both codes and both per-block scales.
+type Int8Moments = (Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
+
 fn env(name: &str, default: i64) -> i64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -106,7 +109,7 @@ fn mixed_kernel_step_s(params: i64, chunks: i64, precision: Precision, storage: 
     let blocks = per.div_ceil(QUANT_BLOCK);
     let mut m32: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
     let mut m16: Vec<(Vec<u16>, Vec<u16>)> = Vec::new();
-    let mut m8: Vec<(Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>)> = Vec::new();
+    let mut m8: Vec<Int8Moments> = Vec::new();
     for _ in 0..n {
         match storage {
             StateStorage::Fp32 => m32.push((vec![0.0; per], vec![0.0; per])),

@@ -50,6 +50,22 @@ impl Layers for StreamedLayers<'_> {
     }
 }
 
+/// Stagehand's drop-in layers under a path of a handle (a model declared with
+/// `Stagehand::model`, or the root).
+#[derive(Debug)]
+pub struct StreamedLayersAt<'a>(pub snn::Path<'a>);
+
+impl Layers for StreamedLayersAt<'_> {
+    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn Module> {
+        let p = path.iter().fold(self.0.clone(), |p, s| p / s.as_str());
+        Box::new(snn::linear(p, i, o, Default::default()))
+    }
+    fn embedding(&self, path: &[String], n: i64, d: i64) -> Box<dyn Module> {
+        let p = path.iter().fold(self.0.clone(), |p, s| p / s.as_str());
+        Box::new(snn::embedding(p, n, d, Default::default()))
+    }
+}
+
 fn at(prefix: &[String], name: &str) -> Vec<String> {
     let mut v = prefix.to_vec();
     v.push(name.to_owned());

@@ -5,3 +5,4 @@ pub mod gpt;
 pub mod process;
 pub mod report;
 pub mod trainer;
+pub mod watch;

@@ -61,8 +61,70 @@ fn inference_streams_a_model_larger_than_its_budget() {
 }
 
 #[test]
+fn adapters_train_over_a_quantized_base_as_over_the_full_width_base() {
+    let text = run(env!("CARGO_BIN_EXE_adapter-finetune"), &["--steps", "40", "--layers", "8", "--d", "64", "--cpu"]);
+    // Each base block's quantization error, the curves side by side, the final losses within 2%.
+    let errors = text.lines().filter(|l| l.contains("max error") && l.contains("base.blocks.")).count();
+    assert_eq!(errors, 8, "{text}");
+    let curve: Vec<(f64, f64)> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("step"))
+        .filter_map(|l| {
+            let (a, b) = l.split_once('|')?;
+            Some((a.split_whitespace().last()?.parse().ok()?, b.trim().parse().ok()?))
+        })
+        .collect();
+    assert!(curve.len() >= 10, "{text}");
+    let (first, last) = (curve[0], curve[curve.len() - 1]);
+    assert!(last.1 < first.1 * 0.9, "the adapters learn over the quantized base: {text}");
+    let within: f64 = text
+        .split("within ")
+        .nth(1)
+        .and_then(|s| s.split('%').next())
+        .and_then(|s| s.parse().ok())
+        .expect("the final losses compared");
+    assert!(within <= 2.0, "{text}");
+    let less: f64 = text
+        .split(" MiB (")
+        .nth(1)
+        .and_then(|s| s.split('x').next())
+        .and_then(|s| s.parse().ok())
+        .expect("the bytes moved compared");
+    // A float32 block's matrices move at a quarter of their bytes, its biases at full width.
+    assert!(less > 2.5, "an INT8 base moves far fewer bytes than a float32 one: {text}");
+}
+
+#[test]
+fn a_student_distils_from_a_frozen_teacher_on_one_handle() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("distill.jsonl");
+    let args = [
+        "--cpu", "--teacher-steps", "20", "--steps", "20", "--teacher-layers", "4", "--teacher-d", "64", "--student-layers", "2",
+        "--student-d", "32", "--seq", "16", "--batch", "4", "--budget-mib", "2", "--out", file.to_str().expect("utf-8 path"),
+    ];
+    let text = run(env!("CARGO_BIN_EXE_distill"), &args);
+    assert!(text.contains("model 'teacher'") && text.contains("model 'main'"), "one plan for both models: {text}");
+    assert!(text.contains("quantized to int8"), "{text}");
+    assert!(text.contains("cut from the handed pool"), "{text}");
+    assert!(text.contains("handing the pool over"), "{text}");
+    let curve: Vec<f64> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("step") && l.contains('|'))
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert!(curve.len() >= 5 && curve.iter().all(|l| l.is_finite()), "{text}");
+    // The telemetry the dashboards read names both models and the teacher's quantization.
+    let jsonl = std::fs::read_to_string(&file).expect("telemetry written");
+    for kind in ["\"kind\":\"model_registered\"", "\"kind\":\"model_memory\"", "\"kind\":\"quantized\"", "\"models\":[{\"model\":\"main\""] {
+        assert!(jsonl.contains(kind), "{kind} in the telemetry");
+    }
+    let replay = run(env!("CARGO_BIN_EXE_replay"), &[file.to_str().expect("utf-8 path"), "--serve-secs", "0"]);
+    assert!(replay.contains("stagehand-top --replay"), "{replay}");
+}
+
+#[test]
 fn adapters_train_over_a_frozen_base_streamed_from_its_file() {
-    let text = run(env!("CARGO_BIN_EXE_adapter-finetune"), &["40"]);
+    let text = run(env!("CARGO_BIN_EXE_file-adapters"), &["40", "--full-check"]);
     let last = text.lines().last().expect("a summary line");
     let nums: Vec<f64> = last
         .trim_start_matches("loss ")
@@ -75,7 +137,7 @@ fn adapters_train_over_a_frozen_base_streamed_from_its_file() {
         .filter_map(|l| l.split("evictions ").nth(1))
         .filter_map(|s| s.split_whitespace().next()?.parse().ok())
         .collect();
-    assert!(evictions.iter().all(|e| *e > 0), "blocks stream from the file: {text}");
+    assert!(!evictions.is_empty() && evictions.iter().all(|e| *e > 0), "blocks stream from the file: {text}");
 }
 
 #[test]
@@ -85,6 +147,8 @@ fn every_example_answers_help_with_its_usage() {
         env!("CARGO_BIN_EXE_train-after"),
         env!("CARGO_BIN_EXE_inference"),
         env!("CARGO_BIN_EXE_adapter-finetune"),
+        env!("CARGO_BIN_EXE_distill"),
+        env!("CARGO_BIN_EXE_file-adapters"),
         env!("CARGO_BIN_EXE_replay"),
         env!("CARGO_BIN_EXE_stagehand-demo"),
     ] {

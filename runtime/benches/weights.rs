@@ -24,13 +24,24 @@
 //! names contain one of its comma-separated parts (`SH_VARIANTS="forward only"`);
 //! `SH_INFER_WINDOW` sets the forward-only variants' window in positions (units or blocks).
 //!
+//! Quantized frozen weights: the variants marked "int8" (and "fp8") store every block quantized
+//! (`WeightRuntime::quantize`): each load copies its payload (about half a bf16 block's bytes)
+//! into the block's slot, where it is dequantized in place just before use. Their floor is
+//! max(the resident step with dequantization: every block's payload on the device, dequantized
+//! into a full-width buffer before its forward, then forward and backward; the quantized bytes'
+//! Belady minimum / H2D bandwidth); they are also compared with the bf16 stream at the same room
+//! (`fwd+bwd, telemetry on`), both measured in this command: choosing a quantized variant
+//! chooses that stream too, so `SH_VARIANTS=int8` runs just those two.
+//!
 //! Run: `cargo bench -p stagehand-runtime --bench weights`.
 
 use stagehand::activations::{recompute, ActivationConfig, ActivationRuntime};
 use stagehand::device::Device;
 use stagehand::events::Bus;
 use stagehand::events::BlockId;
+use stagehand::weights::quant::{dequantize_tensor, quantize_tensor};
 use stagehand::weights::{BlockGuard, WeightConfig, WeightRuntime};
+use stagehand::QuantFormat;
 use stagehand::torch::SavedTensorHooks;
 use stagehand::weights::WeightStore;
 use std::sync::Arc;
@@ -44,6 +55,9 @@ use common::{env, weights_of};
 // (12 d² weights, the parameter count of a transformer block), in the three parts that the
 // third-block units stream separately.
 const NONE: Option<&Tensor> = None;
+
+/// The full-width forward+backward stream the quantized variants are compared with.
+const FULL_WIDTH_STREAM: &str = "fwd+bwd, telemetry on";
 
 /// The attention part's output (before its residual): weights 0..4.
 fn attn(w: &[Tensor], x: &Tensor) -> Tensor {
@@ -219,8 +233,21 @@ fn main() -> anyhow::Result<()> {
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     // (name, forward only, telemetry, checkpointed blocks, streaming units, cyclic pins in
     // inference mode)
+    // (name, forward only, telemetry, checkpointed blocks, streaming units, cyclic pins) and,
+    // in `quantized` below, the variants that stream every block quantized.
+    let quantized = |name: &str| {
+        if name.contains("int8") {
+            Some(QuantFormat::Int8)
+        } else if name.contains("fp8") {
+            Some(QuantFormat::Fp8E4m3)
+        } else {
+            None
+        }
+    };
     let variants = [
-        ("fwd+bwd, telemetry on", false, true, false, Units::Blocks, true),
+        ("fwd+bwd, int8, telemetry on", false, true, false, Units::Blocks, true),
+        ("fwd+bwd, fp8, telemetry on", false, true, false, Units::Blocks, true),
+        (FULL_WIDTH_STREAM, false, true, false, Units::Blocks, true),
         ("fwd+bwd, bus disabled", false, false, false, Units::Blocks, true),
         ("forward only, telemetry on", true, true, false, Units::Blocks, true),
         ("forward only, Belady only, telemetry on", true, true, false, Units::Blocks, false),
@@ -234,7 +261,11 @@ fn main() -> anyhow::Result<()> {
     ];
     // SH_VARIANTS: run only the variants whose names contain one of these comma-separated parts.
     let only = std::env::var("SH_VARIANTS").ok();
-    let chosen = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
+    let picked = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
+    // A quantized variant is compared with the full-width stream at the same room, in the same
+    // command: choosing one chooses that stream too (`SH_VARIANTS=int8` runs both).
+    let any_quantized = variants.iter().any(|v| quantized(v.0).is_some() && picked(v.0));
+    let chosen = |name: &str| picked(name) || (any_quantized && name == FULL_WIDTH_STREAM);
     let mut results = Vec::new();
     for (i, (name, inference, telemetry, checkpoint, units, pins)) in variants.into_iter().enumerate() {
         if !chosen(name) {
@@ -251,7 +282,7 @@ fn main() -> anyhow::Result<()> {
         } else {
             (Bus::disabled(), None)
         };
-        let mode = Mode { inference, checkpoint, units, pins, d };
+        let mode = Mode { inference, checkpoint, units, pins, d, quant: quantized(name) };
         let window = match (inference, infer_window) {
             (true, Some(w)) => w,
             _ => prefetch * units.per_block(),
@@ -267,7 +298,14 @@ fn main() -> anyhow::Result<()> {
         let diff = f64::try_from((&output - &y_ref).abs().max().to_kind(Kind::Float))?
             / f64::try_from(y_ref.abs().max().to_kind(Kind::Float))?;
         drop(output);
-        anyhow::ensure!(diff < 0.05, "{name}: output differs from the resident model's by {diff:.3e} of its largest value");
+        // Quantized weights add their own error (INT8 under 0.4% of a group's largest weight,
+        // FP8 under 6.25%), still far from a block streamed wrong.
+        let tolerance = match mode.quant {
+            Some(QuantFormat::Fp8E4m3) => 0.25,
+            Some(QuantFormat::Int8) => 0.1,
+            None => 0.05,
+        };
+        anyhow::ensure!(diff < tolerance, "{name}: output differs from the resident model's by {diff:.3e} of its largest value");
         println!(
             "{name}: {:.4} s/step ({:.4} output ready, {:.4} back to back), h2d {:.3} GB (minimum {:.3} GB), hits {} misses {}, peak {:.2} GB, output vs resident {diff:.1e}",
             r.step_s,
@@ -279,7 +317,7 @@ fn main() -> anyhow::Result<()> {
             r.metrics.prefetch_misses,
             r.peak as f64 / 1e9
         );
-        results.push((name, inference, r));
+        results.push((name, inference, mode.quant, r));
     }
     let (bw_after, _) = common::pinned_bandwidth(&probe, bw_bytes)?;
     let bw = bw_before.max(bw_after);
@@ -303,11 +341,60 @@ fn main() -> anyhow::Result<()> {
     drop(vr2);
     sync()?;
     println!("resident forward: {resident_fwd:.4} s");
+    // The quantized variants' resident term: every block's payload on the device, dequantized
+    // into full-width buffers before its forward, then forward and backward.
+    let mut resident_dequant: Vec<(QuantFormat, f64)> = Vec::new();
+    for format in results.iter().filter_map(|r| r.2) {
+        if resident_dequant.iter().any(|(f, _)| *f == format) {
+            continue;
+        }
+        let vr3 = common::resident_stack(dev, blocks, d, kind);
+        let payloads: Vec<Vec<(Tensor, Tensor, Vec<i64>)>> = weights_of(&vr3, blocks)
+            .iter()
+            .map(|w| {
+                w.iter()
+                    .map(|t| {
+                        let (q, s) = quantize_tensor(t, format).expect("quantize");
+                        (q.to_device(dev), s.to_device(dev), t.size())
+                    })
+                    .collect()
+            })
+            .collect();
+        drop(vr3);
+        let mut best = f64::MAX;
+        for _ in 0..=steps {
+            let x = x0.detach().set_requires_grad(true);
+            sync()?;
+            let t0 = Instant::now();
+            let mut h = x.shallow_clone();
+            for block in &payloads {
+                let w: Vec<Tensor> = block
+                    .iter()
+                    .map(|(q, s, shape)| {
+                        let out = Tensor::empty(shape.as_slice(), (kind, dev));
+                        dequantize_tensor(&out, q, s, format).expect("dequantize");
+                        out
+                    })
+                    .collect();
+                h = block_fwd(&w, &h);
+            }
+            h.to_kind(Kind::Float).mean(Kind::Float).backward();
+            sync()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        println!("resident step with {format} dequantization: {best:.4} s (fwd+bwd, each block dequantized once before its forward)");
+        resident_dequant.push((format, best));
+    }
+    let bf16_stream = results.iter().find(|r| r.0 == FULL_WIDTH_STREAM).map(|r| r.3.step_s);
     // What no unit size can beat: every byte beyond the room moved once per pass (twice with
     // backward), as if units were infinitely fine.
     let beyond_room = (blocks as u64 * block_bytes as u64).saturating_sub(budget_blocks * block_bytes as u64);
-    for (name, inference, r) in &results {
-        let base = if *inference { resident_fwd } else { resident };
+    for (name, inference, quant, r) in &results {
+        let base = match quant {
+            Some(f) => resident_dequant.iter().find(|(g, _)| g == f).map_or(resident, |(_, s)| *s),
+            None if *inference => resident_fwd,
+            None => resident,
+        };
         let floor = base.max(r.min_bytes as f64 / bw);
         let passes = if *inference { 1 } else { 2 };
         println!(
@@ -320,6 +407,15 @@ fn main() -> anyhow::Result<()> {
             if r.min_bytes > 0 { r.bytes as f64 / r.min_bytes as f64 } else { 0.0 },
             r.bytes as f64 / (passes * beyond_room).max(1) as f64
         );
+        if let (Some(f), Some(full)) = (quant, bf16_stream) {
+            println!(
+                "{name}: {:.4} s/step against the {kind:?} stream's {full:.4} at the same room: {:.3}x its time ({f} payloads, {:.3} GB a step against the minimum {:.3} GB)",
+                r.step_s,
+                r.step_s / full,
+                r.bytes as f64 / 1e9,
+                r.min_bytes as f64 / 1e9
+            );
+        }
     }
     Ok(())
 }
@@ -384,6 +480,8 @@ struct Mode {
     pins: bool,
     /// The model's width (to cut the d×d units).
     d: i64,
+    /// Every block stored quantized in this format.
+    quant: Option<QuantFormat>,
 }
 
 struct Streamed {
@@ -473,6 +571,11 @@ fn run_streamed(
     } else {
         None
     };
+    if let Some(format) = mode.quant {
+        for b in rt.blocks() {
+            rt.quantize(b.id, format)?;
+        }
+    }
     let units: Vec<Vec<BlockId>> = (0..blocks)
         .map(|b| layout.iter().map(|(u, _)| rt.block_id(&format!("blocks.{b}{u}"))).collect::<Result<_, _>>())
         .collect::<Result<_, _>>()?;

@@ -32,6 +32,6 @@ pub mod weights;
 
 pub use error::{Error, Result};
 pub use oom::OomReport;
-pub use precision::{LossScaler, Precision, StateStorage};
+pub use precision::{LossScaler, Precision, QuantFormat, StateStorage};
 #[cfg(feature = "torch")]
 pub use session::{Plan, Stagehand, StagehandBuilder, StepReport};

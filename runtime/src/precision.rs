@@ -82,11 +82,9 @@ impl Precision {
     /// Host bytes per trained parameter besides the optimizer state: the float32 master (mixed
     /// only), the pinned copy that streams and the pinned gradient buffer.
     pub fn host_bytes_per_param(self) -> u64 {
-        if self.is_mixed() {
-            4 + 2 + 2
-        } else {
-            4 + 4
-        }
+        // (master, copy, gradient): the same 8 bytes either way, split differently.
+        let (master, copy, grad) = if self.is_mixed() { (4, 2, 2) } else { (0, 4, 4) };
+        master + copy + grad
     }
 }
 
@@ -114,7 +112,8 @@ pub enum StateStorage {
     /// Float32: exact.
     #[default]
     Fp32,
-    /// Bfloat16, rounded to nearest at every step: half the bytes.
+    /// Bfloat16, rounded stochastically at every step (a moment's small steps survive in
+    /// expectation, where rounding to nearest would drop them): half the bytes.
     Bf16,
     /// 8 bits an element in blocks of 256 with a float32 scale each (the first moment signed,
     /// 4 exponent and 3 mantissa bits; the second unsigned, 5 and 3), as bitsandbytes' 8-bit
@@ -159,6 +158,87 @@ impl FromStr for StateStorage {
             .ok_or_else(|| format!("optimizer state '{s}': one of fp32, bf16, int8"))
     }
 }
+
+/// How a frozen block's weights are stored on the host and cross PCIe when they are quantized
+/// (see `weights::quant`): 8 bits an element in groups of [`QUANT_GROUP`] consecutive elements,
+/// each group with a float32 scale (its largest magnitude over the format's largest value),
+/// dequantized on the device into the compute dtype just before the block is used. Trained
+/// weights are never quantized.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuantFormat {
+    /// Signed integers -127..=127, rounded to nearest: an element's error is at most half a
+    /// step, 1/254 of its group's largest magnitude.
+    Int8,
+    /// FP8 E4M3 (4 exponent bits, 3 mantissa bits, largest value 448), rounded to nearest: an
+    /// element's error is at most 1/16 of its own magnitude; small elements keep more of their
+    /// precision than under INT8, large ones less.
+    Fp8E4m3,
+}
+
+impl QuantFormat {
+    /// Every format, in the order `--help` lists them.
+    pub const ALL: [QuantFormat; 2] = [QuantFormat::Int8, QuantFormat::Fp8E4m3];
+
+    /// "int8", "fp8_e4m3".
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Int8 => "int8",
+            QuantFormat::Fp8E4m3 => "fp8_e4m3",
+        }
+    }
+
+    /// The largest magnitude the format stores: a group's scale maps its largest element to it.
+    pub fn max_value(self) -> f64 {
+        match self {
+            QuantFormat::Int8 => 127.0,
+            QuantFormat::Fp8E4m3 => 448.0,
+        }
+    }
+
+    /// The most an element's quantization error may be, as a fraction of its group's largest
+    /// magnitude, before the compute dtype rounds the dequantized value: half an integer step
+    /// for INT8 (1/254), half a mantissa step of the element itself for FP8 E4M3 (1/16).
+    pub fn max_relative_error(self) -> f64 {
+        match self {
+            QuantFormat::Int8 => 1.0 / 254.0,
+            QuantFormat::Fp8E4m3 => 1.0 / 16.0,
+        }
+    }
+
+    /// The libtorch dtype of the stored elements.
+    #[cfg(feature = "torch")]
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            QuantFormat::Int8 => tch::Kind::Int8,
+            QuantFormat::Fp8E4m3 => tch::Kind::Float8e4m3fn,
+        }
+    }
+}
+
+impl fmt::Display for QuantFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for QuantFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        QuantFormat::ALL
+            .into_iter()
+            .find(|q| q.name().eq_ignore_ascii_case(s) || (*q == QuantFormat::Fp8E4m3 && s.eq_ignore_ascii_case("fp8")))
+            .ok_or_else(|| format!("quantization '{s}': one of int8, fp8_e4m3"))
+    }
+}
+
+/// Elements sharing one scale in a quantized frozen block ([`QuantFormat`]): a group lies
+/// within one row of any matrix whose rows are a multiple of 128 wide, and its float32 scale
+/// adds 1/32 byte an element.
+pub const QUANT_GROUP: usize = 128;
 
 /// Elements sharing one scale in [`StateStorage::Int8`].
 pub const QUANT_BLOCK: usize = 256;
@@ -262,6 +342,12 @@ mod tests {
         assert!(e.contains("'fp8'") && e.contains("bf16"), "{e}");
         assert_eq!("int8".parse::<StateStorage>(), Ok(StateStorage::Int8));
         assert!("int4".parse::<StateStorage>().is_err());
+        for q in QuantFormat::ALL {
+            assert_eq!(q.name().parse::<QuantFormat>(), Ok(q));
+        }
+        assert_eq!("FP8".parse::<QuantFormat>(), Ok(QuantFormat::Fp8E4m3));
+        let e = "nf4".parse::<QuantFormat>().expect_err("unknown");
+        assert!(e.contains("'nf4'") && e.contains("int8"), "{e}");
     }
 
     #[test]

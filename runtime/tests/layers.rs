@@ -24,15 +24,18 @@ const LAYERS: &[&[&str]] = &[
 ];
 
 /// Imports that still climb (issue 33, part B): the device holds the numeric guards, the torch
-/// shim takes `optim::Algorithm`, the weights' scheduler calls the optimizer.
-const KNOWN_CLIMBS: &[(&str, &str)] = &[("device", "guards"), ("torch", "optim"), ("weights", "optim")];
+/// shim takes `optim::Algorithm`, the weights' scheduler calls the optimizer, and the quantized
+/// weights' files use the checkpoint module's safetensors reader.
+const KNOWN_CLIMBS: &[(&str, &str)] =
+    &[("device", "guards"), ("torch", "optim"), ("weights", "checkpoint"), ("weights", "optim")];
 
 /// Loops between the files (or sub-directories) of one module, still there.
 const KNOWN_LOOPS: &[(&str, &[&str])] = &[
+    ("device", &["buffer", "pool"]),
     ("events", &["bus", "jsonl", "telemetry"]),
     ("nn", &["managed", "path", "store"]),
     ("optim", &["optimizer", "state"]),
-    ("weights", &["config", "file", "registry"]),
+    ("weights", &["block", "config", "file", "quant", "registry"]),
 ];
 
 fn src() -> PathBuf {

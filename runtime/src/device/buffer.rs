@@ -13,6 +13,8 @@ const ALIGN: usize = 4096;
 enum Owner {
     Heap(Layout),
     Pinned(Arc<cudarc::driver::CudaContext>),
+    /// A range of a [`HostPool`](super::HostPool) chunk, given back when the buffer drops.
+    Pooled { pool: Arc<super::pool::Shared>, chunk: usize, offset: usize, len: usize, pinned: bool },
     Empty,
 }
 
@@ -73,6 +75,27 @@ impl HostBuffer {
         }
     }
 
+    /// A buffer over a range of a pool's chunk.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for `len` bytes inside chunk `chunk` of `pool`, at `offset`, and no
+    /// other buffer may use that range until this one gives it back (on drop).
+    pub(super) unsafe fn pooled(
+        ptr: *mut u8,
+        bytes: usize,
+        pinned: bool,
+        pool: Arc<super::pool::Shared>,
+        chunk: usize,
+        offset: usize,
+        len: usize,
+    ) -> HostBuffer {
+        HostBuffer {
+            ptr,
+            len: bytes,
+            owner: Owner::Pooled { pool, chunk, offset, len, pinned },
+        }
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -85,7 +108,7 @@ impl HostBuffer {
 
     /// Whether the memory is page-locked (copies can run asynchronously at full bandwidth).
     pub fn is_pinned(&self) -> bool {
-        matches!(self.owner, Owner::Pinned(_))
+        matches!(self.owner, Owner::Pinned(_) | Owner::Pooled { pinned: true, .. })
     }
 
     /// The bytes.
@@ -222,6 +245,7 @@ impl Drop for HostBuffer {
                 // SAFETY: allocated by cuMemHostAlloc in this context; freed once.
                 let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut _) };
             }
+            Owner::Pooled { pool, chunk, offset, len, .. } => pool.release(*chunk, *offset, *len),
             Owner::Empty => {}
         }
     }

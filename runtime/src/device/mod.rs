@@ -23,10 +23,12 @@ mod copy;
 mod cuda;
 mod host;
 pub(crate) mod idle;
+pub mod pool;
 
 pub use buffer::{HostBuffer, HostMemory, HostTarget};
 pub use copy::{CopyStream, Failed, Order, Pending, WaitProbe};
 pub use idle::{IdleProbe, IdleSpan, IdleSpans};
+pub use pool::{HostPool, HostPoolStats};
 
 use crate::error::{Error, Result};
 use crate::events::{DeviceInfo, TransferId};

@@ -11,6 +11,7 @@ use crate::events::BlockId;
 use crate::optim::{Algorithm, Kernel, Optimizer};
 use crate::torch::VariableId;
 use crate::weights::runtime::Origin;
+use crate::weights::scheduler::{ModelEntry, MAIN_MODEL};
 use crate::weights::{WeightConfig, WeightRuntime};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -27,6 +28,15 @@ struct Layers {
     failed: Vec<String>,
 }
 
+/// A model declared on the store (beside the main one): the path prefix its layers live under,
+/// its index in the runtime, whether it is frozen.
+#[derive(Debug, Clone)]
+struct Declared {
+    prefix: String,
+    model: u32,
+    frozen: bool,
+}
+
 /// The layer table shared by a store and its layers.
 pub(crate) struct Table {
     rt: WeightRuntime,
@@ -35,6 +45,8 @@ pub(crate) struct Table {
     vars: Arc<Mutex<tch::nn::Variables>>,
     /// Whether sealing places unmanaged variables on the device.
     place: bool,
+    /// Models declared beside the main one.
+    models: Mutex<Vec<Declared>>,
 }
 
 impl std::fmt::Debug for Table {
@@ -50,6 +62,87 @@ impl Table {
 
     pub(crate) fn runtime(&self) -> &WeightRuntime {
         &self.rt
+    }
+
+    fn declared(&self) -> MutexGuard<'_, Vec<Declared>> {
+        self.models.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Declares model `name`: the layers made under the path `name` are its blocks, frozen
+    /// (every variable under it stops requiring gradients when the model is sealed) and
+    /// quantized as `entry` says. Before the model first runs.
+    pub(crate) fn declare(&self, entry: ModelEntry) -> Result<()> {
+        let name = entry.name.clone();
+        if name.is_empty() || name.contains('.') || name == MAIN_MODEL {
+            return Err(Error::Config {
+                field: "model",
+                value: format!("'{name}'"),
+                expected: format!("a name without '.', other than '{MAIN_MODEL}' (the model built on the root path)"),
+            });
+        }
+        if self.sealed() {
+            return Err(Error::misuse(
+                format!("declaring model '{name}' after the model first ran"),
+                "every model declared before the first step or evaluation (the memory plan counts them all)",
+            ));
+        }
+        if self.declared().iter().any(|d| d.prefix == name) {
+            return Err(Error::misuse(format!("declaring model '{name}' twice"), "one declaration a model"));
+        }
+        let taken = self.lock().pending.iter().any(|(l, _)| l == &name || l.starts_with(&format!("{name}.")));
+        if taken {
+            return Err(Error::misuse(
+                format!("declaring model '{name}' after layers were made under its path"),
+                "the model declared before its layers are made",
+            ));
+        }
+        let frozen = entry.frozen;
+        let model = self.rt.declare_model(entry)?;
+        self.declared().push(Declared { prefix: name, model, frozen });
+        Ok(())
+    }
+
+    /// The declared model a block or layer named `name` belongs to (`None`: the main model).
+    fn model_of(&self, name: &str) -> Option<Declared> {
+        self.declared()
+            .iter()
+            .find(|d| name == d.prefix || name.strip_prefix(&d.prefix).is_some_and(|r| r.starts_with('.')))
+            .cloned()
+    }
+
+    /// Every variable of frozen declared models stops requiring gradients (before their blocks
+    /// are registered, which reads it) and leaves the store's trainable list: no gradient, no
+    /// optimizer covers it, never a host step; snapshots and checkpoints say it is frozen.
+    fn freeze_declared(&self) {
+        let frozen: Vec<Declared> = self.declared().iter().filter(|d| d.frozen).cloned().collect();
+        if frozen.is_empty() {
+            return;
+        }
+        let under = |name: &str| frozen.iter().any(|d| name.strip_prefix(&d.prefix).is_some_and(|r| r.starts_with('.')));
+        let mut vars = self.vars.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ids = HashSet::new();
+        for (name, t) in &vars.named_variables {
+            if under(name) {
+                if t.requires_grad() {
+                    let _ = t.shallow_clone().set_requires_grad(false);
+                }
+                ids.insert(VariableId::of(t));
+            }
+        }
+        vars.trainable_variables.retain(|v| !ids.contains(&VariableId::of(&v.tensor)));
+    }
+
+    /// Registers block `name` in its model.
+    fn register_block(&self, name: &str, params: Vec<(String, Tensor)>) -> Result<BlockId> {
+        let model = self.model_of(name);
+        if model.as_ref().is_some_and(|m| m.frozen) {
+            for (_, t) in &params {
+                if t.requires_grad() {
+                    let _ = t.shallow_clone().set_requires_grad(false);
+                }
+            }
+        }
+        self.rt.register_block_in(name, params, model.map_or(0, |m| m.model))
     }
 
     /// Adds a layer: `Ok(index)`, or `Err(why)` when it cannot be registered (made after the
@@ -71,7 +164,8 @@ impl Table {
             let block = if self.rt.block_id(&name).is_ok() { format!("{name}__{}", l.pending.len()) } else { name.clone() };
             let bytes: u64 = params.iter().map(|(_, t)| crate::torch::tensor_bytes(t)).sum();
             let kept: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-            let id = self.rt.register_block(&block, params).map_err(|e| format!("layer '{name}' made after the model first ran: {e}"))?;
+            let id = self.register_block(&block, params).map_err(|e| format!("layer '{name}' made after the model first ran: {e}"))?;
+            self.rt.announce_models();
             self.rt.bus().publish(crate::events::EventKind::Warning {
                 source: crate::events::Owner::Weights,
                 message: format!(
@@ -125,9 +219,10 @@ impl Table {
                 None => grouped.push((name.clone(), params)),
             }
         }
+        self.freeze_declared();
         let mut ids = BTreeMap::new();
         for (name, params) in grouped {
-            match self.rt.register_block(&name, params) {
+            match self.register_block(&name, params) {
                 Ok(id) => ids.insert(name.clone(), id),
                 Err(e) => {
                     // Reported again by every later seal (blocks before it are registered).
@@ -138,6 +233,7 @@ impl Table {
         }
         l.blocks = Some(names.iter().map(|n| ids[n]).collect());
         drop(l);
+        self.rt.announce_models();
         self.place_unmanaged(&managed)?;
         self.check_references()
     }
@@ -162,6 +258,7 @@ impl Table {
     /// Ends registration even when no layer was made (the handle's plan is made): a layer made
     /// from now on is a late one, a block of its own.
     pub(crate) fn close_registration(&self) {
+        self.freeze_declared();
         let mut l = self.lock();
         if l.blocks.is_none() && l.pending.is_empty() && l.failed.is_empty() {
             l.blocks = Some(Vec::new());
@@ -318,6 +415,7 @@ impl ManagedVarStore {
             layers: Mutex::new(Layers::default()),
             vars: vs.variables_.clone(),
             place: opts.place_unmanaged,
+            models: Mutex::new(Vec::new()),
         });
         // Weak: the runtime must not keep its own table alive (the table holds the runtime).
         let weak: Weak<Table> = Arc::downgrade(&table);

@@ -166,7 +166,8 @@ pub(crate) fn lock_groups(g: &Mutex<Groups>) -> MutexGuard<'_, Groups> {
 /// # Safety
 /// `t` must be a contiguous CPU tensor of `kind` whose memory nobody else touches while the
 /// slice lives.
-unsafe fn slice_mut<'a, T>(t: &'a Tensor, kind: Kind) -> Result<&'a mut [T]> {
+#[allow(clippy::mut_from_ref, reason = "a tensor is a handle to memory it does not borrow; the caller's contract above is what makes the slice exclusive")]
+unsafe fn slice_mut<T>(t: &Tensor, kind: Kind) -> Result<&mut [T]> {
     if t.kind() != kind || t.device() != tch::Device::Cpu || !t.is_contiguous() || std::mem::size_of::<T>() != kind.elt_size_in_bytes() {
         return Err(Error::internal(format!("host optimizer: a {:?} {:?} tensor where a contiguous CPU {kind:?} one was expected", t.kind(), t.device())));
     }
@@ -415,12 +416,8 @@ pub(crate) struct BlockJob {
 
 impl Job for BlockJob {
     fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()> {
-        let t0 = std::time::Instant::now();
         for e in &self.ready {
             e.synchronize()?;
-        }
-        if super::stepper::trace_on() {
-            eprintln!("TRACE optim ready-wait {:.2} ms", t0.elapsed().as_secs_f64() * 1e3);
         }
         self.state
             .lock()

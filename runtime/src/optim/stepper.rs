@@ -175,9 +175,6 @@ fn work(shared: &Shared) {
         let t0 = Instant::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(pool.as_ref())));
         let took = t0.elapsed();
-        if trace_on() {
-            eprintln!("TRACE optim block {block} start {:.1} ms {:.2}", since_epoch(t0), took.as_secs_f64() * 1e3);
-        }
         st = shared.lock();
         st.busy += took;
         match result {
@@ -190,17 +187,6 @@ fn work(shared: &Shared) {
     }
 }
 
-/// Temporary tracing (STAGEHAND_TRACE_OPTIM): ms since the first call.
-pub(crate) fn since_epoch(t: Instant) -> f64 {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    let e = *EPOCH.get_or_init(Instant::now);
-    t.saturating_duration_since(e).as_secs_f64() * 1e3
-}
-
-pub(crate) fn trace_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("STAGEHAND_TRACE_OPTIM").is_some())
-}
 
 impl Drop for Stepper {
     fn drop(&mut self) {

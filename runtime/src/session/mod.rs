@@ -39,6 +39,7 @@
 mod checkpoint;
 mod forensics;
 mod knobs;
+mod models;
 mod numerics;
 pub mod plan;
 mod planner;
@@ -47,7 +48,8 @@ mod step;
 mod telemetry;
 
 pub use crate::oom::OomReport;
-pub use plan::{BudgetGuide, Machine, ModelFacts, Plan};
+pub use models::ModelOptions;
+pub use plan::{BudgetGuide, Machine, ModelFact, ModelFacts, ModelShare, Plan};
 pub use step::StepReport;
 
 use crate::activations::{ActivationConfig, ActivationRuntime};
@@ -87,6 +89,7 @@ pub struct StagehandBuilder {
     checksums: bool,
     precision: Precision,
     optimizer_state: StateStorage,
+    host_pool: Option<crate::device::HostPool>,
     knobs: knobs::Knobs,
 }
 
@@ -115,6 +118,15 @@ impl StagehandBuilder {
     /// float32 storage with TF32 matmuls on CUDA.
     pub fn precision(mut self, p: Precision) -> Self {
         self.precision = p;
+        self
+    }
+
+    /// Cuts the model's host copies from `pool` (pinned memory handed over by a finished
+    /// handle's [`Stagehand::shutdown_keep_pool`]) instead of pinning new memory: the pool's
+    /// free ranges serve the blocks, and only what they lack is pinned. The pool must be on the
+    /// handle's device.
+    pub fn host_pool(mut self, pool: crate::device::HostPool) -> Self {
+        self.host_pool = Some(pool);
         self
     }
 
@@ -287,6 +299,9 @@ impl StagehandBuilder {
                 ..LayerOptions::default()
             },
         )?;
+        if let Some(pool) = self.host_pool {
+            store.runtime().set_host_pool(pool)?;
+        }
         let planner = planner::Planner::new(
             device.clone(),
             budget,
@@ -391,6 +406,7 @@ impl Stagehand {
             checksums: crate::activations::config::DEFAULT_DEBUG_CHECKSUMS,
             precision: Precision::Fp32,
             optimizer_state: StateStorage::Fp32,
+            host_pool: None,
             knobs: knobs::Knobs::default(),
         }
     }

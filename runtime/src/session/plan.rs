@@ -64,6 +64,49 @@ pub struct ModelFacts {
     /// Elements with a float32 master on the host (trained parameters streamed in 16 bits).
     #[serde(default)]
     pub master_elements: u64,
+    /// Bytes each block's host copy holds and each of its loads copies, in `blocks` order (a
+    /// quantized block's payload; empty: each block's bytes).
+    #[serde(default)]
+    pub transfer_bytes: Vec<u64>,
+    /// The largest device buffer a quantized streamed block's dequantization stashes its
+    /// payload's end in (0 without quantized blocks).
+    #[serde(default)]
+    pub stash_bytes: u64,
+    /// What quantizing each quantized block cost.
+    #[serde(default)]
+    pub quantization: Vec<crate::events::QuantizationReport>,
+    /// The models whose blocks these are, when the handle runs several (empty: one model).
+    #[serde(default)]
+    pub models: Vec<ModelFact>,
+}
+
+/// One model of a handle that runs several, as the plan sees it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelFact {
+    pub name: String,
+    /// Declared frozen: only its forward runs in a step (a teacher, a reference model).
+    pub frozen: bool,
+    /// Its blocks, as indices into `ModelFacts::blocks`.
+    pub blocks: Vec<usize>,
+}
+
+/// One model's share of the budget in a plan (see [`Plan::models`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelShare {
+    pub name: String,
+    pub blocks: u32,
+    /// Its blocks kept resident, and their device bytes (with gradients and optimizer state).
+    pub resident_blocks: u32,
+    pub resident_bytes: u64,
+    /// Its blocks streaming through the shared room.
+    pub streamed_blocks: u32,
+    /// Host bytes of its blocks (pinned).
+    pub host_bytes: u64,
+    /// The bytes its blocks move a step, predicted from the combined itinerary: the frozen
+    /// models' forwards, then the trained ones' forward and backward, through the room's
+    /// slots by Belady's rule (the runtime's `weight_step` reports what the traced itinerary
+    /// needs).
+    pub predicted_h2d_bytes: u64,
 }
 
 /// The machine the plan must fit.
@@ -126,6 +169,16 @@ pub struct Plan {
     /// Host bytes of float32 masters (pageable; mixed precision).
     #[serde(default)]
     pub master_bytes: u64,
+    /// Device bytes kept for the stash a quantized block's dequantization uses (transient).
+    #[serde(default)]
+    pub dequant_stash_bytes: u64,
+    /// What quantizing each quantized block cost (format, bytes, error).
+    #[serde(default)]
+    pub quantization: Vec<crate::events::QuantizationReport>,
+    /// Each model's share when the handle runs several: one budget, one room shared along the
+    /// combined itinerary.
+    #[serde(default)]
+    pub models: Vec<ModelShare>,
     /// The derivation, one line per decision.
     pub reasons: Vec<String>,
 }
@@ -310,14 +363,17 @@ impl Plan {
                     p.resident_weight_bytes += b;
                 }
             }
-            let streamed_trainable = model
+            let trained: Vec<u64> = model
                 .blocks
                 .iter()
                 .enumerate()
                 .filter(|(i, b)| b.1 && !p.resident_blocks.contains(i))
-                .count() as u64;
-            // The block backward is leaving and the one it works on hold device gradients.
-            p.gradient_bytes = streamed_trainable.min(2) * largest;
+                .map(|(_, b)| b.0)
+                .collect();
+            // The block backward is leaving and the one it works on hold device gradients: two
+            // of the largest trained block (a frozen model's larger blocks have none).
+            let largest_trained = trained.iter().copied().max().unwrap_or(0);
+            p.gradient_bytes = (trained.len() as u64).min(2) * largest_trained;
             let left = usable.saturating_sub(p.resident_bytes + p.gradient_bytes);
             let streamed = model.blocks.len() - p.resident_blocks.len();
             let want = (left as f64 * WEIGHT_SHARE) as u64 / largest.max(1);
@@ -356,7 +412,10 @@ impl Plan {
                 p.reasons.push("prefetch window 0: each streamed block loads when it is used (a counted miss)".into());
             }
         }
-        let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes;
+        // A quantized streamed block's dequantization stashes the end of its payload in a small
+        // device buffer while it runs (transient: freed before the block's layers run).
+        p.dequant_stash_bytes = if p.streams() { model.stash_bytes } else { 0 };
+        let weights = p.resident_bytes + p.weight_room_bytes + p.gradient_bytes + p.dequant_stash_bytes;
         let activations = usable.saturating_sub(weights);
         if activations < MIB.min(usable / 8) {
             return Err(short(format!(
@@ -408,7 +467,8 @@ impl Plan {
         p.hard_cap_bytes = budget + budget / 10;
         p.h2d_slots = p.max_inflight_h2d + p.max_inflight_restores;
         p.d2h_slots = p.max_inflight_spills + 8;
-        let weights_host: u64 = model.blocks.iter().map(|b| b.0).sum();
+        let transfer = |i: usize| model.transfer_bytes.get(i).copied().unwrap_or(model.blocks[i].0);
+        let weights_host: u64 = (0..model.blocks.len()).map(transfer).sum();
         let grads_host: u64 = model.blocks.iter().filter(|b| b.1).map(|b| b.0).sum();
         p.pinned_bytes = weights_host + grads_host;
         // Facts from before the element counts (serde default): each trained byte a float32.
@@ -448,6 +508,39 @@ impl Plan {
                 ),
             }));
         }
+        if !model.quantization.is_empty() {
+            let q = &model.quantization;
+            let full: u64 = q.iter().map(|r| r.full_bytes).sum();
+            let small: u64 = q.iter().map(|r| r.quantized_bytes).sum();
+            let worst = q.iter().map(|r| r.max_rel_error).fold(0.0, f64::max);
+            let mean = q.iter().map(|r| r.mean_rel_error * r.full_bytes as f64).sum::<f64>() / full.max(1) as f64;
+            let mut formats: Vec<&str> = q.iter().map(|r| r.format.name()).collect();
+            formats.dedup();
+            p.reasons.push(format!(
+                "{} frozen block(s) quantized to {}: {} on the host and over PCIe instead of {}, dequantized in place in their slots (a stash of {} at most); error at most {:.3}% of a group's largest weight, {:.3}% of the weights' magnitude on average",
+                q.len(),
+                formats.join(" and "),
+                mib(small),
+                mib(full),
+                mib(model.stash_bytes),
+                worst * 100.0,
+                mean * 100.0
+            ));
+            p.quantization = q.clone();
+        }
+        p.models = model_shares(model, &p);
+        for m in &p.models {
+            p.reasons.push(format!(
+                "model '{}': {} block(s), {} resident ({}), {} streaming through the shared room; {} pinned on the host; about {} moved a step along the combined itinerary",
+                m.name,
+                m.blocks,
+                m.resident_blocks,
+                mib(m.resident_bytes),
+                m.streamed_blocks,
+                mib(m.host_bytes),
+                mib(m.predicted_h2d_bytes)
+            ));
+        }
         p.reasons.push(format!(
             "host: {} pinned for weights and gradients, {} of optimizer state ({}), {} of float32 masters, activation pool at most {}; {per_param}",
             mib(p.pinned_bytes),
@@ -478,6 +571,61 @@ impl Plan {
         let high = self.spill_high_bytes - kept / 2;
         (high, high.saturating_sub(self.spill_high_bytes - self.spill_low_bytes))
     }
+}
+
+/// Each model's share of a plan for several models: its resident blocks, its streamed ones, its
+/// pinned bytes, and the bytes it is predicted to move a step. The prediction runs Belady's rule
+/// over the combined itinerary the handle's step most often has (the frozen models' forwards
+/// first, then the trained models' forward and backward) with the plan's slots; the runtime
+/// measures the traced itinerary's own minimum (`weight_step.models`).
+fn model_shares(model: &ModelFacts, p: &Plan) -> Vec<ModelShare> {
+    use crate::events::BlockId;
+    use crate::weights::{evictor, Itinerary};
+    if model.models.len() < 2 {
+        return Vec::new();
+    }
+    let state = model.optimizer_state_factor;
+    let transfer = |i: usize| model.transfer_bytes.get(i).copied().unwrap_or(model.blocks[i].0);
+    let streams = |i: &usize| !p.resident_blocks.contains(i);
+    let mut forward = Vec::new();
+    let mut trained_forward = Vec::new();
+    for m in &model.models {
+        let ids = m.blocks.iter().copied().filter(streams).map(|i| BlockId(i as u32));
+        if m.frozen {
+            forward.extend(ids);
+        } else {
+            trained_forward.extend(ids);
+        }
+    }
+    let backward: Vec<BlockId> = trained_forward.iter().rev().copied().collect();
+    forward.extend(trained_forward);
+    let updated: Vec<BlockId> = forward.iter().copied().filter(|b| model.blocks[b.0 as usize].1).collect();
+    const STEPS: usize = 60;
+    let mut moved = vec![0u64; model.blocks.len()];
+    if p.slots > 0 {
+        for b in evictor::min_loads(&Itinerary::new(forward, backward), p.slots as usize, &updated, STEPS) {
+            moved[b.0 as usize] += transfer(b.0 as usize);
+        }
+    }
+    model
+        .models
+        .iter()
+        .map(|m| {
+            let resident: Vec<usize> = m.blocks.iter().copied().filter(|i| p.resident_blocks.contains(i)).collect();
+            ModelShare {
+                name: m.name.clone(),
+                blocks: m.blocks.len() as u32,
+                resident_blocks: resident.len() as u32,
+                resident_bytes: resident
+                    .iter()
+                    .map(|&i| if model.blocks[i].1 { model.blocks[i].0.saturating_mul(2 + state) } else { model.blocks[i].0 })
+                    .sum(),
+                streamed_blocks: (m.blocks.len() - resident.len()) as u32,
+                host_bytes: m.blocks.iter().map(|&i| transfer(i) + if model.blocks[i].1 { model.blocks[i].0 } else { 0 }).sum(),
+                predicted_h2d_bytes: m.blocks.iter().map(|&i| moved[i]).sum::<u64>() / STEPS as u64,
+            }
+        })
+        .collect()
 }
 
 /// "16.0 host bytes per trained parameter (float32 master 4, pinned bf16 copy 2, ...)".
@@ -629,6 +777,44 @@ mod tests {
             }
             b += 256 << 10;
         }
+    }
+
+    #[test]
+    fn two_models_share_one_plan_and_a_frozen_model_keeps_no_gradient_room() {
+        // A trained model of 8 blocks of 8 MiB and a frozen teacher of 8 blocks of 16 MiB.
+        let mut blocks = vec![(8 * MIB, true); 8];
+        blocks.extend(vec![(16 * MIB, false); 8]);
+        let facts = ModelFacts {
+            blocks,
+            optimizer_state_factor: 2,
+            models: vec![
+                ModelFact { name: "main".into(), frozen: false, blocks: (0..8).collect() },
+                ModelFact { name: "teacher".into(), frozen: true, blocks: (8..16).collect() },
+            ],
+            ..ModelFacts::default()
+        };
+        let p = Plan::derive(512 * MIB, &facts, HOST, 2).expect("plan");
+        assert!(p.streams() && p.slots >= 4, "{p:?}");
+        assert_eq!(p.slot_bytes, 16 * MIB, "one room, slots of the largest block of either model");
+        assert_eq!(p.gradient_bytes, 2 * 8 * MIB, "gradients of the trained model's blocks only");
+        let names: Vec<&str> = p.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["main", "teacher"]);
+        let (main, teacher) = (&p.models[0], &p.models[1]);
+        assert_eq!((main.blocks, teacher.blocks, main.streamed_blocks), (8, 8, 8));
+        assert_eq!(teacher.host_bytes, 8 * 16 * MIB, "a frozen block pins its copy alone");
+        assert_eq!(main.host_bytes, 8 * 2 * 8 * MIB, "a trained one its copy and its gradient");
+        // A trained block comes back every step (its host copy changes); the teacher moves at
+        // most its whole self, and less for what the room keeps across the step's end.
+        assert!(main.predicted_h2d_bytes >= 8 * 8 * MIB, "{main:?}");
+        assert!(teacher.predicted_h2d_bytes <= 8 * 16 * MIB, "{teacher:?}");
+        assert!(p.reasons.iter().any(|r| r.contains("model 'teacher'")), "{:?}", p.reasons);
+        // The teacher's quantized payloads are what it pins and moves.
+        let mut q = facts.clone();
+        q.transfer_bytes = (0..16).map(|i| if i < 8 { 8 * MIB } else { 8 * MIB + MIB / 4 }).collect();
+        let pq = Plan::derive(512 * MIB, &q, HOST, 2).expect("plan");
+        assert_eq!(pq.models[1].host_bytes, 8 * (8 * MIB + MIB / 4));
+        assert!(pq.models[1].predicted_h2d_bytes < teacher.predicted_h2d_bytes);
+        assert!(pq.pinned_bytes < p.pinned_bytes);
     }
 
     #[test]

@@ -103,6 +103,10 @@ impl Planner {
             state_storage: self.precision.1,
             trained_elements: elements(|p| p.trainable),
             master_elements: elements(|p| p.has_master()),
+            transfer_bytes: specs.iter().map(|b| b.transfer_bytes() as u64).collect(),
+            stash_bytes: specs.iter().filter_map(|b| b.quant.as_ref().map(|q| q.stash_bytes as u64)).max().unwrap_or(0),
+            quantization: self.table.runtime().quantization_reports(),
+            models: self.model_facts(specs.len()),
         };
         let machine = Machine {
             // The host device's "memory" is the budget itself (checked against the host's
@@ -111,6 +115,25 @@ impl Planner {
             host_available_bytes: plan::host_available_bytes(),
         };
         Ok((facts, machine))
+    }
+
+    /// Each model's blocks, when the runtime streams several models.
+    fn model_facts(&self, blocks: usize) -> Vec<super::plan::ModelFact> {
+        let rt = self.table.runtime();
+        let entries = rt.model_entries();
+        if entries.len() < 2 {
+            return Vec::new();
+        }
+        let of = rt.block_models();
+        entries
+            .into_iter()
+            .map(|(name, frozen)| super::plan::ModelFact {
+                blocks: (0..blocks).filter(|&i| of.get(i) == Some(&name)).collect(),
+                name,
+                frozen,
+            })
+            .filter(|m| !m.blocks.is_empty())
+            .collect()
     }
 
     /// The budgets where the plan for this model changes (see [`BudgetGuide`]).

@@ -163,9 +163,6 @@ impl Stagehand {
             a.begin_step(step);
         }
         let e0 = self.device.record_compute()?;
-        if crate::optim::stepper::trace_on() {
-            eprintln!("TRACE step {step} begins at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
-        }
         let mut loss_total = 0.0;
         // With guards on, a loss that is NaN or infinite: its value.
         let mut non_finite_loss = None;
@@ -228,9 +225,6 @@ impl Stagehand {
             self.guard_gradients();
         }
         let e2 = self.device.record_compute()?;
-        if crate::optim::stepper::trace_on() {
-            eprintln!("TRACE step {step} backward issued at {:.1} ms", crate::optim::stepper::since_epoch(Instant::now()));
-        }
         let loss_value = non_finite_loss.unwrap_or(loss_total / micro_batches as f64);
         let am = match &acts {
             Some(a) => Some(a.end_step()?),

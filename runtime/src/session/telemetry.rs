@@ -87,6 +87,7 @@ impl Stagehand {
             peak_allocated_bytes: mem.peak,
         });
         self.bus.publish(EventKind::VramOwners(owners));
+        self.publish_models();
         mem
     }
 

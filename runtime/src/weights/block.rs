@@ -7,9 +7,12 @@
 //! runtime materialises real values on request.
 
 use super::file::FileSource;
+use super::quant::{self, ErrorSums, QuantLayout};
 use super::registry::{BlockSpec, ParamSpec};
-use crate::device::{Device, HostBuffer};
+use crate::device::{Device, HostBuffer, HostPool};
 use crate::error::{Error, Result};
+use crate::events::QuantizationReport;
+use crate::precision::{QuantFormat, QUANT_GROUP};
 use std::sync::Arc;
 use tch::{COptimizer, Kind, Tensor};
 
@@ -27,10 +30,24 @@ pub(crate) struct HostCopy {
     pub buf: Arc<HostBuffer>,
 }
 
+/// A frozen block's quantized payload on the host (see [`super::quant`]): one buffer (pinned on
+/// CUDA) in the layout's order, each parameter's views in it (its elements and scales, or its
+/// full-width tensor), and each parameter's quantization error. Loads read the buffer through
+/// an `Arc` clone, as a host copy's. Field order: the views drop before the buffer.
+pub(crate) struct QuantCopy {
+    pub views: Vec<(Tensor, Option<Tensor>)>,
+    pub errors: Vec<ErrorSums>,
+    pub buf: Arc<HostBuffer>,
+}
+
 /// Where a block's canonical values live.
 pub(crate) enum Source {
     Host(HostCopy),
     File(FileSource),
+    /// Frozen and quantized: the payload the device dequantizes.
+    Quantized(QuantCopy),
+    /// Given back to the pool at a shutdown that keeps it (the variables hold CPU copies).
+    Released,
 }
 
 /// Where a block is on the device while it is there.
@@ -77,29 +94,42 @@ pub(crate) struct Block {
     /// Sets the device gradients of the trainable parameters to none (libtorch's
     /// `zero_grad(set_to_none)`), so flushed gradients free their memory at once.
     pub grad_release: Option<COptimizer>,
+    /// The model it belongs to (an index into the runtime's model names; 0: the main model).
+    pub model: u32,
 }
 
 impl Block {
-    /// A module-backed block: copies `params` into a new host buffer and leaves the variables
+    /// A module-backed block: copies `params` into a new host buffer cut from `pool` (quantized
+    /// when `spec` has a quantized layout: the block is frozen) and leaves the variables
     /// pointing at placeholders on `device` until the block is first needed.
-    pub(crate) fn from_module(spec: BlockSpec, params: Vec<(String, Tensor)>, device: &Device) -> Result<Block> {
-        let buf = device.alloc_host(spec.bytes)?;
-        let mut views = Vec::with_capacity(params.len());
-        let mut masters = Vec::with_capacity(params.len());
-        for (p, (_, var)) in spec.params.iter().zip(&params) {
-            let mut view = host_view(&buf, p)?;
-            // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
-            tch::no_grad(|| view.f_copy_(var))?;
-            views.push(view);
-            masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
-        }
+    pub(crate) fn from_module(spec: BlockSpec, params: Vec<(String, Tensor)>, device: &Device, pool: &HostPool) -> Result<Block> {
+        let source = match &spec.quant {
+            Some(layout) => Source::Quantized(QuantCopy::fill(&spec, layout, pool, |i| Ok(params[i].1.shallow_clone()))?),
+            None => {
+                let buf = pool.alloc(spec.bytes)?;
+                let mut views = Vec::with_capacity(params.len());
+                let mut masters = Vec::with_capacity(params.len());
+                for (p, (_, var)) in spec.params.iter().zip(&params) {
+                    let mut view = host_view(&buf, p)?;
+                    // Rounded to the view's dtype (to nearest, libtorch's rule) where it differs.
+                    tch::no_grad(|| view.f_copy_(var))?;
+                    views.push(view);
+                    masters.push(if p.has_master() { Some(master_of(var)?) } else { None });
+                }
+                Source::Host(HostCopy {
+                    views,
+                    masters,
+                    buf: Arc::new(buf),
+                })
+            }
+        };
         let mut grads = Vec::new();
         let mut grad_release = None;
         for (i, (p, (_, var))) in spec.params.iter().zip(&params).enumerate() {
             if !p.trainable {
                 continue;
             }
-            let gbuf = device.alloc_host(p.bytes.max(1))?;
+            let gbuf = pool.alloc(p.bytes.max(1))?;
             let view = param_tensor(&gbuf, 0, &p.shape, p.kind)?;
             grads.push(ParamGrad {
                 param: i,
@@ -127,16 +157,59 @@ impl Block {
             spec,
             vars,
             placeholders,
-            source: Source::Host(HostCopy {
-                views,
-                masters,
-                buf: Arc::new(buf),
-            }),
+            source,
             placement: None,
             resident: false,
             last_use: None,
             grads,
             grad_release,
+            model: 0,
+        })
+    }
+
+    /// Stores this frozen block quantized in `format` from its canonical values (its host copy
+    /// or its file), in a payload cut from `pool`; the full-width host copy goes back to the
+    /// pool. The block must be off the device. An error when it trains (trained weights are
+    /// never quantized) or holds nothing worth quantizing.
+    pub(crate) fn quantize(&mut self, format: QuantFormat, pool: &HostPool) -> Result<()> {
+        if self.trainable() {
+            let trained: Vec<&str> = self.spec.params.iter().filter(|p| p.trainable).map(|p| p.name.as_str()).collect();
+            return Err(Error::Config {
+                field: "quantize",
+                value: format!("block '{}', whose {} train", self.spec.name, trained.join(", ")),
+                expected: "a frozen block: trained weights are never quantized (freeze them, or quantize a frozen model)".into(),
+            });
+        }
+        if self.spec.quant.is_some() {
+            return Err(Error::misuse(format!("quantizing block '{}' again", self.spec.name), "a block quantized once"));
+        }
+        let layout = quantizable(&self.spec, format)?;
+        let mut spec = self.spec.clone();
+        spec.quant = Some(layout.clone());
+        let copy = QuantCopy::fill(&spec, &layout, pool, |i| self.value(i))?;
+        self.spec = spec;
+        self.source = Source::Quantized(copy);
+        Ok(())
+    }
+
+    /// What quantizing the block did, when it is quantized.
+    pub(crate) fn report(&self) -> Option<QuantizationReport> {
+        let (Some(layout), Source::Quantized(q)) = (&self.spec.quant, &self.source) else { return None };
+        let mut total = ErrorSums::default();
+        for e in &q.errors {
+            total.add(e);
+        }
+        Some(QuantizationReport {
+            block: self.spec.id,
+            name: self.spec.name.clone(),
+            format: layout.format,
+            group: layout.group as u32,
+            quantized_params: layout.quantized_params() as u32,
+            params: self.spec.params.len() as u32,
+            full_bytes: self.spec.bytes as u64,
+            quantized_bytes: layout.bytes as u64,
+            max_rel_error: total.max_rel,
+            mean_rel_error: total.mean_rel(),
         })
     }
 
@@ -181,6 +254,12 @@ impl Block {
                 None => declared(h.views[i].detach(), p),
             },
             Source::File(f) => declared(f.read_param(i, p)?, p),
+            Source::Quantized(q) => {
+                let layout = self.spec.quant.as_ref().ok_or_else(|| Error::internal("a quantized block without its layout"))?;
+                let (data, scales) = &q.views[i];
+                declared(quant::param_value(p, layout, data, scales.as_ref())?, p)
+            }
+            Source::Released => Err(Error::Shutdown("weight runtime (its host memory went back to the pool)")),
         }
     }
 
@@ -191,6 +270,31 @@ impl Block {
         tch::no_grad(|| out.detach().f_copy_(&v))?;
         Ok(out)
     }
+}
+
+impl QuantCopy {
+    /// A payload for `spec` (laid out as `layout`) cut from `pool`, each parameter written from
+    /// `value(i)` (quantized where the layout says).
+    pub(crate) fn fill(spec: &BlockSpec, layout: &QuantLayout, pool: &HostPool, value: impl Fn(usize) -> Result<Tensor>) -> Result<QuantCopy> {
+        let buf = pool.alloc(layout.bytes)?;
+        let views = quant::payload_views(spec, layout, &buf)?;
+        let mut errors = Vec::with_capacity(views.len());
+        for (i, v) in views.iter().enumerate() {
+            errors.push(quant::write_param(spec, layout, i, &value(i)?, v)?);
+        }
+        Ok(QuantCopy { views, errors, buf: Arc::new(buf) })
+    }
+}
+
+/// The quantized layout of `spec` in `format`, or an error saying why there is none.
+pub(crate) fn quantizable(spec: &BlockSpec, format: QuantFormat) -> Result<QuantLayout> {
+    QuantLayout::new(spec, format, QUANT_GROUP).ok_or_else(|| Error::Config {
+        field: "quantize",
+        value: format!("block '{}'", spec.name),
+        expected: format!(
+            "a block with a floating parameter of two or more dimensions and at least {QUANT_GROUP} elements, smaller once quantized (vectors and integers stay at full width)"
+        ),
+    })
 }
 
 /// `t` in the parameter's declared dtype (a conversion only where its copy is in another).

@@ -16,6 +16,8 @@
 //! - [`runtime`]: [`WeightRuntime`], the block-mode API.
 //! - `handles`: the saved-tensor store that turns saved weights into block handles.
 //! - `file`: safetensors-backed frozen blocks.
+//! - [`quant`]: frozen blocks stored quantized (INT8 or FP8 with block-wise scales), their
+//!   payload dequantized in place in their slot before use.
 //!
 //! Layer mode (drop-in layers) is [`crate::nn`]; the optimizer for streamed weights is
 //! [`crate::optim`].
@@ -29,6 +31,7 @@ mod grads;
 pub(crate) mod handles;
 pub(crate) mod itinerary;
 mod loads;
+pub mod quant;
 pub(crate) mod registry;
 pub(crate) mod residency;
 mod route;
@@ -39,5 +42,6 @@ pub(crate) mod slots;
 pub use config::{parse_bytes, WeightConfig, WeightConfigBuilder};
 pub use handles::WeightStore;
 pub use itinerary::Itinerary;
+pub use quant::QuantLayout;
 pub use registry::{BlockSpec, ParamSpec};
 pub use runtime::{BlockGuard, WeightRuntime};

@@ -53,8 +53,11 @@ pub struct BlockSpec {
     /// The block's path prefix (or layer path in layer mode).
     pub name: String,
     pub params: Vec<ParamSpec>,
-    /// Bytes of the flat layout, padding included.
+    /// Bytes of the flat layout, padding included: what the block takes on the device.
     pub bytes: usize,
+    /// A frozen block stored quantized: its payload, which the host holds and each load copies
+    /// (it lands in the block's own device bytes, where it is dequantized before use).
+    pub quant: Option<super::quant::QuantLayout>,
 }
 
 impl BlockSpec {
@@ -98,7 +101,14 @@ impl BlockSpec {
             name: name.to_string(),
             params: specs,
             bytes: offset.max(PARAM_ALIGNMENT),
+            quant: None,
         })
+    }
+
+    /// Bytes the block's host copy holds and each load copies: its quantized payload, or its
+    /// layout.
+    pub fn transfer_bytes(&self) -> usize {
+        self.quant.as_ref().map_or(self.bytes, |q| q.bytes)
     }
 
     /// Whether any parameter is trainable.

@@ -12,7 +12,10 @@ use super::WeightConfig;
 use crate::conductor::{Conductor, Knobs, WeightAdapter};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::events::{BlockId, BlockState, Bus, EvictionReason, WeightStepMetrics};
+use crate::device::HostPool;
+use crate::events::{BlockId, BlockState, Bus, EvictionReason, ModelMemory, QuantizationReport, WeightStepMetrics};
+use crate::precision::QuantFormat;
+use super::scheduler::ModelEntry;
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::SavedTensorHooks;
 use regex::Regex;
@@ -564,7 +567,89 @@ impl WeightRuntime {
     /// Evicts everything and leaves each parameter as a CPU copy of its weights; later calls
     /// fail with `Shutdown`; the pool wakes its waiters. Idempotent.
     pub fn shutdown(&self) -> Result<()> {
-        self.lock().shutdown()
+        self.lock().shutdown(false)
+    }
+
+    /// [`shutdown`](Self::shutdown), and the blocks' host copies and gradient buffers go back to
+    /// the host pool, which is returned for the next model: its blocks are cut from the same
+    /// pinned memory, nothing freed and pinned again ([`HostPool`]). The runtime's values stay
+    /// in the variables (CPU copies); an optimizer made over this runtime is finished (save
+    /// its state first).
+    pub fn shutdown_keep_pool(&self) -> Result<HostPool> {
+        let mut s = self.lock();
+        s.shutdown(true)?;
+        Ok(s.pool().clone())
+    }
+
+    /// The host pool the blocks' host copies are cut from.
+    pub fn host_pool(&self) -> HostPool {
+        self.lock().pool().clone()
+    }
+
+    /// Cuts the blocks' host copies from `pool` (one handed over by a finished model's
+    /// [`shutdown_keep_pool`](Self::shutdown_keep_pool), or shared with another runtime on the
+    /// same device). Only before the first block is registered.
+    pub fn set_host_pool(&self, pool: HostPool) -> Result<()> {
+        self.lock().set_pool(pool)
+    }
+
+    /// Stores frozen block `id` quantized in `format` (INT8 or FP8 E4M3 in groups with a scale
+    /// each: see [`quant`](super::quant)), from its host copy or its file: its host copy and each
+    /// load become its quantized payload, dequantized on the device just before use. Before the
+    /// block is first loaded. A block that trains is refused, as is one with nothing worth
+    /// quantizing. Publishes and returns the block's quantization error.
+    pub fn quantize(&self, id: BlockId, format: QuantFormat) -> Result<QuantizationReport> {
+        self.lock().quantize(id, format)
+    }
+
+    /// Stores frozen block `id` quantized from the safetensors file at `path` (`key_prefix +
+    /// path` of each parameter): a file [`save_quantized`](Self::save_quantized) wrote is taken
+    /// as it is, in its own format; a full-width file (bf16, fp16, fp32) is quantized in
+    /// `format` as it is read. The values replace the block's (a block quantized already keeps
+    /// its format and groups, and the file must match them).
+    pub fn quantize_from_file(&self, id: BlockId, path: &std::path::Path, key_prefix: &str, format: QuantFormat) -> Result<QuantizationReport> {
+        self.lock().quantize_from_file(id, path, key_prefix, format)
+    }
+
+    /// Writes every quantized block's payload (elements, scales, errors) to a safetensors file
+    /// that [`quantize_from_file`](Self::quantize_from_file) reads back without quantizing again.
+    pub fn save_quantized(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.lock().save_quantized(path.as_ref())
+    }
+
+    /// Every quantized block's report (its format, bytes and error), in block order.
+    pub fn quantization_reports(&self) -> Vec<QuantizationReport> {
+        self.lock().quantization_reports()
+    }
+
+    /// The index of model `entry.name` among the runtime's models, declaring it if new.
+    pub(crate) fn declare_model(&self, entry: ModelEntry) -> Result<u32> {
+        self.lock().model(entry)
+    }
+
+    /// Registers a block of model `model` (see [`register_block`](Self::register_block)).
+    pub(crate) fn register_block_in(&self, name: &str, params: Vec<(String, Tensor)>, model: u32) -> Result<BlockId> {
+        self.lock().register_in(name, params, model)
+    }
+
+    /// Publishes each model and its blocks (when the runtime streams several).
+    pub(crate) fn announce_models(&self) {
+        self.lock().announce_models()
+    }
+
+    /// Device memory and residency by model.
+    pub fn model_memory(&self) -> Vec<ModelMemory> {
+        self.lock().model_memory()
+    }
+
+    /// Every model's name and whether it is frozen, by index (the main model first).
+    pub(crate) fn model_entries(&self) -> Vec<(String, bool)> {
+        self.lock().models().iter().map(|m| (m.name.clone(), m.frozen)).collect()
+    }
+
+    /// Each block's model name, in block order.
+    pub fn block_models(&self) -> Vec<String> {
+        self.lock().block_models()
     }
 }
 

@@ -22,6 +22,9 @@ pub(crate) fn room_slots(budget: u64, resident: u64, slot_bytes: u64, streamed: 
 /// Equal device slots, each free or holding one block.
 #[derive(Debug)]
 pub(crate) struct Slots {
+    /// The device the room is accounted on (the host device counts it as simulated VRAM until
+    /// the room goes).
+    device: Device,
     slab: Tensor,
     slot_bytes: usize,
     owner: Vec<Option<BlockId>>,
@@ -41,6 +44,7 @@ impl Slots {
             limit: "the address space is smaller".into(),
         })?;
         Ok(Slots {
+            device: device.clone(),
             slab: device.alloc_slab_for(total, || format!("the weights' streaming room ({count} slots of {slot_bytes} bytes)"))?,
             slot_bytes,
             owner: vec![None; count],
@@ -102,6 +106,14 @@ impl Slots {
     }
 }
 
+impl Drop for Slots {
+    fn drop(&mut self) {
+        // The room's memory goes with it: a runtime dropped (a finished model) gives the host
+        // device's simulated VRAM back, as the allocator does on CUDA.
+        self.device.account(-((self.slot_bytes * self.owner.len()) as i64));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +131,7 @@ mod tests {
         assert!(s.assign(0, BlockId(8)).expect("free again").is_some(), "waits for the last use");
         assert_eq!(s.view(1, 100).expect("view").size(), [100]);
         assert!(s.view(1, 257).is_err());
+        drop(s);
+        assert_eq!(dev.memory().allocated, 0, "the room's memory goes with it");
     }
 }

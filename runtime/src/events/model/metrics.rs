@@ -37,6 +37,10 @@ pub struct WeightStepMetrics {
     /// thread that queues the kernels.
     #[serde(default)]
     pub host_ms: f64,
+    /// Each model's share, when the runtime streams the blocks of several models (a handle with
+    /// a teacher or a reference model beside the trained one); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<super::ModelWeightStep>,
 }
 
 /// What one evaluation did: the forwards a weight runtime ran outside training steps, between

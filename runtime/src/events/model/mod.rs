@@ -17,11 +17,13 @@
 mod counts;
 mod holdings;
 mod metrics;
+mod models;
 mod values;
 
 pub use counts::*;
 pub use holdings::*;
 pub use metrics::*;
+pub use models::*;
 pub use values::*;
 
 use serde::{Deserialize, Serialize};
@@ -143,6 +145,21 @@ pub enum EventKind {
     },
     /// `keep_resident` protection added or removed.
     Protection { block: BlockId, protected: bool },
+    /// A frozen block was quantized: its host copy and its loads are its quantized payload, and
+    /// what that cost in accuracy.
+    Quantized(QuantizationReport),
+    /// A model of a handle that runs several (a trained one and frozen ones: a teacher, a
+    /// reference) and its blocks; published again with every block it gains later. Its blocks
+    /// share the one budget, pinned pool, room and Conductor with the other models'.
+    ModelRegistered {
+        model: String,
+        blocks: Vec<BlockId>,
+        frozen: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        quantized: Option<crate::precision::QuantFormat>,
+    },
+    /// Device memory and residency by model (with `vram_owners`, when a handle runs several).
+    ModelMemory { models: Vec<ModelMemory> },
 
     // ---- copies --------------------------------------------------------------------------
     /// A copy was issued on a copy stream.
@@ -366,6 +383,7 @@ impl EventKind {
             | EventKind::PrefetchMiss { block, .. }
             | EventKind::Eviction { block, .. }
             | EventKind::Protection { block, .. } => Some(*block),
+            EventKind::Quantized(r) => Some(r.block),
             _ => None,
         }
     }

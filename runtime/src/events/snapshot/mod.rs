@@ -339,7 +339,8 @@ impl Snapshot {
             | NonFinite { .. } | FlightRecorded { .. } => run::apply(self, e),
             BlockRegistered { .. } | ItineraryLearned { .. } | ItineraryChanged { .. }
             | Residency { .. } | PrefetchHit { .. } | PrefetchMiss { .. } | Eviction { .. }
-            | PrefetchWindow { .. } | Protection { .. } | WeightStep(_) | Evaluation(_) => weights::apply(self, e),
+            | PrefetchWindow { .. } | Protection { .. } | WeightStep(_) | Evaluation(_)
+            | Quantized(_) | ModelRegistered { .. } | ModelMemory { .. } => weights::apply(self, e),
             TransferIssued { .. } | TransferCompleted { .. } | TransferStep(_) => {
                 transfers::apply(self, e)
             }

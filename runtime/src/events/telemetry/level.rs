@@ -7,8 +7,8 @@
 //! - `summary` (the default): the run's lifecycle, phases, limits, registrations and itinerary,
 //!   the per-step aggregates (from which the snapshot's totals, breakdowns, step records and the
 //!   exporters' counters and histograms are exact), the Conductor's hints, spilling switched on
-//!   and off, every VRAM reading (a few a step) and every warning and incident. About 5 KB a
-//!   step.
+//!   and off, every VRAM reading (a few a step, by owner and by model) and every warning and
+//!   incident; models declared and their quantization reports. About 5 KB a step.
 //! - `off`: no file.
 
 use super::super::model::{Event, EventKind};
@@ -75,8 +75,9 @@ impl LevelFilter {
 
 /// What a summary file keeps: everything but the detail that the per-step aggregates count
 /// (`weight_step`, `activation_step`, `conductor_step`, `transfer_step`, `step_counts`). VRAM
-/// readings are kept, all of them: the runtimes take a few a step (the step's start, each
-/// phase's end, each time spilling switches), and they are the shape of memory within a step.
+/// readings are kept, all of them (by model too): the runtimes take a few a step (the step's
+/// start, each phase's end, each time spilling switches), and they are the shape of memory
+/// within a step.
 fn summary_keeps(e: &Event) -> bool {
     use EventKind::*;
     match &e.kind {
@@ -86,7 +87,8 @@ fn summary_keeps(e: &Event) -> bool {
         | TrainStep(_) | StepTime(_) | TransferStep(_) | StepCounts(_) | Evaluation(_) | HintsChanged { .. }
         | SpillingToggled { .. } | Warning { .. } | OutOfMemory { .. } | NonFinite { .. }
         | TelemetryLost { .. } | EventsDropped { .. } | FlightRecorded { .. } | VramSample { .. }
-        | VramOwners(_) | WatermarksMoved { .. } => true,
+        | VramOwners(_) | WatermarksMoved { .. } | Quantized(_) | ModelRegistered { .. }
+        | ModelMemory { .. } => true,
         Residency { .. } | PrefetchHit { .. } | PrefetchMiss { .. } | Eviction { .. }
         | PrefetchWindow { .. } | Protection { .. } | TransferIssued { .. }
         | TransferCompleted { .. } | SlabAcquired { .. } | SlabReleased { .. }

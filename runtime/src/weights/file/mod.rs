@@ -94,6 +94,8 @@ pub(crate) fn kind_of(d: Dtype) -> Option<Kind> {
         Dtype::I8 => Kind::Int8,
         Dtype::U8 => Kind::Uint8,
         Dtype::BOOL => Kind::Bool,
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
     })
 }
@@ -111,6 +113,8 @@ pub(crate) fn dtype_of(k: Kind) -> Option<Dtype> {
         Kind::Int8 => Dtype::I8,
         Kind::Uint8 => Dtype::U8,
         Kind::Bool => Dtype::BOOL,
+        Kind::Float8e4m3fn => Dtype::F8_E4M3,
+        Kind::Float8e5m2 => Dtype::F8_E5M2,
         _ => return None,
     })
 }

@@ -18,6 +18,7 @@
 //! gradients live in the sibling files.
 
 mod eval;
+mod quantize;
 mod room;
 mod train;
 mod values;
@@ -33,12 +34,13 @@ use super::route::{Learned, Route};
 use super::slots::Slots;
 use super::WeightConfig;
 use crate::conductor::{Conductor, KnobValues, Knobs};
-use crate::device::{Device, IdleSpans};
+use crate::device::{Device, HostPool, IdleSpans};
 use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::events::{
-    BlockId, BlockState, Bus, EventKind, Owner, Phase, WeightStepMetrics,
+    BlockId, BlockState, Bus, EventKind, ModelMemory, ModelWeightStep, Owner, Phase, WeightStepMetrics,
 };
+use crate::precision::QuantFormat;
 use crate::optim::stepper::Stepper;
 use crate::pinned::SlabPool;
 use crate::transfer::Copier;
@@ -128,8 +130,8 @@ pub(crate) struct Scheduler {
     /// This step's waits for the host optimizer, read as the compute stream's idle time.
     update_waits: IdleSpans,
     /// The Belady minimum of bytes a step, for the streamed order, room and trained blocks it
-    /// was computed for.
-    min_bytes: Option<(MinKey, u64)>,
+    /// was computed for, and each model's share of it.
+    min_bytes: Option<(MinKey, u64, Vec<u64>)>,
     /// Inference mode: the blocks the plan pinned along the cyclic itinerary, and the streamed
     /// order and slot count they were chosen for ([`super::evictor::spread_pins`]).
     pins: Option<Pins>,
@@ -145,11 +147,30 @@ pub(crate) struct Scheduler {
     /// Handles of managed variables that other parts of the runtime hold (the device
     /// optimizer of resident blocks), beside the block's own.
     noted: HashMap<crate::torch::VariableId, usize>,
+    /// Where block host copies and gradient buffers are cut from (shared by every model of a
+    /// handle, and handed to the next one).
+    pool: HostPool,
+    /// The models whose blocks the runtime streams, by `Block::model`: the main model (index 0)
+    /// and those a handle declared.
+    models: Vec<ModelEntry>,
+    /// Each model's share of the step's copies (when there are several).
+    model_steps: Vec<ModelWeightStep>,
     /// The next block to load, whose host optimizer step was still running when the forward
     /// reached the block before it: loaded (after waiting for that step) once the block being
     /// entered has queued its kernels, at its `leave` (see `room::prefetch`).
     after_leave: Option<BlockId>,
 }
+
+/// A model whose blocks the runtime streams.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ModelEntry {
+    pub name: String,
+    pub frozen: bool,
+    pub quantize: Option<QuantFormat>,
+}
+
+/// The main model's name (blocks of no declared model).
+pub(crate) const MAIN_MODEL: &str = "main";
 
 /// Blocks pinned by the plan (protected from eviction) and what they were chosen for.
 #[derive(Debug)]
@@ -173,6 +194,12 @@ impl Drop for Scheduler {
             let _ = s.wait_all();
         }
         super::claims::release(self.owner);
+        // Resident blocks' own buffers go with the runtime (the room's with its slots).
+        for b in &self.blocks {
+            if matches!(b.placement, Some(super::block::Placement::Own(_))) {
+                self.device.account(-(b.spec.bytes as i64));
+            }
+        }
     }
 }
 
@@ -191,6 +218,7 @@ impl Scheduler {
             prefetch_window: cfg.prefetch_window,
             suppress_speculative: false,
         });
+        let device_for_pool = device.clone();
         Ok(Scheduler {
             loader: Copier::new(&device, bus.clone(), Owner::Weights)?,
             grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?),
@@ -226,6 +254,9 @@ impl Scheduler {
             owner: super::claims::owner(),
             new_blocks_resident: false,
             noted: HashMap::new(),
+            pool: HostPool::new(&device_for_pool),
+            models: vec![ModelEntry { name: MAIN_MODEL.into(), frozen: false, quantize: None }],
+            model_steps: Vec::new(),
             after_leave: None,
         })
     }
@@ -327,10 +358,100 @@ impl Scheduler {
         self.last_metrics.clone()
     }
 
-    /// Adds a module-backed block: copies its parameters into host memory and leaves them
-    /// pointing at placeholders until the block is first needed.
+    /// Adds a module-backed block of the main model (see [`register_in`](Self::register_in)).
     pub(crate) fn register(&mut self, name: &str, params: Vec<(String, Tensor)>) -> Result<BlockId> {
+        self.register_in(name, params, 0)
+    }
+
+    /// The pool host copies are cut from.
+    pub(crate) fn pool(&self) -> &HostPool {
+        &self.pool
+    }
+
+    /// Cuts host copies from `pool` from now on (before any block is registered: a pool handed
+    /// over from a finished model, or one shared with another runtime).
+    pub(crate) fn set_pool(&mut self, pool: HostPool) -> Result<()> {
+        if !self.blocks.is_empty() {
+            return Err(Error::misuse("giving the weight runtime a host pool", "a pool given before the first block is registered"));
+        }
+        if !pool.is_on(&self.device) {
+            return Err(Error::Config {
+                field: "host_pool",
+                value: "a pool of another device".into(),
+                expected: "a pool made on the runtime's device (pinned memory belongs to its CUDA context)".into(),
+            });
+        }
+        self.pool = pool;
+        Ok(())
+    }
+
+    /// The index of model `name`, declaring it (frozen or not, quantized or not) if it is new.
+    /// Declaring a known model again with other options is an error.
+    pub(crate) fn model(&mut self, entry: ModelEntry) -> Result<u32> {
+        if let Some(i) = self.models.iter().position(|m| m.name == entry.name) {
+            if self.models[i] != entry {
+                return Err(Error::misuse(
+                    format!("declaring model '{}' again as {entry:?}", entry.name),
+                    format!("one declaration a model (it is {:?})", self.models[i]),
+                ));
+            }
+            return Ok(i as u32);
+        }
+        self.models.push(entry);
+        Ok((self.models.len() - 1) as u32)
+    }
+
+    /// The models, by index.
+    pub(crate) fn models(&self) -> &[ModelEntry] {
+        &self.models
+    }
+
+    /// Each block's model name, in block order.
+    pub(crate) fn block_models(&self) -> Vec<String> {
+        self.blocks.iter().map(|b| self.models.get(b.model as usize).map(|m| m.name.clone()).unwrap_or_default()).collect()
+    }
+
+    /// Publishes each model and its blocks (a runtime streaming several models).
+    pub(crate) fn announce_models(&self) {
+        if self.models.len() < 2 {
+            return;
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            let blocks: Vec<BlockId> = self.blocks.iter().filter(|b| b.model == i as u32).map(|b| b.spec.id).collect();
+            if blocks.is_empty() {
+                continue;
+            }
+            self.bus.publish(EventKind::ModelRegistered { model: m.name.clone(), blocks, frozen: m.frozen, quantized: m.quantize });
+        }
+    }
+
+    /// Device memory and residency by model.
+    pub(crate) fn model_memory(&self) -> Vec<ModelMemory> {
+        let mut out: Vec<ModelMemory> =
+            self.models.iter().map(|m| ModelMemory { model: m.name.clone(), ..ModelMemory::default() }).collect();
+        for b in &self.blocks {
+            let Some(m) = out.get_mut(b.model as usize) else { continue };
+            m.blocks += 1;
+            m.resident += u32::from(b.resident);
+            if b.placement.is_some() {
+                m.on_device += 1;
+                m.device_bytes += b.spec.bytes as u64;
+            }
+        }
+        out.retain(|m| m.blocks > 0);
+        out
+    }
+
+    /// Adds a module-backed block of model `model` (an index from [`model`](Self::model)):
+    /// copies its parameters into host memory (quantized when the model is, and the block is
+    /// frozen) and leaves them pointing at placeholders until the block is first needed.
+    pub(crate) fn register_in(&mut self, name: &str, params: Vec<(String, Tensor)>, model: u32) -> Result<BlockId> {
         self.check_live()?;
+        let entry = self
+            .models
+            .get(model as usize)
+            .cloned()
+            .ok_or_else(|| Error::internal(format!("block '{name}' of undeclared model {model}")))?;
         if self.names.contains_key(name) {
             return Err(Error::Config {
                 field: "block",
@@ -339,7 +460,19 @@ impl Scheduler {
             });
         }
         let id = BlockId(self.blocks.len() as u32);
-        let spec = BlockSpec::layout_as(id, name, &params, self.cfg.precision.compute_kind())?;
+        let mut spec = BlockSpec::layout_as(id, name, &params, self.cfg.precision.compute_kind())?;
+        if let Some(format) = entry.quantize {
+            if spec.trainable() {
+                let trained: Vec<&str> = spec.params.iter().filter(|p| p.trainable).map(|p| p.name.as_str()).collect();
+                return Err(Error::Config {
+                    field: "quantize",
+                    value: format!("block '{name}' of model '{}', whose {} train", entry.name, trained.join(", ")),
+                    expected: "frozen weights: trained weights are never quantized".into(),
+                });
+            }
+            // A block with nothing worth quantizing (norms, biases) stays at full width.
+            spec.quant = super::quant::QuantLayout::new(&spec, format, crate::precision::QUANT_GROUP);
+        }
         if let Some(room) = &self.slots {
             // The room exists: a block made now streams through its slots.
             if spec.bytes > room.slot_bytes() {
@@ -369,13 +502,15 @@ impl Scheduler {
         let bytes = spec.bytes as u64;
         super::claims::claim(self.owner, name, &params)?;
         let ids: Vec<crate::torch::VariableId> = params.iter().map(|(_, t)| crate::torch::VariableId::of(t)).collect();
-        let block = match Block::from_module(spec, params, &self.device) {
+        let mut block = match Block::from_module(spec, params, &self.device, &self.pool) {
             Ok(b) => b,
             Err(e) => {
                 super::claims::unclaim(&ids);
                 return Err(e);
             }
         };
+        block.model = model;
+        let report = block.report();
         self.residency.add(name);
         self.names.insert(name.to_string(), id);
         self.bus.publish(EventKind::BlockRegistered {
@@ -386,6 +521,9 @@ impl Scheduler {
             file_backed: false,
             trainable,
         });
+        if let Some(r) = report {
+            self.bus.publish(EventKind::Quantized(r));
+        }
         self.blocks.push(block);
         if self.new_blocks_resident {
             // The plan keeps every block resident (no room was made): one registered since
@@ -415,6 +553,12 @@ impl Scheduler {
             return Err(Error::misuse(
                 format!("backing block '{}' with a file", b.spec.name),
                 "the block must be unloaded",
+            ));
+        }
+        if b.spec.quant.is_some() {
+            return Err(Error::misuse(
+                format!("backing quantized block '{}' with a file", b.spec.name),
+                "a block at full width (a quantized block streams its payload from host memory)",
             ));
         }
         if self.staging.is_none() {
@@ -453,6 +597,11 @@ impl Scheduler {
         }
         self.state = StepState::Open { backward: false, stepped: false };
         self.metrics = WeightStepMetrics::default();
+        self.model_steps = if self.models.len() > 1 {
+            self.models.iter().map(|m| ModelWeightStep { model: m.name.clone(), ..ModelWeightStep::default() }).collect()
+        } else {
+            Vec::new()
+        };
         self.route.begin();
         self.first_entered = None;
         self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
@@ -509,7 +658,18 @@ impl Scheduler {
         self.plan_pins()?;
         self.preload_next_step()?;
         let mem = self.device.memory();
-        let min = self.min_h2d_bytes();
+        let (min, model_min) = self.min_h2d_bytes();
+        let mut models = std::mem::take(&mut self.model_steps);
+        for (m, &b) in models.iter_mut().zip(&model_min) {
+            m.min_h2d_bytes = b;
+        }
+        // Models without blocks say nothing.
+        self.metrics.models = models
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| self.blocks.iter().any(|b| b.model as usize == *i))
+            .map(|(_, m)| m)
+            .collect();
         let wait = self.loads.take_wait_ms(false);
         let update_host_ms = self.update_waits.host_ms();
         let update_idle = self.update_waits.take_ms()?;
@@ -544,28 +704,35 @@ impl Scheduler {
     /// The Belady minimum of bytes a steady-state step of the itinerary just traced needs to
     /// copy in: the long-run average (see [`super::evictor::min_loads`]), computed again only
     /// when the itinerary, the room or the trained blocks change.
-    fn min_h2d_bytes(&mut self) -> u64 {
-        let (Some(streamed), Some(slots)) = (self.streamed_order(), &self.slots) else { return 0 };
+    fn min_h2d_bytes(&mut self) -> (u64, Vec<u64>) {
+        let (Some(streamed), Some(slots)) = (self.streamed_order(), &self.slots) else {
+            return (0, vec![0; self.models.len()]);
+        };
         let updated: Vec<BlockId> = if self.stepper.is_some() {
             self.blocks.iter().filter(|b| !b.grads.is_empty() && !b.resident).map(|b| b.spec.id).collect()
         } else {
             Vec::new()
         };
         let key = (streamed, slots.count(), updated);
-        if let Some((k, bytes)) = &self.min_bytes {
+        if let Some((k, bytes, models)) = &self.min_bytes {
             if *k == key {
-                return *bytes;
+                return (*bytes, models.clone());
             }
         }
         const STEPS: usize = 60;
         let it = Itinerary::new(key.0.clone(), Vec::new());
-        let total: u64 = super::evictor::min_loads(&it, key.1, &key.2, STEPS)
-            .iter()
-            .map(|b| self.blocks[b.0 as usize].spec.bytes as u64)
-            .sum();
-        let bytes = total / STEPS as u64;
-        self.min_bytes = Some((key, bytes));
-        bytes
+        // A quantized block moves its payload: the minimum counts the bytes each load copies.
+        let mut models = vec![0u64; self.models.len()];
+        for b in super::evictor::min_loads(&it, key.1, &key.2, STEPS) {
+            let b = &self.blocks[b.0 as usize];
+            if let Some(m) = models.get_mut(b.model as usize) {
+                *m += b.spec.transfer_bytes() as u64;
+            }
+        }
+        let bytes = models.iter().sum::<u64>() / STEPS as u64;
+        let models: Vec<u64> = models.iter().map(|m| m / STEPS as u64).collect();
+        self.min_bytes = Some((key, bytes, models.clone()));
+        (bytes, models)
     }
 
     /// Ends an open step (layer mode's last step, which no later forward closes).
@@ -771,7 +938,9 @@ impl Scheduler {
     }
 
     /// Evicts everything, leaves the parameters as CPU copies of their values, shuts the pool.
-    pub(crate) fn shutdown(&mut self) -> Result<()> {
+    /// With `keep_pool`, the blocks' host copies and gradient buffers go back to the host pool
+    /// (which outlives the runtime, for the next model) instead of staying readable.
+    pub(crate) fn shutdown(&mut self, keep_pool: bool) -> Result<()> {
         if matches!(self.state, StepState::ShutDown { .. }) {
             return Ok(());
         }
@@ -780,6 +949,12 @@ impl Scheduler {
             for j in 0..self.blocks[i].vars.len() {
                 let t = self.blocks[i].host_param(j)?;
                 self.blocks[i].vars[j].set_data(&t);
+            }
+        }
+        if keep_pool {
+            for b in &mut self.blocks {
+                b.source = Source::Released;
+                b.grads.clear();
             }
         }
         if let Some(p) = &self.staging {

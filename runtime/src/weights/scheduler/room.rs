@@ -12,6 +12,15 @@ use crate::conductor::ReservationRequest;
 use crate::events::{BlockId, BlockState, Direction, EventKind, EvictionReason, Owner, Priority, ReservationMode, Resource};
 use std::time::Instant;
 
+/// Where a load copies a block's host bytes in its device bytes `buf`: all of them, or for a
+/// quantized block its payload's place at their end (dequantized in place at `finalize`).
+fn landing(buf: &tch::Tensor, spec: &super::super::registry::BlockSpec) -> Result<tch::Tensor> {
+    match &spec.quant {
+        Some(q) => Ok(buf.f_narrow(0, q.offset as i64, q.bytes as i64)?),
+        None => Ok(buf.shallow_clone()),
+    }
+}
+
 impl Load {
     fn priority(self) -> Priority {
         match self {
@@ -215,6 +224,8 @@ impl Scheduler {
         // prefetch that finds no slab leaves the block as it was).
         let src = match &self.blocks[id.0 as usize].source {
             Source::Host(h) => LoadSource::Host(h.buf.clone()),
+            Source::Quantized(q) => LoadSource::Host(q.buf.clone()),
+            Source::Released => return Err(Error::Shutdown("weight runtime")),
             Source::File(f) => {
                 let pool = self.staging.as_ref().ok_or_else(|| Error::internal("a file-backed block without a staging pool"))?;
                 let bytes = self.blocks[id.0 as usize].spec.bytes;
@@ -235,7 +246,8 @@ impl Scheduler {
         let bytes = self.blocks[id.0 as usize].spec.bytes;
         let room = self.room()?;
         let wait_for = room.assign(slot, id)?;
-        let dst = room.view(slot, bytes)?;
+        let view = room.view(slot, bytes)?;
+        let dst = landing(&view, &self.blocks[id.0 as usize].spec)?;
         let order = match &wait_for {
             Some(e) => Order::After(e),
             None => Order::Now,
@@ -248,8 +260,19 @@ impl Scheduler {
         self.residency.transition(id, BlockState::Prefetching, &self.bus)?;
         self.blocks[id.0 as usize].placement = Some(Placement::Slot(slot));
         self.loads.start(id, t);
-        self.metrics.h2d_bytes += bytes as u64;
+        self.count_load(id);
         Ok(true)
+    }
+
+    /// Adds a load of `id` to the step's metrics (its model's share too).
+    fn count_load(&mut self, id: BlockId) {
+        let b = &self.blocks[id.0 as usize];
+        let bytes = b.spec.transfer_bytes() as u64;
+        self.metrics.h2d_bytes += bytes;
+        if let Some(m) = self.model_steps.get_mut(b.model as usize) {
+            m.h2d_bytes += bytes;
+            m.loads += 1;
+        }
     }
 
     /// At a step's end, once the optimizer has queued the host steps: loads the first streamed
@@ -325,6 +348,8 @@ impl Scheduler {
         let buf = self.device.alloc_slab(b.spec.bytes)?;
         let src = match &b.source {
             Source::Host(h) => LoadSource::Host(h.buf.clone()),
+            Source::Quantized(q) => LoadSource::Host(q.buf.clone()),
+            Source::Released => return Err(Error::Shutdown("weight runtime")),
             Source::File(_) => {
                 return Err(Error::Config {
                     field: "resident",
@@ -336,12 +361,13 @@ impl Scheduler {
         let name = b.spec.name.clone();
         let slot = self.conductor.acquire_slot(Direction::H2d, Owner::Weights, Priority::Required).ok();
         self.residency.transition(id, BlockState::HostStaged, &self.bus)?;
+        let dst = landing(&buf, &self.blocks[id.0 as usize].spec)?;
         let t = self
             .loader
-            .h2d(&buf, src, 0, Order::AfterCompute, slot, || format!("block {name} (resident)"))
+            .h2d(&dst, src, 0, Order::AfterCompute, slot, || format!("block {name} (resident)"))
             .map_err(Error::from)?;
         self.residency.transition(id, BlockState::Prefetching, &self.bus)?;
-        self.metrics.h2d_bytes += self.blocks[id.0 as usize].spec.bytes as u64;
+        self.count_load(id);
         self.blocks[id.0 as usize].placement = Some(Placement::Own(buf));
         self.loads.start(id, t);
         Ok(true)
@@ -457,7 +483,10 @@ impl Scheduler {
     /// Makes a landing block usable: the compute stream waits on its copy when `on_compute`
     /// (no host wait), the variables point at its device bytes.
     pub(super) fn finalize(&mut self, id: BlockId, on_compute: bool) -> Result<()> {
-        self.loads.finish(&self.loader, id, on_compute)?;
+        // A quantized block is dequantized on the compute stream, which must first wait for
+        // its payload to land.
+        let quantized = self.blocks[id.0 as usize].spec.quant.is_some();
+        self.loads.finish(&self.loader, id, on_compute || quantized)?;
         self.residency.transition(id, BlockState::GpuReady, &self.bus)?;
         self.blocks[id.0 as usize].last_use = None;
         let bytes = self.blocks[id.0 as usize].spec.bytes;
@@ -471,6 +500,9 @@ impl Scheduler {
             (None, Some(Placement::Own(t))) => t.shallow_clone(),
             _ => return Err(Error::internal(format!("block {id} is landing without a place"))),
         };
+        if quantized {
+            super::super::quant::dequantize_block(&view, &self.blocks[id.0 as usize].spec)?;
+        }
         let b = &mut self.blocks[id.0 as usize];
         b.point_at(&view)?;
         let entry = IndexEntry {
@@ -540,6 +572,9 @@ impl Scheduler {
         self.loaded.retain(|&b| b != id);
         self.residency.transition(id, BlockState::Unloaded, &self.bus)?;
         self.metrics.evictions += 1;
+        if let Some(m) = self.model_steps.get_mut(self.blocks[id.0 as usize].model as usize) {
+            m.evictions += 1;
+        }
         self.bus.publish(EventKind::Eviction {
             block: id,
             reason,

@@ -43,11 +43,7 @@ impl Scheduler {
         if let Some(s) = self.stepper.clone() {
             if s.is_pending(id) {
                 let probe = self.device.idle_probe()?;
-                let t0 = std::time::Instant::now();
                 s.wait(id)?;
-                if crate::optim::stepper::trace_on() {
-                    eprintln!("TRACE flush-wait block {id} at {:.1} ms waited {:.2}", crate::optim::stepper::since_epoch(t0), t0.elapsed().as_secs_f64() * 1e3);
-                }
                 self.update_waits.push(probe.end(&self.device)?);
             }
         }
@@ -264,9 +260,6 @@ impl Scheduler {
         ready.extend(self.loads.pending_events(id));
         let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
         let priority = self.forward_position(id);
-        if crate::optim::stepper::trace_on() {
-            eprintln!("TRACE submit block {id} at {:.1} ms", crate::optim::stepper::since_epoch(std::time::Instant::now()));
-        }
         let stepper = self.stepper.clone().ok_or_else(|| Error::internal("armed without a stepper"))?;
         let job = match &mut self.eager {
             Some(make) => make(id, &received, ready)?,

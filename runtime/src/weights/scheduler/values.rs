@@ -108,10 +108,29 @@ impl Scheduler {
             }
         }
         self.loads.reap(&self.loader);
-        let busy = matches!(&self.blocks[id.0 as usize].source, Source::Host(h) if Arc::strong_count(&h.buf) != 1);
+        let busy = match &self.blocks[id.0 as usize].source {
+            Source::Host(h) => Arc::strong_count(&h.buf) != 1,
+            Source::Quantized(q) => Arc::strong_count(&q.buf) != 1,
+            _ => false,
+        };
         if busy {
             // A copy still reads the host weights: let every load finish first.
             self.loads.drain(&self.loader)?;
+        }
+        if let Source::Quantized(q) = &self.blocks[id.0 as usize].source {
+            // A frozen block stored quantized takes a new value quantized (a checkpoint loaded
+            // into a quantized model), and says what that cost.
+            if Arc::strong_count(&q.buf) != 1 {
+                return Err(Error::internal(format!("block {id}: a copy still reads its host weights")));
+            }
+            let b = &self.blocks[id.0 as usize];
+            let layout = b.spec.quant.as_ref().ok_or_else(|| Error::internal("a quantized block without its layout"))?;
+            let error = super::super::quant::write_param(&b.spec, layout, i, value, &q.views[i])?;
+            if let Source::Quantized(q) = &mut self.blocks[id.0 as usize].source {
+                q.errors[i] = error;
+            }
+            self.published_report(id)?;
+            return Ok(());
         }
         let Source::Host(h) = &self.blocks[id.0 as usize].source else {
             return Err(Error::internal(format!("block {id} has neither a file nor a host copy")));
