@@ -117,10 +117,9 @@ pub enum Error {
     },
     /// A step ran out of device memory: what held the device at that moment, what the runtime
     /// was about to do, and the flight record written for it (see
-    /// [`OomReport`](crate::session::OomReport)).
-    #[cfg(feature = "torch")]
+    /// [`OomReport`](crate::oom::OomReport)).
     #[error("{0}")]
-    OutOfMemory(Box<crate::session::OomReport>),
+    OutOfMemory(Box<crate::oom::OomReport>),
     /// A rank of a data-parallel group failed, which stopped every rank: the rank, its device
     /// and the cause (its error, a panic in the training closure, a collective that did not
     /// complete in time). Every rank's calls return it, so no rank waits for one that is gone.

@@ -15,6 +15,7 @@ pub mod guards;
 pub mod activations;
 #[cfg(feature = "torch")]
 pub mod nn;
+pub mod oom;
 #[cfg(feature = "torch")]
 pub mod optim;
 #[cfg(feature = "torch")]
@@ -34,6 +35,7 @@ pub(crate) mod transfer;
 pub mod weights;
 
 pub use error::{Error, Result};
+pub use oom::OomReport;
 pub use precision::{LossScaler, Precision, QuantFormat, StateStorage};
 #[cfg(feature = "torch")]
-pub use session::{OomReport, Plan, Stagehand, StagehandBuilder, StepReport};
+pub use session::{Plan, Stagehand, StagehandBuilder, StepReport};

@@ -36,9 +36,14 @@ impl<H: HostMemory> Transfer<H> {
         self.pending.done()
     }
 
-    /// Stops keeping the device tensor alive: see [`Pending::release_device`].
-    pub fn release_device(&mut self) {
-        self.pending.release_device();
+    /// Stops keeping the device tensor alive.
+    ///
+    /// # Safety
+    /// As [`Pending::release_device`]: the device memory is not reused before the copy
+    /// completes.
+    pub unsafe fn release_device(&mut self) {
+        // SAFETY: the caller upholds the same contract.
+        unsafe { self.pending.release_device() };
     }
 }
 

@@ -39,6 +39,7 @@
 //! ```
 
 pub mod config;
+mod ctx;
 pub(crate) mod policy;
 pub(crate) mod record;
 mod recompute;

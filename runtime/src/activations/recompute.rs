@@ -17,15 +17,13 @@
 //! whole block is checkpointed in block mode. Without an activation runtime on the thread (plain
 //! tch, hooks off, a store that keeps everything) `f` simply runs.
 
-use super::record::{Record, RecordState};
-use super::state::{Shared, State};
+use super::record::{Member, Record, Records, Slot};
 use crate::error::{Error, Result};
-use crate::events::{BlockId, EventKind, PackDecision, TensorId};
+use crate::events::BlockId;
 use crate::saved::WeightSave;
 use crate::torch::amp::AutocastState;
 use crate::torch::{HookError, Recompute, RecomputeFn, StorageWatch, TensorIdentity};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::time::Instant;
 use tch::Tensor;
 
 /// Computes `f(sources)`; under an activation runtime, the tensors `f` saves for backward and
@@ -87,23 +85,8 @@ where
     Ok(output)
 }
 
-/// Which of its scope's tensors a record is.
-#[derive(Debug, Clone)]
-pub(crate) struct Member {
-    frame: usize,
-    slot: Slot,
-}
-
-#[derive(Debug, Clone)]
-enum Slot {
-    /// The `i`-th tensor autograd saved inside the scope.
-    Saved(usize),
-    /// A view of the scope's output, saved after the scope closed.
-    Output { sizes: Vec<i64>, strides: Vec<i64>, offset: i64 },
-}
-
 /// One recompute scope of the current step.
-pub(super) struct Frame {
+struct Frame {
     /// Set when the scope closes; `None` while open or after it was abandoned.
     f: Option<RecomputeFn>,
     /// Handles of the saved sources, and whether each required grad.
@@ -123,13 +106,15 @@ struct Captured {
 }
 
 /// The output of a closed scope, matched by storage when a later operation saves it.
-pub(super) struct Output {
+struct Output {
     storage_ptr: u64,
     watch: StorageWatch,
     frame: usize,
 }
 
-/// Recompute state of the step, inside [`State`].
+/// The step's recompute scopes (inside the activation runtime's locked state): which are open,
+/// closed or recomputed, and which records stand for their tensors. The state asks it what a
+/// save or an unpack is, and does the packing and unpacking itself.
 #[derive(Default)]
 pub(super) struct Scopes {
     frames: Vec<Option<Frame>>,
@@ -206,21 +191,39 @@ impl Scopes {
     }
 }
 
-impl Shared {
-    pub(super) fn open_recompute(&self) -> Result<bool> {
-        let mut g = self.lock();
-        if g.scopes.open.is_some() {
-            // Nested: the inner function runs as part of the outer scope.
-            return Ok(false);
+/// What a tensor being saved is to the scopes.
+pub(super) enum Membership {
+    /// Saved before in the open scope: record `idx` again.
+    Duplicate(usize),
+    /// One of a scope's tensors: a record holding nothing stands for it.
+    Member(Member),
+    /// Nothing of theirs: saved the usual way.
+    Outside,
+}
+
+/// What unpacking a scope's tensor takes.
+pub(super) enum Recomputation {
+    /// The scope was recomputed already: the tensor.
+    Served(Tensor),
+    /// The scope's first unpack: run `f` again on the sources (handles, and whether each
+    /// required grad), then [`Scopes::store`] what it saved.
+    Needed { f: RecomputeFn, sources: Vec<(u64, bool)> },
+}
+
+impl Scopes {
+    /// Opens a scope unless one is open (a nested one runs as part of it) or this one runs as
+    /// plain code (the fraction that recomputes); whether it opened.
+    pub(super) fn open(&mut self, fraction: f64) -> bool {
+        if self.open.is_some() {
+            return false;
         }
-        let index = g.scopes.seen;
-        g.scopes.seen += 1;
-        if !recomputes(self.config.recompute_fraction, index) {
-            // Runs as plain code: what it saves is stored like any saved tensor.
-            return Ok(false);
+        let index = self.seen;
+        self.seen += 1;
+        if !recomputes(fraction, index) {
+            return false;
         }
-        let frame = g.scopes.frames.len();
-        g.scopes.frames.push(Some(Frame {
+        let frame = self.frames.len();
+        self.frames.push(Some(Frame {
             f: None,
             sources: Vec::new(),
             saved: Vec::new(),
@@ -228,67 +231,40 @@ impl Shared {
             cache: None,
             members: 0,
         }));
-        g.scopes.open = Some(frame);
-        Ok(true)
+        self.open = Some(frame);
+        true
     }
 
-    pub(super) fn close_recompute(&self, closing: Option<Recompute<'_>>) -> Result<()> {
-        let (frame, weights) = {
-            let mut g = self.lock();
-            let Some(frame) = g.scopes.open.take() else {
-                return Err(Error::internal("closing a recompute scope that is not open"));
-            };
-            (frame, std::mem::take(&mut g.scopes.weights))
-        };
-        let Some(c) = closing else { return Ok(()) };
-        // A streamed weight need not be resident when backward recomputes: the function must
-        // get it from its sources (saved as weight handles, made resident by the unpack).
-        if let Some(resolver) = &self.resolver {
-            let given: Vec<(BlockId, u32)> = c
-                .sources
-                .iter()
-                .filter_map(|s| resolver.resolve(s).map(|w| (w.block, w.param)))
-                .collect();
-            if let Some((block, param)) = weights.iter().find(|w| !given.contains(w)) {
-                return Err(Error::misuse(
-                    format!("saving streamed weight {param} of block {block} inside a recompute scope"),
-                    "the weights a recompute function uses among its sources (`recompute(&[&x, &w], |s| ..)`), so that backward's recomputation gets them resident; or the layer applied outside `recompute`",
-                ));
-            }
-        }
-        // The sources are saved the usual way, after the scope: backward reaches them before
-        // the scope's tensors, so the restorer brings them back ahead of the recomputation.
-        self.lock().scopes.closing = Some(frame);
-        let mut sources = Vec::with_capacity(c.sources.len());
-        let mut packed = Ok(());
-        for s in c.sources {
-            match self.pack(s.detach()) {
-                Ok(handle) => sources.push((handle, s.requires_grad())),
-                Err(e) => {
-                    packed = Err(e);
-                    break;
-                }
-            }
-        }
-        self.lock().scopes.closing = None;
-        packed?;
-        let out = c.output;
+    /// Closes the open scope: its frame, and the streamed weights saved inside it.
+    pub(super) fn close(&mut self) -> Result<(usize, Vec<(BlockId, u32)>)> {
+        let frame = self.open.take().ok_or_else(|| Error::internal("closing a recompute scope that is not open"))?;
+        Ok((frame, std::mem::take(&mut self.weights)))
+    }
+
+    /// Marks scope `frame` as the one whose sources are being saved (`None` once they are).
+    pub(super) fn set_closing(&mut self, frame: Option<usize>) {
+        self.closing = frame;
+    }
+
+    /// Keeps what closed scope `frame` recomputes from: its function, its saved sources, and
+    /// its output (matched when a later operation saves it).
+    pub(super) fn finish(&mut self, frame: usize, closing: &Recompute<'_>, sources: Vec<(u64, bool)>) -> Result<()> {
+        let out = closing.output;
         let id = TensorIdentity::of(out);
         let whole = out.is_contiguous()
             && id.storage_offset == 0
             && id.storage_nbytes == (out.numel() * out.kind().elt_size_in_bytes()) as u64;
-        let mut g = self.lock();
-        let Some(Some(f)) = g.scopes.frames.get_mut(frame) else {
+        let Some(Some(f)) = self.frames.get_mut(frame) else {
             return Err(Error::internal(format!("recompute scope {frame} is gone")));
         };
-        f.f = Some(c.f.clone());
+        f.f = Some(closing.f.clone());
         f.sources = sources;
         f.output_sizes = out.size();
         // An output that is not its storage's only tensor cannot be rebuilt from a recomputed
         // one: later saves of it are stored the usual way.
         if whole && out.requires_grad() {
             if let Some(watch) = StorageWatch::of(out) {
-                g.scopes.outputs.push(Output {
+                self.outputs.push(Output {
                     storage_ptr: id.storage_ptr,
                     watch,
                     frame,
@@ -298,36 +274,31 @@ impl Shared {
         Ok(())
     }
 
-    /// A tensor saved inside the open scope, or a view of a closed scope's output: its record,
-    /// holding nothing. `None` for every other tensor.
-    pub(super) fn pack_recomputed(
-        &self,
-        g: &mut State,
-        t: &Tensor,
-        identity: &TensorIdentity,
-        bytes: u64,
-    ) -> Result<Option<u64>> {
-        let (frame, slot) = if let Some(frame) = g.scopes.open {
+    /// What `t`, being saved, is: a tensor saved inside the open scope, a view of a closed
+    /// scope's output, or neither. A member is counted in its scope.
+    pub(super) fn member_for(&mut self, records: &Records, t: &Tensor, identity: &TensorIdentity) -> Membership {
+        let (frame, slot) = if let Some(frame) = self.open {
             // The same tensor saved twice in the scope is one member.
-            if let Some(idx) = g.records.find_identity(identity) {
-                if g.records.get(idx).and_then(|r| r.recompute.as_ref()).is_some_and(|m| m.frame == frame) {
-                    return Ok(self.duplicate(g, idx, bytes));
+            if let Some(idx) = records.find_identity(identity) {
+                if records.get(idx).and_then(|r| r.recompute.as_ref()).is_some_and(|m| m.frame == frame) {
+                    return Membership::Duplicate(idx);
                 }
             }
-            let Some(Some(f)) = g.scopes.frames.get_mut(frame) else { return Ok(None) };
+            let Some(Some(f)) = self.frames.get_mut(frame) else { return Membership::Outside };
             f.saved.push(t.size());
             (frame, Slot::Saved(f.saved.len() - 1))
         } else {
             // A scope's sources are stored, even when one is another scope's output (see
             // `Scopes::excludes`).
-            if g.scopes.outputs.is_empty() || g.scopes.closing.is_some() {
-                return Ok(None);
+            if self.outputs.is_empty() || self.closing.is_some() {
+                return Membership::Outside;
             }
-            g.scopes.outputs.retain(|o| o.watch.alive());
-            let Some(o) = g.scopes.outputs.iter().find(|o| o.storage_ptr == identity.storage_ptr) else { return Ok(None) };
-            let frame = o.frame;
+            self.outputs.retain(|o| o.watch.alive());
+            let Some(o) = self.outputs.iter().find(|o| o.storage_ptr == identity.storage_ptr) else {
+                return Membership::Outside;
+            };
             (
-                frame,
+                o.frame,
                 Slot::Output {
                     sizes: identity.sizes.clone(),
                     strides: identity.strides.clone(),
@@ -335,64 +306,29 @@ impl Shared {
                 },
             )
         };
-        if let Some(Some(f)) = g.scopes.frames.get_mut(frame) {
+        if let Some(Some(f)) = self.frames.get_mut(frame) {
             f.members += 1;
         }
-        g.next_tensor += 1;
-        let id = TensorId(g.next_tensor);
-        let mut rec = Record::new(id, RecordState::Recompute, bytes);
-        rec.identity = Some(identity.clone());
-        rec.watch = StorageWatch::of(t);
-        rec.recompute = Some(Member { frame, slot });
-        let (_, handle) = g.records.insert(rec);
-        let m = &mut g.metrics;
-        m.activations_saved += 1;
-        m.activations_recomputed += 1;
-        m.recompute_bytes += bytes;
-        self.bus.publish_with(|| EventKind::Pack {
-            tensor: id,
-            decision: PackDecision::Recomputed,
-            reason: None,
-            bytes,
-            class: None,
-            pool_hit: None,
-            region: super::state::current_region(g),
-        });
-        Ok(Some(handle))
+        Membership::Member(Member { frame, slot })
     }
 
-    /// Serves a recomputed record, recomputing its scope on the scope's first unpack.
-    pub(super) fn unpack_recomputed(&self, idx: usize) -> Result<Tensor> {
-        let member = {
-            let mut g = self.lock();
-            let rec = g
-                .records
-                .get_mut(idx)
-                .ok_or_else(|| Error::internal(format!("recomputed record {idx} is gone")))?;
-            rec.unpacked = true;
-            rec.recompute.clone().ok_or_else(|| Error::internal("a recomputed record without its scope"))?
-        };
-        let (f, sources) = {
-            let g = self.lock();
-            let frame = frame(&g, member.frame)?;
-            if let Some(c) = &frame.cache {
-                return serve(c, &member.slot);
-            }
-            let f = frame.f.clone().ok_or_else(|| {
-                Error::internal("backward through a recompute scope whose function panicked in the forward")
-            })?;
-            (f, frame.sources.clone())
-        };
-        let mut args = Vec::with_capacity(sources.len());
-        for (handle, requires_grad) in sources {
-            args.push(self.unpack(handle)?.detach().set_requires_grad(requires_grad));
+    /// The tensor `member` stands for, or what recomputing its scope takes.
+    pub(super) fn lookup(&self, member: &Member) -> Result<Recomputation> {
+        let frame = self.frame(member.frame)?;
+        if let Some(c) = &frame.cache {
+            return serve(c, &member.slot).map(Recomputation::Served);
         }
-        let t0 = Instant::now();
-        let (output, saved) = crate::torch::hooks::capture_saved(|| f.call(&args)).map_err(Error::Saved)?;
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let mut g = self.lock();
-        g.metrics.recompute_ms += ms;
-        let frame = frame_mut(&mut g, member.frame)?;
+        let f = frame
+            .f
+            .clone()
+            .ok_or_else(|| Error::internal("backward through a recompute scope whose function panicked in the forward"))?;
+        Ok(Recomputation::Needed { f, sources: frame.sources.clone() })
+    }
+
+    /// Keeps a recomputation of `member`'s scope (checked against the forward; the first one
+    /// kept wins) and serves `member` from it.
+    pub(super) fn store(&mut self, member: &Member, output: Tensor, saved: Vec<Tensor>) -> Result<Tensor> {
+        let frame = self.frame_mut(member.frame)?;
         if frame.cache.is_none() {
             check(frame, &output, &saved)?;
             frame.cache = Some(Captured { saved, output });
@@ -402,22 +338,20 @@ impl Shared {
             None => Err(Error::internal("a recomputation vanished")),
         }
     }
-}
 
-fn frame(g: &State, i: usize) -> Result<&Frame> {
-    g.scopes
-        .frames
-        .get(i)
-        .and_then(Option::as_ref)
-        .ok_or_else(|| Error::internal(format!("recompute scope {i} is gone")))
-}
+    fn frame(&self, i: usize) -> Result<&Frame> {
+        self.frames
+            .get(i)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::internal(format!("recompute scope {i} is gone")))
+    }
 
-fn frame_mut(g: &mut State, i: usize) -> Result<&mut Frame> {
-    g.scopes
-        .frames
-        .get_mut(i)
-        .and_then(Option::as_mut)
-        .ok_or_else(|| Error::internal(format!("recompute scope {i} is gone")))
+    fn frame_mut(&mut self, i: usize) -> Result<&mut Frame> {
+        self.frames
+            .get_mut(i)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| Error::internal(format!("recompute scope {i} is gone")))
+    }
 }
 
 /// The recomputation saved what the forward saved, shape for shape.

@@ -54,6 +54,24 @@ pub struct TensorMeta {
     pub contiguous: bool,
 }
 
+/// Which of its recompute scope's tensors a recomputed record is (the scopes are
+/// `recompute::Scopes`).
+#[derive(Debug, Clone)]
+pub(crate) struct Member {
+    /// The scope, by its index in the step.
+    pub(super) frame: usize,
+    pub(super) slot: Slot,
+}
+
+/// Which tensor of its scope a member is.
+#[derive(Debug, Clone)]
+pub(crate) enum Slot {
+    /// The `i`-th tensor autograd saved inside the scope.
+    Saved(usize),
+    /// A view of the scope's output, saved after the scope closed.
+    Output { sizes: Vec<i64>, strides: Vec<i64>, offset: i64 },
+}
+
 /// One saved tensor (several autograd handles may share it when it was saved several times).
 #[derive(Debug)]
 pub struct Record {
@@ -94,7 +112,7 @@ pub struct Record {
     /// Unpacked at least once.
     pub unpacked: bool,
     /// For a recomputed tensor: its scope and which of the scope's tensors it is.
-    pub recompute: Option<super::recompute::Member>,
+    pub recompute: Option<Member>,
 }
 
 impl Record {

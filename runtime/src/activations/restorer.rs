@@ -8,8 +8,9 @@
 //! copy is ordered after the compute stream, and the compute stream waits on the copy's event
 //! (measured) before the tensor is handed to autograd.
 
+use super::ctx::Ctx;
 use super::record::{RecordState, Records};
-use crate::conductor::{Conductor, ReservationRequest, SlotToken};
+use crate::conductor::{ReservationRequest, SlotToken};
 use crate::device::{Device, Order, WaitProbe};
 use crate::error::{Error, Result};
 use crate::events::{Bus, Direction, EventKind, Owner, Priority, ReservationMode, Resource};
@@ -100,8 +101,7 @@ impl Restorer {
         idx: usize,
         predicted: bool,
         slot: Option<SlotToken>,
-        device: &Device,
-        bus: &Bus,
+        ctx: &Ctx<'_>,
     ) -> Result<()> {
         let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("saved tensor record {idx} is gone")))?;
         // Checked before anything changes: a refused restore leaves the record spilled.
@@ -115,7 +115,7 @@ impl Restorer {
                     spilled,
                     found,
                 };
-                bus.publish_with(|| EventKind::Warning {
+                ctx.bus.publish_with(|| EventKind::Warning {
                     source: Owner::Activations,
                     message: e.to_string(),
                 });
@@ -126,7 +126,7 @@ impl Restorer {
         let meta = rec.meta.clone().ok_or_else(|| Error::internal(format!("spilled tensor {} has no metadata", rec.id)))?;
         let host = rec.host.take().ok_or_else(|| Error::internal(format!("spilled tensor {} has no host bytes", rec.id)))?;
         let started = Instant::now();
-        let dst = Tensor::f_empty(&meta.sizes, (meta.kind, device.tch_device()))?;
+        let dst = Tensor::f_empty(&meta.sizes, (meta.kind, ctx.device.tch_device()))?;
         let id = rec.id;
         if !predicted {
             // The compute stream stalls for this copy: its duration is the stall's.
@@ -145,7 +145,7 @@ impl Restorer {
         rec.restored_ahead = predicted;
         rec.stall_since = (!predicted).then_some(started);
         let bytes = rec.bytes;
-        rec.set_device_bytes(bytes, device);
+        rec.set_device_bytes(bytes, ctx.device);
         self.inflight.push_back(idx);
         if predicted {
             self.predicted_bytes += bytes;
@@ -155,7 +155,7 @@ impl Restorer {
 
     /// Completes a restore: its copy waited for, its host bytes given up (the slab goes back to
     /// the pool with the last tensor copied into it).
-    fn complete(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<Restored> {
+    fn complete(&mut self, records: &mut Records, idx: usize, ctx: &Ctx<'_>) -> Result<Restored> {
         self.inflight.retain(|&i| i != idx);
         let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };
         let Some(t) = rec.restore.take() else { return Ok(Restored::default()) };
@@ -165,12 +165,12 @@ impl Restorer {
         // A stall lasts as long as the copy the compute stream waited for (the GPU's timing); on
         // the host device copies are synchronous, so the wall clock measures it.
         let stall_ms = match rec.stall_since.take() {
-            Some(_) if device.is_cuda() => elapsed.ok_or_else(|| Error::internal(format!("the stalled restore of tensor {} was not timed", rec.id)))?.max(0.0),
+            Some(_) if ctx.device.is_cuda() => elapsed.ok_or_else(|| Error::internal(format!("the stalled restore of tensor {} was not timed", rec.id)))?.max(0.0),
             Some(since) => since.elapsed().as_secs_f64() * 1e3,
             None => 0.0,
         };
         let (id, bytes, predicted) = (rec.id, rec.bytes, rec.restored_ahead);
-        bus.publish_with(|| EventKind::Restored {
+        ctx.bus.publish_with(|| EventKind::Restored {
             tensor: id,
             bytes,
             predicted,
@@ -185,7 +185,7 @@ impl Restorer {
     }
 
     /// Completes the restores whose copies finished (all of them, waiting, with `all`).
-    pub(super) fn reap(&mut self, records: &mut Records, device: &Device, bus: &Bus, all: bool) -> Result<Restored> {
+    pub(super) fn reap(&mut self, records: &mut Records, ctx: &Ctx<'_>, all: bool) -> Result<Restored> {
         let done: Vec<usize> = self
             .inflight
             .iter()
@@ -194,18 +194,18 @@ impl Restorer {
             .collect();
         let mut out = Restored::default();
         for i in done {
-            out += self.complete(records, i, device, bus)?;
+            out += self.complete(records, i, ctx)?;
         }
         Ok(out)
     }
 
     /// The restored tensor of record `idx`, ready for the compute stream, with the saved
     /// tensor's sizes and strides.
-    pub(super) fn serve(&mut self, records: &mut Records, idx: usize, device: &Device) -> Result<Tensor> {
+    pub(super) fn serve(&mut self, records: &mut Records, idx: usize, ctx: &Ctx<'_>) -> Result<Tensor> {
         let rec = records.get_mut(idx).ok_or_else(|| Error::internal(format!("saved tensor record {idx} is gone")))?;
         if let Some(t) = &rec.restore {
             // The GPU waits, not the host: the CPU keeps queueing backward kernels.
-            self.probes.push(device.compute_wait_timed(t.done())?);
+            self.probes.push(ctx.device.compute_wait_timed(t.done())?);
         }
         let t = rec
             .tensor
@@ -216,7 +216,7 @@ impl Restorer {
         let out = if meta.contiguous {
             t
         } else {
-            let mut s = Tensor::f_empty_strided(&meta.sizes, &meta.strides, (meta.kind, device.tch_device()))?;
+            let mut s = Tensor::f_empty_strided(&meta.sizes, &meta.strides, (meta.kind, ctx.device.tch_device()))?;
             s.f_copy_(&t)?;
             s
         };
@@ -238,15 +238,12 @@ impl Restorer {
     /// Issues restores for the spilled records backward will need after record `idx`, in order
     /// (skipping one to restore a later one would spend the allowance on a tensor needed after
     /// the one that would then stall). Records still spilling are finalized first by `finalize`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn predict_from(
         &mut self,
         records: &mut Records,
         idx: usize,
         ahead: Ahead,
-        conductor: &Conductor,
-        device: &Device,
-        bus: &Bus,
+        ctx: &Ctx<'_>,
         mut finalize: impl FnMut(&mut Records, usize) -> Result<bool>,
     ) -> Result<u64> {
         if ahead.lookahead == 0 {
@@ -277,19 +274,19 @@ impl Restorer {
                     let ask = ReservationRequest::new(Owner::Activations, Resource::Vram, bytes)
                         .mode(ReservationMode::Hard)
                         .priority(priority);
-                    let decision = conductor.reserve(ask);
+                    let decision = ctx.conductor.reserve(ask);
                     if !decision.is_granted() {
                         break;
                     }
-                    let Ok(slot) = conductor.acquire_slot(Direction::H2d, Owner::Activations, priority) else {
+                    let Ok(slot) = ctx.conductor.acquire_slot(Direction::H2d, Owner::Activations, priority) else {
                         if let Some(id) = decision.id {
-                            conductor.release(id);
+                            ctx.conductor.release(id);
                         }
                         break;
                     };
-                    let issued_ok = self.issue(records, j, true, Some(slot), device, bus);
+                    let issued_ok = self.issue(records, j, true, Some(slot), ctx);
                     if let Some(id) = decision.id {
-                        conductor.release(id);
+                        ctx.conductor.release(id);
                     }
                     issued_ok?;
                     issued += 1;

@@ -2,9 +2,8 @@
 
 use super::config::ActivationConfig;
 use super::policy::SpillPolicy;
-use super::record::Records;
 use super::restorer::Restorer;
-use super::sizing::{GroupProfile, SizeProfile};
+use super::sizing::GroupProfile;
 use super::spills::SpillQueue;
 use super::state::{Shared, State};
 use super::store::ActivationStore;
@@ -15,7 +14,6 @@ use crate::events::{ActivationStepMetrics, Bus, EventKind, Owner, PoolKind};
 use crate::pinned::{PoolStats, SlabPool};
 use crate::saved::{WeightResolver, WeightSave};
 use crate::torch::{SavedTensorHooks, TensorIdentity};
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
@@ -73,36 +71,18 @@ impl ActivationRuntime {
         // The first pool is provisional when a traced step will size the real one: spills that
         // find no slab there are expected, not worth a warning.
         pool.set_warn_on_fallback(!config.size_pool_from_trace);
-        let state = State {
-            records: Records::default(),
+        let policy = SpillPolicy::new(
+            config.high_watermark_bytes,
+            config.low_watermark_bytes,
+            config.min_spill_bytes,
+            config.spill_fraction,
+        );
+        let state = State::new(
             pool,
-            spills: SpillQueue::new(&device, bus.clone(), config.debug_checksums)?,
-            restorer: Restorer::new(&device, bus.clone())?,
-            policy: SpillPolicy::new(
-                config.high_watermark_bytes,
-                config.low_watermark_bytes,
-                config.min_spill_bytes,
-                config.spill_fraction,
-            ),
-            regions: Vec::new(),
-            group: None,
-            groups_opened: 0,
-            learning: Vec::new(),
-            profile: Vec::new(),
-            in_backward: false,
-            metrics: ActivationStepMetrics::default(),
-            last: None,
-            next_tensor: 0,
-            parameters: HashSet::new(),
-            conductor: Conductor::disabled(),
-            sizes: SizeProfile::default(),
-            pool_traced: false,
-            pool_extra: 0,
-            auto_region: None,
-            d2h_waits: Default::default(),
-            refusals_warned: Default::default(),
-            scopes: Default::default(),
-        };
+            SpillQueue::new(&device, bus.clone(), config.debug_checksums)?,
+            Restorer::new(&device, bus.clone())?,
+            policy,
+        );
         Ok(ActivationRuntime {
             shared: Arc::new(Shared {
                 knobs: Knobs::new(KnobValues {
@@ -144,14 +124,14 @@ impl ActivationRuntime {
     /// slot first. Fails if an activation runtime is already attached to that Conductor.
     pub fn attach_conductor(&self, conductor: &Conductor) -> Result<()> {
         conductor.register(ActivationAdapter::new(self.knobs()))?;
-        self.shared.lock().conductor = conductor.clone();
+        self.shared.lock().replace_conductor(conductor.clone());
         Ok(())
     }
 
     /// Leaves the Conductor: knobs back to their values at attach, copies no longer take
     /// slots. A no-op when none is attached.
     pub fn detach_conductor(&self) {
-        let c = std::mem::replace(&mut self.shared.lock().conductor, Conductor::disabled());
+        let c = self.shared.lock().replace_conductor(Conductor::disabled());
         c.detach(ActivationAdapter::NAME);
     }
 
@@ -160,7 +140,7 @@ impl ActivationRuntime {
     pub fn register_parameters<'a>(&self, params: impl IntoIterator<Item = &'a Tensor>) {
         let mut g = self.shared.lock();
         for p in params {
-            g.parameters.insert(TensorIdentity::of(p).storage_ptr);
+            g.register_parameter(TensorIdentity::of(p).storage_ptr);
         }
     }
 
@@ -169,23 +149,14 @@ impl ActivationRuntime {
         let weights = {
             let mut g = self.shared.lock();
             // Records left by a step that never ended are released now.
-            if g.records.live() > 0 {
+            let live = g.records().live();
+            if live > 0 {
                 self.shared.warn(format!(
-                    "step {step} began with {} saved tensors of a step that never ended; releasing them",
-                    g.records.live()
+                    "step {step} began with {live} saved tensors of a step that never ended; releasing them"
                 ));
             }
             let saves = self.shared.retire_all(&mut g);
-            g.metrics = ActivationStepMetrics::default();
-            g.policy.reset_step();
-            g.in_backward = false;
-            g.group = None;
-            g.groups_opened = 0;
-            g.learning.clear();
-            g.restorer.reset();
-            g.sizes.clear_step();
-            g.auto_region = None;
-            g.refusals_warned.clear();
+            g.reset_step();
             saves
         };
         self.release_weights(weights);
@@ -208,17 +179,7 @@ impl ActivationRuntime {
     /// `blocks.3.mlp`); each top-level region of the forward is one group for the learned
     /// tail rule.
     pub fn region(&self, name: &str) -> RegionGuard {
-        let mut g = self.shared.lock();
-        if g.regions.is_empty() && !g.in_backward {
-            g.group = Some(g.groups_opened);
-            g.groups_opened += 1;
-            g.learning.push(GroupProfile {
-                name: name.to_string(),
-                bytes: 0,
-                tensors: 0,
-            });
-        }
-        g.regions.push(name.to_string());
+        self.shared.lock().open_region(name);
         RegionGuard {
             shared: self.shared.clone(),
         }
@@ -241,19 +202,18 @@ impl ActivationRuntime {
 
     /// Counters of the step in progress.
     pub fn metrics(&self) -> ActivationStepMetrics {
-        self.shared.lock().metrics.clone()
+        self.shared.lock().metrics().clone()
     }
 
     /// Spills checksummed as they landed, and restores checked against their checksum, over
     /// the run (both 0 unless `debug_checksums` is on).
     pub fn checksums(&self) -> (u64, u64) {
-        let g = self.shared.lock();
-        (g.spills.checksummed.load(std::sync::atomic::Ordering::Relaxed), g.restorer.verified)
+        self.shared.lock().checksums()
     }
 
     /// Metrics of the last ended step.
     pub fn last_step_metrics(&self) -> Option<ActivationStepMetrics> {
-        self.shared.lock().last.clone()
+        self.shared.lock().last_metrics().cloned()
     }
 
     /// Lowers both spill watermarks by `by` bytes (the high one no lower than `floor`) and
@@ -268,25 +228,7 @@ impl ActivationRuntime {
     /// than `floor`), and publishes the new limits; `None` when they did not move. The handle
     /// does this after the first step, from what it measured above the watermark.
     pub fn move_watermarks(&self, high: u64, floor: u64) -> Option<(u64, u64)> {
-        let moved = {
-            let mut g = self.shared.lock();
-            let (before, _) = g.policy.watermarks();
-            let moved = g.policy.move_to(high, floor)?;
-            if moved.0 < before {
-                // Up to that many more bytes spill in later steps: a traced pool grows to hold
-                // them now, so they find slabs instead of pageable memory.
-                g.pool_extra = g.pool_extra.saturating_add(before - moved.0);
-                if g.pool_traced && g.records.live() == 0 {
-                    if let Err(e) = self.shared.rebuild_pool(&mut g) {
-                        drop(g);
-                        self.shared.warn(format!("growing the activation pool for the lower watermarks: {e}"));
-                    }
-                }
-            } else {
-                g.pool_extra = g.pool_extra.saturating_sub(moved.0 - before);
-            }
-            moved
-        };
+        let moved = self.shared.move_watermarks(high, floor)?;
         self.shared.bus.publish(EventKind::LimitsSet {
             owner: Owner::Activations,
             budget_bytes: self.shared.device.info().total_bytes,
@@ -298,34 +240,34 @@ impl ActivationRuntime {
 
     /// The spill watermarks in force, high then low.
     pub fn watermarks(&self) -> (u64, u64) {
-        self.shared.lock().policy.watermarks()
+        self.shared.lock().policy().watermarks()
     }
 
     /// The region groups learned from the first step (empty before).
     pub fn profile(&self) -> Vec<GroupProfile> {
-        self.shared.lock().profile.clone()
+        self.shared.lock().profile().to_vec()
     }
 
     /// Saved tensors the runtime still holds records for.
     pub fn live_records(&self) -> usize {
-        self.shared.lock().records.live()
+        self.shared.lock().records().live()
     }
 
     /// Occupancy of the pool.
     pub fn pool_stats(&self) -> PoolStats {
-        self.shared.lock().pool.stats()
+        self.shared.lock().pool_stats()
     }
 
     /// Whether the hysteresis flag is on.
     pub fn is_spilling(&self) -> bool {
-        self.shared.lock().policy.is_spilling()
+        self.shared.lock().policy().is_spilling()
     }
 
     /// Device bytes held now: kept, restored (or landing) and still spilling.
     pub fn held_bytes(&self) -> HeldBytes {
         let g = self.shared.lock();
         let mut h = HeldBytes::default();
-        for r in g.records.iter() {
+        for r in g.records().iter() {
             match r.state {
                 super::record::RecordState::Kept if r.device_bytes > 0 => h.kept += r.bytes,
                 super::record::RecordState::Restoring | super::record::RecordState::Restored => h.restored += r.bytes,
@@ -369,10 +311,6 @@ impl std::fmt::Debug for RegionGuard {
 
 impl Drop for RegionGuard {
     fn drop(&mut self) {
-        let mut g = self.shared.lock();
-        g.regions.pop();
-        if g.regions.is_empty() {
-            g.group = None;
-        }
+        self.shared.lock().close_region();
     }
 }

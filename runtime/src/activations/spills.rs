@@ -17,6 +17,7 @@
 
 use super::record::{RecordState, Records};
 use crate::conductor::SlotToken;
+use super::ctx::Ctx;
 use crate::device::{Device, IdleSpan, Order};
 use crate::error::{Error, Result};
 use crate::events::{Bus, EventKind, TensorId};
@@ -163,8 +164,7 @@ impl SpillQueue {
     pub(super) fn poll(
         &mut self,
         records: &mut Records,
-        device: &Device,
-        bus: &Bus,
+        ctx: &Ctx<'_>,
         cap: usize,
         cap_bytes: u64,
     ) -> Result<Finalized> {
@@ -173,60 +173,60 @@ impl SpillQueue {
         // query per copy in flight at every pack cost more host time than the copies' issue).
         while self.inflight.front().is_some_and(|f| f.transfer.is_complete()) {
             let Some(f) = self.inflight.pop_front() else { break };
-            done.count += self.finalize_flight(records, f, device, bus, false)?;
+            done.count += self.finalize_flight(records, f, ctx, false)?;
         }
         let mut held: u64 = self.inflight.iter().map(|f| f.transfer.bytes()).sum();
         while self.inflight.len() > cap || (self.inflight.len() > 1 && held > cap_bytes) {
             let Some(f) = self.inflight.pop_front() else { break };
             held = held.saturating_sub(f.transfer.bytes());
-            let probe = device.idle_probe()?;
-            done.count += self.finalize_flight(records, f, device, bus, true)?;
-            done.waits.push(probe.end(device)?);
+            let probe = ctx.device.idle_probe()?;
+            done.count += self.finalize_flight(records, f, ctx, true)?;
+            done.waits.push(probe.end(ctx.device)?);
         }
         Ok(done)
     }
 
     /// Waits for every spill in flight (backward begins, or the step ends).
-    pub(super) fn drain(&mut self, records: &mut Records, device: &Device, bus: &Bus) -> Result<Finalized> {
+    pub(super) fn drain(&mut self, records: &mut Records, ctx: &Ctx<'_>) -> Result<Finalized> {
         let mut done = Finalized::default();
         if self.inflight.is_empty() {
             return Ok(done);
         }
-        let probe = device.idle_probe()?;
+        let probe = ctx.device.idle_probe()?;
         while let Some(f) = self.inflight.pop_front() {
-            done.count += self.finalize_flight(records, f, device, bus, true)?;
+            done.count += self.finalize_flight(records, f, ctx, true)?;
         }
-        done.waits.push(probe.end(device)?);
+        done.waits.push(probe.end(ctx.device)?);
         Ok(done)
     }
 
     /// Waits for the copy carrying record `idx` (its unpack came before the spill was seen
     /// complete, or it is released).
-    pub(super) fn finalize(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<IdleSpan> {
-        let probe = device.idle_probe()?;
+    pub(super) fn finalize(&mut self, records: &mut Records, idx: usize, ctx: &Ctx<'_>) -> Result<IdleSpan> {
+        let probe = ctx.device.idle_probe()?;
         if let Some(pos) = self.inflight.iter().position(|f| f.carries(idx)) {
             if let Some(f) = self.inflight.remove(pos) {
-                self.finalize_flight(records, f, device, bus, true)?;
+                self.finalize_flight(records, f, ctx, true)?;
             }
         }
-        probe.end(device)
+        probe.end(ctx.device)
     }
 
     /// Finalizes the copy carrying record `idx` if it has landed; false (nothing done) while it
     /// is still in flight.
-    pub(super) fn finalize_if_landed(&mut self, records: &mut Records, idx: usize, device: &Device, bus: &Bus) -> Result<bool> {
+    pub(super) fn finalize_if_landed(&mut self, records: &mut Records, idx: usize, ctx: &Ctx<'_>) -> Result<bool> {
         let Some(pos) = self.inflight.iter().position(|f| f.carries(idx)) else { return Ok(true) };
         if !self.inflight[pos].transfer.is_complete() {
             return Ok(false);
         }
         if let Some(f) = self.inflight.remove(pos) {
-            self.finalize_flight(records, f, device, bus, false)?;
+            self.finalize_flight(records, f, ctx, false)?;
         }
         Ok(true)
     }
 
     /// Waits for a copy and hands each record it carries its bytes on the host; returns how many.
-    fn finalize_flight(&self, records: &mut Records, f: Flight, device: &Device, bus: &Bus, inline: bool) -> Result<u64> {
+    fn finalize_flight(&self, records: &mut Records, f: Flight, ctx: &Ctx<'_>, inline: bool) -> Result<u64> {
         // Waiting returns the lease once the copy has read the whole source: only then may the
         // device memory go back to the allocator (the copy held it until now).
         let (lease, _ms) = self.copier.wait(f.transfer)?;
@@ -240,10 +240,10 @@ impl SpillQueue {
                 self.checksummed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             rec.host = Some(part);
-            rec.set_device_bytes(0, device);
+            rec.set_device_bytes(0, ctx.device);
             rec.transition(RecordState::Spilled)?;
             let (id, bytes): (TensorId, u64) = (rec.id, rec.bytes);
-            bus.publish_with(|| EventKind::SpillFinalized { tensor: id, bytes, inline });
+            ctx.bus.publish_with(|| EventKind::SpillFinalized { tensor: id, bytes, inline });
             count += 1;
         }
         Ok(count)

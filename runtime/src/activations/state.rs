@@ -9,8 +9,9 @@
 //! invariants; spreading them over files would hide which of them hold it.
 
 use super::config::{ActivationConfig, MB};
+use super::ctx::Ctx;
 use super::policy::{region_matches, PackFacts, SpillPolicy, Verdict};
-use super::recompute::Scopes;
+use super::recompute::{Membership, Recomputation, Scopes};
 use super::record::{Record, RecordState, Records, TensorMeta};
 use super::restorer::{Ahead, Restorer};
 use super::sizing::{GroupProfile, SizeProfile};
@@ -19,53 +20,181 @@ use crate::conductor::{Conductor, Knobs};
 use crate::device::{Device, IdleSpans};
 use crate::error::{Error, Result};
 use crate::events::{
-    ActivationStepMetrics, Bus, Direction, EventKind, KeepReason, Owner, PackDecision, PoolKind, Priority, TensorId,
+    ActivationStepMetrics, BlockId, Bus, Direction, EventKind, KeepReason, Owner, PackDecision, PoolKind, Priority, TensorId,
 };
-use crate::pinned::{Lease, SlabPool};
+use crate::pinned::{Lease, PoolStats, SlabPool};
 use crate::saved::{WeightResolver, WeightSave};
-use crate::torch::TensorIdentity;
+use crate::torch::{Recompute, TensorIdentity};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 use tch::Tensor;
 
 /// Mutable state, behind the runtime's one lock.
 pub(super) struct State {
-    pub records: Records,
-    pub pool: SlabPool,
-    pub spills: SpillQueue,
-    pub restorer: Restorer,
-    pub policy: SpillPolicy,
+    records: Records,
+    pool: SlabPool,
+    spills: SpillQueue,
+    restorer: Restorer,
+    policy: SpillPolicy,
     /// Open regions, outermost first.
-    pub regions: Vec<String>,
+    regions: Vec<String>,
     /// Index of the open top-level group in this step's forward.
-    pub group: Option<u32>,
-    pub groups_opened: u32,
+    group: Option<u32>,
+    groups_opened: u32,
     /// Groups of this step's forward, being learned, and those learned from an earlier step.
-    pub learning: Vec<GroupProfile>,
-    pub profile: Vec<GroupProfile>,
+    learning: Vec<GroupProfile>,
+    profile: Vec<GroupProfile>,
     /// Backward has begun (an unpack happened) in this step.
-    pub in_backward: bool,
-    pub metrics: ActivationStepMetrics,
-    pub last: Option<ActivationStepMetrics>,
-    pub next_tensor: u64,
+    in_backward: bool,
+    metrics: ActivationStepMetrics,
+    last: Option<ActivationStepMetrics>,
+    next_tensor: u64,
     /// Storage addresses of registered model parameters.
-    pub parameters: HashSet<u64>,
+    parameters: HashSet<u64>,
     /// Grants the transfer slots (disabled: every copy proceeds at no cost).
-    pub conductor: Conductor,
+    conductor: Conductor,
     /// Spilled sizes and how many of each were held at once, for sizing the pool.
-    pub sizes: SizeProfile,
+    sizes: SizeProfile,
     /// The pool was sized from a traced step.
-    pub pool_traced: bool,
+    pool_traced: bool,
     /// Bytes the spill watermarks were lowered by since the trace: the pool holds that much more.
-    pub pool_extra: u64,
+    pool_extra: u64,
     /// The region the weight runtime said the forward was in at the last pack.
-    pub auto_region: Option<Arc<str>>,
+    auto_region: Option<Arc<str>>,
     /// This step's host waits for spills, read as the compute stream's idle time at its end.
-    pub d2h_waits: IdleSpans,
+    d2h_waits: IdleSpans,
     /// Reasons for refused spills already warned about in this step.
-    pub refusals_warned: HashSet<KeepReason>,
+    refusals_warned: HashSet<KeepReason>,
     /// This step's recompute scopes.
-    pub scopes: Scopes,
+    scopes: Scopes,
+}
+
+/// A tensor being packed to spill, with what is known of it.
+struct Packing<'t> {
+    t: &'t Tensor,
+    identity: TensorIdentity,
+    bytes: u64,
+    id: TensorId,
+    /// The region it is saved in.
+    region: Option<String>,
+}
+
+impl State {
+    /// The state before the first step: the pool, the copy queues and the policy given,
+    /// nothing saved, no Conductor.
+    pub(super) fn new(pool: SlabPool, spills: SpillQueue, restorer: Restorer, policy: SpillPolicy) -> State {
+        State {
+            records: Records::default(),
+            pool,
+            spills,
+            restorer,
+            policy,
+            regions: Vec::new(),
+            group: None,
+            groups_opened: 0,
+            learning: Vec::new(),
+            profile: Vec::new(),
+            in_backward: false,
+            metrics: ActivationStepMetrics::default(),
+            last: None,
+            next_tensor: 0,
+            parameters: HashSet::new(),
+            conductor: Conductor::disabled(),
+            sizes: SizeProfile::default(),
+            pool_traced: false,
+            pool_extra: 0,
+            auto_region: None,
+            d2h_waits: Default::default(),
+            refusals_warned: Default::default(),
+            scopes: Default::default(),
+        }
+    }
+
+    pub(super) fn records(&self) -> &Records {
+        &self.records
+    }
+
+    /// A model parameter's storage: saves of it are kept.
+    pub(super) fn register_parameter(&mut self, storage_ptr: u64) {
+        self.parameters.insert(storage_ptr);
+    }
+
+    /// Puts the runtime under `conductor`; returns the one it was under.
+    pub(super) fn replace_conductor(&mut self, conductor: Conductor) -> Conductor {
+        std::mem::replace(&mut self.conductor, conductor)
+    }
+
+    /// A step begins (its records already retired): counters to zero, spilling off, the
+    /// forward's groups learned anew.
+    pub(super) fn reset_step(&mut self) {
+        self.metrics = ActivationStepMetrics::default();
+        self.policy.reset_step();
+        self.in_backward = false;
+        self.group = None;
+        self.groups_opened = 0;
+        self.learning.clear();
+        self.restorer.reset();
+        self.sizes.clear_step();
+        self.auto_region = None;
+        self.refusals_warned.clear();
+    }
+
+    /// Opens region `name` (nested in those open); a top-level one of the forward opens a group.
+    pub(super) fn open_region(&mut self, name: &str) {
+        if self.regions.is_empty() && !self.in_backward {
+            self.group = Some(self.groups_opened);
+            self.groups_opened += 1;
+            self.learning.push(GroupProfile {
+                name: name.to_string(),
+                bytes: 0,
+                tensors: 0,
+            });
+        }
+        self.regions.push(name.to_string());
+    }
+
+    /// Closes the innermost open region.
+    pub(super) fn close_region(&mut self) {
+        self.regions.pop();
+        if self.regions.is_empty() {
+            self.group = None;
+        }
+    }
+
+    /// Counters of the step in progress.
+    pub(super) fn metrics(&self) -> &ActivationStepMetrics {
+        &self.metrics
+    }
+
+    /// Metrics of the last ended step.
+    pub(super) fn last_metrics(&self) -> Option<&ActivationStepMetrics> {
+        self.last.as_ref()
+    }
+
+    /// Spills checksummed as they landed, and restores checked against their checksum.
+    pub(super) fn checksums(&self) -> (u64, u64) {
+        (self.spills.checksummed.load(std::sync::atomic::Ordering::Relaxed), self.restorer.verified)
+    }
+
+    pub(super) fn policy(&self) -> &SpillPolicy {
+        &self.policy
+    }
+
+    /// The region groups learned from the first step.
+    pub(super) fn profile(&self) -> &[GroupProfile] {
+        &self.profile
+    }
+
+    pub(super) fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// The records and the spill queue, for a test that reaches between them.
+    #[cfg(test)]
+    pub(super) fn records_and_spills(&mut self) -> (&mut Records, &mut SpillQueue) {
+        (&mut self.records, &mut self.spills)
+    }
 }
 
 /// What became of a tensor the policy asked to spill.
@@ -112,6 +241,16 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The surroundings of a hook call made under `g`'s lock.
+    pub(super) fn ctx(&self, g: &State) -> Ctx<'_> {
+        Ctx {
+            device: &self.device,
+            bus: &self.bus,
+            conductor: g.conductor.clone(),
+            knobs: &self.knobs,
+        }
+    }
+
     pub(super) fn warn(&self, message: String) {
         self.bus.publish_with(|| EventKind::Warning {
             source: Owner::Activations,
@@ -135,11 +274,11 @@ impl Shared {
     }
 
     /// Finalizes landed spills and keeps the in-flight count under the knob.
-    fn poll_spills(&self, g: &mut State) -> Result<()> {
-        let cap = self.knobs.max_inflight_d2h().max(1) as usize;
+    fn poll_spills(&self, g: &mut State, ctx: &Ctx<'_>) -> Result<()> {
+        let cap = ctx.knobs.max_inflight_d2h().max(1) as usize;
         let cap_bytes = self.config.max_inflight_spill_bytes.unwrap_or(u64::MAX);
         let State { records, spills, d2h_waits, .. } = g;
-        let f = spills.poll(records, &self.device, &self.bus, cap, cap_bytes)?;
+        let f = spills.poll(records, ctx, cap, cap_bytes)?;
         f.waits.into_iter().for_each(|w| d2h_waits.push(w));
         Ok(())
     }
@@ -197,10 +336,11 @@ impl Shared {
         let bytes = crate::torch::tensor_bytes(&t);
         let auto = self.resolver.as_ref().and_then(|r| r.current_region());
         let mut g = self.lock();
+        let ctx = self.ctx(&g);
         self.follow_auto_region(&mut g, auto);
-        self.poll_spills(&mut g)?;
+        self.poll_spills(&mut g, &ctx)?;
         if g.scopes.is_open() {
-            if let Some(handle) = self.pack_recomputed(&mut g, &t, &identity, bytes)? {
+            if let Some(handle) = self.pack_recomputed(&mut g, &t, &identity, bytes) {
                 return Ok(handle);
             }
         }
@@ -209,7 +349,7 @@ impl Shared {
                 return Ok(handle);
             }
         }
-        if let Some(handle) = self.pack_recomputed(&mut g, &t, &identity, bytes)? {
+        if let Some(handle) = self.pack_recomputed(&mut g, &t, &identity, bytes) {
             return Ok(handle);
         }
         g.next_tensor += 1;
@@ -254,8 +394,10 @@ impl Shared {
                 g.policy.spill_refused(bytes);
                 KeepReason::SpillsPaused
             }
-            Verdict::Spill if self.batches(bytes) => return self.gather(&mut g, &t, identity, bytes, id, region),
-            Verdict::Spill => match self.spill(&mut g, &t, identity.clone(), bytes, id, region.clone())? {
+            Verdict::Spill if self.batches(bytes) => {
+                return self.gather(&mut g, &ctx, Packing { t: &t, identity, bytes, id, region });
+            }
+            Verdict::Spill => match self.spill(&mut g, &ctx, Packing { t: &t, identity: identity.clone(), bytes, id, region: region.clone() })? {
                 Spill::Started(handle) => return Ok(handle),
                 Spill::Refused(reason) => {
                     g.policy.spill_refused(bytes);
@@ -292,7 +434,7 @@ impl Shared {
 
     /// Another save of record `idx`'s tensor: one more reference and handle to it (`None` when
     /// the record is gone).
-    pub(super) fn duplicate(&self, g: &mut State, idx: usize, bytes: u64) -> Option<u64> {
+    fn duplicate(&self, g: &mut State, idx: usize, bytes: u64) -> Option<u64> {
         let rec = g.records.get_mut(idx)?;
         rec.refs += 1;
         let id = rec.id;
@@ -315,8 +457,10 @@ impl Shared {
         bytes < self.config.batch_spills_below_bytes
     }
 
-    /// The record of a tensor about to spill (or batched, holding it), saved in `region`.
-    fn spill_record(&self, t: &Tensor, identity: TensorIdentity, bytes: u64, id: TensorId, region: Option<&str>, state: RecordState) -> Record {
+    /// The record of a tensor about to spill (or batched, holding it), and the region it was
+    /// saved in.
+    fn spill_record(&self, p: Packing<'_>, state: RecordState) -> (Record, Option<String>) {
+        let Packing { t, identity, bytes, id, region } = p;
         let contiguous = t.is_contiguous();
         let mut rec = Record::new(id, state, bytes);
         rec.meta = Some(TensorMeta {
@@ -326,7 +470,7 @@ impl Shared {
             contiguous,
         });
         if self.config.debug_checksums {
-            rec.region = region.map(str::to_owned);
+            rec.region.clone_from(&region);
         }
         // A contiguous copy made to spill is not the saved storage: dedupe only against that
         // one, and only while it lives (the spill drops the record's reference to it).
@@ -335,35 +479,28 @@ impl Shared {
             rec.watch = crate::torch::StorageWatch::of(t);
         }
         rec.set_device_bytes(bytes, &self.device);
-        rec
+        (rec, region)
     }
 
     /// Starts the D2H copy of `t` into a pool slab and records it as spilling; refused when no
     /// host memory could take it (the pageable fallback is off), with why.
-    fn spill(
-        &self,
-        g: &mut State,
-        t: &Tensor,
-        identity: TensorIdentity,
-        bytes: u64,
-        id: TensorId,
-        region: Option<String>,
-    ) -> Result<Spill> {
-        let (lease, hit) = match g.pool.acquire(bytes as usize) {
+    fn spill(&self, g: &mut State, ctx: &Ctx<'_>, p: Packing<'_>) -> Result<Spill> {
+        let acquired = match g.pool.acquire(p.bytes as usize) {
             Ok(l) => l,
-            Err(Error::TooLarge { .. }) => return Ok(Spill::Refused(self.refuse(g, id, bytes))),
+            Err(Error::TooLarge { .. }) => return Ok(Spill::Refused(self.refuse(g, p.id, p.bytes))),
             Err(e) => return Err(e),
         };
-        let rec = self.spill_record(t, identity, bytes, id, region.as_deref(), RecordState::Spilling);
+        let t = p.t;
+        let (rec, region) = self.spill_record(p, RecordState::Spilling);
         let (idx, handle) = g.records.insert(rec);
-        self.start_spill(g, idx, t, lease, hit, region)?;
+        self.start_spill(g, ctx, idx, t, acquired, region)?;
         Ok(Spill::Started(handle))
     }
 
     /// Starts the copy of record `idx`'s tensor `t` into `lease` and counts the spill.
-    fn start_spill(&self, g: &mut State, idx: usize, t: &Tensor, lease: Lease, hit: bool, region: Option<String>) -> Result<()> {
+    fn start_spill(&self, g: &mut State, ctx: &Ctx<'_>, idx: usize, t: &Tensor, (lease, hit): (Lease, bool), region: Option<String>) -> Result<()> {
         // Required: a spill the policy asked for relieves memory now, so it is never refused.
-        let slot = g.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
+        let slot = ctx.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
         let src = t.detach();
         let src = if src.is_contiguous() { src } else { src.f_contiguous()? };
         let class = lease.class();
@@ -399,12 +536,13 @@ impl Shared {
     /// Adds `t` to the open batch of its top-level region (a block, with the regions nested in
     /// it), copying the batch first when `t` belongs to another one or would overfill it; the
     /// record holds `t` until the batch's copy starts.
-    fn gather(&self, g: &mut State, t: &Tensor, identity: TensorIdentity, bytes: u64, id: TensorId, region: Option<String>) -> Result<u64> {
+    fn gather(&self, g: &mut State, ctx: &Ctx<'_>, p: Packing<'_>) -> Result<u64> {
         let outer = g.regions.first().cloned().or_else(|| g.auto_region.as_deref().map(str::to_owned));
+        let (t, bytes) = (p.t, p.bytes);
         if !g.spills.admits(outer.as_deref(), bytes, self.config.spill_batch_bytes) {
-            self.flush_batch(g)?;
+            self.flush_batch(g, ctx)?;
         }
-        let mut rec = self.spill_record(t, identity, bytes, id, region.as_deref(), RecordState::Batched);
+        let (mut rec, region) = self.spill_record(p, RecordState::Batched);
         rec.tensor = Some(t.detach());
         // Its own region, for its pack decision when the batch is copied.
         rec.region = region;
@@ -416,7 +554,7 @@ impl Shared {
     /// Copies the open batch: one kernel gathers its tensors into one device buffer, one copy
     /// moves that into one slab. A batch of one is copied as a single spill; a batch no slab can
     /// take is spilled tensor by tensor (each kept when the pool refuses it too).
-    pub(super) fn flush_batch(&self, g: &mut State) -> Result<()> {
+    pub(super) fn flush_batch(&self, g: &mut State, ctx: &Ctx<'_>) -> Result<()> {
         let Some(batch) = g.spills.close_batch() else { return Ok(()) };
         let acquired = if batch.members.len() > 1 {
             match g.pool.acquire(batch.bytes as usize) {
@@ -429,7 +567,7 @@ impl Shared {
         };
         let Some((lease, hit)) = acquired else {
             for &idx in &batch.members {
-                self.spill_member(g, idx)?;
+                self.spill_member(g, ctx, idx)?;
             }
             return Ok(());
         };
@@ -446,7 +584,7 @@ impl Shared {
         // The batched tensors' memory goes back to the allocator now: the gather, queued on the
         // compute stream, is ordered before any later use of it.
         drop(parts);
-        let slot = g.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
+        let slot = ctx.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
         let class = lease.class();
         g.spills.start_batch(members, lease, &gathered, slot, batch.region.as_deref())?;
         g.sizes.spilled(batch.bytes);
@@ -459,16 +597,16 @@ impl Shared {
     }
 
     /// Spills batched record `idx` on its own, or keeps it when no host memory takes it.
-    fn spill_member(&self, g: &mut State, idx: usize) -> Result<()> {
+    fn spill_member(&self, g: &mut State, ctx: &Ctx<'_>, idx: usize) -> Result<()> {
         let (id, bytes, region) = g
             .records
             .get(idx)
             .map(|r| (r.id, r.bytes, r.region.clone()))
             .ok_or_else(|| Error::internal(format!("batched record {idx} is gone")))?;
         match g.pool.acquire(bytes as usize) {
-            Ok((lease, hit)) => {
+            Ok(acquired) => {
                 let (t, _) = take_batched(&mut g.records, idx)?;
-                self.start_spill(g, idx, &t, lease, hit, region)
+                self.start_spill(g, ctx, idx, &t, acquired, region)
             }
             Err(Error::TooLarge { .. }) => {
                 let reason = self.refuse(g, id, bytes);
@@ -548,6 +686,7 @@ impl Shared {
                 "a handle of the current step (this one was released, or its step already ended)",
             )
         })?;
+        let ctx = self.ctx(&g);
         if !g.in_backward {
             // Backward has begun. Spills still landing are not waited for here (that would stop
             // the host until the GPU has finished the whole forward): they are finalized as they
@@ -555,8 +694,8 @@ impl Shared {
             g.in_backward = true;
         }
         // Backward needs the batched tensors soon: their copy starts now.
-        self.flush_batch(&mut g)?;
-        self.poll_spills(&mut g)?;
+        self.flush_batch(&mut g, &ctx)?;
+        self.poll_spills(&mut g, &ctx)?;
         let state = g
             .records
             .get(idx)
@@ -572,20 +711,20 @@ impl Shared {
             RecordState::Spilling | RecordState::Spilled | RecordState::Restoring | RecordState::Restored => {
                 if state == RecordState::Spilling {
                     let State { records, spills, d2h_waits, .. } = &mut *g;
-                    d2h_waits.push(spills.finalize(records, idx, &self.device, &self.bus)?);
+                    d2h_waits.push(spills.finalize(records, idx, &ctx)?);
                 }
                 if matches!(state, RecordState::Spilling | RecordState::Spilled) {
-                    let slot = g.conductor.acquire_slot(Direction::H2d, Owner::Activations, Priority::Required).ok();
+                    let slot = ctx.conductor.acquire_slot(Direction::H2d, Owner::Activations, Priority::Required).ok();
                     let State { records, restorer, .. } = &mut *g;
-                    restorer.issue(records, idx, false, slot, &self.device, &self.bus)?;
+                    restorer.issue(records, idx, false, slot, &ctx)?;
                 }
                 let State { records, restorer, .. } = &mut *g;
-                let t = restorer.serve(records, idx, &self.device)?;
-                self.reap_restores(&mut g, false)?;
+                let t = restorer.serve(records, idx, &ctx)?;
+                self.reap_restores(&mut g, &ctx, false)?;
                 Some(t)
             }
         };
-        self.predict_from(&mut g, idx)?;
+        self.predict_from(&mut g, &ctx, idx)?;
         match out {
             Some(t) => Ok(t),
             None if state == RecordState::WeightHandle => {
@@ -605,9 +744,9 @@ impl Shared {
         }
     }
 
-    fn reap_restores(&self, g: &mut State, all: bool) -> Result<()> {
+    fn reap_restores(&self, g: &mut State, ctx: &Ctx<'_>, all: bool) -> Result<()> {
         let State { records, restorer, metrics, .. } = g;
-        let r = restorer.reap(records, &self.device, &self.bus, all)?;
+        let r = restorer.reap(records, ctx, all)?;
         metrics.activations_restored += r.count;
         metrics.restore_bytes += r.bytes;
         metrics.stall_time_ms += r.stall_ms;
@@ -615,35 +754,30 @@ impl Shared {
         Ok(())
     }
 
-    fn predict_from(&self, g: &mut State, idx: usize) -> Result<()> {
-        let mut lookahead = self.knobs.prefetch_window() as usize;
-        if self.knobs.suppress_speculative() {
+    fn predict_from(&self, g: &mut State, ctx: &Ctx<'_>, idx: usize) -> Result<()> {
+        let mut lookahead = ctx.knobs.prefetch_window() as usize;
+        if ctx.knobs.suppress_speculative() {
             lookahead = lookahead.min(1);
         }
         if lookahead == 0 {
             return Ok(());
         }
-        self.reap_restores(g, false)?;
+        self.reap_restores(g, ctx, false)?;
         let ahead = Ahead {
             lookahead,
-            cap: self.knobs.max_inflight_h2d().max(1) as usize,
+            cap: ctx.knobs.max_inflight_h2d().max(1) as usize,
             allowance: self.config.restore_allowance_bytes,
         };
         let State {
             records,
             restorer,
             spills,
-            conductor,
             metrics,
             ..
         } = g;
-        let device = &self.device;
-        let bus = &self.bus;
         // A prediction never waits for a spill still landing: it stops there, and the next
         // unpack predicts again.
-        let issued = restorer.predict_from(records, idx, ahead, conductor, device, bus, |records, j| {
-            spills.finalize_if_landed(records, j, device, bus)
-        })?;
+        let issued = restorer.predict_from(records, idx, ahead, ctx, |records, j| spills.finalize_if_landed(records, j, ctx))?;
         metrics.activations_predicted += issued;
         Ok(())
     }
@@ -663,7 +797,8 @@ impl Shared {
             if !last {
                 return;
             }
-            let save = self.retire(&mut g, idx);
+            let ctx = self.ctx(&g);
+            let save = self.retire(&mut g, &ctx, idx);
             (save, g.scopes.take_releases())
         };
         if let (Some(save), Some(r)) = (save, &self.resolver) {
@@ -677,17 +812,17 @@ impl Shared {
 
     /// Frees what a record holds (copies waited for, slabs back to the pool); returns its weight
     /// save for the resolver, to be released outside the lock.
-    pub(super) fn retire(&self, g: &mut State, idx: usize) -> Option<WeightSave> {
+    pub(super) fn retire(&self, g: &mut State, ctx: &Ctx<'_>, idx: usize) -> Option<WeightSave> {
         let state = g.records.get(idx).map(|r| r.state);
         if state == Some(RecordState::Spilling) {
             let State { records, spills, d2h_waits, .. } = &mut *g;
-            match spills.finalize(records, idx, &self.device, &self.bus) {
+            match spills.finalize(records, idx, ctx) {
                 Ok(w) => d2h_waits.push(w),
                 Err(e) => self.warn(format!("finalizing a spill at release: {e}")),
             }
         }
         if state == Some(RecordState::Restoring) || g.records.get(idx).is_some_and(|r| r.restore.is_some()) {
-            if let Err(e) = self.reap_restores(g, true) {
+            if let Err(e) = self.reap_restores(g, ctx, true) {
                 self.warn(format!("completing a restore at release: {e}"));
             }
         }
@@ -707,9 +842,110 @@ impl Shared {
         if let Some(part) = rec.host.as_ref().filter(|p| p.is_last()) {
             g.sizes.released(part.lease_bytes() as u64);
         }
-        rec.set_device_bytes(0, &self.device);
+        rec.set_device_bytes(0, ctx.device);
         g.restorer.forget(rec.predicted, rec.bytes);
         rec.weight.take()
+    }
+
+    // ---- recompute scopes (what a save or an unpack is, `Scopes`; the packing, here) ---------
+
+    pub(super) fn open_recompute(&self) -> Result<bool> {
+        Ok(self.lock().scopes.open(self.config.recompute_fraction))
+    }
+
+    pub(super) fn close_recompute(&self, closing: Option<Recompute<'_>>) -> Result<()> {
+        let (frame, weights) = self.lock().scopes.close()?;
+        let Some(c) = closing else { return Ok(()) };
+        // A streamed weight need not be resident when backward recomputes: the function must
+        // get it from its sources (saved as weight handles, made resident by the unpack).
+        if let Some(resolver) = &self.resolver {
+            let given: Vec<(BlockId, u32)> = c
+                .sources
+                .iter()
+                .filter_map(|s| resolver.resolve(s).map(|w| (w.block, w.param)))
+                .collect();
+            if let Some((block, param)) = weights.iter().find(|w| !given.contains(w)) {
+                return Err(Error::misuse(
+                    format!("saving streamed weight {param} of block {block} inside a recompute scope"),
+                    "the weights a recompute function uses among its sources (`recompute(&[&x, &w], |s| ..)`), so that backward's recomputation gets them resident; or the layer applied outside `recompute`",
+                ));
+            }
+        }
+        // The sources are saved the usual way, after the scope: backward reaches them before
+        // the scope's tensors, so the restorer brings them back ahead of the recomputation.
+        self.lock().scopes.set_closing(Some(frame));
+        let mut sources = Vec::with_capacity(c.sources.len());
+        let mut packed = Ok(());
+        for s in c.sources {
+            match self.pack(s.detach()) {
+                Ok(handle) => sources.push((handle, s.requires_grad())),
+                Err(e) => {
+                    packed = Err(e);
+                    break;
+                }
+            }
+        }
+        self.lock().scopes.set_closing(None);
+        packed?;
+        self.lock().scopes.finish(frame, &c, sources)
+    }
+
+    /// A tensor saved inside the open scope, or a view of a closed scope's output: its record,
+    /// holding nothing. `None` for every other tensor.
+    fn pack_recomputed(&self, g: &mut State, t: &Tensor, identity: &TensorIdentity, bytes: u64) -> Option<u64> {
+        let member = match g.scopes.member_for(&g.records, t, identity) {
+            Membership::Duplicate(idx) => return self.duplicate(g, idx, bytes),
+            Membership::Member(m) => m,
+            Membership::Outside => return None,
+        };
+        g.next_tensor += 1;
+        let id = TensorId(g.next_tensor);
+        let mut rec = Record::new(id, RecordState::Recompute, bytes);
+        rec.identity = Some(identity.clone());
+        rec.watch = crate::torch::StorageWatch::of(t);
+        rec.recompute = Some(member);
+        let (_, handle) = g.records.insert(rec);
+        let m = &mut g.metrics;
+        m.activations_saved += 1;
+        m.activations_recomputed += 1;
+        m.recompute_bytes += bytes;
+        self.bus.publish_with(|| EventKind::Pack {
+            tensor: id,
+            decision: PackDecision::Recomputed,
+            reason: None,
+            bytes,
+            class: None,
+            pool_hit: None,
+            region: current_region(g),
+        });
+        Some(handle)
+    }
+
+    /// Serves a recomputed record, recomputing its scope on the scope's first unpack.
+    fn unpack_recomputed(&self, idx: usize) -> Result<Tensor> {
+        let (member, f, sources) = {
+            let mut g = self.lock();
+            let rec = g
+                .records
+                .get_mut(idx)
+                .ok_or_else(|| Error::internal(format!("recomputed record {idx} is gone")))?;
+            rec.unpacked = true;
+            let member = rec.recompute.clone().ok_or_else(|| Error::internal("a recomputed record without its scope"))?;
+            match g.scopes.lookup(&member)? {
+                Recomputation::Served(t) => return Ok(t),
+                Recomputation::Needed { f, sources } => (member, f, sources),
+            }
+        };
+        let mut args = Vec::with_capacity(sources.len());
+        for (handle, requires_grad) in sources {
+            args.push(self.unpack(handle)?.detach().set_requires_grad(requires_grad));
+        }
+        let t0 = Instant::now();
+        let (output, saved) = crate::torch::hooks::capture_saved(|| f.call(&args)).map_err(Error::Saved)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut g = self.lock();
+        g.metrics.recompute_ms += ms;
+        g.scopes.store(&member, output, saved)
     }
 
     // ---- step boundaries ------------------------------------------------------------------
@@ -717,8 +953,9 @@ impl Shared {
     /// Releases every record (a step that never ended, or the end of a step); returns the weight
     /// saves to release outside the lock.
     pub(super) fn retire_all(&self, g: &mut State) -> Vec<WeightSave> {
+        let ctx = self.ctx(g);
         let left: Vec<usize> = (0..g.records.len()).collect();
-        let saves = left.into_iter().filter_map(|i| self.retire(g, i)).collect();
+        let saves = left.into_iter().filter_map(|i| self.retire(g, &ctx, i)).collect();
         g.records.drain();
         if g.scopes.clear() {
             self.warn("a recompute scope was still open at the step's end; its tensors were dropped".into());
@@ -731,12 +968,13 @@ impl Shared {
     pub(super) fn end_step(&self, g: &mut State) -> (ActivationStepMetrics, Vec<WeightSave>, Result<()>) {
         // Hook time less the hooks' own waits for copies: what the hooks cost the thread.
         g.metrics.host_ms = (g.metrics.host_ms - g.d2h_waits.host_ms()).max(0.0);
+        let ctx = self.ctx(g);
         let mut result = {
             let State { records, spills, d2h_waits, .. } = &mut *g;
-            spills.drain(records, &self.device, &self.bus).map(|f| f.waits.into_iter().for_each(|w| d2h_waits.push(w)))
+            spills.drain(records, &ctx).map(|f| f.waits.into_iter().for_each(|w| d2h_waits.push(w)))
         };
         if result.is_ok() {
-            result = self.reap_restores(g, true);
+            result = self.reap_restores(g, &ctx, true);
         }
         let saves = self.retire_all(g);
         g.metrics.h2d_wait_ms += g.restorer.take_wait_ms();
@@ -781,6 +1019,28 @@ impl Shared {
         }
         g.sizes.clear_step();
         Ok(())
+    }
+
+    /// Moves both spill watermarks (see `ActivationRuntime::move_watermarks`); a traced pool
+    /// grows for watermarks that moved down. `None` when they did not move.
+    pub(super) fn move_watermarks(&self, high: u64, floor: u64) -> Option<(u64, u64)> {
+        let mut g = self.lock();
+        let (before, _) = g.policy.watermarks();
+        let moved = g.policy.move_to(high, floor)?;
+        if moved.0 < before {
+            // Up to that many more bytes spill in later steps: a traced pool grows to hold
+            // them now, so they find slabs instead of pageable memory.
+            g.pool_extra = g.pool_extra.saturating_add(before - moved.0);
+            if g.pool_traced && g.records.live() == 0 {
+                if let Err(e) = self.rebuild_pool(&mut g) {
+                    drop(g);
+                    self.warn(format!("growing the activation pool for the lower watermarks: {e}"));
+                }
+            }
+        } else {
+            g.pool_extra = g.pool_extra.saturating_sub(moved.0 - before);
+        }
+        Some(moved)
     }
 
     /// Rebuilds the pool from the traced sizes and the bytes the watermarks moved since, within

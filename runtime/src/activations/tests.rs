@@ -142,15 +142,16 @@ fn checksums_refuse_a_corrupted_spill_with_an_error_naming_it() {
         let _first = store.pack(tensor(1.0)).expect("kept");
         let h = store.pack(t.shallow_clone()).expect("spilled");
         let g = rt.shared().lock();
-        let id = g.records.index_of(h).and_then(|i| g.records.get(i)).map(|r| r.id);
+        let id = g.records().index_of(h).and_then(|i| g.records().get(i)).map(|r| r.id);
         (h, id)
     };
     // The test hook: one bit of the spilled slab flipped in host memory.
     let flip = || {
         let shared = rt.shared();
         let mut g = shared.lock();
-        let super::state::State { records, spills, .. } = &mut *g;
-        spills.drain(records, &shared.device, &shared.bus).expect("finalize");
+        let ctx = shared.ctx(&g);
+        let (records, spills) = g.records_and_spills();
+        spills.drain(records, &ctx).expect("finalize");
         let idx = records.index_of(h).expect("record");
         let host = records.get_mut(idx).and_then(|r| r.host.as_mut()).expect("spilled bytes");
         host.as_mut_slice().expect("the only tensor in its slab")[17] ^= 0x40;

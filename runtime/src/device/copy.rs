@@ -84,10 +84,16 @@ impl<H: HostMemory> Pending<H> {
         self.start.as_ref()?.elapsed_ms(&self.done)
     }
 
-    /// Stops keeping the device tensor alive. Sound only once the compute stream waits on
-    /// [`done`](Self::done) (libtorch's allocator then reuses that memory in compute-stream
-    /// order, after the copy); the host memory stays owned until the copy completes.
-    pub fn release_device(&mut self) {
+    /// Stops keeping the device tensor alive; the host memory stays owned until the copy
+    /// completes.
+    ///
+    /// # Safety
+    /// The copy may still be reading or writing the device memory. The caller guarantees that
+    /// memory is not reused before the copy completes: either the compute stream already waits
+    /// on [`done`](Self::done) (libtorch's allocator then reuses it in compute-stream order,
+    /// after the copy), or something else keeps the storage alive until then (a slot the
+    /// runtime owns).
+    pub unsafe fn release_device(&mut self) {
         self.device = None;
     }
 

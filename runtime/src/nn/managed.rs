@@ -213,7 +213,7 @@ macro_rules! wrapper {
             /// When the blocks cannot be registered; [`try_block`](Self::try_block) returns the
             /// error instead.
             pub fn block(&self) -> BlockId {
-                self.try_block().unwrap_or_else(|e| panic!("stagehand layer '{}': {e}", self.binding.name))
+                self.try_block().unwrap_or_else(|e| super::raise::raise(&self.binding.name, e))
             }
 
             /// The layer's block, or why it has none.
@@ -260,7 +260,7 @@ impl<M: Module> Managed<M> {
 impl<M: Module> Module for Managed<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
         // `Module::forward` cannot return an error; like tch's own layers, a failure panics.
-        self.try_forward(xs).unwrap_or_else(|e| panic!("stagehand layer '{}': {e}", self.binding.name))
+        self.try_forward(xs).unwrap_or_else(|e| super::raise::raise(&self.binding.name, e))
     }
 }
 
@@ -277,6 +277,6 @@ impl<M: ModuleT> ManagedT<M> {
 impl<M: ModuleT> ModuleT for ManagedT<M> {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.try_forward_t(xs, train)
-            .unwrap_or_else(|e| panic!("stagehand layer '{}': {e}", self.binding.name))
+            .unwrap_or_else(|e| super::raise::raise(&self.binding.name, e))
     }
 }

@@ -44,6 +44,7 @@
 pub mod layers;
 mod managed;
 mod path;
+pub(crate) mod raise;
 mod store;
 
 pub use layers::{

@@ -4,45 +4,25 @@
 //! blocks on the device and their states, kept, restored and spilling activations, copies in
 //! flight, the Conductor's reservations), the step and phase, and what the runtime was about to
 //! do. The flight recorder dumps the last steps around it, and the error returned to the caller
-//! says the same in words and names the dump.
+//! (an [`OomReport`]) says the same in words and names the dump.
 //!
 //! Layers cannot return errors from `forward` (tch panics on a failed op, and so do Stagehand's
-//! layers), so a panic in the forward whose message is an out-of-memory becomes this error too;
-//! any other panic goes on unwinding unchanged.
+//! layers), so an out-of-memory that unwinds out of the forward becomes this error too: a
+//! Stagehand layer's arrives as its typed error (`nn::raise`), libtorch's as its message. Any
+//! other panic goes on unwinding (a Stagehand layer's with its message).
 
 use super::Stagehand;
 use crate::error::Error;
-use crate::events::{BlockHolding, BlockState, DeviceHoldings, EventKind, Phase, VramByOwner};
+use crate::events::{BlockHolding, BlockState, DeviceHoldings, EventKind, Phase};
+use crate::nn::raise::{catching, LayerFailure};
+use crate::oom::OomReport;
 use regex::Regex;
 use std::collections::HashSet;
-use std::fmt;
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
+use std::panic::resume_unwind;
 use std::sync::LazyLock;
 
 /// Blocks a report lists at most (largest first); the count of the rest is kept.
 const MAX_BLOCKS_REPORTED: usize = 256;
-/// Blocks the message names (the report holds the rest).
-const BLOCKS_NAMED: usize = 6;
-
-/// Why a step ran out of device memory, and what held the device then.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OomReport {
-    pub step: u64,
-    pub phase: Phase,
-    /// Bytes the failed allocation asked for (0 when the allocator did not say).
-    pub requested_bytes: u64,
-    /// What the runtime was about to do ("making block 'blocks.3' resident: ...").
-    pub doing: String,
-    pub owners: VramByOwner,
-    pub held: DeviceHoldings,
-    /// Blocks on the device beyond those listed in `held.blocks`.
-    pub blocks_not_listed: usize,
-    /// The flight record written for it.
-    pub dump: Option<PathBuf>,
-    /// Why there is no flight record, when there is none.
-    pub no_dump: Option<String>,
-}
 
 /// What an error says about running out of device memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,22 +33,13 @@ struct Oom {
     budget_bytes: Option<u64>,
 }
 
-static OURS: LazyLock<Option<Regex>> = LazyLock::new(|| {
-    Regex::new(r"device out of memory: (.+?) needs (\d+) bytes but (\d+) of (\d+) bytes are in use").ok()
-});
+/// The size in libtorch's out-of-memory message, which reaches Rust only as text.
 static TRIED: LazyLock<Option<Regex>> =
     LazyLock::new(|| Regex::new(r"(?i)tried to allocate ([0-9.]+) ?(B|bytes|KiB|MiB|GiB|TiB)\b").ok());
 
-/// Reads an out-of-memory from an error's or a panic's text: the runtime's own
-/// ([`Error::DeviceFull`]'s message) or libtorch's (CUDA, cuBLAS).
+/// Reads an out-of-memory from libtorch's text (CUDA, cuBLAS), the only form its errors and
+/// panics take; the runtime's own arrives typed ([`Error::DeviceFull`]).
 fn classify_text(text: &str) -> Option<Oom> {
-    if let Some(c) = OURS.as_ref().and_then(|r| r.captures(text)) {
-        return Some(Oom {
-            requested_bytes: c[2].parse().unwrap_or(0),
-            what: Some(c[1].to_owned()),
-            budget_bytes: c[4].parse().ok(),
-        });
-    }
     let lower = text.to_ascii_lowercase();
     let oom = ["out of memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation"]
         .iter()
@@ -111,77 +82,26 @@ fn classify(e: &Error) -> Option<Oom> {
     }
 }
 
-/// Runs the user's forward; a panic that reports an out-of-memory becomes an error (any other
-/// panic unwinds on).
+/// Runs the user's forward; an out-of-memory that unwinds out of it becomes an error: a
+/// Stagehand layer's typed one as it is, libtorch's as its text. Any other panic unwinds on.
 pub(super) fn catch_oom<T>(forward: impl FnOnce() -> T) -> crate::Result<T> {
-    match catch_unwind(AssertUnwindSafe(forward)) {
-        Ok(t) => Ok(t),
-        Err(payload) => {
-            let text = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()));
-            match text {
-                Some(t) if classify_text(&t).is_some() => Err(Error::Torch(tch::TchError::Torch(t))),
-                _ => resume_unwind(payload),
-            }
-        }
-    }
-}
-
-/// `1.5 MiB`, `512 B`: the same units as the dashboards' findings.
-fn bytes(b: u64) -> String {
-    crate::events::insight::human_bytes(b)
-}
-
-impl fmt::Display for OomReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let o = &self.owners;
-        let h = &self.held;
-        write!(f, "out of device memory in the {} of step {} while {}", self.phase, self.step, self.doing)?;
-        if self.requested_bytes > 0 {
-            write!(f, " ({} requested)", bytes(self.requested_bytes))?;
-        }
-        write!(f, ". The device held {}", bytes(o.allocated_bytes))?;
-        if h.budget_bytes > 0 {
-            write!(f, " of a {} budget", bytes(h.budget_bytes))?;
-        }
-        let on_device = h.blocks.len() + self.blocks_not_listed;
-        let resident = h.blocks.iter().filter(|b| b.resident).count();
-        write!(
-            f,
-            ": weights {} in {on_device} blocks ({resident} resident, {} streamed)",
-            bytes(o.weights_bytes),
-            on_device - resident
-        )?;
-        if !h.blocks.is_empty() {
-            let named: Vec<String> = h
-                .blocks
-                .iter()
-                .take(BLOCKS_NAMED)
-                .map(|b| format!("{} {} {}", b.name, b.state, bytes(b.bytes)))
-                .collect();
-            let more = on_device.saturating_sub(named.len());
-            write!(f, " [{}{}]", named.join(", "), if more > 0 { format!(" and {more} more") } else { String::new() })?;
-        }
-        write!(
-            f,
-            ", activations kept {}, restored {}, spilling {}, weight copies in flight {} ({}), other {}",
-            bytes(h.activations_kept_bytes),
-            bytes(h.activations_restored_bytes),
-            bytes(h.activations_spilling_bytes),
-            h.weight_copies_in_flight,
-            bytes(h.weight_copies_in_flight_bytes),
-            bytes(o.other_bytes)
-        )?;
-        let reserved: u64 = h.reservations.iter().map(|r| r.bytes).sum();
-        write!(f, "; {} Conductor reservations hold {}", h.reservations.len(), bytes(reserved))?;
-        match (&self.dump, &self.no_dump) {
-            (Some(p), _) => write!(f, ". Flight record: {}", p.display())?,
-            (None, Some(why)) => write!(f, ". No flight record: {why}")?,
-            (None, None) => {}
-        }
-        write!(f, ". The allocator said: {}", h.error)
+    let payload = match catching(forward) {
+        Ok(t) => return Ok(t),
+        Err(payload) => payload,
+    };
+    let payload = match payload.downcast::<LayerFailure>() {
+        Ok(failure) if classify(&failure.error).is_some() => return Err(failure.error),
+        // Not ours to turn into an error: the message the layer panics with outside a step.
+        Ok(failure) => panic!("stagehand layer '{}': {}", failure.layer, failure.error),
+        Err(payload) => payload,
+    };
+    let text = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()));
+    match text {
+        Some(t) if classify_text(&t).is_some() => Err(Error::Torch(tch::TchError::Torch(t))),
+        _ => resume_unwind(payload),
     }
 }
 
@@ -291,6 +211,7 @@ impl Stagehand {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
     use tch::Tensor;
 
     #[test]
@@ -310,10 +231,55 @@ mod tests {
         };
         let want = Some(Oom { requested_bytes: 4096, what: Some("a device slab".into()), budget_bytes: Some(4097) });
         assert_eq!(classify(&ours), want);
-        // Through a layer's panic message, the same figures.
-        assert_eq!(classify_text(&format!("stagehand layer 3: {ours}")), want);
         assert_eq!(classify_text("shape mismatch: [2, 3] and [4]"), None);
         assert_eq!(classify(&Error::internal("a bug")), None);
+    }
+
+    #[test]
+    fn a_layers_device_full_arrives_typed() {
+        let full = Error::DeviceFull {
+            what: "block 'blocks.2' weights".into(),
+            requested_bytes: 4352,
+            allocated_bytes: 260000,
+            budget_bytes: 262144,
+        };
+        let e = catch_oom(|| crate::nn::raise::raise("blocks.2.fc", full)).expect_err("an error");
+        assert!(
+            matches!(&e, Error::DeviceFull { what, requested_bytes: 4352, allocated_bytes: 260000, budget_bytes: 262144 } if what == "block 'blocks.2' weights"),
+            "{e:?}"
+        );
+        // A layer's other failures are not the step's to return: they panic with the message.
+        let other = catch_unwind(AssertUnwindSafe(|| catch_oom(|| crate::nn::raise::raise("fc", Error::internal("a bug")))));
+        let payload = other.expect_err("it panics");
+        assert_eq!(payload.downcast_ref::<String>().map(String::as_str), Some("stagehand layer 'fc': internal error: a bug"));
+    }
+
+    #[test]
+    fn a_layers_device_full_in_a_step_reaches_the_caller_with_its_figures() {
+        const BUDGET: u64 = 1 << 20;
+        let sh = Stagehand::builder()
+            .budget_bytes(BUDGET)
+            .device(crate::device::Device::host(BUDGET))
+            .build()
+            .expect("handle");
+        let r = sh.root();
+        let fc = crate::nn::linear(&r / "blocks" / 0 / "fc", 4, 4, Default::default());
+        let mut opt = sh.optimizer(tch::nn::Sgd::default(), 1e-2).expect("optimizer");
+        let err = sh
+            .train_step(&mut opt, || {
+                use tch::nn::Module;
+                let _ = fc.forward(&Tensor::ones([1, 4], tch::kind::FLOAT_CPU));
+                crate::nn::raise::raise(
+                    "blocks.0.fc",
+                    Error::DeviceFull { what: "a scratch buffer".into(), requested_bytes: 4000, allocated_bytes: BUDGET - 10, budget_bytes: BUDGET },
+                )
+            })
+            .expect_err("the step runs out of memory");
+        let Error::OutOfMemory(report) = &err else { panic!("not an out-of-memory report: {err:?}") };
+        assert_eq!((report.phase, report.requested_bytes), (Phase::Forward, 4000), "{err}");
+        assert_eq!(report.doing, "allocating a scratch buffer", "{err}");
+        // The typed error's own words, not a panic message wrapped as libtorch's.
+        assert!(report.held.error.starts_with("device out of memory: a scratch buffer needs 4000 bytes"), "{}", report.held.error);
     }
 
     #[test]
@@ -325,10 +291,4 @@ mod tests {
         assert!(catch_oom(|| Tensor::from(1.0f32)).is_ok());
     }
 
-    #[test]
-    fn sizes_read_as_people_write_them() {
-        assert_eq!(bytes(512), "512 B");
-        assert_eq!(bytes(3 << 20), "3.0 MiB");
-        assert_eq!(bytes(1536), "1.5 KiB");
-    }
 }

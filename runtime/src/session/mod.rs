@@ -47,7 +47,7 @@ mod adapt;
 mod step;
 mod telemetry;
 
-pub use forensics::OomReport;
+pub use crate::oom::OomReport;
 pub use models::ModelOptions;
 pub use plan::{BudgetGuide, Machine, ModelFact, ModelFacts, ModelShare, Plan};
 pub use step::StepReport;

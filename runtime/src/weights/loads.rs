@@ -71,8 +71,10 @@ impl Loads {
                 if wait_on_compute {
                     self.probes.push(copier.device().compute_wait_timed(t.done())?);
                 }
-                // The destination is a slot the runtime owns: nothing to keep alive on the device.
-                t.release_device();
+                // SAFETY: the destination is a view of a slot (or block buffer) the weight
+                // runtime keeps allocated for as long as the block is placed there, so dropping
+                // the view returns no memory to the allocator while the copy writes it.
+                unsafe { t.release_device() };
                 self.retired.push_back((block, t));
                 Ok(())
             }

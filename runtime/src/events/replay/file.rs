@@ -8,7 +8,8 @@
 //! loop (a terminal UI's) stays responsive whatever the file holds.
 
 use super::index::{self, Checkpoint, Index};
-use super::{ReplayStatus, MAX_SPEED, MIN_SPEED};
+use super::clock::Clock;
+use super::ReplayStatus;
 use crate::events::jsonl::{Continuation, JsonlError, Next, ReadReport, Reader, Restart, RunSource};
 use crate::events::model::Event;
 use crate::events::snapshot::Snapshot;
@@ -61,9 +62,7 @@ pub struct FileReplay {
     /// The next event, read ahead to know when it is due.
     peeked: Option<Event>,
     recent: VecDeque<Event>,
-    speed: f64,
-    paused: bool,
-    anchor: Option<(Instant, u64)>,
+    clock: Clock,
 }
 
 impl std::fmt::Debug for FileReplay {
@@ -126,9 +125,7 @@ impl FileReplay {
             reader: None,
             peeked: None,
             recent: VecDeque::new(),
-            speed: 1.0,
-            paused: false,
-            anchor: None,
+            clock: Clock::default(),
         };
         r.reposition(Checkpoint::start())?;
         Ok(r)
@@ -236,12 +233,12 @@ impl FileReplay {
 
     /// Whether the replay is paused.
     pub fn paused(&self) -> bool {
-        self.paused
+        self.clock.paused()
     }
 
     /// Playback speed (1.0 = recorded).
     pub fn speed(&self) -> f64 {
-        self.speed
+        self.clock.speed()
     }
 
     /// Replay time: the time of the last applied event.
@@ -265,8 +262,8 @@ impl FileReplay {
         ReplayStatus {
             position: self.pos,
             total: self.known(&st),
-            paused: self.paused,
-            speed: self.speed,
+            paused: self.clock.paused(),
+            speed: self.clock.speed(),
             t_ns: self.t_ns(),
             end_t_ns: st.end_t_ns,
             step: self.snapshot.step,
@@ -277,30 +274,27 @@ impl FileReplay {
 
     /// Pauses or resumes.
     pub fn set_paused(&mut self, paused: bool) {
-        self.paused = paused;
-        self.anchor = None;
+        self.clock.set_paused(paused);
     }
 
     /// Pauses or resumes.
     pub fn toggle_pause(&mut self) {
-        self.set_paused(!self.paused);
+        self.set_paused(!self.paused());
     }
 
-    /// Sets the speed (clamped to [`MIN_SPEED`]..=[`MAX_SPEED`]).
+    /// Sets the speed (clamped to [`MIN_SPEED`](super::MIN_SPEED)..=[`MAX_SPEED`](super::MAX_SPEED)).
     pub fn set_speed(&mut self, speed: f64) {
-        let speed = if speed.is_finite() { speed } else { 1.0 };
-        self.speed = speed.clamp(MIN_SPEED, MAX_SPEED);
-        self.anchor = None;
+        self.clock.set_speed(speed);
     }
 
     /// Doubles the speed.
     pub fn faster(&mut self) {
-        self.set_speed(self.speed * 2.0);
+        self.set_speed(self.speed() * 2.0);
     }
 
     /// Halves the speed.
     pub fn slower(&mut self) {
-        self.set_speed(self.speed / 2.0);
+        self.set_speed(self.speed() / 2.0);
     }
 
     fn io(&self, e: std::io::Error) -> JsonlError {
@@ -315,7 +309,7 @@ impl FileReplay {
         self.pos = cp.pos;
         self.snapshot = (*cp.snapshot).clone();
         self.recent.clear();
-        self.anchor = None;
+        self.clock.restart();
         Ok(())
     }
 
@@ -411,19 +405,17 @@ impl FileReplay {
             return Ok(Played::Reset);
         }
         self.budget(Some(TICK_BYTES));
-        if self.paused {
-            self.anchor = None;
+        // Paused, nothing is read ahead.
+        if self.clock.paused() {
+            self.clock.restart();
             return Ok(Played::None);
         }
         let Some(first_t) = self.peek()?.map(|e| e.t_ns) else {
-            self.anchor = None;
+            self.clock.restart();
             return Ok(Played::None);
         };
-        let (start, t0) = *self
-            .anchor
-            .get_or_insert((now, if self.pos == 0 { first_t } else { self.t_ns() }));
-        let elapsed = now.saturating_duration_since(start).as_nanos() as f64 * self.speed;
-        let due = t0.saturating_add(elapsed as u64);
+        let from = if self.pos == 0 { first_t } else { self.t_ns() };
+        let Some(due) = self.clock.due(now, from) else { return Ok(Played::None) };
         let mut out = Vec::new();
         while out.len() < MAX_PER_TICK && self.peek()?.is_some_and(|e| e.t_ns <= due) {
             self.advance(Some(&mut out))?;
@@ -433,7 +425,7 @@ impl FileReplay {
 
     /// Moves by `n` events (negative: back). Pauses, as stepping implies.
     pub fn step_events(&mut self, n: i64) -> Result<Played, JsonlError> {
-        self.paused = true;
+        self.set_paused(true);
         // Past the end stops at the end; the total may not be known yet while indexing.
         let target = (self.pos as i64).saturating_add(n).max(0) as usize;
         self.go_to(target)
@@ -441,7 +433,7 @@ impl FileReplay {
 
     /// Moves to the start of the next (or, with `n < 0`, an earlier) training step.
     pub fn step_training(&mut self, n: i64) -> Result<Played, JsonlError> {
-        self.paused = true;
+        self.set_paused(true);
         let target = {
             let st = self.index.lock();
             let starts = &st.step_starts;

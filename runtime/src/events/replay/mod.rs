@@ -8,11 +8,13 @@
 //! web server drives one into a [`Hub`](super::bus::Hub) so that its subscribers cannot tell a
 //! replay from a live run.
 
+mod clock;
 pub mod file;
 mod index;
 
 pub use file::{FileReplay, IndexObserver, Played};
 
+use clock::Clock;
 use super::model::{Event, EventKind, Phase};
 use super::snapshot::Snapshot;
 use serde::{Deserialize, Serialize};
@@ -59,10 +61,7 @@ pub struct Replay {
     pos: usize,
     snapshot: Snapshot,
     checkpoints: Vec<(usize, Snapshot)>,
-    speed: f64,
-    paused: bool,
-    /// Wall instant and replay time at which playback last (re)started.
-    anchor: Option<(Instant, u64)>,
+    clock: Clock,
     following: bool,
 }
 
@@ -74,9 +73,7 @@ impl Replay {
             pos: 0,
             snapshot: Snapshot::new(),
             checkpoints: vec![(0, Snapshot::new())],
-            speed: 1.0,
-            paused: false,
-            anchor: None,
+            clock: Clock::default(),
             following: false,
         }
     }
@@ -108,12 +105,12 @@ impl Replay {
 
     /// Whether the replay is paused.
     pub fn paused(&self) -> bool {
-        self.paused
+        self.clock.paused()
     }
 
     /// Playback speed (1.0 = recorded).
     pub fn speed(&self) -> f64 {
-        self.speed
+        self.clock.speed()
     }
 
     /// Whether new events are expected (a followed file).
@@ -133,8 +130,8 @@ impl Replay {
         ReplayStatus {
             position: self.pos,
             total: self.events.len(),
-            paused: self.paused,
-            speed: self.speed,
+            paused: self.clock.paused(),
+            speed: self.clock.speed(),
             t_ns: self.t_ns(),
             end_t_ns: self.events.last().map_or(0, |e| e.t_ns),
             step: self.snapshot.step,
@@ -164,7 +161,7 @@ impl Replay {
             self.snapshot = cp;
             self.pos = cp_pos;
             self.forward_to(target);
-            self.anchor = None;
+            self.clock.restart();
             return Change::Reset;
         }
         let start = self.pos;
@@ -186,16 +183,13 @@ impl Replay {
 
     /// Applies every event that is due at wall time `now`, at the current speed.
     pub fn tick(&mut self, now: Instant) -> Change {
-        if self.paused || self.pos >= self.events.len() {
-            self.anchor = None;
+        if self.pos >= self.events.len() {
+            self.clock.restart();
             return Change::None;
         }
-        let (start, t0) = *self.anchor.get_or_insert((now, self.t_ns().max(
-            // Start the clock at the first event rather than at zero.
-            if self.pos == 0 { self.events[0].t_ns } else { 0 },
-        )));
-        let elapsed = now.saturating_duration_since(start).as_nanos() as f64 * self.speed;
-        let due = t0.saturating_add(elapsed as u64);
+        // The clock starts at the first event rather than at zero.
+        let from = if self.pos == 0 { self.events[0].t_ns } else { self.t_ns() };
+        let Some(due) = self.clock.due(now, from) else { return Change::None };
         let mut target = self.pos;
         while target < self.events.len() && self.events[target].t_ns <= due {
             target += 1;
@@ -205,42 +199,39 @@ impl Replay {
 
     /// Pauses or resumes.
     pub fn toggle_pause(&mut self) {
-        self.set_paused(!self.paused);
+        self.set_paused(!self.paused());
     }
 
     /// Pauses or resumes.
     pub fn set_paused(&mut self, paused: bool) {
-        self.paused = paused;
-        self.anchor = None;
+        self.clock.set_paused(paused);
     }
 
     /// Sets the speed (clamped to [`MIN_SPEED`]..=[`MAX_SPEED`]).
     pub fn set_speed(&mut self, speed: f64) {
-        let speed = if speed.is_finite() { speed } else { 1.0 };
-        self.speed = speed.clamp(MIN_SPEED, MAX_SPEED);
-        self.anchor = None;
+        self.clock.set_speed(speed);
     }
 
     /// Doubles the speed.
     pub fn faster(&mut self) {
-        self.set_speed(self.speed * 2.0);
+        self.set_speed(self.speed() * 2.0);
     }
 
     /// Halves the speed.
     pub fn slower(&mut self) {
-        self.set_speed(self.speed / 2.0);
+        self.set_speed(self.speed() / 2.0);
     }
 
     /// Moves by `n` events (negative: back). Pauses, as stepping implies.
     pub fn step_events(&mut self, n: i64) -> Change {
-        self.paused = true;
+        self.set_paused(true);
         let target = (self.pos as i64 + n).clamp(0, self.events.len() as i64) as usize;
         self.apply_to(target)
     }
 
     /// Moves to the start of the next (or, with `n < 0`, an earlier) training step.
     pub fn step_training(&mut self, n: i64) -> Change {
-        self.paused = true;
+        self.set_paused(true);
         let starts: Vec<usize> = self
             .events
             .iter()
