@@ -15,12 +15,13 @@ const LAYERS: &[&[&str]] = &[
     &["error"],
     &["torch", "saved"],
     &["device"],
-    &["guards", "pinned", "transfer"],
+    &["guards", "pinned", "transfer", "collective"],
     &["activations", "weights"],
     &["checkpoint"],
     &["optim"],
     &["nn"],
-    &["session"],
+    // The builder makes a data-parallel group of handles; the group builds each rank's handle.
+    &["session", "parallel"],
 ];
 
 /// Imports that still climb (issue 33, part B): the device holds the numeric guards, the torch
@@ -35,7 +36,7 @@ const KNOWN_LOOPS: &[(&str, &[&str])] = &[
     ("events", &["bus", "jsonl", "telemetry"]),
     ("nn", &["managed", "path", "store"]),
     ("optim", &["optimizer", "state"]),
-    ("weights", &["block", "config", "file", "quant", "registry"]),
+    ("weights", &["block", "config", "file", "quant", "registry", "shard"]),
 ];
 
 fn src() -> PathBuf {
