@@ -105,6 +105,31 @@ pub fn demo_budget(device: &Device, above: Option<u64>) -> anyhow::Result<Option
     Ok(Some(above.saturating_add(device.memory().allocated)))
 }
 
+/// The demo's default budget for a data-parallel group on CUDA: `above` plus what each GPU
+/// holds once a thread other than this one has run a product forward and backward on it. Each
+/// rank trains on a thread of its own, and libtorch keeps cuBLAS workspaces per thread and
+/// device (32 MiB each on Hopper): a budget read off this thread's warm-up alone left a rank's
+/// plan no room. A second thread's workspaces are counted too, in case the rank's thread gets
+/// handles of its own rather than the pooled ones. The largest over the GPUs.
+pub fn group_budget(devices: &[Device], above: u64) -> Result<u64> {
+    let mut budget = 0u64;
+    for d in devices {
+        d.warm_up()?;
+        let before = d.memory().allocated;
+        std::thread::scope(|s| {
+            s.spawn(|| -> stagehand::Result<()> {
+                d.bind_to_thread()?;
+                d.warm_up()
+            })
+            .join()
+        })
+        .map_err(|_| anyhow::anyhow!("warming up {} on a thread of its own panicked", d.info().name))??;
+        let held = d.memory().allocated;
+        budget = budget.max(above.saturating_add(held).saturating_add(held.saturating_sub(before)));
+    }
+    Ok(budget)
+}
+
 impl TrainConfig {
     /// The demo's defaults at a given size.
     pub fn demo(steps: u64, layers: i64, d_model: i64, seq: i64, batch: i64, budget_bytes: u64) -> TrainConfig {

@@ -55,7 +55,9 @@ impl Mlp {
 fn batches() -> Vec<Tensor> {
     let _g = rng();
     tch::manual_seed(99);
-    (0..STEPS).map(|_| Tensor::randn([BATCH, D], (Kind::Float, tch::Device::Cpu))).collect()
+    // Drawn from the CPU generator (the same on every device), then moved where the model computes.
+    let on = common::device().tch_device();
+    (0..STEPS).map(|_| Tensor::randn([BATCH, D], (Kind::Float, tch::Device::Cpu)).to_device(on)).collect()
 }
 
 /// A handle with `budget` bytes beyond what the device holds already (on CUDA, libtorch's own).

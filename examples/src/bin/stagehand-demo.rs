@@ -15,7 +15,7 @@ use stagehand::events::telemetry::{self, flight, Level, TelemetryConfig};
 use stagehand::events::{Bus, Event, EventKind, EventSink};
 use stagehand_examples::process::{sibling, Stop};
 use stagehand_examples::report::Report;
-use stagehand_examples::trainer::{announce_with, demo_budget, train_group, train_with, Hooks, Memory, TrainConfig, DEMO_DEFAULTS};
+use stagehand_examples::trainer::{announce_with, demo_budget, group_budget, train_group, train_with, Hooks, Memory, TrainConfig, DEMO_DEFAULTS};
 use stagehand::{Precision, StateStorage};
 use stagehand_web::cli::ServeArgs;
 use std::path::PathBuf;
@@ -207,7 +207,7 @@ fn main() -> Result<()> {
         anyhow::bail!("--resident trains plain tch on one device: leave out --gpus {gpus}");
     }
     let above = args.budget_mib.is_none().then(|| DEMO_DEFAULTS.budget_above(&device));
-    let budget = demo_budget(&device, above)?.unwrap_or(asked);
+    let mut budget = demo_budget(&device, above)?.unwrap_or(asked);
     let info = device.info();
 
     let out = args.out.clone().unwrap_or_else(|| {
@@ -278,6 +278,13 @@ fn main() -> Result<()> {
             Ok(if device.is_cuda() { stagehand::parallel::Devices::cuda(gpus)? } else { stagehand::parallel::Devices::host(gpus, budget) })
         })
         .transpose()?;
+    // Each rank's thread keeps cuBLAS workspaces of its own: the default budget counts them.
+    if let (Some(devs), Some(above)) = (&group_devices, above) {
+        if device.is_cuda() {
+            budget = group_budget(devs, above)?;
+            cfg.budget_bytes = budget;
+        }
+    }
     println!("stagehand demo: {}", cfg.describe());
     println!(
         "  device     {}{}{}",
