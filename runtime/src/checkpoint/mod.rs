@@ -21,8 +21,6 @@
 //!
 //! Optimizer state saves to a sidecar file: see [`crate::optim::state`].
 
-mod atomic;
-pub(crate) mod safetensors;
 mod store;
 
 pub use store::Snapshot;

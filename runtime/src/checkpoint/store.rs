@@ -3,7 +3,7 @@
 //! block, the device copy of a resident one, the file of a file-backed one), never from the
 //! placeholder a managed variable points at between uses.
 
-use super::safetensors::{cpu_contiguous, Bytes, Entry, Reader};
+use crate::tensorfile::{cpu_contiguous, Bytes, Entry, Reader};
 use super::Format;
 use crate::error::{Error, Result};
 use crate::events::BlockId;
@@ -101,14 +101,14 @@ pub(crate) fn save(path: &Path, vars: &Mutex<tch::nn::Variables>, rt: Option<&We
                 };
                 entries.push((v.name.clone(), Entry::new(&v.name, v.kind, &v.shape, bytes, &failed)?));
             }
-            super::safetensors::write(path, entries, None, &failed)
+            crate::tensorfile::write(path, entries, None, &failed)
         }
         Format::Libtorch | Format::Pickle => {
             let tensors = all
                 .iter()
                 .map(|v| Ok((v.name.clone(), cpu_contiguous(&value(v, rt)?)?)))
                 .collect::<Result<Vec<_>>>()?;
-            super::atomic::write_atomic(path, |tmp| Ok(Tensor::save_multi(&tensors, tmp)?))
+            crate::tensorfile::atomic::write_atomic(path, |tmp| Ok(Tensor::save_multi(&tensors, tmp)?))
         }
     }
 }

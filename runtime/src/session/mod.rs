@@ -378,7 +378,6 @@ impl StagehandBuilder {
         let tf32 = (self.precision == Precision::Tf32 && device.is_cuda() && group.is_none()).then(|| crate::torch::amp::set_tf32(true));
         // First, so the file and the flight recorder see the run from its first event.
         let telemetry = self.telemetry.map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
-        let guards = self.guards.then(|| device.arm_guards(&bus));
         let mut attached = Vec::new();
         if let Some(hub) = bus.hub().cloned() {
             for a in self.attachments {
@@ -411,6 +410,8 @@ impl StagehandBuilder {
                 ..LayerOptions::default()
             },
         )?;
+        // Armed before the first step: the weights runtime's layers and gradient sinks check.
+        let guards = self.guards.then(|| store.runtime().guards().arm(&bus));
         if let Some(pool) = self.host_pool {
             store.runtime().set_host_pool(pool)?;
         }
