@@ -53,7 +53,7 @@ impl Site {
 
 /// The first non-finite value a step produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Finding {
+pub struct NonFinite {
     /// The block whose tensor held it (`None` for the loss and for unmanaged parameters).
     pub block: Option<BlockId>,
     pub site: Site,
@@ -200,7 +200,7 @@ impl Guards {
 
     /// Ends the step: reads the step's flags once and publishes the first non-finite value as
     /// `non_finite` (and a warning when some tensors could not be checked).
-    pub fn finish_step(&self) -> Result<Option<Finding>> {
+    pub fn finish_step(&self) -> Result<Option<NonFinite>> {
         let p = std::mem::take(&mut *self.lock());
         if p.failures > 0 || p.unchecked > 0 {
             self.bus.publish(EventKind::Warning {
@@ -237,7 +237,7 @@ impl Guards {
         let flags = Vec::<u8>::try_from(&all)?;
         let mut bad = flags.iter().zip(&p.sites).filter(|(f, _)| **f != 0).map(|(_, s)| *s);
         let Some((block, site)) = bad.next() else { return Ok(None) };
-        let finding = Finding {
+        let finding = NonFinite {
             block,
             site,
             count: 1 + bad.count(),
@@ -269,7 +269,7 @@ mod tests {
         g.observe(Some(BlockId(2)), Site::Output, &Tensor::from_slice(&[1i64]));
         assert_eq!(g.observed(), 3);
         let f = g.finish_step().expect("reads the flags");
-        assert_eq!(f, Some(Finding { block: Some(BlockId(1)), site: Site::Output, count: 2 }));
+        assert_eq!(f, Some(NonFinite { block: Some(BlockId(1)), site: Site::Output, count: 2 }));
         assert_eq!(g.observed(), 0, "the step's flags are gone");
         assert_eq!(g.finish_step().expect("nothing to read"), None);
     }

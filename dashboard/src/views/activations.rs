@@ -87,7 +87,7 @@ fn draw_steps(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
                 bytes(m.spill_bytes),
                 format!("{} / {}", count(m.pool_hits), count(m.pool_misses)),
                 // The event carries this one figure in MiB (its wire name says so); shown in binary units like every size.
-                bytes((m.vram_peak_mb.max(0.0) * 1048576.0) as u64),
+                bytes((m.vram_peak_mib.max(0.0) * 1048576.0) as u64),
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })

@@ -23,7 +23,7 @@
 
 mod store;
 
-pub use store::Snapshot;
+pub use store::VarStoreCopy;
 
 use crate::error::Result;
 use crate::weights::WeightRuntime;
@@ -71,8 +71,8 @@ pub fn load_partial(path: impl AsRef<Path>, vs: &tch::nn::VarStore, rt: Option<&
 }
 
 /// A copy of `vs`'s variables with their real values (managed ones from `rt`).
-pub fn snapshot(vs: &tch::nn::VarStore, rt: Option<&WeightRuntime>) -> Result<Snapshot> {
-    Snapshot::take(&vs.variables_, rt)
+pub fn snapshot(vs: &tch::nn::VarStore, rt: Option<&WeightRuntime>) -> Result<VarStoreCopy> {
+    VarStoreCopy::take(&vs.variables_, rt)
 }
 
 pub(crate) use store::{load as load_vars, save as save_vars};

@@ -722,11 +722,11 @@ impl Stagehand {
             let dev = self.device.clone();
             let c = Conductor::new(
                 ConductorConfig::builder()
-                    .vram_soft_cap_mb(mib(plan.soft_cap_bytes))
-                    .vram_hard_cap_mb(mib(plan.hard_cap_bytes).max(mib(plan.soft_cap_bytes) + 1))
+                    .vram_soft_cap_mib(mib(plan.soft_cap_bytes))
+                    .vram_hard_cap_mib(mib(plan.hard_cap_bytes).max(mib(plan.soft_cap_bytes) + 1))
                     .h2d_slots(plan.h2d_slots)
                     .d2h_slots(plan.d2h_slots)
-                    .priority_reserve_mb((mib(plan.budget_bytes) / 64).max(1))
+                    .priority_reserve_mib((mib(plan.budget_bytes) / 64).max(1))
                     // The plan fills the budget by design (activations are kept up to the
                     // watermarks, restores reserve their memory first), so backward runs near
                     // it every step: pressure means over the budget, not near it. At 95% the

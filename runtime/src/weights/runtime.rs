@@ -453,7 +453,7 @@ impl WeightRuntime {
     /// let acts = ActivationRuntime::new(
     ///     device.clone(), ActivationConfig::default(), bus.clone(), Some(weights.resolver()))?;
     /// let dev = device.clone();
-    /// let config = ConductorConfig::builder().vram_soft_cap_mb(7_000).vram_hard_cap_mb(7_800).build()?;
+    /// let config = ConductorConfig::builder().vram_soft_cap_mib(7_000).vram_hard_cap_mib(7_800).build()?;
     /// let conductor = Conductor::new(config, bus.clone(), move || dev.memory().allocated)?;
     /// weights.attach_conductor(&conductor)?;
     /// acts.attach_conductor(&conductor)?;

@@ -690,8 +690,8 @@ impl Scheduler {
         let m = &mut self.metrics;
         let seen = m.prefetch_hits + m.prefetch_misses;
         m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
-        m.vram_used_mb = mem.allocated as f64 / (1u64 << 20) as f64;
-        m.vram_reserved_mb = mem.reserved as f64 / (1u64 << 20) as f64;
+        m.vram_used_mib = mem.allocated as f64 / (1u64 << 20) as f64;
+        m.vram_reserved_mib = mem.reserved as f64 / (1u64 << 20) as f64;
         m.h2d_wait_ms += wait;
         m.update_wait_ms += update_idle;
         m.host_ms = (m.host_ms - update_host_ms).max(0.0);
