@@ -36,7 +36,7 @@ pub(super) fn generate(run: SyntheticRun) -> Vec<Event> {
         },
         model: format!("gpt d=512 L={blocks}"),
         versions: [("stagehand".to_string(), "0.1.0".to_string())].into(),
-        config: serde_json::json!({ "budget_mib": 1024, "prefetch_window": 2 }),
+        config: serde_json::json!({ "budget_mb": 1024, "prefetch_window": 2 }),
     });
     g.limits();
     g.push(EventKind::PoolConfigured {
