@@ -6,8 +6,9 @@
 //!
 //! - Streamed blocks are stepped **on the host**: their gradients reach host memory as backward
 //!   leaves each block, and the weights' worker thread (`weights::stepper`) runs each block's
-//!   step, a job this module makes, as soon as the optimizer is asked to, in the order the next forward needs them; the weight runtime does not
-//!   load a block before its step has run, so the next forward overlaps the optimizer.
+//!   step, a job this module makes, as soon as the optimizer is asked to, in the order the next
+//!   forward needs them; the weight runtime does not load a block before its step has run, so
+//!   the next forward overlaps the optimizer.
 //! - Everything else (variables the runtime does not manage, blocks kept resident) is stepped
 //!   **on its device** by libtorch's optimizer, exactly as `tch::nn::Optimizer` would.
 //!
