@@ -309,7 +309,7 @@ impl State {
 
     /// Stall time over the run, weights and activations, in ms.
     pub fn stall_ms(&self) -> f64 {
-        self.snapshot.weights.stall_time_ms + self.snapshot.activations.stall_time_ms
+        self.snapshot.weights.stall_time_ms + self.snapshot.activations.counts.stall_time_ms
     }
 }
 

@@ -245,7 +245,7 @@ pub fn activation_key(r: &StepRecord, column: usize) -> Key<'_> {
         4 => m.activations_restored as f64,
         5 => m.stall_time_ms,
         6 => m.spill_bytes as f64,
-        7 => m.vram_peak_mb,
+        7 => m.vram_peak_mib,
         _ => r.step as f64,
     })
 }

@@ -124,9 +124,9 @@ fn long_run_state() -> State {
     let s = &mut state.snapshot;
     s.transfers.h2d.count = 14_600;
     s.transfers.d2h.count = 3_200_000;
-    s.activations.kept = 8_430;
-    s.activations.spilled = 123_456;
-    s.activations.pool_hits = 1_234_567;
+    s.activations.counts.kept = 8_430;
+    s.activations.counts.spilled = 123_456;
+    s.activations.counts.pool_hits = 1_234_567;
     s.weights.prefetch_hits = 98_765;
     s.weights.evictions = 45_678;
     s.conductor.denials = 12_345;
@@ -339,7 +339,7 @@ fn extreme_numbers_from_a_server_draw_without_panicking() {
     }
     s.transfers.h2d.count = u64::MAX;
     s.transfers.h2d.bytes = u64::MAX;
-    s.activations.kept = u64::MAX;
+    s.activations.counts.kept = u64::MAX;
     s.conductor.active_bytes = u64::MAX;
     for b in s.blocks.iter_mut() {
         b.bytes = u64::MAX;

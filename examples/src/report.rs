@@ -72,14 +72,14 @@ impl Report<'_> {
             let a = &snap.activations;
             out.push(format!(
                 "  activations {} saved, {} spilled ({:.1} MiB), {} restored ({} predicted), {} through pageable memory, {} recomputed ({:.1} MiB never stored)",
-                a.saved,
-                a.spilled,
-                mib(a.spill_bytes),
-                a.restored,
-                a.predicted,
-                a.pool_misses,
-                a.recomputed,
-                mib(a.recompute_bytes)
+                a.counts.saved,
+                a.counts.spilled,
+                mib(a.counts.spill_bytes),
+                a.counts.restored,
+                a.counts.predicted,
+                a.counts.pool_misses,
+                a.counts.recomputed,
+                mib(a.counts.recompute_bytes)
             ));
             if let Some(g) = s.guards {
                 let found = snap.non_finite.values().fold(0u64, |t, n| t.saturating_add(*n));

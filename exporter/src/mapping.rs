@@ -16,12 +16,13 @@
 
 use crate::catalog::Metric;
 use stagehand::events::model::{
-    BlockState, Buckets, DenyReason, Direction, Event, EventKind, Owner, PackDecision, Phase, PoolKind, ReservationMode,
+    BlockState, Buckets, DenyReason, Direction, Event, EventKind, EvictionReason, Owner, PackDecision, Phase, PolicyRule, PoolKind, ReservationMode,
     ReservationOutcome, StepCounts, StepTimeBreakdown, VramByOwner, COPY_SECONDS_BOUNDS, SCHEMA_VERSION,
     STALL_SECONDS_BOUNDS,
 };
 use stagehand::events::snapshot::StepRecord;
 use stagehand::events::{wire_name, Snapshot};
+use strum::VariantArray;
 
 /// What to do to a series.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -73,32 +74,12 @@ pub fn owner_parts(o: &VramByOwner) -> [(&'static str, u64); 5] {
     ]
 }
 
+// The label values a series takes from the first scrape: every variant of the events' enums
+// (`strum::VariantArray`), and these subsets, which name what the exporter counts: PCIe copies
+// (not collectives) by the two runtimes that copy, the phases a step is timed in, and the
+// tensors the guards name (anything else is `other`).
 const DIRECTIONS: [Direction; 2] = [Direction::H2d, Direction::D2h];
 const COPY_OWNERS: [Owner; 2] = [Owner::Weights, Owner::Activations];
-const EVICTION_REASONS: [&str; 4] = ["watermark", "budget", "explicit", "shutdown"];
-const POOLS: [PoolKind; 2] = [PoolKind::Weights, PoolKind::Activations];
-const DECISIONS: [PackDecision; 5] = [
-    PackDecision::Kept,
-    PackDecision::Spilled,
-    PackDecision::WeightHandle,
-    PackDecision::Duplicate,
-    PackDecision::Recomputed,
-];
-const OUTCOMES: [ReservationOutcome; 4] = [
-    ReservationOutcome::Granted,
-    ReservationOutcome::Partial,
-    ReservationOutcome::Denied,
-    ReservationOutcome::CapRecorded,
-];
-const MODES: [ReservationMode; 5] = [
-    ReservationMode::Hard,
-    ReservationMode::Soft,
-    ReservationMode::Burst,
-    ReservationMode::Floor,
-    ReservationMode::Ceiling,
-];
-const DENY_REASONS: [DenyReason; 7] = DenyReason::ALL;
-const RULES: [&str; 4] = ["reset", "backward_pressure", "optimizer_protection", "contention"];
 const NON_FINITE: [&str; 4] = ["output", "gradient", "loss", "other"];
 const STEP_PHASES: [Phase; 5] = [Phase::StepBegin, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::StepEnd];
 
@@ -147,18 +128,18 @@ pub fn initial() -> Vec<Observation> {
     for src in ["weights", "activations"] {
         out.push(obs(StallDuration, &[src], Value::Touch));
     }
-    for r in EVICTION_REASONS {
-        out.push(obs(Evictions, &[r], Value::Touch));
+    for r in EvictionReason::VARIANTS {
+        out.push(obs(Evictions, &[r.into()], Value::Touch));
     }
     for s in BlockState::ALL {
         out.push(obs(ResidencyBlocks, &[s.as_str()], Value::Set(0.0)));
     }
-    for p in POOLS {
+    for &p in PoolKind::VARIANTS {
         out.push(obs(PoolExhausted, &[pool_name(p)], Value::Touch));
         out.push(obs(PoolPageableFallback, &[pool_name(p)], Value::Touch));
     }
-    for d in DECISIONS {
-        out.push(obs(ActivationsPacked, &[&wire_name(&d)], Value::Touch));
+    for d in PackDecision::VARIANTS {
+        out.push(obs(ActivationsPacked, &[d.into()], Value::Touch));
     }
     for p in ["true", "false"] {
         out.push(obs(ActivationRestores, &[p], Value::Touch));
@@ -170,19 +151,19 @@ pub fn initial() -> Vec<Observation> {
         out.push(obs(VramOwner, &[o], Value::Set(0.0)));
         out.push(obs(VramAtPeak, &[o], Value::Set(0.0)));
     }
-    for oc in OUTCOMES {
-        for m in MODES {
-            out.push(obs(ConductorReservations, &[&wire_name(&oc), &wire_name(&m)], Value::Touch));
+    for oc in ReservationOutcome::VARIANTS {
+        for m in ReservationMode::VARIANTS {
+            out.push(obs(ConductorReservations, &[oc.into(), m.into()], Value::Touch));
         }
     }
     for w in ["reservation", "slot"] {
         out.push(obs(ConductorGrants, &[w], Value::Touch));
-        for r in DENY_REASONS {
+        for r in DenyReason::VARIANTS {
             out.push(obs(ConductorDenials, &[w, r.as_str()], Value::Touch));
         }
     }
-    for r in RULES {
-        out.push(obs(ConductorHintChanges, &[r], Value::Touch));
+    for r in PolicyRule::VARIANTS {
+        out.push(obs(ConductorHintChanges, &[r.into()], Value::Touch));
     }
     for p in STEP_PHASES {
         out.push(obs(PhaseDuration, &[p.as_str()], Value::Touch));

@@ -121,8 +121,8 @@ fn metrics_parse_back_with_prometheus_names_types_and_values() {
     assert_eq!(value(&s, "stagehand_vram_owner_bytes", &[("owner", "weights")]), owners.weights_bytes as f64);
     let peak = snap.steps.iter().rev().find(|r| r.train.is_some()).and_then(|r| r.vram_at_peak).expect("a peak");
     assert_eq!(value(&s, "stagehand_vram_at_peak_bytes", &[("owner", "other")]), peak.other_bytes as f64);
-    assert_eq!(value(&s, "stagehand_activations_packed_total", &[("decision", "spilled")]), snap.activations.spilled as f64);
-    assert_eq!(value(&s, "stagehand_activation_restores_total", &[]), snap.activations.restored as f64);
+    assert_eq!(value(&s, "stagehand_activations_packed_total", &[("decision", "spilled")]), snap.activations.counts.spilled as f64);
+    assert_eq!(value(&s, "stagehand_activation_restores_total", &[]), snap.activations.counts.restored as f64);
     let denials: u64 = snap.conductor.denials_by_reason.values().sum();
     assert_eq!(value(&s, "stagehand_conductor_denials_total", &[]), denials as f64);
     assert_eq!(value(&s, "stagehand_step", &[]), 4.0);

@@ -166,13 +166,13 @@ fn main() -> anyhow::Result<()> {
         .keep_tail_groups(1)
         .build()?;
     let acts = ActivationRuntime::new(probe.clone(), acfg, bus.clone(), Some(rt.resolver()))?;
-    let soft_mb = ((high as f64 * 1.25) / MIB).ceil() as u64;
+    let soft_mib = ((high as f64 * 1.25) / MIB).ceil() as u64;
     let conductor = {
         let p = probe.clone();
         Conductor::new(
             ConductorConfig::builder()
-                .vram_soft_cap_mb(soft_mb)
-                .vram_hard_cap_mb(soft_mb + soft_mb / 10)
+                .vram_soft_cap_mib(soft_mib)
+                .vram_hard_cap_mib(soft_mib + soft_mib / 10)
                 .h2d_slots(env("SH_H2D_SLOTS", 2) as u32)
                 .d2h_slots(env("SH_D2H_SLOTS", 4) as u32)
                 .debug_event_trace(false)
@@ -254,7 +254,7 @@ fn main() -> anyhow::Result<()> {
     let (bw_h2d, bw_d2h) = common::pinned_bandwidth(&probe, (block_bytes as usize).clamp(64 << 20, 1 << 30))?;
     println!("pinned bandwidth: H2D {:.2} GB/s, D2H {:.2} GB/s", bw_h2d / 1e9, bw_d2h / 1e9);
     println!(
-        "budget: weights {} blocks = {:.0} MiB; activations spill above {:.0} MiB down to {:.0} MiB; Conductor soft cap {soft_mb} MiB",
+        "budget: weights {} blocks = {:.0} MiB; activations spill above {:.0} MiB down to {:.0} MiB; Conductor soft cap {soft_mib} MiB",
         budget_blocks,
         weight_budget as f64 / MIB,
         high as f64 / MIB,

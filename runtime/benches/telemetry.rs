@@ -95,10 +95,10 @@ fn size_per_step(dir: &Path) {
             ("weights.h2d_bytes", a.weights.h2d_bytes as f64, b.weights.h2d_bytes as f64),
             ("weights.d2h_bytes", a.weights.d2h_bytes as f64, b.weights.d2h_bytes as f64),
             ("weights.stall_time_ms", a.weights.stall_time_ms, b.weights.stall_time_ms),
-            ("activations.saved", a.activations.saved as f64, b.activations.saved as f64),
-            ("activations.spilled", a.activations.spilled as f64, b.activations.spilled as f64),
-            ("activations.restored", a.activations.restored as f64, b.activations.restored as f64),
-            ("activations.spill_bytes", a.activations.spill_bytes as f64, b.activations.spill_bytes as f64),
+            ("activations.saved", a.activations.counts.saved as f64, b.activations.counts.saved as f64),
+            ("activations.spilled", a.activations.counts.spilled as f64, b.activations.counts.spilled as f64),
+            ("activations.restored", a.activations.counts.restored as f64, b.activations.counts.restored as f64),
+            ("activations.spill_bytes", a.activations.counts.spill_bytes as f64, b.activations.counts.spill_bytes as f64),
             ("conductor.grants", a.conductor.grants as f64, b.conductor.grants as f64),
             ("conductor.slot_grants", a.conductor.slot_grants as f64, b.conductor.slot_grants as f64),
             ("transfers.h2d.bytes", a.transfers.h2d.bytes as f64, b.transfers.h2d.bytes as f64),
@@ -174,13 +174,13 @@ fn publish_cost(dir: &Path) {
     bus.close();
 }
 
-/// Writes a plain telemetry file of about `mb` MB from the synthetic run.
-fn big_file(path: &Path, mb: u64) -> (u64, u64) {
+/// Writes a plain telemetry file of about `mib` MiB from the synthetic run.
+fn big_file(path: &Path, mib: u64) -> (u64, u64) {
     let mut sink = JsonlSink::open(path, OpenMode::CreateNew).expect("opens");
     let one = synthetic::events(demo_run(50));
     let (mut seq, mut t_ns, mut step, mut n) = (0u64, 0u64, 0u64, 0u64);
     let bytes_per_round = one.iter().map(|e| serde_json::to_string(e).map_or(0, |s| s.len() + 1) as u64).sum::<u64>();
-    let rounds = (mb << 20).div_ceil(bytes_per_round).max(1);
+    let rounds = (mib << 20).div_ceil(bytes_per_round).max(1);
     for r in 0..rounds {
         let last_t = one.last().map_or(0, |e| e.t_ns);
         for e in &one {
@@ -203,8 +203,8 @@ fn big_file(path: &Path, mb: u64) -> (u64, u64) {
     (std::fs::metadata(path).map_or(0, |m| m.len()), n)
 }
 
-/// Peak resident memory of this process so far, MB (Linux; 0 elsewhere).
-fn peak_rss_mb() -> f64 {
+/// Peak resident memory of this process so far, MiB (Linux; 0 elsewhere).
+fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -238,19 +238,19 @@ fn follow_speed(dir: &Path) {
 }
 
 fn replay_speed(dir: &Path) {
-    let mb: u64 = std::env::var("STAGEHAND_BENCH_REPLAY_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let mib: u64 = std::env::var("STAGEHAND_BENCH_REPLAY_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
     let path = dir.join("big.jsonl");
     let t0 = Instant::now();
-    let (bytes, events) = big_file(&path, mb);
+    let (bytes, events) = big_file(&path, mib);
     println!("replay: wrote {:.0} MB, {events} events in {:.1} s", bytes as f64 / 1e6, t0.elapsed().as_secs_f64());
-    let before = peak_rss_mb();
+    let before = peak_rss_mib();
     let t = Instant::now();
     let mut reader = jsonl::open(&path).expect("opens");
     let streamed = (&mut reader).filter(|e| e.is_ok()).count();
     println!(
-        "stream read: {streamed} events in {:.1} s; peak resident memory {before:.0} MB before, {:.0} MB after ({})",
+        "stream read: {streamed} events in {:.1} s; peak resident memory {before:.0} MiB before, {:.0} MiB after ({})",
         t.elapsed().as_secs_f64(),
-        peak_rss_mb(),
+        peak_rss_mib(),
         reader.report().summary()
     );
     let t0 = Instant::now();
@@ -292,7 +292,7 @@ fn replay_speed(dir: &Path) {
         indexed.as_secs_f64(),
         worst.as_secs_f64() * 1e3
     );
-    println!("peak resident memory after the replay: {:.0} MB", peak_rss_mb());
+    println!("peak resident memory after the replay: {:.0} MiB", peak_rss_mib());
 }
 
 fn main() {

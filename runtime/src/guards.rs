@@ -15,14 +15,13 @@
 //! before the loss and the gradients after it, so a NaN born in block 3's forward is named as
 //! block 3's output, not as the loss it spread to.
 //!
-//! Off by default. The hooks ([`observe_output`], [`observe_gradient`]) read the device's armed
-//! guards (one atomic load) and return when there are none, so a run without guards pays
-//! nothing. A handle arms them with `StagehandBuilder::guards(true)`.
+//! Off by default. The hooks ([`GuardSlot::observe_output`], [`GuardSlot::observe_gradient`])
+//! read the weights runtime's slot (one atomic load) and return when no guards are armed there,
+//! so a run without guards pays nothing. A handle arms them with `StagehandBuilder::guards(true)`.
 
-use crate::device::Device;
 use crate::error::Result;
 use crate::events::{BlockId, Bus, EventKind, Owner};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use tch::Tensor;
 
 /// Flags kept one by one before they are stacked into one tensor (bounds the live tensors).
@@ -54,7 +53,7 @@ impl Site {
 
 /// The first non-finite value a step produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Finding {
+pub struct NonFinite {
     /// The block whose tensor held it (`None` for the loss and for unmanaged parameters).
     pub block: Option<BlockId>,
     pub site: Site,
@@ -96,19 +95,37 @@ pub struct Checked {
     pub steps: u64,
 }
 
-/// Observes a managed layer's output when guards are armed on `device`.
-#[inline]
-pub fn observe_output(device: &Device, block: BlockId, out: &Tensor) {
-    if let Some(g) = device.guards() {
-        g.observe(Some(block), Site::Output, out);
-    }
-}
+/// Where the code that checks tensors finds a run's armed guards: the weights runtime holds one
+/// and hands clones to its gradient sinks, the handle arms it, and the managed layers read it.
+/// Reading it is one atomic load, so the hooks cost nothing while guards are off. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct GuardSlot(Arc<OnceLock<Arc<Guards>>>);
 
-/// Observes a parameter's gradient when guards are armed on `device`.
-#[inline]
-pub fn observe_gradient(device: &Device, block: Option<BlockId>, grad: &Tensor) {
-    if let Some(g) = device.guards() {
-        g.observe(block, Site::Gradient, grad);
+impl GuardSlot {
+    /// The armed guards, if any.
+    pub fn get(&self) -> Option<&Arc<Guards>> {
+        self.0.get()
+    }
+
+    /// Arms guards publishing to `bus` (once; later calls return the guards armed first).
+    pub fn arm(&self, bus: &Bus) -> Arc<Guards> {
+        self.0.get_or_init(|| Arc::new(Guards::new(bus.clone()))).clone()
+    }
+
+    /// Observes a managed layer's output when guards are armed.
+    #[inline]
+    pub fn observe_output(&self, block: BlockId, out: &Tensor) {
+        if let Some(g) = self.get() {
+            g.observe(Some(block), Site::Output, out);
+        }
+    }
+
+    /// Observes a parameter's gradient when guards are armed.
+    #[inline]
+    pub fn observe_gradient(&self, block: Option<BlockId>, grad: &Tensor) {
+        if let Some(g) = self.get() {
+            g.observe(block, Site::Gradient, grad);
+        }
     }
 }
 
@@ -183,7 +200,7 @@ impl Guards {
 
     /// Ends the step: reads the step's flags once and publishes the first non-finite value as
     /// `non_finite` (and a warning when some tensors could not be checked).
-    pub fn finish_step(&self) -> Result<Option<Finding>> {
+    pub fn finish_step(&self) -> Result<Option<NonFinite>> {
         let p = std::mem::take(&mut *self.lock());
         if p.failures > 0 || p.unchecked > 0 {
             self.bus.publish(EventKind::Warning {
@@ -220,7 +237,7 @@ impl Guards {
         let flags = Vec::<u8>::try_from(&all)?;
         let mut bad = flags.iter().zip(&p.sites).filter(|(f, _)| **f != 0).map(|(_, s)| *s);
         let Some((block, site)) = bad.next() else { return Ok(None) };
-        let finding = Finding {
+        let finding = NonFinite {
             block,
             site,
             count: 1 + bad.count(),
@@ -252,7 +269,7 @@ mod tests {
         g.observe(Some(BlockId(2)), Site::Output, &Tensor::from_slice(&[1i64]));
         assert_eq!(g.observed(), 3);
         let f = g.finish_step().expect("reads the flags");
-        assert_eq!(f, Some(Finding { block: Some(BlockId(1)), site: Site::Output, count: 2 }));
+        assert_eq!(f, Some(NonFinite { block: Some(BlockId(1)), site: Site::Output, count: 2 }));
         assert_eq!(g.observed(), 0, "the step's flags are gone");
         assert_eq!(g.finish_step().expect("nothing to read"), None);
     }

@@ -28,6 +28,8 @@ pub mod saved;
 #[cfg(feature = "torch")]
 pub mod session;
 #[cfg(feature = "torch")]
+pub(crate) mod tensorfile;
+#[cfg(feature = "torch")]
 pub mod torch;
 #[cfg(feature = "torch")]
 pub(crate) mod transfer;

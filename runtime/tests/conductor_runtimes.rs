@@ -50,8 +50,8 @@ fn conductor(bus: &Bus, device: &Device, h2d: u32, d2h: u32) -> Conductor {
     let dev = device.clone();
     Conductor::new(
         ConductorConfig::builder()
-            .vram_soft_cap_mb(1 << 20)
-            .vram_hard_cap_mb(1 << 21)
+            .vram_soft_cap_mib(1 << 20)
+            .vram_hard_cap_mib(1 << 21)
             .h2d_slots(h2d)
             .d2h_slots(d2h)
             .debug_event_trace(true)

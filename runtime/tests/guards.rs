@@ -155,7 +155,7 @@ fn a_finite_step_finds_nothing_and_guards_off_check_nothing() {
         .train_step(&mut r.opt, || l[2].forward(&l[1].forward(&l[0].forward(&x()))).square().mean(Kind::Float))
         .expect("step");
     assert_eq!(rep.non_finite, None);
-    assert!(r.sh.device().guards().is_some());
+    assert!(r.sh.weights().guards().get().is_some());
 
     let mut off = run(false);
     let l = &off.layers;
@@ -165,6 +165,6 @@ fn a_finite_step_finds_nothing_and_guards_off_check_nothing() {
         .train_step(&mut off.opt, || l[1].forward(&(l[0].forward(&x()) * &poison)).sum(Kind::Float))
         .expect("step");
     assert_eq!(rep.non_finite, None, "guards are off by default");
-    assert!(off.sh.device().guards().is_none(), "nothing is armed, so the hooks return at once");
+    assert!(off.sh.weights().guards().get().is_none(), "nothing is armed, so the hooks return at once");
     assert!(non_finite_events(&off).is_empty());
 }

@@ -90,9 +90,9 @@ fn demo_run_agrees_across_every_consumer() {
     assert!(live.ended);
     // Streaming and spilling really happened, and the events count what the runtimes counted.
     assert!(summary.activations_spilled > 0, "activations spilled");
-    assert_eq!(live.activations.spilled, summary.activations_spilled);
-    assert_eq!(live.activations.spill_bytes, summary.spill_bytes);
-    assert_eq!(live.activations.restored, live.activations.spilled, "every spill came back");
+    assert_eq!(live.activations.counts.spilled, summary.activations_spilled);
+    assert_eq!(live.activations.counts.spill_bytes, summary.spill_bytes);
+    assert_eq!(live.activations.counts.restored, live.activations.counts.spilled, "every spill came back");
     assert!(live.transfers.h2d.bytes > 0 && live.weights.evictions > 0, "weights streamed");
     // The model's repeated structure makes the blocks: one per transformer block, plus the
     // embeddings and the head.

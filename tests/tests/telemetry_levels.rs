@@ -40,7 +40,7 @@ fn a_summary_file_of_a_real_run_replays_to_the_full_files_step_records() {
     assert_eq!(f.steps.iter().filter(|r| r.train.is_some()).count(), 12);
     assert_eq!(s.steps, f.steps, "per-step records");
     assert_eq!((s.transfers.h2d.bytes, s.transfers.d2h.bytes), (f.transfers.h2d.bytes, f.transfers.d2h.bytes));
-    assert_eq!((s.weights.prefetch_hits, s.activations.spilled), (f.weights.prefetch_hits, f.activations.spilled));
+    assert_eq!((s.weights.prefetch_hits, s.activations.counts.spilled), (f.weights.prefetch_hits, f.activations.counts.spilled));
     let size = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
     // Every reading and each step's counts by label are in the summary too: still a fraction.
     assert!(size(&summary) * 5 < size(&full), "summary {} vs full {} bytes", size(&summary), size(&full));

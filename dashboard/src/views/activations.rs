@@ -18,22 +18,22 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
     let [totals, reasons] =
         Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)]).areas(top);
     let a = &state.snapshot.activations;
-    let spill_frac = if a.saved > 0 { a.spilled as f64 / a.saved as f64 } else { 0.0 };
+    let spill_frac = if a.counts.saved > 0 { a.counts.spilled as f64 / a.counts.saved as f64 } else { 0.0 };
     let n = Style::default();
     let items = vec![
-        ("saved", "saved", format!("{} ({} weights, {} dup)", count(a.saved), count(a.weight_handles), count(a.duplicates)), n),
-        ("kept", "kept", count(a.kept), n),
+        ("saved", "saved", format!("{} ({} weights, {} dup)", count(a.counts.saved), count(a.counts.weight_handles), count(a.duplicates)), n),
+        ("kept", "kept", count(a.counts.kept), n),
         (
             "spilled",
             "spilled",
-            format!("{} ({} of saved, {} inline)", count(a.spilled), percent(a.spilled as f64, a.saved as f64), count(a.finalized_inline)),
+            format!("{} ({} of saved, {} inline)", count(a.counts.spilled), percent(a.counts.spilled as f64, a.counts.saved as f64), count(a.finalized_inline)),
             theme.band(spill_frac),
         ),
-        ("restored", "restored", format!("{} ({} ahead of need)", count(a.restored), count(a.predicted)), n),
-        ("stalls", "stalls", format!("{} ({})", count(a.stall_count), ms(a.stall_time_ms)), bad_if(a.stall_count, theme)),
-        ("bytes spilled / back", "spill/back", format!("{} / {}", bytes(a.spill_bytes), bytes(a.restore_bytes)), n),
-        ("recomputed, not stored", "recomputed", format!("{} ({})", count(a.recomputed), bytes(a.recompute_bytes)), n),
-        ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.pool_hits), count(a.pool_misses)), bad_if(a.pool_misses, theme)),
+        ("restored", "restored", format!("{} ({} ahead of need)", count(a.counts.restored), count(a.counts.predicted)), n),
+        ("stalls", "stalls", format!("{} ({})", count(a.counts.stall_count), ms(a.counts.stall_time_ms)), bad_if(a.counts.stall_count, theme)),
+        ("bytes spilled / back", "spill/back", format!("{} / {}", bytes(a.counts.spill_bytes), bytes(a.counts.restore_bytes)), n),
+        ("recomputed, not stored", "recomputed", format!("{} ({})", count(a.counts.recomputed), bytes(a.counts.recompute_bytes)), n),
+        ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.counts.pool_hits), count(a.counts.pool_misses)), bad_if(a.counts.pool_misses, theme)),
         ("spilling now", "spilling", if a.spilling { "on (over the high watermark)" } else { "off" }.to_owned(), n),
     ];
     let lines = kv_rows(items, totals.width.saturating_sub(2) as usize, theme);
@@ -87,7 +87,7 @@ fn draw_steps(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, them
                 bytes(m.spill_bytes),
                 format!("{} / {}", count(m.pool_hits), count(m.pool_misses)),
                 // The event carries this one figure in MiB (its wire name says so); shown in binary units like every size.
-                bytes((m.vram_peak_mb.max(0.0) * 1048576.0) as u64),
+                bytes((m.vram_peak_mib.max(0.0) * 1048576.0) as u64),
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())
         })

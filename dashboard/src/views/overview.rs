@@ -195,12 +195,12 @@ fn draw_activations(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme)
     let a = &state.snapshot.activations;
     let n = Style::default();
     let items = vec![
-        ("kept / spilled", "kept/spill", format!("{} / {}", count(a.kept), count(a.spilled)), n),
-        ("stalls", "stalls", format!("{} ({})", count(a.stall_count), ms(a.stall_time_ms)), bad_if(a.stall_count, theme)),
-        ("restored", "restored", format!("{} ({} ahead)", count(a.restored), count(a.predicted)), n),
-        ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.pool_hits), count(a.pool_misses)), bad_if(a.pool_misses, theme)),
-        ("spilled bytes", "spilled", bytes(a.spill_bytes), n),
-        ("saved", "saved", count(a.saved), n),
+        ("kept / spilled", "kept/spill", format!("{} / {}", count(a.counts.kept), count(a.counts.spilled)), n),
+        ("stalls", "stalls", format!("{} ({})", count(a.counts.stall_count), ms(a.counts.stall_time_ms)), bad_if(a.counts.stall_count, theme)),
+        ("restored", "restored", format!("{} ({} ahead)", count(a.counts.restored), count(a.counts.predicted)), n),
+        ("pool hits / misses", "pool h/m", format!("{} / {}", count(a.counts.pool_hits), count(a.counts.pool_misses)), bad_if(a.counts.pool_misses, theme)),
+        ("spilled bytes", "spilled", bytes(a.counts.spill_bytes), n),
+        ("saved", "saved", count(a.counts.saved), n),
         ("spilling", "spilling", if a.spilling { "on" } else { "off" }.to_owned(), n),
     ];
     let lines = rows(items, area.width.saturating_sub(2) as usize, theme);

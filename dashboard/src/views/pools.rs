@@ -143,8 +143,8 @@ fn draw_activation_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Th
         " Activation pool ({}, {}; spill hits {} misses {}) ",
         fmt_bytes(capacity(p)),
         if p.pinned { "pinned" } else { "pageable" },
-        count(a.pool_hits),
-        count(a.pool_misses)
+        count(a.counts.pool_hits),
+        count(a.counts.pool_misses)
     );
     let table = Table::new(
         rows,

@@ -5,15 +5,15 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// One mebibyte, the unit the `_mib` options are written in.
-pub const MB: u64 = 1 << 20;
+pub const MIB: u64 = 1 << 20;
 /// Spilling switches on when device memory reaches this (a 24 GB card with 4 GB left for spikes).
-pub const DEFAULT_HIGH_WATERMARK_BYTES: u64 = 20_000 * MB;
+pub const DEFAULT_HIGH_WATERMARK_BYTES: u64 = 20_000 * MIB;
 /// Spilling switches off when device memory falls under this (4 GB of hysteresis, so it does not
 /// flap around one level).
-pub const DEFAULT_LOW_WATERMARK_BYTES: u64 = 16_000 * MB;
-/// Slab size of each class of the pinned pool, in MB: powers of four, so no spill wastes more than
+pub const DEFAULT_LOW_WATERMARK_BYTES: u64 = 16_000 * MIB;
+/// Slab size of each class of the pinned pool, in MiB: powers of four, so no spill wastes more than
 /// three quarters of its slab.
-pub const DEFAULT_CLASS_SIZES_MB: [u64; 5] = [1, 4, 16, 64, 256];
+pub const DEFAULT_CLASS_SIZES_MIB: [u64; 5] = [1, 4, 16, 64, 256];
 /// Slabs in each class: many small ones (most saved tensors are small), two of each larger class;
 /// about 1.2 GB pinned. The handle sizes the pool from a traced step instead.
 pub const DEFAULT_SLABS_PER_CLASS: [u32; 5] = [512, 2, 2, 2, 2];
@@ -33,7 +33,7 @@ pub const DEFAULT_KEEP_TAIL_GROUPS: u32 = 1;
 /// Spilled tensors the predictive restorer brings back ahead of backward.
 pub const DEFAULT_RESTORE_LOOKAHEAD: u32 = 4;
 /// Device bytes that restores issued ahead of need may occupy at once.
-pub const DEFAULT_RESTORE_ALLOWANCE_BYTES: u64 = 512 * MB;
+pub const DEFAULT_RESTORE_ALLOWANCE_BYTES: u64 = 512 * MIB;
 /// CRC32C of every spill, verified at restore (off: a debugging aid: it
 /// reads every spilled byte twice more on the training thread, see
 /// [`crate::StagehandBuilder::checksums`] for what that costs).
@@ -49,9 +49,9 @@ pub const DEFAULT_SIZE_POOL_FROM_TRACE: bool = true;
 pub const DEFAULT_MAX_POOL_CLASSES: u32 = 32;
 /// Spilled tensors smaller than this are copied in batches: on an H100 a copy's fixed cost is a
 /// quarter of a 1 MiB copy's time and 6% of a 4 MiB one's (`copies` bench, spill pattern).
-pub const DEFAULT_BATCH_SPILLS_BELOW_BYTES: u64 = 4 * MB;
+pub const DEFAULT_BATCH_SPILLS_BELOW_BYTES: u64 = 4 * MIB;
 /// Most bytes one batch of spills gathers.
-pub const DEFAULT_SPILL_BATCH_BYTES: u64 = 16 * MB;
+pub const DEFAULT_SPILL_BATCH_BYTES: u64 = 16 * MIB;
 
 /// Everything the activation runtime can be told. Build it with [`ActivationConfig::builder`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -128,7 +128,7 @@ impl Default for ActivationConfig {
         ActivationConfig {
             high_watermark_bytes: DEFAULT_HIGH_WATERMARK_BYTES,
             low_watermark_bytes: DEFAULT_LOW_WATERMARK_BYTES,
-            class_sizes_bytes: DEFAULT_CLASS_SIZES_MB.iter().map(|m| m * MB).collect(),
+            class_sizes_bytes: DEFAULT_CLASS_SIZES_MIB.iter().map(|m| m * MIB).collect(),
             slabs_per_class: DEFAULT_SLABS_PER_CLASS.to_vec(),
             max_inflight_d2h: DEFAULT_MAX_INFLIGHT_D2H,
             max_inflight_h2d: DEFAULT_MAX_INFLIGHT_H2D,
@@ -247,7 +247,7 @@ pub struct ActivationConfigBuilder {
 impl ActivationConfigBuilder {
     /// High and low watermarks in MiB (saturating: a huge value is refused by `build`, not wrapped).
     pub fn watermarks_mib(self, high: u64, low: u64) -> Self {
-        self.watermarks_bytes(high.saturating_mul(MB), low.saturating_mul(MB))
+        self.watermarks_bytes(high.saturating_mul(MIB), low.saturating_mul(MIB))
     }
     /// High and low watermarks in bytes.
     pub fn watermarks_bytes(mut self, high: u64, low: u64) -> Self {
@@ -257,7 +257,7 @@ impl ActivationConfigBuilder {
     }
     /// Pool class sizes in MiB (saturating, as the watermarks).
     pub fn classes_mib(self, sizes: &[u64]) -> Self {
-        let bytes: Vec<u64> = sizes.iter().map(|m| m.saturating_mul(MB)).collect();
+        let bytes: Vec<u64> = sizes.iter().map(|m| m.saturating_mul(MIB)).collect();
         self.classes_bytes(&bytes)
     }
     /// Pool class sizes in bytes.
@@ -375,9 +375,9 @@ mod tests {
     fn defaults_are_valid() {
         let c = ActivationConfig::default();
         c.validate().expect("defaults are valid");
-        assert_eq!(c.high_watermark_bytes, 20_000 * MB);
-        assert_eq!(c.low_watermark_bytes, 16_000 * MB);
-        assert_eq!(c.class_sizes_bytes, vec![MB, 4 * MB, 16 * MB, 64 * MB, 256 * MB]);
+        assert_eq!(c.high_watermark_bytes, 20_000 * MIB);
+        assert_eq!(c.low_watermark_bytes, 16_000 * MIB);
+        assert_eq!(c.class_sizes_bytes, vec![MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]);
         assert_eq!(c.slabs_per_class, vec![512, 2, 2, 2, 2]);
         assert_eq!((c.max_inflight_d2h, c.max_inflight_h2d), (64, 4));
         assert!(!c.debug_checksums && c.telemetry_enabled);

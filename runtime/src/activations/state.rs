@@ -8,7 +8,7 @@
 //! The file is long because pack, unpack, release and the step's end share that lock and its
 //! invariants; spreading them over files would hide which of them hold it.
 
-use super::config::{ActivationConfig, MB};
+use super::config::{ActivationConfig, MIB};
 use super::ctx::Ctx;
 use super::policy::{region_matches, PackFacts, SpillPolicy, Verdict};
 use super::recompute::{Membership, Recomputation, Scopes};
@@ -983,7 +983,7 @@ impl Shared {
             Err(e) if result.is_ok() => result = Err(e),
             Err(_) => {}
         }
-        g.metrics.vram_peak_mb = self.device.memory().peak as f64 / MB as f64;
+        g.metrics.vram_peak_mib = self.device.memory().peak as f64 / MIB as f64;
         if !g.learning.is_empty() {
             if !g.profile.is_empty() && g.profile.len() != g.learning.len() {
                 self.warn(format!(

@@ -21,11 +21,9 @@
 //!
 //! Optimizer state saves to a sidecar file: see [`crate::optim::state`].
 
-mod atomic;
-pub(crate) mod safetensors;
 mod store;
 
-pub use store::Snapshot;
+pub use store::VarStoreCopy;
 
 use crate::error::Result;
 use crate::weights::WeightRuntime;
@@ -73,8 +71,8 @@ pub fn load_partial(path: impl AsRef<Path>, vs: &tch::nn::VarStore, rt: Option<&
 }
 
 /// A copy of `vs`'s variables with their real values (managed ones from `rt`).
-pub fn snapshot(vs: &tch::nn::VarStore, rt: Option<&WeightRuntime>) -> Result<Snapshot> {
-    Snapshot::take(&vs.variables_, rt)
+pub fn snapshot(vs: &tch::nn::VarStore, rt: Option<&WeightRuntime>) -> Result<VarStoreCopy> {
+    VarStoreCopy::take(&vs.variables_, rt)
 }
 
 pub(crate) use store::{load as load_vars, save as save_vars};

@@ -3,7 +3,7 @@
 //! block, the device copy of a resident one, the file of a file-backed one), never from the
 //! placeholder a managed variable points at between uses.
 
-use super::safetensors::{cpu_contiguous, Bytes, Entry, Reader};
+use crate::tensorfile::{cpu_contiguous, Bytes, Entry, Reader};
 use super::Format;
 use crate::error::{Error, Result};
 use crate::events::BlockId;
@@ -101,14 +101,14 @@ pub(crate) fn save(path: &Path, vars: &Mutex<tch::nn::Variables>, rt: Option<&We
                 };
                 entries.push((v.name.clone(), Entry::new(&v.name, v.kind, &v.shape, bytes, &failed)?));
             }
-            super::safetensors::write(path, entries, None, &failed)
+            crate::tensorfile::write(path, entries, None, &failed)
         }
         Format::Libtorch | Format::Pickle => {
             let tensors = all
                 .iter()
                 .map(|v| Ok((v.name.clone(), cpu_contiguous(&value(v, rt)?)?)))
                 .collect::<Result<Vec<_>>>()?;
-            super::atomic::write_atomic(path, |tmp| Ok(Tensor::save_multi(&tensors, tmp)?))
+            crate::tensorfile::atomic::write_atomic(path, |tmp| Ok(Tensor::save_multi(&tensors, tmp)?))
         }
     }
 }
@@ -213,12 +213,12 @@ pub(crate) fn load(path: &Path, vars: &Mutex<tch::nn::Variables>, rt: Option<&We
 /// CPU: same names, trainability and groups. Changing it does not change the model (load a
 /// checkpoint for that), and an optimizer built on it would train the copy.
 #[derive(Debug)]
-pub struct Snapshot {
+pub struct VarStoreCopy {
     vs: tch::nn::VarStore,
 }
 
-impl Snapshot {
-    pub(crate) fn take(vars: &Mutex<tch::nn::Variables>, rt: Option<&WeightRuntime>) -> Result<Snapshot> {
+impl VarStoreCopy {
+    pub(crate) fn take(vars: &Mutex<tch::nn::Variables>, rt: Option<&WeightRuntime>) -> Result<VarStoreCopy> {
         let vs = tch::nn::VarStore::new(tch::Device::Cpu);
         let mut all = variables(vars, rt);
         // Trainable variables first, in the store's order (the order tch's optimizers use).
@@ -236,7 +236,7 @@ impl Snapshot {
             let p = dirs.iter().fold(vs.root(), |p, d| p.sub(*d)).set_group(v.group);
             let _ = p.add(leaf, copy, v.trainable);
         }
-        Ok(Snapshot { vs })
+        Ok(VarStoreCopy { vs })
     }
 
     /// Saves it like [`crate::nn::ManagedVarStore::save`] (atomically, tch's formats).

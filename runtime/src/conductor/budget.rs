@@ -3,7 +3,7 @@
 //! `available = cap - (measured use + outstanding grants)`, where the cap is the soft cap for
 //! HARD, SOFT and FLOOR and the hard cap for BURST (pinned memory has one cap and no measured
 //! use: only grants count). Below CRITICAL each priority keeps back a reserve for the levels
-//! above it (`priority_reserve_mb` times 1, 2, 3 for REQUIRED, SPECULATIVE, BACKGROUND), so
+//! above it (`priority_reserve_mib` times 1, 2, 3 for REQUIRED, SPECULATIVE, BACKGROUND), so
 //! as headroom shrinks the lowest priorities are denied first. FLOOR is a guaranteed minimum
 //! and ignores the reserve. A CEILING records an upper bound on what its owner may hold of a
 //! resource and grants nothing. Existing grants are never preempted.

@@ -8,12 +8,12 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_ENABLED: bool = true;
 /// VRAM soft cap in MiB, for a 24 GB card. HARD, SOFT and FLOOR reservations and the
 /// backward-pressure rule are measured against it.
-pub const DEFAULT_VRAM_SOFT_CAP_MB: u64 = 22_000;
+pub const DEFAULT_VRAM_SOFT_CAP_MIB: u64 = 22_000;
 /// VRAM hard cap in MiB, for a 24 GB card. Only BURST reservations may reach it.
-pub const DEFAULT_VRAM_HARD_CAP_MB: u64 = 23_500;
+pub const DEFAULT_VRAM_HARD_CAP_MIB: u64 = 23_500;
 /// Pinned host memory the Conductor may grant, in MiB: the weights' default 8 GiB pool plus the
 /// activation slab pool, rounded up.
-pub const DEFAULT_PINNED_CAP_MB: u64 = 10_240;
+pub const DEFAULT_PINNED_CAP_MIB: u64 = 10_240;
 /// Concurrent host-to-device copies (two keep the copy engine busy while one lands).
 pub const DEFAULT_H2D_SLOTS: u32 = 2;
 /// Concurrent device-to-host copies (the same for the other direction).
@@ -24,7 +24,7 @@ pub const DEFAULT_TELEMETRY_INTERVAL_STEPS: u64 = 1;
 pub const DEFAULT_DEBUG_EVENT_TRACE: bool = true;
 /// Headroom, in MiB, that each priority level below CRITICAL must leave for the levels above
 /// it: REQUIRED leaves 1x, SPECULATIVE 2x, BACKGROUND 3x.
-pub const DEFAULT_PRIORITY_RESERVE_MB: u64 = 256;
+pub const DEFAULT_PRIORITY_RESERVE_MIB: u64 = 256;
 /// Rule 1 fires when VRAM in use exceeds this fraction of the soft cap during backward.
 pub const DEFAULT_BACKWARD_PRESSURE_FRACTION: f64 = 0.8;
 /// Rule 3 fires when a slot pool was full on more than this many consecutive checks.
@@ -35,20 +35,26 @@ pub const DEFAULT_PREFETCH_WINDOW: u32 = 3;
 
 const MIB: u64 = 1 << 20;
 
-/// Configuration of the Conductor. Missing fields take the `DEFAULT_*` values.
+/// Configuration of the Conductor. Missing fields take the `DEFAULT_*` values. In JSON the MiB
+/// fields keep the original Python Stagehand's names (`vram_soft_cap_mb`, ...), so its config
+/// files parse; errors name the field as the file does.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
 pub struct ConductorConfig {
     /// False: the Conductor allocates nothing and every method is a no-op that says proceed.
     pub enabled: bool,
-    pub vram_soft_cap_mb: u64,
-    pub vram_hard_cap_mb: u64,
-    pub pinned_cap_mb: u64,
+    #[serde(rename = "vram_soft_cap_mb")]
+    pub vram_soft_cap_mib: u64,
+    #[serde(rename = "vram_hard_cap_mb")]
+    pub vram_hard_cap_mib: u64,
+    #[serde(rename = "pinned_cap_mb")]
+    pub pinned_cap_mib: u64,
     pub h2d_slots: u32,
     pub d2h_slots: u32,
     pub telemetry_interval_steps: u64,
     pub debug_event_trace: bool,
-    pub priority_reserve_mb: u64,
+    #[serde(rename = "priority_reserve_mb")]
+    pub priority_reserve_mib: u64,
     pub backward_pressure_fraction: f64,
     pub contention_checks: u32,
     pub default_prefetch_window: u32,
@@ -58,14 +64,14 @@ impl Default for ConductorConfig {
     fn default() -> Self {
         ConductorConfig {
             enabled: DEFAULT_ENABLED,
-            vram_soft_cap_mb: DEFAULT_VRAM_SOFT_CAP_MB,
-            vram_hard_cap_mb: DEFAULT_VRAM_HARD_CAP_MB,
-            pinned_cap_mb: DEFAULT_PINNED_CAP_MB,
+            vram_soft_cap_mib: DEFAULT_VRAM_SOFT_CAP_MIB,
+            vram_hard_cap_mib: DEFAULT_VRAM_HARD_CAP_MIB,
+            pinned_cap_mib: DEFAULT_PINNED_CAP_MIB,
             h2d_slots: DEFAULT_H2D_SLOTS,
             d2h_slots: DEFAULT_D2H_SLOTS,
             telemetry_interval_steps: DEFAULT_TELEMETRY_INTERVAL_STEPS,
             debug_event_trace: DEFAULT_DEBUG_EVENT_TRACE,
-            priority_reserve_mb: DEFAULT_PRIORITY_RESERVE_MB,
+            priority_reserve_mib: DEFAULT_PRIORITY_RESERVE_MIB,
             backward_pressure_fraction: DEFAULT_BACKWARD_PRESSURE_FRACTION,
             contention_checks: DEFAULT_CONTENTION_CHECKS,
             default_prefetch_window: DEFAULT_PREFETCH_WINDOW,
@@ -93,13 +99,13 @@ impl ConductorConfig {
         if !self.enabled {
             return Ok(());
         }
-        if self.vram_soft_cap_mb == 0 {
+        if self.vram_soft_cap_mib == 0 {
             return Err(bad("vram_soft_cap_mb", 0, "a positive number of MiB"));
         }
-        if self.vram_hard_cap_mb < self.vram_soft_cap_mb {
+        if self.vram_hard_cap_mib < self.vram_soft_cap_mib {
             return Err(bad(
                 "vram_hard_cap_mb",
-                self.vram_hard_cap_mb,
+                self.vram_hard_cap_mib,
                 "at least vram_soft_cap_mb",
             ));
         }
@@ -127,22 +133,22 @@ impl ConductorConfig {
 
     /// The VRAM soft cap in bytes.
     pub fn vram_soft_cap_bytes(&self) -> u64 {
-        self.vram_soft_cap_mb.saturating_mul(MIB)
+        self.vram_soft_cap_mib.saturating_mul(MIB)
     }
 
     /// The VRAM hard cap in bytes.
     pub fn vram_hard_cap_bytes(&self) -> u64 {
-        self.vram_hard_cap_mb.saturating_mul(MIB)
+        self.vram_hard_cap_mib.saturating_mul(MIB)
     }
 
     /// The pinned host cap in bytes.
     pub fn pinned_cap_bytes(&self) -> u64 {
-        self.pinned_cap_mb.saturating_mul(MIB)
+        self.pinned_cap_mib.saturating_mul(MIB)
     }
 
     /// The priority reserve unit in bytes.
     pub fn priority_reserve_bytes(&self) -> u64 {
-        self.priority_reserve_mb.saturating_mul(MIB)
+        self.priority_reserve_mib.saturating_mul(MIB)
     }
 }
 
@@ -169,11 +175,11 @@ impl ConductorConfigBuilder {
         /// See [`ConductorConfig::enabled`].
         enabled: bool,
         /// VRAM soft cap in MiB.
-        vram_soft_cap_mb: u64,
+        vram_soft_cap_mib: u64,
         /// VRAM hard cap in MiB.
-        vram_hard_cap_mb: u64,
+        vram_hard_cap_mib: u64,
         /// Pinned host cap in MiB.
-        pinned_cap_mb: u64,
+        pinned_cap_mib: u64,
         /// H2D slot count.
         h2d_slots: u32,
         /// D2H slot count.
@@ -183,7 +189,7 @@ impl ConductorConfigBuilder {
         /// Publish every slot grant and release.
         debug_event_trace: bool,
         /// Priority reserve unit in MiB.
-        priority_reserve_mb: u64,
+        priority_reserve_mib: u64,
         /// Rule 1 threshold as a fraction of the soft cap.
         backward_pressure_fraction: f64,
         /// Rule 3 consecutive full checks.
@@ -206,7 +212,7 @@ mod tests {
     #[test]
     fn defaults_are_the_python_originals_example_and_valid() {
         let c = ConductorConfig::default();
-        assert_eq!((c.vram_soft_cap_mb, c.vram_hard_cap_mb), (22_000, 23_500));
+        assert_eq!((c.vram_soft_cap_mib, c.vram_hard_cap_mib), (22_000, 23_500));
         assert_eq!((c.h2d_slots, c.d2h_slots), (2, 2));
         assert!(c.validate().is_ok());
     }
@@ -214,8 +220,8 @@ mod tests {
     #[test]
     fn builder_rejects_hard_cap_below_soft_cap() {
         let err = ConductorConfig::builder()
-            .vram_soft_cap_mb(1000)
-            .vram_hard_cap_mb(900)
+            .vram_soft_cap_mib(1000)
+            .vram_hard_cap_mib(900)
             .build()
             .expect_err("hard < soft");
         assert!(matches!(

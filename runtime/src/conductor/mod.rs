@@ -14,7 +14,7 @@
 //! use stagehand::events::Bus;
 //!
 //! # fn main() -> Result<(), stagehand::conductor::Error> {
-//! let config = ConductorConfig::builder().vram_soft_cap_mb(22_000).vram_hard_cap_mb(23_500).build()?;
+//! let config = ConductorConfig::builder().vram_soft_cap_mib(22_000).vram_hard_cap_mib(23_500).build()?;
 //! // The real runtime passes the allocator's allocated bytes.
 //! let conductor = Conductor::new(config, Bus::disabled(), || 0)?;
 //! let knobs = Knobs::new(KnobValues { max_inflight_h2d: 2, max_inflight_d2h: 0, prefetch_window: 3, suppress_speculative: false });
@@ -65,7 +65,7 @@
 //!
 //! Available = cap − (measured VRAM use + outstanding grants); pinned memory has only its cap
 //! and the grants. Priorities CRITICAL > REQUIRED > SPECULATIVE > BACKGROUND: below CRITICAL
-//! each level must leave `priority_reserve_mb` × 1, 2, 3 of headroom for the levels above, so
+//! each level must leave `priority_reserve_mib` × 1, 2, 3 of headroom for the levels above, so
 //! the lowest are denied first (`priority_reserve`). Reservations scoped to a phase are
 //! released when the step leaves that phase; others by [`Conductor::release`] or at shutdown.
 //! Every request publishes `reservation` (mode, priority, requested and granted bytes,
@@ -113,11 +113,12 @@
 //!
 //! # Configuration ([`ConductorConfig`])
 //!
-//! `enabled`, `vram_soft_cap_mb`, `vram_hard_cap_mb`, `pinned_cap_mb`, `h2d_slots`,
+//! `enabled`, `vram_soft_cap_mib`, `vram_hard_cap_mib`, `pinned_cap_mib`, `h2d_slots`,
 //! `d2h_slots`, `telemetry_interval_steps`, `debug_event_trace` (true: every slot grant and
 //! release is an event; false: only slot grants over the limit, denials and everything
-//! else), `priority_reserve_mb`, `backward_pressure_fraction`, `contention_checks`,
-//! `default_prefetch_window`.
+//! else), `priority_reserve_mib`, `backward_pressure_fraction`, `contention_checks`,
+//! `default_prefetch_window`. In a JSON config the MiB fields keep the original's names:
+//! `vram_soft_cap_mb`, `vram_hard_cap_mb`, `pinned_cap_mb`, `priority_reserve_mb`.
 //!
 //! The file is long because of this documentation (the whole policy, in one place a user reads)
 //! and the facade whose methods share one lock; budgets, phases, policy rules, adapters and
@@ -129,7 +130,7 @@ pub mod config;
 pub mod error;
 pub(crate) mod phase;
 pub(crate) mod policy;
-pub(crate) mod transfer;
+pub(crate) mod copy_slots;
 
 pub use adapter::{ActivationAdapter, KnobValues, Knobs, RuntimeAdapter, WeightAdapter};
 pub use budget::{BudgetCounts, BudgetManager, ReservationDecision, ReservationRequest};
@@ -137,7 +138,7 @@ pub use config::{ConductorConfig, ConductorConfigBuilder};
 pub use error::{Error, Result};
 pub use phase::PhaseCoordinator;
 pub use policy::{PolicyBridge, PolicyInputs};
-pub use transfer::{SlotDecision, TransferManager};
+pub use copy_slots::{SlotDecision, TransferManager};
 
 use crate::events::model::{
     ConductorStepMetrics, DenyReason, Direction, EventKind, Hints, Owner, Phase, PolicyRule,
@@ -245,9 +246,9 @@ impl Inner {
         let counts = st.budget.counts();
         let t = st.transfer.counts();
         ConductorStepMetrics {
-            vram_allocated_mb: vram as f64 / MIB_F,
-            vram_headroom_mb: st.budget.headroom(Resource::Vram, vram) as f64 / MIB_F,
-            pinned_granted_mb: st.budget.outstanding(Resource::PinnedHost) as f64 / MIB_F,
+            vram_allocated_mib: vram as f64 / MIB_F,
+            vram_headroom_mib: st.budget.headroom(Resource::Vram, vram) as f64 / MIB_F,
+            pinned_granted_mib: st.budget.outstanding(Resource::PinnedHost) as f64 / MIB_F,
             h2d_inflight: st.transfer.inflight(Direction::H2d),
             d2h_inflight: st.transfer.inflight(Direction::D2h),
             grant_count: counts.grants,
@@ -542,7 +543,7 @@ impl Conductor {
         let Some(inner) = &self.inner else {
             return Ok(SlotToken::inert(dir, owner));
         };
-        let speculative = transfer::is_speculative(priority);
+        let speculative = copy_slots::is_speculative(priority);
         let mut st = inner.lock();
         if st.shut_down {
             if speculative {

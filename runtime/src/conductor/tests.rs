@@ -33,10 +33,10 @@ impl Rig {
 
     fn with(b: ConductorConfigBuilder) -> Rig {
         let config = b
-            .vram_soft_cap_mb(1000)
-            .vram_hard_cap_mb(1200)
-            .pinned_cap_mb(500)
-            .priority_reserve_mb(10)
+            .vram_soft_cap_mib(1000)
+            .vram_hard_cap_mib(1200)
+            .pinned_cap_mib(500)
+            .priority_reserve_mib(10)
             .build()
             .expect("valid config");
         let bus = Bus::new();
@@ -56,7 +56,7 @@ impl Rig {
         }
     }
 
-    fn set_vram_mb(&self, mb: u64) {
+    fn set_vram_mib(&self, mb: u64) {
         self.vram.store(mb * MIB, Ordering::Relaxed);
     }
 
@@ -214,12 +214,12 @@ fn rules_fire_through_the_step_and_reset_at_step_begin() {
     rig.conductor.begin_step(1).expect("begin");
     rig.conductor.enter_forward().expect("forward");
     assert_eq!(wk.prefetch_window(), 3);
-    rig.set_vram_mb(900); // 90% of the soft cap
+    rig.set_vram_mib(900); // 90% of the soft cap
     rig.conductor.enter_backward().expect("backward");
     assert_eq!(wk.prefetch_window(), 1, "backward pressure");
     assert!(wk.suppress_speculative());
     assert_eq!(ak.max_inflight_d2h(), 2, "spills continue in backward");
-    rig.set_vram_mb(100);
+    rig.set_vram_mib(100);
     rig.conductor.enter_optimizer().expect("optimizer");
     assert_eq!(wk.max_inflight_h2d(), 1, "optimizer protection");
     assert_eq!(ak.max_inflight_d2h(), 0, "no spills in the optimizer");
@@ -260,7 +260,7 @@ fn step_end_publishes_metrics_with_runtime_snapshots() {
     rig.conductor
         .register(ActivationAdapter::new(activation_knobs()))
         .expect("activations");
-    rig.set_vram_mb(400);
+    rig.set_vram_mib(400);
     for step in 1..=2 {
         rig.conductor.begin_step(step).expect("begin");
         rig.conductor.enter_forward().expect("forward");
@@ -289,9 +289,9 @@ fn step_end_publishes_metrics_with_runtime_snapshots() {
     let (step, m) = &steps[0];
     assert_eq!(*step, 2);
     assert_eq!((m.grant_count, m.deny_count, m.partial_count), (1, 1, 0));
-    assert_eq!(m.pinned_granted_mb, 128.0, "two unscoped grants held");
-    assert_eq!(m.vram_allocated_mb, 400.0);
-    assert_eq!(m.vram_headroom_mb, 600.0);
+    assert_eq!(m.pinned_granted_mib, 128.0, "two unscoped grants held");
+    assert_eq!(m.vram_allocated_mib, 400.0);
+    assert_eq!(m.vram_headroom_mib, 600.0);
     assert_eq!(m.runtime_snapshots["stagehand"]["max_inflight"], 1);
     assert_eq!(m.runtime_snapshots["stagehand"]["prefetch_window"], 1);
     assert_eq!(m.runtime_snapshots["activation_stagehand"]["max_d2h"], 2);
@@ -319,7 +319,7 @@ fn step_end_publishes_metrics_with_runtime_snapshots() {
 #[test]
 fn reservations_publish_request_outcome_and_phase_scoped_release() {
     let rig = Rig::new();
-    rig.set_vram_mb(900);
+    rig.set_vram_mib(900);
     rig.conductor.begin_step(1).expect("begin");
     rig.conductor.enter_forward().expect("forward");
     let scoped = rig.conductor.reserve(

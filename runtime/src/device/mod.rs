@@ -55,8 +55,6 @@ struct Shared {
     /// The one source of transfer ids of a run: every runtime on this device draws from it, so
     /// ids are unique across weights and activations.
     next_transfer: AtomicU64,
-    /// Numeric guards, armed by a handle built with them (see [`crate::guards`]).
-    guards: std::sync::OnceLock<Arc<crate::guards::Guards>>,
 }
 
 /// A compute device: a CUDA GPU, or the host device that simulates one. Cheap to clone.
@@ -71,7 +69,6 @@ impl Device {
             shared: Arc::new(Shared {
                 backend,
                 next_transfer: AtomicU64::new(0),
-                guards: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -187,17 +184,6 @@ impl Device {
                 Err(e.into())
             }
         }
-    }
-
-    /// The numeric guards armed on this device's runs, if any (see [`crate::guards`]). Reading
-    /// them is one atomic load, so the hooks cost nothing while guards are off.
-    pub fn guards(&self) -> Option<&Arc<crate::guards::Guards>> {
-        self.shared.guards.get()
-    }
-
-    /// Arms numeric guards on this device (once; later calls return the guards armed first).
-    pub fn arm_guards(&self, bus: &crate::events::Bus) -> Arc<crate::guards::Guards> {
-        self.shared.guards.get_or_init(|| Arc::new(crate::guards::Guards::new(bus.clone()))).clone()
     }
 
     /// A new stream for work another library queues on this device (NCCL's collectives);

@@ -158,7 +158,7 @@ impl Binding {
             State::Plain | State::Failed(_) => return,
         };
         if let Ok(block) = self.block() {
-            crate::guards::observe_output(rt.device(), block, out);
+            rt.guards().observe_output(block, out);
         }
     }
 

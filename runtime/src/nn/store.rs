@@ -4,7 +4,7 @@
 use super::managed::Binding;
 use super::path::Path;
 use super::{group_layers, Grouping, LayerOptions};
-use crate::checkpoint::Snapshot;
+use crate::checkpoint::VarStoreCopy;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::events::BlockId;
@@ -448,8 +448,8 @@ impl ManagedVarStore {
     /// trainability, groups): for inspection and tch APIs that read a VarStore. The model's own
     /// managed variables point at placeholders between uses, so the store itself is never handed
     /// out; save and load with [`save`](Self::save) and [`load`](Self::load).
-    pub fn var_store(&self) -> Result<Snapshot> {
-        Snapshot::take(&self.vs.variables_, Some(&self.rt))
+    pub fn var_store(&self) -> Result<VarStoreCopy> {
+        VarStoreCopy::take(&self.vs.variables_, Some(&self.rt))
     }
 
     /// The wrapped VarStore itself, whose managed variables are placeholders between uses.

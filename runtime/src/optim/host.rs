@@ -13,7 +13,7 @@
 
 use super::groups::Groups;
 use super::kernel::{self, AdamHyper, Copy16, Grad, Moments};
-use super::stepper::Job;
+use crate::weights::stepper::Job;
 use super::{Algorithm, Kernel};
 use crate::error::{Error, Result};
 use crate::precision::{StateStorage, QUANT_BLOCK};
@@ -203,7 +203,7 @@ impl BlockOptimizer {
             }),
             (Kernel::Exact, _) => {
                 // The learning rate is a placeholder: every group's options are set before a step.
-                let mut opt = TorchOptimizer::new(&algorithm, 0.0)?;
+                let mut opt = TorchOptimizer::new(&algorithm.torch_options(0.0))?;
                 let mut params = params;
                 for p in &mut params {
                     // libtorch's optimizers step leaves that require grad.

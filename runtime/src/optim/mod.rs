@@ -5,9 +5,10 @@
 //! `set_weight_decay` and their `_group` forms for the groups made with `Path::set_group`.
 //!
 //! - Streamed blocks are stepped **on the host**: their gradients reach host memory as backward
-//!   leaves each block, and a worker thread (`stepper`) steps each block as soon as the
-//!   optimizer is asked to, in the order the next forward needs them; the weight runtime does not
-//!   load a block before its step has run, so the next forward overlaps the optimizer.
+//!   leaves each block, and the weights' worker thread (`weights::stepper`) runs each block's
+//!   step, a job this module makes, as soon as the optimizer is asked to, in the order the next
+//!   forward needs them; the weight runtime does not load a block before its step has run, so
+//!   the next forward overlaps the optimizer.
 //! - Everything else (variables the runtime does not manage, blocks kept resident) is stepped
 //!   **on its device** by libtorch's optimizer, exactly as `tch::nn::Optimizer` would.
 //!
@@ -24,13 +25,13 @@ mod host;
 pub mod kernel;
 mod optimizer;
 pub mod state;
-pub(crate) mod stepper;
 
 pub use groups::GroupOptions;
 pub use optimizer::Optimizer;
 
 use crate::error::Error;
 use crate::torch::optim::FusedAdam;
+use crate::torch::{OptimizerClass, OptimizerOptions};
 
 /// An optimizer algorithm with its hyper-parameters (tch's `nn::Sgd`, `nn::Adam`, `nn::AdamW`,
 /// `nn::RmsProp` convert into it).
@@ -94,6 +95,38 @@ impl Algorithm {
             Algorithm::Adam { .. } => "Adam",
             Algorithm::AdamW { .. } => "AdamW",
             Algorithm::RmsProp { .. } => "RMSprop",
+        }
+    }
+
+    /// libtorch's optimizer for this algorithm at learning rate `lr`, in the shim's terms.
+    pub fn torch_options(&self, lr: f64) -> OptimizerOptions {
+        let plain = OptimizerOptions {
+            class: OptimizerClass::Sgd,
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            beta1: 0.0,
+            beta2: 0.0,
+            eps: 0.0,
+            alpha: 0.0,
+            nesterov: false,
+            amsgrad: false,
+            centered: false,
+        };
+        match *self {
+            Algorithm::Sgd { momentum, dampening, wd, nesterov } => {
+                OptimizerOptions { momentum, dampening, weight_decay: wd, nesterov, ..plain }
+            }
+            Algorithm::Adam { beta1, beta2, wd, eps, amsgrad } => {
+                OptimizerOptions { class: OptimizerClass::Adam, beta1, beta2, weight_decay: wd, eps, amsgrad, ..plain }
+            }
+            Algorithm::AdamW { beta1, beta2, wd, eps, amsgrad } => {
+                OptimizerOptions { class: OptimizerClass::AdamW, beta1, beta2, weight_decay: wd, eps, amsgrad, ..plain }
+            }
+            Algorithm::RmsProp { alpha, eps, wd, momentum, centered } => {
+                OptimizerOptions { class: OptimizerClass::RmsProp, alpha, eps, weight_decay: wd, momentum, centered, ..plain }
+            }
         }
     }
 

@@ -11,7 +11,7 @@
 use super::groups::Groups;
 use super::host::{lock_groups, BlockJob, BlockOptimizer, HostParam};
 use super::state::fit_state;
-use super::stepper::{self, Stepper};
+use crate::weights::stepper::{self, Stepper};
 use super::{Algorithm, GradClip, Kernel};
 use crate::error::{Error, Result};
 use crate::precision::StateStorage;
@@ -382,7 +382,7 @@ impl Optimizer {
             lock_groups(&self.groups).ensure(group);
             let opt = match &mut self.device {
                 Some(o) => o,
-                None => self.device.insert(TorchOptimizer::new(&self.algorithm, lock_groups(&self.groups).get(0).lr)?),
+                None => self.device.insert(TorchOptimizer::new(&self.algorithm.torch_options(lock_groups(&self.groups).get(0).lr))?),
             };
             // A 16-bit variable trains through a float32 master beside it.
             let master = if matches!(var.kind(), Kind::BFloat16 | Kind::Half) && var.requires_grad() {

@@ -22,7 +22,7 @@ use super::groups::Groups;
 use super::host::lock_groups;
 use super::optimizer::{trainable, Optimizer};
 use super::Algorithm;
-use crate::checkpoint::safetensors::{cpu_contiguous, write, Bytes, Entry, Reader};
+use crate::tensorfile::{cpu_contiguous, write, Bytes, Entry, Reader};
 use crate::error::{Error, Result};
 use crate::torch::ParamState;
 use std::cell::RefCell;

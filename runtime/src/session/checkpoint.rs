@@ -2,7 +2,7 @@
 //! [`crate::checkpoint`]), interoperable both ways with a plain `tch::nn::VarStore`.
 
 use super::Stagehand;
-use crate::checkpoint::Snapshot;
+use crate::checkpoint::VarStoreCopy;
 use crate::error::Result;
 use std::path::Path;
 
@@ -61,7 +61,7 @@ impl Stagehand {
 
     /// A copy of every variable with its real value in a plain `tch::nn::VarStore` (see
     /// [`crate::nn::ManagedVarStore::var_store`]).
-    pub fn var_store(&self) -> Result<Snapshot> {
+    pub fn var_store(&self) -> Result<VarStoreCopy> {
         self.store().var_store()
     }
 }

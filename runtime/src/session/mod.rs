@@ -378,7 +378,6 @@ impl StagehandBuilder {
         let tf32 = (self.precision == Precision::Tf32 && device.is_cuda() && group.is_none()).then(|| crate::torch::amp::set_tf32(true));
         // First, so the file and the flight recorder see the run from its first event.
         let telemetry = self.telemetry.map(|c| crate::events::telemetry::attach(&bus, c)).transpose()?;
-        let guards = self.guards.then(|| device.arm_guards(&bus));
         let mut attached = Vec::new();
         if let Some(hub) = bus.hub().cloned() {
             for a in self.attachments {
@@ -411,6 +410,8 @@ impl StagehandBuilder {
                 ..LayerOptions::default()
             },
         )?;
+        // Armed before the first step: the weights runtime's layers and gradient sinks check.
+        let guards = self.guards.then(|| store.runtime().guards().arm(&bus));
         if let Some(pool) = self.host_pool {
             store.runtime().set_host_pool(pool)?;
         }
@@ -721,11 +722,11 @@ impl Stagehand {
             let dev = self.device.clone();
             let c = Conductor::new(
                 ConductorConfig::builder()
-                    .vram_soft_cap_mb(mib(plan.soft_cap_bytes))
-                    .vram_hard_cap_mb(mib(plan.hard_cap_bytes).max(mib(plan.soft_cap_bytes) + 1))
+                    .vram_soft_cap_mib(mib(plan.soft_cap_bytes))
+                    .vram_hard_cap_mib(mib(plan.hard_cap_bytes).max(mib(plan.soft_cap_bytes) + 1))
                     .h2d_slots(plan.h2d_slots)
                     .d2h_slots(plan.d2h_slots)
-                    .priority_reserve_mb((mib(plan.budget_bytes) / 64).max(1))
+                    .priority_reserve_mib((mib(plan.budget_bytes) / 64).max(1))
                     // The plan fills the budget by design (activations are kept up to the
                     // watermarks, restores reserve their memory first), so backward runs near
                     // it every step: pressure means over the budget, not near it. At 95% the

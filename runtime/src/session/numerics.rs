@@ -5,7 +5,7 @@
 
 use super::Stagehand;
 use crate::error::Result;
-use crate::guards::{Finding, Site};
+use crate::guards::{NonFinite, Site};
 use std::collections::HashSet;
 use tch::Tensor;
 
@@ -48,7 +48,7 @@ impl Stagehand {
     }
 
     /// Reads the step's flags (once) and publishes the first non-finite value found.
-    pub(super) fn guards_end(&self) -> Result<Option<Finding>> {
+    pub(super) fn guards_end(&self) -> Result<Option<NonFinite>> {
         match &self.guards {
             Some(g) => g.finish_step(),
             None => Ok(None),

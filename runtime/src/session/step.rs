@@ -45,7 +45,7 @@ pub struct StepReport {
     /// Peak device memory allocated during the step.
     pub vram_peak_bytes: u64,
     /// The first NaN or infinity the numeric guards found in the step (guards on only).
-    pub non_finite: Option<crate::guards::Finding>,
+    pub non_finite: Option<crate::guards::NonFinite>,
     /// The optimizer did not step: with guards on the loss was NaN or infinite (no backward
     /// ran), or under fp16 a gradient overflowed (the loss scale was lowered). A `warning` says
     /// which; [`Stagehand::skipped_steps`] counts them.

@@ -14,7 +14,7 @@ pub(crate) mod variable;
 pub use alloc::{AllocatorStats, MemoryInfo};
 pub use hooks::{HookError, Recompute, RecomputeFn, SavedTensorHooks, SavedTensorStore, StorageWatch, TensorIdentity};
 pub use init::{cuda_available, cuda_load_error, init};
-pub use optimizer::{ParamState, TorchOptimizer};
+pub use optimizer::{OptimizerClass, OptimizerOptions, ParamState, TorchOptimizer};
 pub use variable::VariableId;
 
 /// Bytes of a tensor's elements (its own, not its storage's).

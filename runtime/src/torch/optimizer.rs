@@ -6,7 +6,6 @@
 
 use super::ffi;
 use crate::error::{Error, Result};
-use crate::optim::Algorithm;
 use std::os::raw::{c_char, c_int};
 use std::ptr::NonNull;
 use tch::Tensor;
@@ -20,8 +19,49 @@ fn check(rc: c_int, err: &[c_char], what: &str) -> Result<()> {
     }
 }
 
+/// A libtorch optimizer class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerClass {
+    Sgd,
+    Adam,
+    AdamW,
+    RmsProp,
+}
+
+impl OptimizerClass {
+    /// libtorch's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerClass::Sgd => "SGD",
+            OptimizerClass::Adam => "Adam",
+            OptimizerClass::AdamW => "AdamW",
+            OptimizerClass::RmsProp => "RMSprop",
+        }
+    }
+}
+
+/// A new libtorch optimizer's options, as the shim takes them: the class and every option any
+/// class has (a class ignores those it does not have). The optimizer module makes them from its
+/// `Algorithm`, so the shim knows nothing above it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimizerOptions {
+    pub class: OptimizerClass,
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub alpha: f64,
+    pub nesterov: bool,
+    pub amsgrad: bool,
+    pub centered: bool,
+}
+
 /// One parameter's optimizer state: its step count (Adam, AdamW, RMSprop; 0 for SGD) and up to
-/// three tensors, in the order [`Algorithm::state_fields`] names them (`None` where absent).
+/// three tensors, in the order the optimizer module's `Algorithm::state_fields` names them
+/// (`None` where absent).
 #[derive(Debug)]
 pub struct ParamState {
     pub step: i64,
@@ -51,41 +91,34 @@ impl Drop for TorchOptimizer {
 }
 
 impl TorchOptimizer {
-    /// A new optimizer for `algorithm` at learning rate `lr`, with one empty group (group 0).
-    pub fn new(algorithm: &Algorithm, lr: f64) -> Result<TorchOptimizer> {
-        let mut c = ffi::OptimConfig { lr, ..Default::default() };
-        match *algorithm {
-            Algorithm::Sgd { momentum, dampening, wd, nesterov } => {
-                c.algorithm = 0;
-                c.momentum = momentum;
-                c.dampening = dampening;
-                c.weight_decay = wd;
-                c.nesterov = c_int::from(nesterov);
-            }
-            Algorithm::Adam { beta1, beta2, wd, eps, amsgrad } | Algorithm::AdamW { beta1, beta2, wd, eps, amsgrad } => {
-                c.algorithm = if matches!(algorithm, Algorithm::Adam { .. }) { 1 } else { 2 };
-                c.beta1 = beta1;
-                c.beta2 = beta2;
-                c.weight_decay = wd;
-                c.eps = eps;
-                c.amsgrad = c_int::from(amsgrad);
-            }
-            Algorithm::RmsProp { alpha, eps, wd, momentum, centered } => {
-                c.algorithm = 3;
-                c.alpha = alpha;
-                c.eps = eps;
-                c.weight_decay = wd;
-                c.momentum = momentum;
-                c.centered = c_int::from(centered);
-            }
-        }
+    /// A new optimizer made from `options`, with one empty group (group 0).
+    pub fn new(options: &OptimizerOptions) -> Result<TorchOptimizer> {
+        let c = ffi::OptimConfig {
+            algorithm: match options.class {
+                OptimizerClass::Sgd => 0,
+                OptimizerClass::Adam => 1,
+                OptimizerClass::AdamW => 2,
+                OptimizerClass::RmsProp => 3,
+            },
+            lr: options.lr,
+            momentum: options.momentum,
+            dampening: options.dampening,
+            weight_decay: options.weight_decay,
+            beta1: options.beta1,
+            beta2: options.beta2,
+            eps: options.eps,
+            alpha: options.alpha,
+            nesterov: c_int::from(options.nesterov),
+            amsgrad: c_int::from(options.amsgrad),
+            centered: c_int::from(options.centered),
+        };
         let mut err = [0 as c_char; 1024];
         // SAFETY: `c` is a valid config for the call; the shim returns a new optimizer or null
         // with a message.
         let ptr = unsafe { ffi::stagehand_optim_new(&c, err.as_mut_ptr(), err.len()) };
         NonNull::new(ptr)
             .map(|ptr| TorchOptimizer { ptr })
-            .ok_or_else(|| Error::Torch(tch::TchError::Torch(format!("making {}: {}", algorithm.name(), ffi::message(&err)))))
+            .ok_or_else(|| Error::Torch(tch::TchError::Torch(format!("making {}: {}", options.class.name(), ffi::message(&err)))))
     }
 
     /// Adds `param` to group `group` (groups up to it are made from the defaults, as tch does).
@@ -173,6 +206,7 @@ impl TorchOptimizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::Algorithm;
     use crate::torch::optim::set_grad;
     use tch::nn::OptimizerConfig;
     use tch::{Device, Kind};
@@ -211,7 +245,7 @@ mod tests {
             let w = vs.root().var("w", &[16], tch::nn::Init::Const(0.5));
             let mut reference = tch_config_step(&a, &vs, 0.05);
             let p = Tensor::full([16], 0.5, (Kind::Float, Device::Cpu)).set_requires_grad(true);
-            let mut o = TorchOptimizer::new(&a, 0.05).expect("optimizer");
+            let mut o = TorchOptimizer::new(&a.torch_options(0.05)).expect("optimizer");
             o.add(&p, 0).expect("add");
             assert!(o.state(&p).expect("state").is_none(), "no state before the first step");
             for i in 0..4 {
@@ -228,7 +262,7 @@ mod tests {
             }
             // A second optimizer given this state continues exactly as the first.
             let q = p.detach().copy().set_requires_grad(true);
-            let mut o2 = TorchOptimizer::new(&a, 0.05).expect("optimizer");
+            let mut o2 = TorchOptimizer::new(&a.torch_options(0.05)).expect("optimizer");
             o2.add(&q, 0).expect("add");
             let copied = ParamState { step: st.step, tensors: st.tensors.each_ref().map(|t| t.as_ref().map(|t| t.copy())) };
             o2.set_state(&q, &copied).expect("set state");
@@ -244,7 +278,7 @@ mod tests {
     #[test]
     fn groups_are_made_up_to_the_one_asked_and_set_one_at_a_time() {
         let a: Algorithm = tch::nn::AdamW::default().into();
-        let mut o = TorchOptimizer::new(&a, 0.1).expect("optimizer");
+        let mut o = TorchOptimizer::new(&a.torch_options(0.1)).expect("optimizer");
         assert_eq!(o.groups(), 1);
         let p = Tensor::zeros([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         o.add(&p, 2).expect("add");

@@ -12,6 +12,7 @@ use crate::conductor::SlotToken;
 use crate::device::{HostBuffer, Order};
 use crate::error::{Error, Result};
 use crate::events::BlockId;
+use crate::guards::GuardSlot;
 use crate::transfer::{Copier, Transfer};
 
 #[derive(Debug)]
@@ -27,13 +28,16 @@ struct GradCopy {
 pub(crate) struct GradSink {
     copier: Copier,
     inflight: Vec<GradCopy>,
+    /// The run's numeric guards, which check each gradient before it leaves.
+    guards: GuardSlot,
 }
 
 impl GradSink {
-    pub(crate) fn new(copier: Copier) -> GradSink {
+    pub(crate) fn new(copier: Copier, guards: GuardSlot) -> GradSink {
         GradSink {
             copier,
             inflight: Vec::new(),
+            guards,
         }
     }
 
@@ -52,7 +56,7 @@ impl GradSink {
             if !g.defined() {
                 continue;
             }
-            crate::guards::observe_gradient(self.copier.device(), Some(id), &g);
+            self.guards.observe_gradient(Some(id), &g);
             let g = if g.is_contiguous() { g } else { g.f_contiguous()? };
             let bytes = crate::torch::tensor_bytes(&g);
             let fresh = !block.grads[gi].received;

@@ -12,6 +12,8 @@
 //! - `scheduler`: loads, prefetch, finalisation on copy events, eviction, gradients sent home
 //!   as backward leaves each block, host optimizer steps gating loads, evaluations (forwards
 //!   outside a step).
+//! - `stepper`: the worker thread that runs host optimizer steps in the order the next forward
+//!   needs the blocks; the optimizer hands it jobs through its `Job` trait.
 //! - `claims`: each variable managed by one block of one runtime, process-wide.
 //! - [`runtime`]: [`WeightRuntime`], the block-mode API.
 //! - `handles`: the saved-tensor store that turns saved weights into block handles.
@@ -41,6 +43,7 @@ pub(crate) mod shared;
 pub mod runtime;
 pub(crate) mod scheduler;
 pub(crate) mod slots;
+pub(crate) mod stepper;
 
 pub use config::{parse_bytes, WeightConfig, WeightConfigBuilder};
 pub use handles::WeightStore;

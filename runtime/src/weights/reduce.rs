@@ -17,6 +17,7 @@ use crate::conductor::SlotToken;
 use crate::device::{HostBuffer, Order};
 use crate::error::{Error, Result};
 use crate::events::{BlockId, Owner};
+use crate::guards::GuardSlot;
 use crate::transfer::{Copier, Transfer};
 use std::sync::Arc;
 use tch::Tensor;
@@ -42,6 +43,8 @@ impl Bucket {
 pub(crate) struct ReduceSink {
     collective: Arc<Collective>,
     copier: Copier,
+    /// The run's numeric guards, which check each gradient before it is reduced.
+    guards: GuardSlot,
     inflight: Vec<Bucket>,
     /// Milliseconds the collectives of this step ran on the device (the timed ones), and bytes.
     collective_ms: f64,
@@ -49,8 +52,8 @@ pub(crate) struct ReduceSink {
 }
 
 impl ReduceSink {
-    pub(crate) fn new(collective: Arc<Collective>, copier: Copier) -> ReduceSink {
-        ReduceSink { collective, copier, inflight: Vec::new(), collective_ms: 0.0, collective_bytes: 0 }
+    pub(crate) fn new(collective: Arc<Collective>, copier: Copier, guards: GuardSlot) -> ReduceSink {
+        ReduceSink { collective, copier, guards, inflight: Vec::new(), collective_ms: 0.0, collective_bytes: 0 }
     }
 
     /// Reduces `block`'s device gradients over the group and sends this rank's shard of the sum
@@ -74,7 +77,7 @@ impl ReduceSink {
         }
         let device = self.copier.device().clone();
         for g in grads.iter().flatten() {
-            crate::guards::observe_gradient(&device, Some(id), g);
+            self.guards.observe_gradient(Some(id), g);
         }
         let defined: Vec<bool> = grads.iter().map(Option::is_some).collect();
         let bucket = layout.pack(&grads, device.tch_device())?;

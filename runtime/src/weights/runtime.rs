@@ -12,6 +12,7 @@ use super::WeightConfig;
 use crate::conductor::{Conductor, Knobs, WeightAdapter};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::guards::GuardSlot;
 use crate::device::HostPool;
 use crate::events::{BlockId, BlockState, Bus, EvictionReason, ModelMemory, QuantizationReport, WeightStepMetrics};
 use crate::precision::QuantFormat;
@@ -55,6 +56,9 @@ pub(crate) struct Inner {
     planned: AtomicBool,
     index: PtrIndex,
     knobs: Arc<Knobs>,
+    /// The numeric guards' slot, shared with the scheduler's gradient sinks: the managed layers
+    /// check their outputs with it (one atomic load while no guards are armed).
+    guards: GuardSlot,
     device: Device,
     bus: Bus,
 }
@@ -105,6 +109,7 @@ impl WeightRuntime {
         let index: PtrIndex = Arc::default();
         let sched = Scheduler::new(device.clone(), config, bus.clone(), index.clone())?;
         let knobs = sched.knobs();
+        let guards = sched.guards();
         Ok(WeightRuntime {
             inner: Arc::new(Inner {
                 sched: Mutex::new(sched),
@@ -115,6 +120,7 @@ impl WeightRuntime {
                 planned: AtomicBool::new(false),
                 index,
                 knobs,
+                guards,
                 device,
                 bus,
             }),
@@ -242,6 +248,11 @@ impl WeightRuntime {
     /// The device.
     pub fn device(&self) -> &Device {
         &self.inner.device
+    }
+
+    /// Where this runtime's numeric guards are armed and read (see [`crate::guards`]).
+    pub fn guards(&self) -> &GuardSlot {
+        &self.inner.guards
     }
 
     /// The bus events go to.
@@ -442,7 +453,7 @@ impl WeightRuntime {
     /// let acts = ActivationRuntime::new(
     ///     device.clone(), ActivationConfig::default(), bus.clone(), Some(weights.resolver()))?;
     /// let dev = device.clone();
-    /// let config = ConductorConfig::builder().vram_soft_cap_mb(7_000).vram_hard_cap_mb(7_800).build()?;
+    /// let config = ConductorConfig::builder().vram_soft_cap_mib(7_000).vram_hard_cap_mib(7_800).build()?;
     /// let conductor = Conductor::new(config, bus.clone(), move || dev.memory().allocated)?;
     /// weights.attach_conductor(&conductor)?;
     /// acts.attach_conductor(&conductor)?;

@@ -8,43 +8,11 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use serde::Serialize;
 use stagehand::events::ReplayStatus;
 use std::sync::Arc;
 
-/// Where a replay is.
-#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
-pub struct ReplayState {
-    /// Events applied (the event index the replay is at).
-    pub position: usize,
-    /// Events in the file.
-    pub total: usize,
-    pub paused: bool,
-    /// Playback speed in force (1 = as recorded).
-    pub speed: f64,
-    /// Replay time, ns since the run started, and the file's last event's time.
-    pub t_ns: u64,
-    pub end_t_ns: u64,
-    /// The training step at the position.
-    pub step: u64,
-    /// Whether more events are expected (a file still being written).
-    pub following: bool,
-}
-
-impl From<ReplayStatus> for ReplayState {
-    fn from(r: ReplayStatus) -> ReplayState {
-        ReplayState {
-            position: r.position,
-            total: r.total,
-            paused: r.paused,
-            speed: r.speed,
-            t_ns: r.t_ns,
-            end_t_ns: r.end_t_ns,
-            step: r.step,
-            following: r.following,
-        }
-    }
-}
+/// Where a replay is: the replay's own status, answered as it is.
+pub type ReplayState = ReplayStatus;
 
 fn driver(s: &AppState) -> Result<&Arc<ReplayDriver>, ApiError> {
     s.replay.as_ref().ok_or_else(|| {
@@ -61,7 +29,7 @@ type Answer = Result<Json<ReplayState>, ApiError>;
 #[utoipa::path(get, path = "/api/replay/status", tag = "replay",
     responses((status = 200, body = ReplayState), (status = 404, description = "A live server", body = ErrorBody), Refusals))]
 pub(crate) async fn status(State(s): State<AppState>) -> Answer {
-    Ok(Json(driver(&s)?.status().into()))
+    Ok(Json(driver(&s)?.status()))
 }
 
 /// Plays from the position at the speed in force.
@@ -69,7 +37,7 @@ pub(crate) async fn status(State(s): State<AppState>) -> Answer {
     request_body(content = Option<serde_json::Value>, content_type = "application/json", description = "Empty or {}"),
     responses((status = 200, body = ReplayState), (status = 404, description = "A live server", body = ErrorBody), Refusals))]
 pub(crate) async fn play(State(s): State<AppState>) -> Answer {
-    Ok(Json(driver(&s)?.set_paused(false).into()))
+    Ok(Json(driver(&s)?.set_paused(false)))
 }
 
 /// Pauses.
@@ -77,7 +45,7 @@ pub(crate) async fn play(State(s): State<AppState>) -> Answer {
     request_body(content = Option<serde_json::Value>, content_type = "application/json", description = "Empty or {}"),
     responses((status = 200, body = ReplayState), (status = 404, description = "A live server", body = ErrorBody), Refusals))]
 pub(crate) async fn pause(State(s): State<AppState>) -> Answer {
-    Ok(Json(driver(&s)?.set_paused(true).into()))
+    Ok(Json(driver(&s)?.set_paused(true)))
 }
 
 /// Jumps to an event index, a fraction of the file, a time, or the start of a step.
@@ -90,7 +58,7 @@ pub(crate) async fn seek(State(s): State<AppState>, body: Result<Json<SeekReques
     let state = d.seek(&req, &s.hub)?;
     // The state jumped: the next snapshot is encoded afresh.
     s.snapshots.clear().await;
-    Ok(Json(state.into()))
+    Ok(Json(state))
 }
 
 /// Sets the playback speed.
@@ -100,7 +68,7 @@ pub(crate) async fn seek(State(s): State<AppState>, body: Result<Json<SeekReques
 pub(crate) async fn speed(State(s): State<AppState>, body: Result<Json<SpeedRequest>, JsonRejection>) -> Answer {
     let d = driver(&s)?;
     let Json(req) = body?;
-    Ok(Json(d.set_speed(&req)?.into()))
+    Ok(Json(d.set_speed(&req)?))
 }
 
 /// Moves by events or training steps, and pauses.
@@ -112,5 +80,5 @@ pub(crate) async fn step(State(s): State<AppState>, body: Result<Json<StepReques
     let Json(req) = body?;
     let state = d.step(&req, &s.hub)?;
     s.snapshots.clear().await;
-    Ok(Json(state.into()))
+    Ok(Json(state))
 }

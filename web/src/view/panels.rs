@@ -340,16 +340,16 @@ pub struct ActivationsPanel {
 pub(crate) fn activations(s: &Snapshot) -> ActivationsPanel {
     let a = &s.activations;
     ActivationsPanel {
-        saved: a.saved,
-        kept: a.kept,
-        spilled: a.spilled,
-        restored: a.restored,
-        predicted: a.predicted,
-        spill_bytes: a.spill_bytes,
-        restore_bytes: a.restore_bytes,
-        recomputed: a.recomputed,
-        recompute_bytes: a.recompute_bytes,
-        stall_ms: ms(a.stall_time_ms),
+        saved: a.counts.saved,
+        kept: a.counts.kept,
+        spilled: a.counts.spilled,
+        restored: a.counts.restored,
+        predicted: a.counts.predicted,
+        spill_bytes: a.counts.spill_bytes,
+        restore_bytes: a.counts.restore_bytes,
+        recomputed: a.counts.recomputed,
+        recompute_bytes: a.counts.recompute_bytes,
+        stall_ms: ms(a.counts.stall_time_ms),
         spilling: a.spilling,
     }
 }

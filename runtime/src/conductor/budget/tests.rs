@@ -5,10 +5,10 @@ const MIB: u64 = 1 << 20;
 /// Soft cap 1000 MiB, hard cap 1200 MiB, pinned 500 MiB, reserve unit 10 MiB.
 fn budget() -> BudgetManager {
     let config = ConductorConfig::builder()
-        .vram_soft_cap_mb(1000)
-        .vram_hard_cap_mb(1200)
-        .pinned_cap_mb(500)
-        .priority_reserve_mb(10)
+        .vram_soft_cap_mib(1000)
+        .vram_hard_cap_mib(1200)
+        .pinned_cap_mib(500)
+        .priority_reserve_mib(10)
         .build()
         .expect("valid");
     BudgetManager::new(&config)

@@ -4,7 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 /// Weight runtime metrics of one step. Field names match the original Python Stagehand's
-/// `StepMetrics`, so that its users' tools read our files.
+/// `StepMetrics`, so that its users' tools read our files: in JSON its MiB values keep the
+/// original's `_mb` names, which the Rust fields spell `_mib`.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightStepMetrics {
@@ -17,8 +18,10 @@ pub struct WeightStepMetrics {
     pub prefetch_misses: u64,
     /// prefetch_hits / (hits + misses), 0 when there were none.
     pub hit_rate: f64,
-    pub vram_used_mb: f64,
-    pub vram_reserved_mb: f64,
+    #[serde(rename = "vram_used_mb")]
+    pub vram_used_mib: f64,
+    #[serde(rename = "vram_reserved_mb")]
+    pub vram_reserved_mib: f64,
     pub host_pool_free: u32,
     pub host_pool_in_use: u32,
     /// Milliseconds the compute stream waited for weight copies still landing (GPU-measured).
@@ -93,7 +96,8 @@ pub struct ActivationStepMetrics {
     pub stall_count: u64,
     pub pool_hits: u64,
     pub pool_misses: u64,
-    pub vram_peak_mb: f64,
+    #[serde(rename = "vram_peak_mb")]
+    pub vram_peak_mib: f64,
     /// Milliseconds the compute stream waited for restores still landing (GPU-measured).
     #[serde(default)]
     pub h2d_wait_ms: f64,
@@ -125,9 +129,12 @@ pub struct ActivationStepMetrics {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ConductorStepMetrics {
-    pub vram_allocated_mb: f64,
-    pub vram_headroom_mb: f64,
-    pub pinned_granted_mb: f64,
+    #[serde(rename = "vram_allocated_mb")]
+    pub vram_allocated_mib: f64,
+    #[serde(rename = "vram_headroom_mb")]
+    pub vram_headroom_mib: f64,
+    #[serde(rename = "pinned_granted_mb")]
+    pub pinned_granted_mib: f64,
     pub h2d_inflight: u32,
     pub d2h_inflight: u32,
     pub grant_count: u64,

@@ -38,16 +38,23 @@ pub enum Change {
     Reset,
 }
 
-/// Where a replay is, for status lines and the API.
+/// Where a replay is, for status lines and the API (whose schema calls it `ReplayState`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(as = ReplayState))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplayStatus {
+    /// Events applied (the event index the replay is at).
     pub position: usize,
+    /// Events in the file.
     pub total: usize,
     pub paused: bool,
+    /// Playback speed in force (1 = as recorded).
     pub speed: f64,
+    /// Replay time, ns since the run started, and the file's last event's time.
     pub t_ns: u64,
     pub end_t_ns: u64,
+    /// The training step at the position.
     pub step: u64,
+    /// Whether more events are expected (a file still being written).
     pub following: bool,
     /// The file is still being indexed: `total` and `end_t_ns` are what is known so far.
     #[serde(default)]

@@ -65,20 +65,5 @@ pub(super) fn apply(s: &mut Snapshot, e: &Event) {
 }
 
 fn refresh(s: &mut Snapshot) {
-    let t = s.tallies.activations.total();
-    let a = &mut s.activations;
-    a.saved = t.saved;
-    a.kept = t.kept;
-    a.spilled = t.spilled;
-    a.weight_handles = t.weight_handles;
-    a.restored = t.restored;
-    a.predicted = t.predicted;
-    a.spill_bytes = t.spill_bytes;
-    a.restore_bytes = t.restore_bytes;
-    a.stall_time_ms = t.stall_time_ms;
-    a.stall_count = t.stall_count;
-    a.pool_hits = t.pool_hits;
-    a.pool_misses = t.pool_misses;
-    a.recomputed = t.recomputed;
-    a.recompute_bytes = t.recompute_bytes;
+    s.activations.counts = s.tallies.activations.total();
 }

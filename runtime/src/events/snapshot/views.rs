@@ -2,6 +2,7 @@
 
 use super::super::model::*;
 use serde::{Deserialize, Serialize};
+use super::tally::ActivationCounts;
 use std::collections::{BTreeMap, VecDeque};
 
 /// VRAM samples kept for history charts.
@@ -260,29 +261,15 @@ impl WeightTotals {
     }
 }
 
-/// Activation runtime totals over the run.
+/// Activation runtime totals over the run: the counts every step adds to (the type the tally
+/// sums, flattened, so the JSON keeps one level), and what only the run as a whole has.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct ActivationTotals {
-    pub saved: u64,
-    pub kept: u64,
-    pub spilled: u64,
-    pub weight_handles: u64,
+    #[serde(flatten)]
+    pub counts: ActivationCounts,
     pub duplicates: u64,
-    pub restored: u64,
-    pub predicted: u64,
     pub finalized_inline: u64,
-    pub spill_bytes: u64,
-    pub restore_bytes: u64,
-    pub stall_time_ms: f64,
-    pub stall_count: u64,
-    pub pool_hits: u64,
-    pub pool_misses: u64,
-    /// Saved tensors recomputed in backward instead of stored, and their bytes.
-    #[serde(default)]
-    pub recomputed: u64,
-    #[serde(default)]
-    pub recompute_bytes: u64,
     pub kept_by_reason: BTreeMap<String, u64>,
     pub spilling: bool,
     pub last_step: Option<ActivationStepMetrics>,

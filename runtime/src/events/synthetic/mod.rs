@@ -139,7 +139,7 @@ mod tests {
         assert!(snap.ended);
         assert_eq!(snap.steps.len(), 3);
         assert_eq!((snap.transfers.h2d.inflight, snap.transfers.d2h.inflight), (0, 0));
-        assert!(snap.activations.spilled > 0 && snap.activations.restored == snap.activations.spilled);
+        assert!(snap.activations.counts.spilled > 0 && snap.activations.counts.restored == snap.activations.counts.spilled);
         assert!(snap.weights.prefetch_hits > 0 && snap.weights.prefetch_misses > 0);
     }
 

@@ -304,8 +304,8 @@ pub(super) fn generate(run: SyntheticRun) -> Vec<Event> {
             prefetch_hits: w.prefetch_hits,
             prefetch_misses: w.prefetch_misses,
             hit_rate: if looked == 0 { 0.0 } else { w.prefetch_hits as f64 / looked as f64 },
-            vram_used_mb: (g.vram / MIB) as f64,
-            vram_reserved_mb: (g.vram / MIB + 64) as f64,
+            vram_used_mib: (g.vram / MIB) as f64,
+            vram_reserved_mib: (g.vram / MIB + 64) as f64,
             host_pool_free: WEIGHT_SLABS,
             host_pool_in_use: 0,
             ..Default::default()
@@ -325,13 +325,13 @@ pub(super) fn generate(run: SyntheticRun) -> Vec<Event> {
             pool_misses: a.pool_misses,
             activations_recomputed: a.recomputed,
             recompute_bytes: a.recompute_bytes,
-            vram_peak_mb: (g.peak / MIB) as f64,
+            vram_peak_mib: (g.peak / MIB) as f64,
             ..Default::default()
         }));
         g.push(EventKind::ConductorStep(ConductorStepMetrics {
-            vram_allocated_mb: (g.vram / MIB) as f64,
-            vram_headroom_mb: ((BUDGET - g.vram.min(BUDGET)) / MIB) as f64,
-            pinned_granted_mb: 0.0,
+            vram_allocated_mib: (g.vram / MIB) as f64,
+            vram_headroom_mib: ((BUDGET - g.vram.min(BUDGET)) / MIB) as f64,
+            pinned_granted_mib: 0.0,
             h2d_inflight: 0,
             d2h_inflight: 0,
             grant_count: c.grants,

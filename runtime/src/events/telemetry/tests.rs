@@ -24,8 +24,8 @@ fn totals(s: &Snapshot) -> String {
     format!(
         "w {} {} {} {} {} {} {} | a {} {} {} {} {} {} {} {} {} {} {} {} | c {} {} {} {} {} | h2d {} {} {} {} d2h {} {} {} {}",
         w.prefetch_hits, w.prefetch_misses, w.stall_count, w.stall_time_ms, w.evictions, w.h2d_bytes, w.d2h_bytes,
-        a.saved, a.kept, a.spilled, a.weight_handles, a.restored, a.predicted, a.spill_bytes, a.restore_bytes,
-        a.stall_time_ms, a.stall_count, a.pool_hits, a.pool_misses,
+        a.counts.saved, a.counts.kept, a.counts.spilled, a.counts.weight_handles, a.counts.restored, a.counts.predicted, a.counts.spill_bytes, a.counts.restore_bytes,
+        a.counts.stall_time_ms, a.counts.stall_count, a.counts.pool_hits, a.counts.pool_misses,
         c.grants, c.partials, c.denials, c.slot_grants, c.slot_denials,
         t.h2d.count, t.h2d.bytes, t.h2d.busy_ms, t.h2d.last_gbps, t.d2h.count, t.d2h.bytes, t.d2h.busy_ms, t.d2h.last_gbps,
     )

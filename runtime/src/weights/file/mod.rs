@@ -27,11 +27,11 @@ mod watched;
 
 use super::registry::{BlockSpec, ParamSpec};
 use crate::error::{Error, Result};
+use crate::tensorfile::kind_of;
 use safetensors::tensor::Metadata;
-use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 use std::sync::OnceLock;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use watched::WatchedFile;
 
 /// How much of a tensor's bytes the checksum that guards a file-backed block covers.
@@ -79,44 +79,6 @@ impl std::fmt::Debug for FileSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FileSource").field("path", &self.file.path()).finish_non_exhaustive()
     }
-}
-
-/// The libtorch dtype of a safetensors dtype (`None` for those libtorch lacks).
-pub(crate) fn kind_of(d: Dtype) -> Option<Kind> {
-    Some(match d {
-        Dtype::F32 => Kind::Float,
-        Dtype::F16 => Kind::Half,
-        Dtype::BF16 => Kind::BFloat16,
-        Dtype::F64 => Kind::Double,
-        Dtype::I64 => Kind::Int64,
-        Dtype::I32 => Kind::Int,
-        Dtype::I16 => Kind::Int16,
-        Dtype::I8 => Kind::Int8,
-        Dtype::U8 => Kind::Uint8,
-        Dtype::BOOL => Kind::Bool,
-        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
-        Dtype::F8_E5M2 => Kind::Float8e5m2,
-        _ => return None,
-    })
-}
-
-/// The safetensors dtype of a libtorch dtype (`None` for those safetensors lacks).
-pub(crate) fn dtype_of(k: Kind) -> Option<Dtype> {
-    Some(match k {
-        Kind::Float => Dtype::F32,
-        Kind::Half => Dtype::F16,
-        Kind::BFloat16 => Dtype::BF16,
-        Kind::Double => Dtype::F64,
-        Kind::Int64 => Dtype::I64,
-        Kind::Int => Dtype::I32,
-        Kind::Int16 => Dtype::I16,
-        Kind::Int8 => Dtype::I8,
-        Kind::Uint8 => Dtype::U8,
-        Kind::Bool => Dtype::BOOL,
-        Kind::Float8e4m3fn => Dtype::F8_E4M3,
-        Kind::Float8e5m2 => Dtype::F8_E5M2,
-        _ => return None,
-    })
 }
 
 impl FileSource {

@@ -4,6 +4,7 @@ use super::watched::WatchedFile;
 use super::*;
 use crate::events::BlockId;
 use std::path::Path;
+use tch::Kind;
 
 /// A safetensors file of one f32 tensor `w` of `n` elements (0, 1, 2, ...) and its block.
 fn one_tensor(path: &Path, n: i64) -> BlockSpec {

@@ -11,7 +11,7 @@
 //! checked before anything is written.
 
 use super::{write_param, ErrorSums, QuantFormat, QuantLayout};
-use crate::checkpoint::safetensors::{write, Bytes, Entry, Reader};
+use crate::tensorfile::{write, Bytes, Entry, Reader};
 use crate::error::{Error, Result};
 use crate::weights::registry::BlockSpec;
 use std::cell::RefCell;
@@ -52,11 +52,11 @@ pub(crate) fn save(path: &Path, blocks: &[Saved<'_>]) -> Result<()> {
             Some(_) => {}
         }
         for (i, (p, (data, scales))) in b.spec.params.iter().zip(b.views).enumerate() {
-            let data = crate::checkpoint::safetensors::cpu_contiguous(data)?;
+            let data = crate::tensorfile::cpu_contiguous(data)?;
             let shape = p.shape.clone();
             entries.push((p.name.clone(), Entry::new(&p.name, data.kind(), &shape, Bytes::Ready(data.f_view(shape.as_slice())?), &failed)?));
             if let Some(s) = scales {
-                let s = crate::checkpoint::safetensors::cpu_contiguous(s)?;
+                let s = crate::tensorfile::cpu_contiguous(s)?;
                 let key = format!("{}{SCALES_SUFFIX}", p.name);
                 entries.push((key.clone(), Entry::new(&key, Kind::Float, &s.size(), Bytes::Ready(s), &failed)?));
                 let e = b.errors.get(i).copied().unwrap_or_default();

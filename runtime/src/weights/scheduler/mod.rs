@@ -41,8 +41,9 @@ use crate::error::{Error, Result};
 use crate::events::{
     BlockId, BlockState, Bus, EventKind, ModelMemory, ModelWeightStep, Owner, Phase, WeightStepMetrics,
 };
+use crate::guards::GuardSlot;
 use crate::precision::QuantFormat;
-use crate::optim::stepper::Stepper;
+use crate::weights::stepper::Stepper;
 use crate::pinned::SlabPool;
 use crate::transfer::Copier;
 use std::collections::{BTreeMap, HashMap};
@@ -98,6 +99,8 @@ pub(crate) struct Scheduler {
     knobs: Arc<Knobs>,
     /// Grants the transfer slots (disabled: every copy proceeds at no cost).
     conductor: Conductor,
+    /// The run's numeric guards: the gradient sinks check with it, the handle arms it.
+    guards: GuardSlot,
     blocks: Vec<Block>,
     names: HashMap<String, BlockId>,
     residency: Residency,
@@ -117,7 +120,7 @@ pub(crate) struct Scheduler {
     update_expected: bool,
     /// Armed for this step: each trained block's host step is queued as soon as backward has
     /// left it (the optimizer step is known to follow this backward).
-    eager: Option<crate::optim::stepper::JobMaker>,
+    eager: Option<crate::weights::stepper::JobMaker>,
     /// Blocks whose host step was queued in this step.
     submitted: std::collections::HashSet<BlockId>,
     index: PtrIndex,
@@ -222,9 +225,11 @@ impl Scheduler {
             suppress_speculative: false,
         });
         let device_for_pool = device.clone();
+        let guards = GuardSlot::default();
         Ok(Scheduler {
             loader: Copier::new(&device, bus.clone(), Owner::Weights)?,
-            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?),
+            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?, guards.clone()),
+            guards,
             device,
             bus,
             cfg,
@@ -282,6 +287,10 @@ impl Scheduler {
 
     pub(crate) fn knobs(&self) -> Arc<Knobs> {
         self.knobs.clone()
+    }
+
+    pub(crate) fn guards(&self) -> GuardSlot {
+        self.guards.clone()
     }
 
     pub(crate) fn set_conductor(&mut self, c: Conductor) -> Conductor {
@@ -681,8 +690,8 @@ impl Scheduler {
         let m = &mut self.metrics;
         let seen = m.prefetch_hits + m.prefetch_misses;
         m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
-        m.vram_used_mb = mem.allocated as f64 / (1u64 << 20) as f64;
-        m.vram_reserved_mb = mem.reserved as f64 / (1u64 << 20) as f64;
+        m.vram_used_mib = mem.allocated as f64 / (1u64 << 20) as f64;
+        m.vram_reserved_mib = mem.reserved as f64 / (1u64 << 20) as f64;
         m.h2d_wait_ms += wait;
         m.update_wait_ms += update_idle;
         m.host_ms = (m.host_ms - update_host_ms).max(0.0);

@@ -16,7 +16,7 @@ use super::Scheduler;
 use crate::collective::Membership;
 use crate::error::{Error, Result};
 use crate::events::{BlockId, Direction, Owner, Priority};
-use crate::optim::stepper::{Job, Stepper};
+use crate::weights::stepper::{Job, Stepper};
 use crate::transfer::Copier;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -60,7 +60,7 @@ impl Scheduler {
             return Err(Error::misuse("joining a data-parallel group", "join before the model's blocks are registered, once"));
         }
         let copier = Copier::new(&self.device, self.bus.clone(), Owner::Weights)?;
-        self.rank = Some(Rank { reduce: ReduceSink::new(member.collective.clone(), copier), member, model, submitted: HashMap::new() });
+        self.rank = Some(Rank { reduce: ReduceSink::new(member.collective.clone(), copier, self.guards.clone()), member, model, submitted: HashMap::new() });
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use super::super::block::{ParamGrad, Source};
 use super::{Scheduler, StepState};
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, Direction, Owner, Priority};
-use crate::optim::stepper::{Job, JobMaker, Stepper};
+use crate::weights::stepper::{Job, JobMaker, Stepper};
 use std::sync::Arc;
 use tch::Tensor;
 

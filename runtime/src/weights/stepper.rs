@@ -1,8 +1,10 @@
 //! The host optimizer's worker: one thread that steps streamed blocks on the host while the
-//! training thread goes on (the rest of backward, the next forward). Jobs run in order of when
-//! their block is next needed, so the next forward waits as little as possible; the weight
-//! runtime asks [`Stepper::is_pending`] before it loads a block, and never copies host weights
-//! that are being changed.
+//! training thread goes on (the rest of backward, the next forward). It lives beside the weights
+//! because their scheduler orders it and gates loads on it; the optimizer (a layer above) makes
+//! the steps and hands them over as [`Job`]s. Jobs run in order of when their block is next
+//! needed, so the next forward waits as little as possible; the weight runtime asks
+//! [`Stepper::is_pending`] before it loads a block, and never copies host weights that are being
+//! changed.
 //!
 //! Each job uses libtorch's CPU kernels, which spread one parameter's update over the worker's
 //! threads: every core by default, or as many as [`Stepper::set_threads`] says. Fewer leave cores

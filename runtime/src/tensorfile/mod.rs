@@ -1,12 +1,14 @@
-//! safetensors files as checkpoints need them: written tensor by tensor (a tensor's bytes are
+//! safetensors files as the checkpoints, the optimizer's state and the quantized weights' files
+//! need them: written tensor by tensor (a tensor's bytes are
 //! produced only when the writer reaches it, so a model larger than memory can be saved from
 //! its host copies and files), read through a memory map (only the tensors asked for are
 //! copied). Input files are untrusted: the safetensors crate checks the header (size, offsets,
 //! lengths against dtype and shape) before anything is read.
 
-use super::atomic::write_atomic;
+pub(crate) mod atomic;
+
 use crate::error::{Error, Result};
-use crate::weights::file::{dtype_of, kind_of};
+use atomic::write_atomic;
 use safetensors::{Dtype, SafeTensors, View};
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -186,6 +188,44 @@ impl Reader {
         let v = st.tensor(name).map_err(|e| self.invalid(format!("tensor '{name}': {e}")))?;
         Ok(Tensor::f_from_data_size(v.data(), &shape, kind)?)
     }
+}
+
+/// The libtorch dtype of a safetensors dtype (`None` for those libtorch lacks).
+pub(crate) fn kind_of(d: Dtype) -> Option<Kind> {
+    Some(match d {
+        Dtype::F32 => Kind::Float,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F64 => Kind::Double,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I8 => Kind::Int8,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::BOOL => Kind::Bool,
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
+        _ => return None,
+    })
+}
+
+/// The safetensors dtype of a libtorch dtype (`None` for those safetensors lacks).
+pub(crate) fn dtype_of(k: Kind) -> Option<Dtype> {
+    Some(match k {
+        Kind::Float => Dtype::F32,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Double => Dtype::F64,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int8 => Dtype::I8,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Bool => Dtype::BOOL,
+        Kind::Float8e4m3fn => Dtype::F8_E4M3,
+        Kind::Float8e5m2 => Dtype::F8_E5M2,
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
