@@ -304,8 +304,10 @@ fn a_signal_ends_the_run_cleanly_and_a_second_at_once() {
     // A second signal, once the first was heard, while a step of the demo's own size runs: out
     // at once, no summary.
     let dir = tempfile::tempdir().expect("tempdir");
-    // The first step traces the itinerary and takes over a second: signalled well inside it.
-    let (mut demo, _, mut out) = stoppable(dir.path(), &[], "activation pool at most");
+    // A model whose steps take over a second here (2.4 s the first, 1.8 s later ones on 2 cores),
+    // so the second signal lands while the step the first one let finish still runs.
+    let long = ["--d-model", "256", "--seq", "256", "--budget-mib", "64"];
+    let (mut demo, _, mut out) = stoppable(dir.path(), &long, "activation pool at most");
     std::thread::sleep(Duration::from_millis(300));
     signal(demo.id(), "INT");
     let mut rest = Vec::new();
