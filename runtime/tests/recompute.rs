@@ -257,3 +257,33 @@ fn checkpointed_streamed_blocks_give_the_same_input_gradients() {
     let mx = rt.last_step_metrics();
     assert!(mx.evictions > 0 && mx.prefetch_hits > 0, "the blocks streamed: {mx:?}");
 }
+
+/// bf16 attention through libtorch's fused kernel, forward and backward under the hooks. On
+/// CUDA the flash kernel saves its RNG seed and offset as UInt64 tensors, a kind tch cannot name
+/// (its `kind()` panicked inside the pack hook): they are kept as they are, and the gradients
+/// equal plain autograd's. On the host device the CPU kernel saves none of them.
+#[test]
+fn fused_bf16_attention_trains_through_the_hooks() {
+    let _rng = rng();
+    let run = |rt: Option<&ActivationRuntime>| {
+        let dev = device().tch_device();
+        tch::manual_seed(9);
+        let mut vs = nn::VarStore::new(dev);
+        let w = vs.root().randn("w", &[64, 64], 0.0, 0.2);
+        vs.bfloat16();
+        let x = Tensor::randn([2, 4, 128, 64], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+        let (losses, _) = sgd_steps(rt, &vs, || {
+            let h = x.matmul(&w);
+            let y = Tensor::scaled_dot_product_attention(&h, &h, &h, None::<&Tensor>, 0.0, true, None, false);
+            y.to_kind(Kind::Float).square().mean(Kind::Float)
+        });
+        (grads(&vs), losses)
+    };
+    let (plain, plain_losses) = run(None);
+    let rt = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), Bus::disabled(), None)
+        .expect("runtime");
+    let (hooked, hooked_losses) = run(Some(&rt));
+    assert_bit_identical(&plain, &hooked);
+    assert_eq!(plain_losses, hooked_losses);
+    assert_eq!(rt.live_records(), 0, "every record released");
+}

@@ -332,6 +332,9 @@ impl Shared {
     }
 
     fn pack_tensor(&self, t: Tensor) -> Result<u64> {
+        if t.f_kind().is_err() {
+            return Ok(self.keep_unnamed(t));
+        }
         let identity = TensorIdentity::of(&t);
         let bytes = crate::torch::tensor_bytes(&t);
         let auto = self.resolver.as_ref().and_then(|r| r.current_region());
@@ -416,6 +419,24 @@ impl Shared {
         let (_, handle) = g.records.insert(rec);
         self.count_kept(&mut g, id, bytes, reason, region);
         Ok(handle)
+    }
+
+    /// A saved tensor of a kind tch cannot name (flash attention on CUDA saves its RNG seed and
+    /// offset as UInt64 scalars): kept where it is, as it is. Its identity and size need the
+    /// kind, so it is neither deduplicated nor spilled; its bytes are counted at 8 an element
+    /// (the widest such kind).
+    fn keep_unnamed(&self, t: Tensor) -> u64 {
+        let mut g = self.lock();
+        g.next_tensor += 1;
+        let id = TensorId(g.next_tensor);
+        let bytes = (t.numel() as u64).saturating_mul(8);
+        let mut rec = Record::new(id, RecordState::Kept, bytes);
+        rec.tensor = Some(t.detach());
+        let (_, handle) = g.records.insert(rec);
+        g.metrics.activations_saved += 1;
+        let region = current_region(&g);
+        self.count_kept(&mut g, id, bytes, KeepReason::TooSmall, region);
+        handle
     }
 
     /// Counts a kept tensor in the step's metrics and publishes its pack decision.

@@ -720,7 +720,9 @@ impl WeightResolver for WeightRuntime {
             .iter()
             .enumerate()
             .find(|(_, (o, b, _))| offset >= *o && offset < o + (*b).max(1))?;
-        if kind != tensor.kind() {
+        // `f_kind`: libtorch saves tensors of kinds tch cannot name (flash attention's UInt64 RNG
+        // state), which are no weight's.
+        if tensor.f_kind().ok() != Some(kind) {
             return None;
         }
         let elt = kind.elt_size_in_bytes();
