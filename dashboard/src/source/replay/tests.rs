@@ -25,6 +25,9 @@ fn write(path: &Path, events: &[Event]) {
 
 fn play_to_end(src: &mut ReplaySource) -> State {
     let mut out = Vec::new();
+    // From the start: a followed source may already have played some or all of its events to
+    // the polls that waited for them (its clock runs), which a fresh state did not see.
+    src.control(Control::ToStart, &mut out);
     src.control(Control::ToEnd, &mut out);
     src.poll(Instant::now(), &mut out);
     let mut state = State::new();
