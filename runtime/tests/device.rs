@@ -123,3 +123,14 @@ fn a_host_wait_costs_idle_time_only_once_the_gpu_has_run_dry() {
     assert!(busy < 1.0, "a wait while the GPU was busy is not idle: {busy} ms");
     assert!((45.0..500.0).contains(&dry), "a wait on an empty queue is idle: {dry} ms");
 }
+
+/// The warm-up runs a backward, and must under `no_grad` too: a frozen model's first forward or
+/// an evaluation before any training step warms the device there (on CUDA it failed with
+/// "element 0 of tensors does not require grad"). Nothing to warm on the host device.
+#[test]
+fn warm_up_runs_inside_no_grad() {
+    for dev in [Some(Device::host(1 << 30)), cuda()].into_iter().flatten() {
+        tch::no_grad(|| dev.warm_up()).expect("warm-up under no_grad");
+        dev.warm_up().expect("warm-up");
+    }
+}

@@ -134,9 +134,15 @@ impl Device {
             return Ok(());
         }
         let dev = self.tch_device();
-        let a = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, dev))?.set_requires_grad(true);
-        let b = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, dev))?;
-        a.f_matmul(&b)?.f_sum(tch::Kind::Float)?.f_backward()?;
+        // With gradients on whatever the caller's mode: the first use may come inside
+        // `no_grad` (a frozen model's forward, an evaluation before any step), where the
+        // product would not require a gradient and its backward would fail.
+        tch::with_grad(|| -> crate::error::Result<()> {
+            let a = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, dev))?.set_requires_grad(true);
+            let b = tch::Tensor::f_ones([64, 64], (tch::Kind::Float, dev))?;
+            a.f_matmul(&b)?.f_sum(tch::Kind::Float)?.f_backward()?;
+            Ok(())
+        })?;
         self.synchronize()
     }
 
