@@ -3,20 +3,12 @@
 //! keeps them short (`840 us`, `3.40 ms`, `1.25 s`). Every function here returns at most
 //! [`MAX_WIDTH`] characters, so a panel sized for them never cuts a number.
 
+pub use stagehand::events::describe::bytes;
+use stagehand::events::describe::three_digits;
+
 /// The widest string any formatter here returns ("1023 KiB", "-999 ms" are 8).
 pub const MAX_WIDTH: usize = 9;
 
-/// Three significant digits: 999 -> "999", 1234 -> "1.23k", 14_600 -> "14.6k",
-/// 146_000 -> "146k", 3_200_000 -> "3.20M".
-fn three_digits(v: f64) -> String {
-    if v >= 99.95 {
-        format!("{v:.0}")
-    } else if v >= 9.995 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
-    }
-}
 
 /// A count, abbreviated with k, M, G, T, P, E once it passes 999 (decimal: these are events,
 /// copies, blocks, not bytes).
@@ -38,20 +30,6 @@ pub fn count(n: u64) -> String {
     format!("{}{}", three_digits(v), UNITS[u])
 }
 
-/// Bytes in binary units: "512 B", "1.00 KiB", "48.0 MiB", "920 MiB", "1.00 GiB".
-pub fn bytes(b: u64) -> String {
-    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if b < 1024 {
-        return format!("{b} B");
-    }
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1023.5 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{} {}", three_digits(v), UNITS[u])
-}
 
 /// Milliseconds in the unit that keeps them short: "0 ms", "840 us", "3.40 ms", "88.0 ms",
 /// "1.25 s", "12.5 min". Not-a-number reads "-".

@@ -1,7 +1,6 @@
 #![doc = include_str!("../README.md")]
 
 pub mod app;
-pub mod describe;
 pub mod filter;
 pub mod format;
 pub mod keys;

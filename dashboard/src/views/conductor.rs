@@ -4,7 +4,7 @@
 use super::widgets::{constraints, fit_columns, rows, sort_title};
 use super::boxed;
 use crate::app::{State, ViewState};
-use crate::describe::{fmt_hints, rule_name};
+use stagehand::events::describe::{fmt_hints, rule_name};
 use crate::format::{bytes, count, ms};
 use crate::sort::{self, TableId};
 use ratatui::style::Style;

@@ -4,7 +4,7 @@
 use super::boxed;
 use super::widgets::{constraints, fit_columns};
 use crate::app::{State, ViewState};
-use crate::describe::describe;
+use stagehand::events::describe::describe;
 use crate::format::{count, run_time};
 use crate::theme::Theme;
 use ratatui::layout::Rect;

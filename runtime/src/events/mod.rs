@@ -3,6 +3,7 @@
 //! depend on it alone.
 
 pub mod bus;
+pub mod describe;
 pub mod insight;
 pub mod jsonl;
 pub mod model;

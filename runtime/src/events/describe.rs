@@ -1,8 +1,37 @@
-//! One line of text per event, for the Events log and the block details: what the event says,
-//! with sizes in binary units.
+//! One line of text per event, for every event log (the terminal UI's and the web page's) and
+//! the block details: what the event says, with sizes in binary units.
 
-use crate::format::bytes as fmt_bytes;
-use stagehand::events::*;
+use super::model::*;
+
+/// [`bytes`] under a name no event's field shadows.
+use self::bytes as fmt_bytes;
+
+/// Three significant digits: 999 -> "999", 1234 -> "1.23k", 14_600 -> "14.6k",
+/// 146_000 -> "146k", 3_200_000 -> "3.20M".
+pub fn three_digits(v: f64) -> String {
+    if v >= 99.95 {
+        format!("{v:.0}")
+    } else if v >= 9.995 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// Bytes in binary units: "512 B", "1.00 KiB", "48.0 MiB", "920 MiB", "1.00 GiB".
+pub fn bytes(b: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1023.5 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{} {}", three_digits(v), UNITS[u])
+}
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())
