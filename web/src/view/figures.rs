@@ -17,24 +17,6 @@ pub(crate) fn ms(x: f64) -> f64 {
     round(x, 3)
 }
 
-/// `x` with about four significant digits, trailing zeros dropped: 0.00017, 12.35, 1235.
-pub(crate) fn short(x: f64) -> String {
-    if !x.is_finite() {
-        return x.to_string();
-    }
-    if x == 0.0 {
-        return "0".into();
-    }
-    let magnitude = x.abs().log10().floor() as i32;
-    let decimals = (3 - magnitude).clamp(0, 12) as usize;
-    let s = format!("{x:.decimals$}");
-    if s.contains('.') {
-        s.trim_end_matches('0').trim_end_matches('.').to_owned()
-    } else {
-        s
-    }
-}
-
 /// A chart's value axis: the scale's top, where the ticks go, and what they say.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Axis {
@@ -130,11 +112,6 @@ mod tests {
 
     #[test]
     fn figures_are_rounded() {
-        assert_eq!(short(0.00016999999999999999), "0.00017");
-        assert_eq!(short(12.3456789), "12.35");
-        assert_eq!(short(1234.5678), "1235");
-        assert_eq!(short(-0.5), "-0.5");
-        assert_eq!(short(3.0), "3");
         assert_eq!(ms(0.1234567), 0.123);
         assert_eq!(round(f64::NAN, 2), 0.0);
     }
