@@ -95,23 +95,10 @@ impl Scheduler {
     }
 
     /// In a group: reduces `id`'s device gradients over the ranks and sends this rank's shard
-    /// home (see `super::train::Scheduler::flush_grads` for one device).
+    /// home. `super::train::Scheduler::flush_grads` calls it once it has found device gradients
+    /// to send and waited for this rank's host step of the block from the last step (which may
+    /// still read the shard buffer).
     pub(super) fn flush_shard(&mut self, id: BlockId) -> Result<()> {
-        let b = &self.blocks[id.0 as usize];
-        if b.grads.is_empty() || b.resident {
-            return Ok(());
-        }
-        if !b.grads.iter().any(|g| b.vars[g.param].grad().defined()) {
-            return Ok(());
-        }
-        // This rank's step of the block from the last step may still read the shard buffer.
-        if let Some(s) = self.stepper.clone() {
-            if s.is_pending(id) {
-                let probe = self.device.idle_probe()?;
-                s.wait(id)?;
-                self.update_waits.push(probe.end(&self.device)?);
-            }
-        }
         let conductor = self.conductor.clone();
         let slot = || conductor.acquire_slot(Direction::D2h, Owner::Weights, Priority::Required).ok();
         let cap = self.cfg.max_inflight_grad_bytes;

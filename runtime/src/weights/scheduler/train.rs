@@ -31,9 +31,6 @@ impl Scheduler {
     /// Sends `id`'s device gradients to the host (a no-op for frozen or resident blocks, or when
     /// it has none).
     pub(crate) fn flush_grads(&mut self, id: BlockId) -> Result<()> {
-        if self.rank.is_some() {
-            return self.flush_shard(id);
-        }
         let b = &self.blocks[id.0 as usize];
         if b.grads.is_empty() || b.resident {
             return Ok(());
@@ -52,6 +49,9 @@ impl Scheduler {
                 s.wait(id)?;
                 self.update_waits.push(probe.end(&self.device)?);
             }
+        }
+        if self.rank.is_some() {
+            return self.flush_shard(id);
         }
         let conductor = self.conductor.clone();
         let slot = || conductor.acquire_slot(Direction::D2h, Owner::Weights, Priority::Required).ok();
