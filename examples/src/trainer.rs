@@ -230,7 +230,7 @@ impl Hooks<'_> {
 }
 
 /// What a run did.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Summary {
     /// Steps run (fewer than asked when the run was stopped).
     pub steps: u64,
@@ -382,20 +382,7 @@ fn train_resident(
     vs.set_device(device.tch_device());
     let mut opt = ResidentOptimizer::new(&vs, cfg, device)?;
     let tf32 = (cfg.precision == Precision::Tf32 && device.is_cuda()).then(|| stagehand::torch::amp::set_tf32(true));
-    let mut s = Summary {
-        steps: 0,
-        stopped: false,
-        losses: Vec::new(),
-        step_times: Vec::new(),
-        breakdowns: Vec::new(),
-        activations_spilled: 0,
-        spill_bytes: 0,
-        peak_bytes: 0,
-        step_peaks: Vec::new(),
-        plan: None,
-        guards: None,
-        checksums: None,
-    };
+    let mut s = Summary::default();
     // On the host device plain tch's tensors are not counted in the simulated VRAM: there is
     // no reading to publish.
     let measured = device.is_cuda();
@@ -620,20 +607,7 @@ fn stagehand_run(
     if let Some(f) = &mut hooks.on_plan {
         f(&plan);
     }
-    let mut s = Summary {
-        steps: 0,
-        stopped: false,
-        losses: Vec::new(),
-        step_times: Vec::new(),
-        breakdowns: Vec::new(),
-        activations_spilled: 0,
-        spill_bytes: 0,
-        peak_bytes: 0,
-        step_peaks: Vec::new(),
-        plan: None,
-        guards: None,
-        checksums: None,
-    };
+    let mut s = Summary::default();
     for step in 1..=cfg.steps {
         if hooks.stopped() {
             s.stopped = true;
@@ -756,20 +730,7 @@ pub fn train_group(
                     f(&plan);
                 }
             }
-            let mut s = Summary {
-                steps: 0,
-                stopped: false,
-                losses: Vec::new(),
-                step_times: Vec::new(),
-                breakdowns: Vec::new(),
-                activations_spilled: 0,
-                spill_bytes: 0,
-                peak_bytes: 0,
-                step_peaks: Vec::new(),
-                plan: None,
-                guards: None,
-                checksums: None,
-            };
+            let mut s = Summary::default();
             let (mut weights, mut host_ms) = (Vec::new(), Vec::new());
             for step in 1..=cfg.steps {
                 // Every rank stops after the same step, or none does.
@@ -813,20 +774,7 @@ mod tests {
 
     #[test]
     fn a_non_finite_loss_or_a_guard_finding_fails_the_run() {
-        let mut s = Summary {
-            steps: 3,
-            losses: vec![2.0, 1.5, 1.2],
-            step_times: Vec::new(),
-            breakdowns: Vec::new(),
-            activations_spilled: 0,
-            spill_bytes: 0,
-            peak_bytes: 0,
-            step_peaks: Vec::new(),
-            plan: None,
-            stopped: false,
-            guards: None,
-            checksums: None,
-        };
+        let mut s = Summary { steps: 3, losses: vec![2.0, 1.5, 1.2], ..Summary::default() };
         assert_eq!(s.non_finite(&[]), None);
         s.losses[1] = f64::NAN;
         s.losses[2] = f64::INFINITY;
