@@ -40,8 +40,8 @@
 
 use stagehand::device::{bandwidth, Device};
 use stagehand::events::{Bus, Hub, Snapshot, StepTimeBreakdown};
-use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad, Moments};
-use stagehand::precision::QUANT_BLOCK;
+use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad};
+use stagehand::optim::moments::StoredMoments;
 use stagehand::torch::optim::{fused_adam, AdamStep, FusedAdam};
 use stagehand::{Precision, StateStorage};
 use stagehand_examples::trainer::{time_forward_backward, train, train_group, train_stagehand, Memory, Summary, TrainConfig};
@@ -49,8 +49,6 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
-/// One chunk's 8-bit moments: both codes and both per-block scales.
-type Int8Moments = (Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
 
 fn env(name: &str, default: i64) -> i64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -115,39 +113,15 @@ fn mixed_kernel_step_s(params: i64, chunks: i64, precision: Precision, storage: 
     let g: Vec<Vec<u16>> = (0..n).map(|_| vec![kernel::f32_to_bf16(0.01); per]).collect();
     let g32: Vec<Vec<f32>> = if precision.is_mixed() { Vec::new() } else { (0..n).map(|_| vec![0.01; per]).collect() };
     let mut copy: Vec<Vec<u16>> = (0..n).map(|_| vec![0; if precision.is_mixed() { per } else { 0 }]).collect();
-    let blocks = per.div_ceil(QUANT_BLOCK);
-    let mut m32: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
-    let mut m16: Vec<(Vec<u16>, Vec<u16>)> = Vec::new();
-    let mut m8: Vec<Int8Moments> = Vec::new();
-    for _ in 0..n {
-        match storage {
-            StateStorage::Fp32 => m32.push((vec![0.0; per], vec![0.0; per])),
-            StateStorage::Bf16 => m16.push((vec![0; per], vec![0; per])),
-            StateStorage::Int8 => m8.push((vec![0; per], vec![0; per], vec![0.0; blocks], vec![0.0; blocks])),
-        }
-    }
+    let mut moments: Vec<StoredMoments> = (0..n).map(|_| StoredMoments::zeros(storage, per)).collect();
     let mut best = f64::MAX;
     for i in 0..4u64 {
         let h = AdamHyper { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8, decoupled: true, step: i + 1, grad_scale: 1.0 };
         let t0 = Instant::now();
         for c in 0..n {
             let grad = if precision.is_mixed() { Grad::Bf16(&g[c]) } else { Grad::F32(&g32[c]) };
-            let moments = match storage {
-                StateStorage::Fp32 => {
-                    let (m, v) = &mut m32[c];
-                    Moments::F32 { m, v }
-                }
-                StateStorage::Bf16 => {
-                    let (m, v) = &mut m16[c];
-                    Moments::Bf16 { m, v }
-                }
-                StateStorage::Int8 => {
-                    let (m, v, ms, vs) = &mut m8[c];
-                    Moments::Int8 { m, v, m_scale: ms, v_scale: vs }
-                }
-            };
             let out = if precision.is_mixed() { Copy16::Bf16(&mut copy[c]) } else { Copy16::None };
-            kernel::adam(&mut p[c], grad, moments, out, &h, None).expect("mixed kernel");
+            kernel::adam(&mut p[c], grad, moments[c].moments(), out, &h, None).expect("mixed kernel");
         }
         if i > 0 {
             best = best.min(t0.elapsed().as_secs_f64());

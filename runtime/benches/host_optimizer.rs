@@ -10,14 +10,14 @@
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench host_optimizer`.
 
-use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad, Moments};
+use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad};
+use stagehand::optim::moments::StoredMoments;
+use stagehand::StateStorage;
 use stagehand::precision::QUANT_BLOCK;
 use stagehand::torch::optim::{fused_adam, AdamStep, FusedAdam};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
-/// One chunk's 8-bit moments: both codes and both per-block scales.
-type Int8Moments = (Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>);
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -76,46 +76,22 @@ fn main() {
 
     // bf16: the mixed kernel, each moment storage.
     let g: Vec<Vec<u16>> = (0..chunks).map(|_| vec![kernel::f32_to_bf16(0.01); per]).collect();
-    for storage in ["fp32", "bf16", "int8"] {
+    for storage in [StateStorage::Fp32, StateStorage::Bf16, StateStorage::Int8] {
         let mut p: Vec<Vec<f32>> = (0..chunks).map(|_| vec![0.1; per]).collect();
         let mut copy: Vec<Vec<u16>> = (0..chunks).map(|_| vec![0; per]).collect();
-        let blocks = per.div_ceil(QUANT_BLOCK);
-        let mut m32: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
-        let mut m16: Vec<(Vec<u16>, Vec<u16>)> = Vec::new();
-        let mut m8: Vec<Int8Moments> = Vec::new();
-        for _ in 0..chunks {
-            match storage {
-                "fp32" => m32.push((vec![0.0; per], vec![0.0; per])),
-                "bf16" => m16.push((vec![0; per], vec![0; per])),
-                _ => m8.push((vec![0; per], vec![0; per], vec![0.0; blocks], vec![0.0; blocks])),
-            }
-        }
+        let mut moments: Vec<StoredMoments> = (0..chunks).map(|_| StoredMoments::zeros(storage, per)).collect();
         let s = best(rounds, |step| {
             let h = AdamHyper { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8, decoupled: true, step, grad_scale: 1.0 };
             for c in 0..chunks {
-                let moments = match storage {
-                    "fp32" => {
-                        let (m, v) = &mut m32[c];
-                        Moments::F32 { m, v }
-                    }
-                    "bf16" => {
-                        let (m, v) = &mut m16[c];
-                        Moments::Bf16 { m, v }
-                    }
-                    _ => {
-                        let (m, v, ms, vs) = &mut m8[c];
-                        Moments::Int8 { m, v, m_scale: ms, v_scale: vs }
-                    }
-                };
-                kernel::adam(&mut p[c], Grad::Bf16(&g[c]), moments, Copy16::Bf16(&mut copy[c]), &h, None).expect("mixed kernel");
+                kernel::adam(&mut p[c], Grad::Bf16(&g[c]), moments[c].moments(), Copy16::Bf16(&mut copy[c]), &h, None).expect("mixed kernel");
             }
         });
         // Master read and written (8), gradient read (2), copy written (2), moments read and
         // written in their storage.
         let moments = match storage {
-            "fp32" => 16.0,
-            "bf16" => 8.0,
-            _ => 4.0 + 16.0 / QUANT_BLOCK as f64,
+            StateStorage::Fp32 => 16.0,
+            StateStorage::Bf16 => 8.0,
+            StateStorage::Int8 => 4.0 + 16.0 / QUANT_BLOCK as f64,
         };
         report(&format!("bf16: mixed kernel, {storage} moments"), s, 12.0 + moments);
     }

@@ -12,11 +12,12 @@
 //!   copy the next load streams.
 
 use super::groups::Groups;
-use super::kernel::{self, AdamHyper, Copy16, Grad, Moments};
+use super::kernel::{self, AdamHyper, Copy16, Grad};
+use super::moments::StoredMoments;
 use crate::weights::stepper::Job;
 use super::{Algorithm, Kernel};
 use crate::error::{Error, Result};
-use crate::precision::{StateStorage, QUANT_BLOCK};
+use crate::precision::StateStorage;
 use crate::torch::optim::{fused_adam, set_grad, AdamStep, FusedAdam};
 use crate::torch::{ParamState, TorchOptimizer};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,95 +44,11 @@ struct Fused {
     steps: Vec<Tensor>,
 }
 
-/// One parameter's moments for the mixed kernel.
-enum Stored {
-    F32 { m: Vec<f32>, v: Vec<f32> },
-    Bf16 { m: Vec<u16>, v: Vec<u16> },
-    Int8 { m: Vec<u8>, v: Vec<u8>, m_scale: Vec<f32>, v_scale: Vec<f32> },
-}
-
-/// `n` zeros, their pages touched now by every core: a fresh allocation's pages are mapped at
-/// their first write, which for gigabytes of optimizer state would otherwise fall on the first
-/// host steps, one thread each.
-fn touched<T: Copy + Default + Send + Sync>(n: usize) -> Vec<T> {
-    use rayon::prelude::*;
-    let mut v = vec![T::default(); n];
-    v.par_chunks_mut(1 << 16).for_each(|c| c.fill(T::default()));
-    v
-}
-
-impl Stored {
-    fn zeros(storage: StateStorage, n: usize) -> Stored {
-        match storage {
-            StateStorage::Fp32 => Stored::F32 { m: touched(n), v: touched(n) },
-            StateStorage::Bf16 => Stored::Bf16 { m: touched(n), v: touched(n) },
-            StateStorage::Int8 => {
-                let blocks = n.div_ceil(QUANT_BLOCK);
-                // Scales of 0: every code decodes to 0 (the state starts at zero).
-                Stored::Int8 { m: touched(n), v: touched(n), m_scale: touched(blocks), v_scale: touched(blocks) }
-            }
-        }
-    }
-
-    fn moments(&mut self) -> Moments<'_> {
-        match self {
-            Stored::F32 { m, v } => Moments::F32 { m, v },
-            Stored::Bf16 { m, v } => Moments::Bf16 { m, v },
-            Stored::Int8 { m, v, m_scale, v_scale } => Moments::Int8 { m, v, m_scale, v_scale },
-        }
-    }
-
-    /// Both moments as float32 (decoded).
-    fn decoded(&self) -> (Vec<f32>, Vec<f32>) {
-        match self {
-            Stored::F32 { m, v } => (m.clone(), v.clone()),
-            Stored::Bf16 { m, v } => (m.iter().map(|&x| kernel::bf16_to_f32(x)).collect(), v.iter().map(|&x| kernel::bf16_to_f32(x)).collect()),
-            Stored::Int8 { m, v, m_scale, v_scale } => (
-                m.iter().enumerate().map(|(i, &c)| kernel::decode_signed(c, m_scale[i / QUANT_BLOCK])).collect(),
-                v.iter().enumerate().map(|(i, &c)| kernel::decode_unsigned(c, v_scale[i / QUANT_BLOCK])).collect(),
-            ),
-        }
-    }
-
-    /// Replaces both moments with `m`, `v` (rounded to nearest in the storage).
-    fn encode(&mut self, m_in: &[f32], v_in: &[f32]) {
-        match self {
-            Stored::F32 { m, v } => {
-                m.copy_from_slice(m_in);
-                v.copy_from_slice(v_in);
-            }
-            Stored::Bf16 { m, v } => {
-                for (d, &x) in m.iter_mut().zip(m_in) {
-                    *d = kernel::f32_to_bf16(x);
-                }
-                for (d, &x) in v.iter_mut().zip(v_in) {
-                    *d = kernel::f32_to_bf16(x);
-                }
-            }
-            Stored::Int8 { m, v, m_scale, v_scale } => {
-                // Half of the random range: rounding to nearest.
-                const HALF: u32 = 1 << 31;
-                for (b, (mc, vc)) in m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK)).enumerate() {
-                    let r = b * QUANT_BLOCK..(b * QUANT_BLOCK + mc.len());
-                    let am = m_in[r.clone()].iter().fold(0f32, |a, x| a.max(x.abs()));
-                    let av = v_in[r.clone()].iter().fold(0f32, |a, &x| a.max(x));
-                    let (im, iv) = (if am > 0.0 { 1.0 / am } else { 0.0 }, if av > 0.0 { 1.0 / av } else { 0.0 });
-                    for (j, i) in r.enumerate() {
-                        mc[j] = kernel::encode_signed(m_in[i] * im, HALF);
-                        vc[j] = kernel::encode_unsigned(v_in[i] * iv, HALF);
-                    }
-                    m_scale[b] = am;
-                    v_scale[b] = av;
-                }
-            }
-        }
-    }
-}
 
 /// The mixed kernel's state.
 struct Mixed {
     decoupled: bool,
-    moments: Vec<Stored>,
+    moments: Vec<StoredMoments>,
     /// Steps taken by each parameter.
     steps: Vec<u64>,
 }
@@ -198,7 +115,7 @@ impl BlockOptimizer {
             }
             (Kernel::Fused, Some(kind)) => Stepping::Mixed(Mixed {
                 decoupled: kind == FusedAdam::AdamW,
-                moments: params.iter().map(|p| Stored::zeros(storage, p.value.numel())).collect(),
+                moments: params.iter().map(|p| StoredMoments::zeros(storage, p.value.numel())).collect(),
                 steps: vec![0; params.len()],
             }),
             (Kernel::Exact, _) => {

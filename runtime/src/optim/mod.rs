@@ -23,6 +23,7 @@ mod clip;
 pub(crate) mod groups;
 mod host;
 pub mod kernel;
+pub mod moments;
 mod optimizer;
 pub mod state;
 
