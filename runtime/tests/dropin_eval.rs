@@ -112,7 +112,11 @@ macro_rules! gpt {
                 let b = &p / "blocks" / i;
                 Block {
                     ln1: Box::new($lib::layer_norm(&b / "ln1", vec![D], Default::default())),
-                    qkv: Box::new($lib::linear(&b / "qkv", D, 3 * D, Default::default())),
+                    // No bias on the projections: the keys' part of it shifts every score of a
+                    // query alike, which the softmax removes, so its gradient is zero in exact
+                    // arithmetic and AdamW steps it by rounding noise, which differs between two
+                    // runs' kernels on CUDA (a third of the bias apart after a few steps).
+                    qkv: Box::new($lib::linear(&b / "qkv", D, 3 * D, nn::LinearConfig { bias: false, ..Default::default() })),
                     proj: Box::new($lib::linear(&b / "proj", D, D, Default::default())),
                     ln2: Box::new($lib::layer_norm(&b / "ln2", vec![D], Default::default())),
                     fc: Box::new($lib::linear(&b / "fc", D, 4 * D, Default::default())),

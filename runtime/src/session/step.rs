@@ -148,7 +148,7 @@ impl Stagehand {
     }
 
     fn step_inner(&self, opt: &mut Optimizer, micro_batches: usize, mut forward: impl FnMut(usize) -> Option<Tensor>) -> Result<StepReport> {
-        let (acts, conductor, step, tokens, (floor, planned), loss_scale) = {
+        let (acts, conductor, step, tokens, limits, loss_scale) = {
             let mut run = self.run();
             self.ensure_ready(&mut run)?;
             // An evaluation since the last step (forwards outside a step) ends before this one.
@@ -158,7 +158,7 @@ impl Stagehand {
             run.step += 1;
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
             let scale = self.precision.scales_loss().then(|| run.scaler.scale());
-            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, (r.plan.spill_floor_bytes, r.plan.spill_high_bytes), scale)
+            (r.acts.clone(), r.conductor.clone(), run.step, run.tokens, super::adapt::Limits::of(&r.plan), scale)
         };
         // The host optimizers and their state are made now, with the plan, not in the step.
         opt.prepare()?;
@@ -302,6 +302,13 @@ impl Stagehand {
         e3.synchronize()?;
         let optimizer_host_ms = t_opt.elapsed().as_secs_f64() * 1e3;
         self.enter(&conductor, step, Phase::StepEnd)?;
+        // The step's last reading carries its peak, which the step's figures repeat. Moving the
+        // watermarks may grow the pinned pool (seconds after a first step): the step's time
+        // includes it, as the caller waits for it.
+        let mem = self.publish_reading();
+        if let Some(a) = &acts {
+            self.keep_under_budget(a, step, mem.peak, limits);
+        }
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let wm = weights.last_step_metrics();
@@ -328,8 +335,6 @@ impl Stagehand {
             optimizer_ms,
             other_ms: (step_ms - parts).max(0.0),
         };
-        // The step's last reading carries its peak, which the step's figures repeat.
-        let mem = self.publish_reading();
         self.bus.publish(EventKind::TrainStep(TrainStepMetrics {
             loss: loss_value,
             step_time_s: step_ms / 1e3,
@@ -339,9 +344,6 @@ impl Stagehand {
             skipped: optimizer_skipped,
         }));
         self.bus.publish(EventKind::StepTime(time));
-        if let Some(a) = &acts {
-            self.keep_under_budget(a, step, mem.peak, floor, planned);
-        }
         Ok(StepReport {
             step,
             loss: loss_value,

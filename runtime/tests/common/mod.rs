@@ -246,11 +246,33 @@ pub mod dropin {
             let w = &want[name];
             assert_eq!(t.size(), w.size(), "{what}: {name} shape");
             if cuda {
-                assert!(t.allclose(w, 1e-3, 1e-4, false), "{what}: {name} differs");
+                assert_close_on_cuda(t, w, &format!("{what}: {name}"));
             } else {
                 assert!(t.equal(w), "{what}: {name} differs");
             }
         }
+    }
+
+    /// Two runs of the same training on CUDA agree up to kernel order: most elements within
+    /// `allclose(1e-3, 1e-4)`, and the difference small against the tensor as a whole. Adam
+    /// amplifies reduction-order noise in a gradient near zero into a step of up to the learning
+    /// rate, so a few elements may differ by more than an element-wise tolerance; a parameter
+    /// stepped wrongly, or not at all, differs in most of its elements and fails.
+    fn assert_close_on_cuda(got: &Tensor, want: &Tensor, what: &str) {
+        if got.allclose(want, 1e-3, 1e-4, false) {
+            return;
+        }
+        let (g, w) = (got.to_kind(tch::Kind::Double), want.to_kind(tch::Kind::Double));
+        let diff = (&g - &w).abs();
+        let bound = w.abs() * 1e-3 + 1e-4;
+        let outside = diff.gt_tensor(&bound).to_kind(tch::Kind::Double).mean(tch::Kind::Double).double_value(&[]);
+        let relative = diff.norm().double_value(&[]) / w.norm().double_value(&[]).max(1e-12);
+        let largest = diff.max().double_value(&[]);
+        assert!(
+            outside <= 0.01 && relative <= 1e-3,
+            "{what} differs: {:.3}% of its elements outside allclose(1e-3, 1e-4), relative difference {relative:.3e} (at most 1% and 1e-3), largest {largest:.3e}",
+            outside * 100.0
+        );
     }
 
     /// Every variable changed from `before` (each one trained).
