@@ -15,13 +15,13 @@
 //! hints, incidents) are in every file and count as they come.
 
 use crate::catalog::Metric;
-use stagehand::events::model::{
+use stagehand_events::model::{
     BlockState, Buckets, DenyReason, Direction, Event, EventKind, EvictionReason, Owner, PackDecision, Phase, PolicyRule, PoolKind, ReservationMode,
     ReservationOutcome, StepCounts, StepTimeBreakdown, VramByOwner, COPY_SECONDS_BOUNDS, SCHEMA_VERSION,
     STALL_SECONDS_BOUNDS,
 };
-use stagehand::events::snapshot::StepRecord;
-use stagehand::events::{wire_name, Snapshot};
+use stagehand_events::snapshot::StepRecord;
+use stagehand_events::{wire_name, Snapshot};
 use strum::VariantArray;
 
 /// What to do to a series.
@@ -406,7 +406,7 @@ fn step_counts(c: &StepCounts, out: &mut Vec<Observation>) {
 mod tests {
     use super::*;
     use crate::catalog::CATALOG;
-    use stagehand::events::synthetic::{events, SyntheticRun};
+    use stagehand_events::synthetic::{events, SyntheticRun};
 
     #[test]
     fn every_observation_matches_its_definition() {

@@ -13,8 +13,8 @@ use crate::catalog::{Kind, CATALOG};
 use crate::mapping::{initial, Mapper, Observation, Value};
 use crate::{Error, Result};
 use prometheus::{CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, Opts, Registry, TextEncoder};
-use stagehand::events::model::{Event, EventKind};
-use stagehand::events::EventSink;
+use stagehand_events::model::{Event, EventKind};
+use stagehand_events::EventSink;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -248,11 +248,11 @@ impl Inner {
     }
 }
 
-/// The Prometheus side of a run: attach it to a [`Hub`](stagehand::events::Hub) as a sink and
+/// The Prometheus side of a run: attach it to a [`Hub`](stagehand_events::Hub) as a sink and
 /// render `/metrics` from any thread. Cheap to clone; clones share one registry.
 ///
 /// ```
-/// use stagehand::events::Hub;
+/// use stagehand_events::Hub;
 /// use stagehand_exporter::Metrics;
 /// let hub = Hub::new();
 /// let metrics = Metrics::new();

@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # fn main() -> stagehand_exporter::Result<()> {
-//! # let hub = stagehand::events::Hub::new();
+//! # let hub = stagehand_events::Hub::new();
 //! stagehand_exporter::otlp::attach_from_env(&hub)?; // OTLP whenever OTEL_EXPORTER_OTLP_ENDPOINT is set
 //! # Ok(()) }
 //! ```
@@ -38,8 +38,8 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
-use stagehand::events::model::{Event, EventKind, Phase};
-use stagehand::events::{EventSink, Hub};
+use stagehand_events::model::{Event, EventKind, Phase};
+use stagehand_events::{EventSink, Hub};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The instrumentation scope name.

@@ -2,9 +2,9 @@
 //! values against the snapshot of the same events.
 
 use prometheus_parse::{Scrape, Value};
-use stagehand::events::model::{BlockState, Direction};
-use stagehand::events::{EventSink, Snapshot};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::model::{BlockState, Direction};
+use stagehand_events::{EventSink, Snapshot};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::{DeviceLabels, Metrics, CATALOG};
 use std::collections::BTreeMap;
 
@@ -160,7 +160,7 @@ fn labels_fixed_at_construction_win_over_the_run() {
 
 #[test]
 fn dropped_events_are_counted_from_the_running_total() {
-    use stagehand::events::model::{Event, EventKind, Phase};
+    use stagehand_events::model::{Event, EventKind, Phase};
     let m = Metrics::new();
     for (i, total) in [3u64, 3, 10].into_iter().enumerate() {
         m.record(&Event::new(i as u64 + 1, 0, 0, Phase::Idle, EventKind::EventsDropped { total }))
@@ -212,10 +212,10 @@ fn samples_but_event_counts(text: &str) -> Vec<String> {
 
 #[test]
 fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
-    use stagehand::events::jsonl::read_file;
-    use stagehand::events::telemetry::{attach, Level, TelemetryConfig};
+    use stagehand_events::jsonl::read_file;
+    use stagehand_events::telemetry::{attach, Level, TelemetryConfig};
     let dir = tempfile::tempdir().expect("tempdir");
-    let bus = stagehand::events::Bus::new();
+    let bus = stagehand_events::Bus::new();
     let live = Metrics::new();
     bus.hub().expect("enabled").add_sink(Box::new(live.clone()));
     let file = |level, name: &str| TelemetryConfig { level, path: Some(dir.path().join(name)), ..Default::default() };
@@ -243,7 +243,7 @@ fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
 
 #[test]
 fn each_device_of_a_data_parallel_run_has_its_series() {
-    use stagehand::events::model::{CopyCount, DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, StepCounts, TransferId};
+    use stagehand_events::model::{CopyCount, DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, StepCounts, TransferId};
     let started = Event::new(
         1,
         0,

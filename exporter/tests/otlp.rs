@@ -4,8 +4,8 @@
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use stagehand::events::{EventSink, Snapshot};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::{EventSink, Snapshot};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::OtelSink;
 use std::io::{Read, Write};
 
@@ -141,7 +141,7 @@ fn from_env_exports_over_otlp_http_to_the_configured_endpoint() {
     let (endpoint, rx) = receiver();
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     std::env::set_var("OTEL_SERVICE_NAME", "stagehand-test");
-    let hub = stagehand::events::Hub::new();
+    let hub = stagehand_events::Hub::new();
     assert!(stagehand_exporter::otlp::attach_from_env(&hub).expect("builds from env"), "an endpoint, an exporter");
     let sink = stagehand_exporter::otlp::from_env().expect("builds").expect("asked for");
     let mut sink = sink;

@@ -2,8 +2,8 @@
 //! (the process does not grow with it), and a collector that never answers costs the run's end
 //! a bounded wait, said as an error. This binary sets the process environment: one test.
 
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::EventSink;
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::EventSink;
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -35,6 +35,14 @@ use tch::{Kind, Tensor};
 /// is stashed (one device copy of about this many bytes) and dequantized from there.
 pub const MIN_CHUNK_BYTES: usize = 1 << 20;
 
+/// The libtorch dtype of a format's stored elements.
+pub fn element_kind(format: QuantFormat) -> Kind {
+    match format {
+        QuantFormat::Int8 => Kind::Int8,
+        QuantFormat::Fp8E4m3 => Kind::Float8e4m3fn,
+    }
+}
+
 /// Views of a block's payload in host memory `buf` (`layout.bytes` long), per parameter: its
 /// elements (flat, in the format's dtype) and scales (float32) when quantized, its full-width
 /// tensor (its shape and dtype) when not.
@@ -44,7 +52,7 @@ pub(crate) fn payload_views(spec: &BlockSpec, layout: &QuantLayout, buf: &crate:
         .zip(&layout.params)
         .map(|(p, q)| match q.groups {
             Some(g) => Ok((
-                super::block::param_tensor(buf, q.data, &[p.numel()], layout.format.kind())?,
+                super::block::param_tensor(buf, q.data, &[p.numel()], element_kind(layout.format))?,
                 Some(super::block::param_tensor(buf, q.scales, &[g as i64], Kind::Float)?),
             )),
             None => Ok((super::block::param_tensor(buf, q.data, &p.shape, p.kind)?, None)),
@@ -309,7 +317,7 @@ pub(crate) fn quantize(value: &Tensor, format: QuantFormat, group: usize, kind: 
             QuantFormat::Int8 => y.f_round()?.f_clamp(-127.0, 127.0)?,
             QuantFormat::Fp8E4m3 => y.f_clamp(-448.0, 448.0)?,
         }
-        .f_to_kind(format.kind())?
+        .f_to_kind(element_kind(format))?
         .f_reshape([-1])?
         .f_narrow(0, 0, n as i64)?
         .f_contiguous()?;
@@ -441,7 +449,7 @@ pub(crate) fn dequantize_block(buf: &Tensor, spec: &BlockSpec) -> Result<()> {
                             dst.f_copy_(&s)?;
                         }
                         Some(_) => {
-                            let q = src(layout.offset + qp.data + start, len)?.f_view_dtype(layout.format.kind())?;
+                            let q = src(layout.offset + qp.data + start, len)?.f_view_dtype(element_kind(layout.format))?;
                             let g0 = start / layout.group;
                             let ng = len.div_ceil(layout.group);
                             let s = src(layout.offset + qp.scales + 4 * g0, 4 * ng)?.f_view_dtype(Kind::Float)?;

@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use serde::Serialize;
-use stagehand::events::telemetry::TelemetryError;
+use stagehand_events::telemetry::TelemetryError;
 
 /// A flight record written.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]

@@ -6,7 +6,7 @@ use crate::fanout::Fanout;
 use crate::replay::ReplayDriver;
 use crate::view::feed::ViewFeed;
 use serde::Serialize;
-use stagehand::events::Hub;
+use stagehand_events::Hub;
 use stagehand_exporter::Metrics;
 use std::sync::Arc;
 use tokio::sync::watch;
