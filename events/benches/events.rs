@@ -38,19 +38,18 @@ fn publish(c: &mut Criterion) {
     let hub = Arc::new(Hub::new());
     let sink = JsonlSink::open(dir.path().join("bench.jsonl"), OpenMode::CreateNew).expect("sink");
     hub.add_sink(Box::new(sink));
-    let _sub = hub.subscribe();
     let bus = Bus::with_hub(hub, 1 << 16);
     bus.enter_phase(1, Phase::Forward);
     let mut g = c.benchmark_group("publish");
     g.throughput(Throughput::Elements(1));
     let mut i = 0u64;
-    g.bench_function("residency_with_snapshot_jsonl_subscriber", |b| {
+    g.bench_function("residency_with_snapshot_jsonl", |b| {
         b.iter(|| {
             i += 1;
             bus.publish(residency(i));
         })
     });
-    g.bench_function("pack_with_snapshot_jsonl_subscriber", |b| {
+    g.bench_function("pack_with_snapshot_jsonl", |b| {
         b.iter(|| {
             i += 1;
             bus.publish(pack(i));
@@ -61,9 +60,8 @@ fn publish(c: &mut Criterion) {
     eprintln!("published {}, dropped {}", bus.published(), bus.dropped());
 
     // Every sink the product attaches: a full-level file, a compressed summary-level file with
-    // the flight recorder, the snapshot and a live subscriber.
+    // the flight recorder and the snapshot.
     let hub = Arc::new(Hub::new());
-    let _sub = hub.subscribe();
     let bus = Bus::with_hub(hub, 1 << 16);
     let _full = telemetry::attach(
         &bus,
@@ -83,13 +81,13 @@ fn publish(c: &mut Criterion) {
     bus.enter_phase(1, Phase::Forward);
     let mut g = c.benchmark_group("publish_all_sinks");
     g.throughput(Throughput::Elements(1));
-    g.bench_function("residency_full_and_summary_files_flight_recorder_subscriber", |b| {
+    g.bench_function("residency_full_and_summary_files_flight_recorder", |b| {
         b.iter(|| {
             i += 1;
             bus.publish(residency(i));
         })
     });
-    g.bench_function("pack_full_and_summary_files_flight_recorder_subscriber", |b| {
+    g.bench_function("pack_full_and_summary_files_flight_recorder", |b| {
         b.iter(|| {
             i += 1;
             bus.publish(pack(i));

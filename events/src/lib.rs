@@ -17,7 +17,7 @@ pub mod wire;
 #[cfg(test)]
 mod proptests;
 
-pub use bus::{Bus, EventSink, Hub, Subscription, Update};
+pub use bus::{Bus, EventSink, Hub, SnapshotSink};
 pub use jsonl::{JsonlSink, OpenMode, ReadReport};
 pub use model::*;
 pub use replay::{Replay, ReplayStatus};

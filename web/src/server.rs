@@ -40,7 +40,7 @@ impl Server {
     /// device labels.
     pub fn live(hub: Arc<stagehand_events::Hub>, addr: &str) -> Result<ServerHandle> {
         let metrics = stagehand_exporter::Metrics::new();
-        hub.add_sink(Box::new(metrics.clone()));
+        hub.add_snapshot_sink(Box::new(metrics.clone()));
         Server::start(&ServerConfig::new(addr), AppState::live(hub, metrics))
     }
 

@@ -18,7 +18,7 @@ use tower::ServiceExt;
 fn live_state(steps: u64) -> AppState {
     let hub = Arc::new(Hub::new());
     let metrics = Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     // Before the run, as a server is started: the page's log sees every event.
     let state = AppState::live(hub.clone(), metrics);
     for e in synthetic::events(SyntheticRun::finished(steps)) {
@@ -431,7 +431,7 @@ async fn a_flight_record_is_written_on_request_once_per_interval() {
     let bus = stagehand_events::Bus::new();
     let hub = bus.hub().expect("an enabled bus").clone();
     let metrics = Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     let state = AppState::live(hub, metrics);
     let config = TelemetryConfig {
         level: Level::Summary,

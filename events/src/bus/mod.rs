@@ -3,16 +3,17 @@
 //! ```text
 //! training thread ──publish──▶ bounded lock-free queue ──▶ dispatcher thread ──▶ Hub
 //!  (never blocks; full queue                                      │  apply(&Event) to the Snapshot
-//!   = drop and count)                                             │  inline sinks (JSONL, metrics)
-//!                                                                 └─ broadcast to subscribers
+//!   = drop and count)                                             │  sinks (files, the web's stream)
+//!                                                                 └─ snapshot sinks (metrics), with
+//!                                                                    the snapshot after the event
 //! ```
 //!
 //! Publishing is a sequence-number increment, a clock read and a push into a bounded
 //! `ArrayQueue`; when the queue is full the event is dropped and counted, and the dispatcher
-//! turns the count into an `events_dropped` event so every consumer sees it. Subscribers get
-//! the snapshot first, then the live events; one that lags is resynced from a fresh snapshot and
-//! told how many events it missed. A replay feeds the same [`Hub`], so consumers cannot tell a
-//! replay from a live run.
+//! turns the count into an `events_dropped` event so every consumer sees it. The hub reduces
+//! each event once: the consumers that derive values from the run's state ([`SnapshotSink`]:
+//! Prometheus, OpenTelemetry) read the hub's snapshot rather than keep a copy of it. A replay
+//! feeds the same [`Hub`], so consumers cannot tell a replay from a live run.
 //!
 //! The dispatcher adds a few events of its own, with the next sequence numbers: `events_dropped`
 //! when publishes were dropped, `transfer_step` when a step closes (see [`super::steps`]), and
@@ -32,12 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::broadcast;
 
 /// Events the publish queue holds before it drops.
 pub const DEFAULT_QUEUE_CAPACITY: usize = 1 << 16;
-/// Events a subscriber may fall behind before it is resynced.
-pub const DEFAULT_SUBSCRIBER_CAPACITY: usize = 1 << 14;
 /// How long the dispatcher sleeps when the queue is empty.
 const DISPATCH_IDLE: Duration = Duration::from_millis(2);
 
@@ -73,33 +71,61 @@ pub trait EventSink: Send {
     }
 }
 
-/// What a subscriber receives after its initial snapshot.
-#[derive(Debug, Clone)]
-pub enum Update {
-    /// The next event.
-    Event(Arc<Event>),
-    /// Start over from this snapshot (after a replay seek).
-    Resync(Arc<Snapshot>),
+/// A consumer that derives values from the run's state (metrics' gauges and counters): it runs
+/// inline on the dispatcher thread like an [`EventSink`], and receives each event together with
+/// the hub's snapshot after the event was applied, so the run is reduced once however many
+/// consumers read it.
+pub trait SnapshotSink: Send {
+    /// Called once, when the sink is added to a hub whose snapshot is `state` (a run may have
+    /// started before: a sink that counts from the events it sees starts counting here).
+    fn attach(&mut self, state: &Snapshot) {
+        let _ = state;
+    }
+    /// Called once per event, `state` being the run as of this event.
+    fn on_event(&mut self, event: &Event, state: &Snapshot);
+    /// Called after each batch, on a flush and at shutdown, with the run as of the last event
+    /// (a sink records what it reads from the state as a whole here, once per batch).
+    fn flush(&mut self, state: &Snapshot) {
+        let _ = state;
+    }
+    /// The hub starts over at an earlier or later point of the run (a replay seek): every
+    /// event up to the new position follows, one [`SnapshotSink::rewind_event`] each with the
+    /// state after it, then [`SnapshotSink::rewind_end`] with the state at the new position.
+    fn rewind_begin(&mut self) {}
+    /// One event of the history that [`SnapshotSink::rewind_begin`] announced, in order.
+    fn rewind_event(&mut self, event: &Event, state: &Snapshot) {
+        let _ = (event, state);
+    }
+    /// The history is complete; `state` is the run at the new position.
+    fn rewind_end(&mut self, state: &Snapshot) {
+        self.flush(state);
+    }
 }
 
-/// A subscription: the snapshot at the moment of subscribing, then every later update.
-#[derive(Debug)]
-pub struct Subscription {
-    /// The state before the first update in `rx`.
-    pub snapshot: Snapshot,
-    /// Later updates. `Lagged(n)` means `n` were missed: call [`Hub::resubscribe`].
-    pub rx: broadcast::Receiver<Update>,
+/// Hands `events` to `sink` as a hub does, for a caller that holds the sink itself (a tool, a
+/// test): each event with the snapshot after it, then a flush with the last; the events are
+/// reduced once, here. Returns the snapshot.
+pub fn feed<E: Borrow<Event>>(sink: &mut dyn SnapshotSink, events: impl IntoIterator<Item = E>) -> Snapshot {
+    let mut state = Snapshot::new();
+    sink.attach(&state);
+    for e in events {
+        let e = e.borrow();
+        state.apply(e);
+        sink.on_event(e, &state);
+    }
+    sink.flush(&state);
+    state
 }
 
 struct HubState {
     snapshot: Snapshot,
     sinks: Vec<Box<dyn EventSink>>,
+    snapshot_sinks: Vec<Box<dyn SnapshotSink>>,
 }
 
-/// The aggregator: owns the current [`Snapshot`], runs the sinks, and fans events out.
+/// The aggregator: owns the current [`Snapshot`] and runs the sinks.
 pub struct Hub {
     state: Mutex<HubState>,
-    tx: broadcast::Sender<Update>,
     /// Writes a flight record on request, when the run's telemetry has a flight recorder.
     flight: Mutex<Option<FlightRequest>>,
 }
@@ -111,8 +137,11 @@ pub type FlightRequest =
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.lock();
         f.debug_struct("Hub")
-            .field("subscribers", &self.tx.receiver_count())
+            .field("events_applied", &st.snapshot.events_applied)
+            .field("sinks", &st.sinks.len())
+            .field("snapshot_sinks", &st.snapshot_sinks.len())
             .finish_non_exhaustive()
     }
 }
@@ -126,13 +155,12 @@ impl Default for Hub {
 impl Hub {
     /// An empty hub.
     pub fn new() -> Hub {
-        let (tx, _) = broadcast::channel(DEFAULT_SUBSCRIBER_CAPACITY);
         Hub {
             state: Mutex::new(HubState {
                 snapshot: Snapshot::new(),
                 sinks: Vec::new(),
+                snapshot_sinks: Vec::new(),
             }),
-            tx,
             flight: Mutex::new(None),
         }
     }
@@ -162,28 +190,48 @@ impl Hub {
         self.lock().sinks.push(sink);
     }
 
-    /// Applies one event: snapshot, sinks, subscribers.
+    /// Adds a sink that reads the hub's snapshot; it sees every event ingested from now on.
+    pub fn add_snapshot_sink(&self, mut sink: Box<dyn SnapshotSink>) {
+        let mut st = self.lock();
+        sink.attach(&st.snapshot);
+        st.snapshot_sinks.push(sink);
+    }
+
+    /// Applies one event: the snapshot, then the sinks.
     pub fn ingest(&self, event: Event) {
         let mut st = self.lock();
-        st.snapshot.apply(&event);
-        for s in st.sinks.iter_mut() {
+        let HubState { snapshot, sinks, snapshot_sinks } = &mut *st;
+        snapshot.apply(&event);
+        for s in sinks.iter_mut() {
             s.on_event(&event);
         }
-        // No subscribers is fine: the error only says nobody listens.
-        let _ = self.tx.send(Update::Event(Arc::new(event)));
+        for s in snapshot_sinks.iter_mut() {
+            s.on_event(&event, snapshot);
+        }
     }
 
     /// Flushes every sink: everything ingested so far is written.
     pub fn flush(&self) {
-        for s in self.lock().sinks.iter_mut() {
+        let mut st = self.lock();
+        let HubState { snapshot, sinks, snapshot_sinks } = &mut *st;
+        for s in sinks.iter_mut() {
             s.flush();
+        }
+        for s in snapshot_sinks.iter_mut() {
+            s.flush(snapshot);
         }
     }
 
-    /// Ends a delivered batch: every sink's [`EventSink::batch_end`].
+    /// Ends a delivered batch: every sink's [`EventSink::batch_end`], every snapshot sink's
+    /// [`SnapshotSink::flush`].
     pub fn batch_end(&self) {
-        for s in self.lock().sinks.iter_mut() {
+        let mut st = self.lock();
+        let HubState { snapshot, sinks, snapshot_sinks } = &mut *st;
+        for s in sinks.iter_mut() {
             s.batch_end();
+        }
+        for s in snapshot_sinks.iter_mut() {
+            s.flush(snapshot);
         }
     }
 
@@ -196,25 +244,39 @@ impl Hub {
         out
     }
 
-    /// Replaces the snapshot (replay seek), rewinds every sink to `history` (the events up to
-    /// the snapshot's position, taken one at a time) and tells every subscriber to resync.
+    /// Replaces the snapshot (replay seek) and rewinds every sink to `history` (the events up
+    /// to the snapshot's position, taken one at a time). Snapshot sinks get each event with the
+    /// state after it: the hub reduces the history once for all of them (not at all without
+    /// them), then hands them `snapshot`.
     pub fn reset<E: Borrow<Event>>(&self, snapshot: Snapshot, history: impl IntoIterator<Item = E>) {
         let mut st = self.lock();
-        st.snapshot = snapshot;
-        for s in st.sinks.iter_mut() {
+        let HubState { snapshot: current, sinks, snapshot_sinks } = &mut *st;
+        *current = snapshot;
+        for s in sinks.iter_mut() {
             s.rewind_begin();
         }
+        for s in snapshot_sinks.iter_mut() {
+            s.rewind_begin();
+        }
+        let mut replayed = Snapshot::new();
         for e in history {
-            for s in st.sinks.iter_mut() {
-                s.rewind_event(e.borrow());
+            let e = e.borrow();
+            for s in sinks.iter_mut() {
+                s.rewind_event(e);
+            }
+            if !snapshot_sinks.is_empty() {
+                replayed.apply(e);
+                for s in snapshot_sinks.iter_mut() {
+                    s.rewind_event(e, &replayed);
+                }
             }
         }
-        for s in st.sinks.iter_mut() {
+        for s in sinks.iter_mut() {
             s.rewind_end();
         }
-        let _ = self
-            .tx
-            .send(Update::Resync(Arc::new(st.snapshot.clone())));
+        for s in snapshot_sinks.iter_mut() {
+            s.rewind_end(current);
+        }
     }
 
     /// The current snapshot.
@@ -227,24 +289,6 @@ impl Hub {
         f(&self.lock().snapshot)
     }
 
-    /// Snapshot first, then every later update, with nothing lost or repeated in between.
-    pub fn subscribe(&self) -> Subscription {
-        let st = self.lock();
-        Subscription {
-            snapshot: st.snapshot.clone(),
-            rx: self.tx.subscribe(),
-        }
-    }
-
-    /// For a subscriber that lagged: a fresh snapshot and a receiver positioned after it.
-    pub fn resubscribe(&self) -> Subscription {
-        self.subscribe()
-    }
-
-    /// Number of live subscribers.
-    pub fn subscriber_count(&self) -> usize {
-        self.tx.receiver_count()
-    }
 }
 
 struct Shared {

@@ -3,21 +3,65 @@
 use super::*;
 use crate::model::{BlockId, EventKind};
 
+/// What a snapshot sink saw: each event's sequence number with the prefetch hits of the state
+/// it came with, and the hits of the state each flush and rewind end came with.
+#[derive(Default)]
+struct Seen {
+    events: Vec<(u64, u64)>,
+    rewound: Vec<(u64, u64)>,
+    flushes: Vec<u64>,
+    rewind_ends: Vec<u64>,
+}
+
+struct Watch(Arc<Mutex<Seen>>);
+
+impl SnapshotSink for Watch {
+    fn on_event(&mut self, event: &Event, state: &Snapshot) {
+        self.0.lock().expect("seen").events.push((event.seq, state.weights.prefetch_hits));
+    }
+    fn flush(&mut self, state: &Snapshot) {
+        self.0.lock().expect("seen").flushes.push(state.weights.prefetch_hits);
+    }
+    fn rewind_event(&mut self, event: &Event, state: &Snapshot) {
+        self.0.lock().expect("seen").rewound.push((event.seq, state.weights.prefetch_hits));
+    }
+    fn rewind_end(&mut self, state: &Snapshot) {
+        self.0.lock().expect("seen").rewind_ends.push(state.weights.prefetch_hits);
+    }
+}
+
+fn hit(seq: u64) -> Event {
+    Event::new(seq, seq, 0, Phase::Idle, EventKind::PrefetchHit { block: BlockId(0) })
+}
+
 #[test]
-fn subscriber_sees_snapshot_then_events() {
+fn a_snapshot_sink_reads_the_hubs_state_after_each_event() {
     let bus = Bus::new();
     let hub = bus.hub().expect("enabled").clone();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    hub.add_snapshot_sink(Box::new(Watch(seen.clone())));
     bus.publish(EventKind::PrefetchHit { block: BlockId(0) });
-    bus.flush();
-    let mut sub = hub.subscribe();
-    assert_eq!(sub.snapshot.weights.prefetch_hits, 1);
     bus.publish(EventKind::PrefetchHit { block: BlockId(1) });
     bus.flush();
-    match sub.rx.try_recv() {
-        Ok(Update::Event(e)) => assert_eq!(e.seq, 2),
-        other => panic!("expected the second event, got {other:?}"),
+    let seen = seen.lock().expect("seen");
+    assert_eq!(seen.events, [(1, 1), (2, 2)], "each event with the state it left");
+    assert_eq!(seen.flushes.last(), Some(&2), "a batch ends with the state as of its last event");
+}
+
+#[test]
+fn a_seek_hands_snapshot_sinks_the_history_reduced_once_then_the_new_state() {
+    let hub = Hub::new();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    hub.add_snapshot_sink(Box::new(Watch(seen.clone())));
+    let run: Vec<Event> = (1..=5).map(hit).collect();
+    for e in &run {
+        hub.ingest(e.clone());
     }
-    assert!(sub.rx.try_recv().is_err(), "nothing else");
+    hub.reset(Snapshot::from_events(&run[..3]), &run[..3]);
+    let seen = seen.lock().expect("seen");
+    assert_eq!(seen.rewound, [(1, 1), (2, 2), (3, 3)]);
+    assert_eq!(seen.rewind_ends, [3]);
+    assert_eq!(hub.snapshot().weights.prefetch_hits, 3);
 }
 
 #[test]
@@ -47,30 +91,6 @@ fn dropped_count_becomes_an_event() {
     bus.close();
     assert_eq!(hub.snapshot().dropped_events, 5);
     assert_eq!(hub.snapshot().event_counts["events_dropped"], 1);
-}
-
-#[test]
-fn lagging_subscriber_is_told_how_many_it_missed() {
-    let hub = Hub::new();
-    let mut sub = hub.subscribe();
-    for i in 0..(DEFAULT_SUBSCRIBER_CAPACITY as u64 + 10) {
-        hub.ingest(Event::new(
-            i + 1,
-            i,
-            0,
-            Phase::Idle,
-            EventKind::PrefetchHit { block: BlockId(0) },
-        ));
-    }
-    match sub.rx.try_recv() {
-        Err(broadcast::error::TryRecvError::Lagged(n)) => assert_eq!(n, 10),
-        other => panic!("expected Lagged, got {other:?}"),
-    }
-    let fresh = hub.resubscribe();
-    assert_eq!(
-        fresh.snapshot.weights.prefetch_hits,
-        DEFAULT_SUBSCRIBER_CAPACITY as u64 + 10
-    );
 }
 
 #[test]

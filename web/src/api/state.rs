@@ -85,7 +85,7 @@ impl AppState {
     pub fn replay(driver: Arc<ReplayDriver>) -> AppState {
         let hub = Arc::new(Hub::new());
         let metrics = Metrics::new();
-        hub.add_sink(Box::new(metrics.clone()));
+        hub.add_snapshot_sink(Box::new(metrics.clone()));
         let fanout = Fanout::attach(&hub);
         AppState {
             hub,
