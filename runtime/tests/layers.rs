@@ -31,11 +31,7 @@ const KNOWN_CLIMBS: &[(&str, &str)] = &[];
 
 /// Loops between the files (or sub-directories) of one module, still there.
 const KNOWN_LOOPS: &[(&str, &[&str])] = &[
-    ("device", &["buffer", "pool"]),
-    ("events", &["bus", "jsonl", "telemetry"]),
-    ("nn", &["managed", "path", "store"]),
     ("optim", &["optimizer", "state"]),
-    ("weights", &["block", "config", "file", "quant", "registry", "shard"]),
 ];
 
 /// A crate's sources and the module path they are read under.

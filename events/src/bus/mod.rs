@@ -132,8 +132,20 @@ pub struct Hub {
 
 /// Writes a flight record of the last steps now (the telemetry's recorder registers one with
 /// the hub), so that a server holding only the hub can offer it: the file written, or why not.
-pub type FlightRequest =
-    Arc<dyn Fn(&str) -> std::result::Result<std::path::PathBuf, crate::telemetry::TelemetryError> + Send + Sync>;
+pub type FlightRequest = Arc<dyn Fn(&str) -> std::result::Result<std::path::PathBuf, FlightError> + Send + Sync>;
+
+/// Why a flight record asked for through [`Hub::request_flight`] was not written. Its own type
+/// (the telemetry's errors convert into it) because the hub sits below the telemetry that
+/// writes the record.
+#[derive(Debug, thiserror::Error)]
+pub enum FlightError {
+    /// One was written less than the recorder's minimum interval ago.
+    #[error("a flight record was requested less than the minimum interval ago; not writing '{0}'")]
+    RateLimited(String),
+    /// The record could not be written.
+    #[error(transparent)]
+    Write(Box<dyn std::error::Error + Send + Sync>),
+}
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -172,10 +184,7 @@ impl Hub {
 
     /// Writes a flight record of the last steps now, rate-limited as the recorder's own dumps
     /// are: `None` when the run has no flight recorder.
-    pub fn request_flight(
-        &self,
-        reason: &str,
-    ) -> Option<std::result::Result<std::path::PathBuf, crate::telemetry::TelemetryError>> {
+    pub fn request_flight(&self, reason: &str) -> Option<std::result::Result<std::path::PathBuf, FlightError>> {
         let request = self.flight.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
         Some(request(reason))
     }

@@ -26,7 +26,7 @@ pub mod level;
 pub use flight::{Dump, FlightConfig, FlightRecorder};
 pub use level::{Level, LevelFilter};
 
-use super::bus::{Bus, EventSink};
+use super::bus::{Bus, EventSink, FlightError};
 use super::jsonl::{JsonlError, JsonlSink, OpenMode};
 use super::model::{Event, EventKind};
 use serde::{Deserialize, Serialize};
@@ -49,6 +49,15 @@ pub enum TelemetryError {
     /// A dump on request was written too recently.
     #[error("a flight record was requested less than the minimum interval ago; not writing '{0}'")]
     RateLimited(String),
+}
+
+impl From<TelemetryError> for FlightError {
+    fn from(e: TelemetryError) -> FlightError {
+        match e {
+            TelemetryError::RateLimited(reason) => FlightError::RateLimited(reason),
+            other => FlightError::Write(Box::new(other)),
+        }
+    }
 }
 
 /// Everything [`attach`] needs.
