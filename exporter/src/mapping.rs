@@ -82,6 +82,12 @@ pub fn owner_parts(o: &VramByOwner) -> [(&'static str, u64); 5] {
 // (not collectives) by the two runtimes that copy, the phases a step is timed in, and the
 // tensors the guards name (anything else is `other`).
 const DIRECTIONS: [Direction; 2] = [Direction::H2d, Direction::D2h];
+
+/// The gauges whose series follow the shape of the run's state (the pools' classes, the owners'
+/// limits) rather than fixed label values: an exporter that keeps series between refreshes drops
+/// theirs before each one, so a class a pool no longer has (resized to other slabs) does not
+/// linger beside the current ones.
+pub const SHAPED_GAUGES: [Metric; 4] = [Metric::PoolCapacity, Metric::PoolUsed, Metric::PoolSlabsInUse, Metric::MemoryLimit];
 const COPY_OWNERS: [Owner; 2] = [Owner::Weights, Owner::Activations];
 const NON_FINITE: [&str; 4] = ["output", "gradient", "loss", "other"];
 const STEP_PHASES: [Phase; 5] = [Phase::StepBegin, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::StepEnd];

@@ -12,7 +12,7 @@
 //! which it reduces into a snapshot of that device (the hub's follows the first device).
 
 use crate::catalog::{Kind, CATALOG};
-use crate::mapping::{gauges, initial, Mapper, Observation, Value};
+use crate::mapping::{gauges, initial, Mapper, Observation, Value, SHAPED_GAUGES};
 use crate::{Error, Result};
 use prometheus::{CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, Opts, Registry, TextEncoder};
 use stagehand_events::model::{Event, EventKind};
@@ -63,6 +63,15 @@ struct Families {
 }
 
 impl Families {
+    /// Drops the series of [`SHAPED_GAUGES`], which the next gauges set again from the state.
+    fn reset_shaped_gauges(&self) {
+        for m in SHAPED_GAUGES {
+            if let Some(Family::Gauge(g)) = self.families.get(m as usize) {
+                g.reset();
+            }
+        }
+    }
+
     fn new(l: &DeviceLabels) -> Result<Families> {
         let registry = Registry::new();
         let mut families = Vec::with_capacity(CATALOG.len());
@@ -235,12 +244,14 @@ impl Inner {
     fn refresh_gauges(&mut self, state: &Snapshot) {
         self.scratch.clear();
         gauges(state, &mut self.scratch);
+        self.families.reset_shaped_gauges();
         for o in &self.scratch {
             self.families.apply(o);
         }
         for lane in self.lanes.values() {
             self.scratch.clear();
             gauges(&lane.snapshot, &mut self.scratch);
+            lane.families.reset_shaped_gauges();
             for o in &self.scratch {
                 lane.families.apply(o);
             }

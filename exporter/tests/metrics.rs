@@ -278,3 +278,28 @@ fn each_device_of_a_data_parallel_run_has_its_series() {
     }
     assert_eq!(text.matches("# TYPE stagehand_transfer_bytes_total ").count(), 1);
 }
+
+#[test]
+fn a_resized_pool_shows_only_its_current_classes() {
+    use stagehand_events::model::{Event, EventKind, Phase, PoolClass, PoolKind};
+    let configured = |seq: u64, slab_bytes: u64| {
+        let classes = vec![PoolClass { slab_bytes, slabs: 4 }];
+        Event::new(seq, seq, 0, Phase::Idle, EventKind::PoolConfigured { pool: PoolKind::Activations, classes, pinned: true })
+    };
+    let hub = stagehand_events::Hub::new();
+    let m = Metrics::new();
+    hub.add_snapshot_sink(Box::new(m.clone()));
+    // The pool as first sized, seen by a batch (a scrape in between would show it), then resized.
+    hub.ingest(configured(1, 1 << 20));
+    hub.flush();
+    hub.ingest(configured(2, 4 << 20));
+    hub.flush();
+    let s = scrape(&m.render().expect("renders"));
+    let classes: Vec<&str> = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == "stagehand_pool_capacity_bytes")
+        .filter_map(|x| x.labels.get("slab_bytes"))
+        .collect();
+    assert_eq!(classes, ["4194304"], "the resized pool's class alone");
+}
