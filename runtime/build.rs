@@ -7,9 +7,6 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
-    if std::env::var_os("CARGO_FEATURE_TORCH").is_none() {
-        return;
-    }
     println!("cargo:rerun-if-changed=csrc/shim.cpp");
     let libtorch = match std::env::var_os("LIBTORCH") {
         Some(p) => PathBuf::from(p),

@@ -8,11 +8,11 @@
 
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
-use stagehand::events::Event;
+use stagehand_events::Event;
 use stagehand_dashboard::app::{State, SourceUpdate, View, ViewState};
 use stagehand_dashboard::source::sse::{Item, Limits, LineReader, SseParser};
 use stagehand_dashboard::source::{ReplaySource, Source};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 use stagehand_dashboard::views;
 use std::time::{Duration, Instant};
@@ -69,7 +69,7 @@ fn main() {
     // The live path's extra work: SSE lines read (bounded), parsed and decoded from JSON.
     let mut wire = Vec::new();
     for e in &events {
-        let m = stagehand::events::StreamMessage::Event { event: Box::new(e.clone()) };
+        let m = stagehand_events::StreamMessage::Event { event: Box::new(e.clone()) };
         wire.extend_from_slice(b"event: event\ndata: ");
         wire.extend(serde_json::to_vec(&m).expect("serializes"));
         wire.extend_from_slice(b"\n\n");

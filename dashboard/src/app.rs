@@ -5,7 +5,7 @@
 use crate::filter::Filter;
 use crate::keys::Action;
 use crate::sort::{self, Sorts, TableId};
-use stagehand::events::*;
+use stagehand_events::*;
 use std::collections::VecDeque;
 use std::time::Duration;
 

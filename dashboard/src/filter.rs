@@ -1,6 +1,6 @@
 //! The filter typed after `/`: over events (Events view) and blocks (Residency view).
 
-use stagehand::events::{snapshot, BlockId, Event};
+use stagehand_events::{snapshot, BlockId, Event};
 
 /// A filter over events (Events view) and blocks (Residency view), typed after `/`.
 ///

@@ -3,8 +3,8 @@
 //! keeps them short (`840 us`, `3.40 ms`, `1.25 s`). Every function here returns at most
 //! [`MAX_WIDTH`] characters, so a panel sized for them never cuts a number.
 
-pub use stagehand::events::describe::bytes;
-use stagehand::events::describe::three_digits;
+pub use stagehand_events::describe::bytes;
+use stagehand_events::describe::three_digits;
 
 /// The widest string any formatter here returns ("1023 KiB", "-999 ms" are 8).
 pub const MAX_WIDTH: usize = 9;

@@ -9,7 +9,7 @@ use stagehand_dashboard::app::{State, SourceUpdate, ViewState};
 use stagehand_dashboard::keys::{map_key, KeyContext};
 use stagehand_dashboard::source::sse::Limits;
 use stagehand_dashboard::source::{stream_url, Auth, Backoff, LiveSource, ReplaySource, Source};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_dashboard::theme::Theme;
 use stagehand_dashboard::views;
 use std::path::PathBuf;

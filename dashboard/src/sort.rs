@@ -6,7 +6,7 @@
 //! interesting rows first: biggest sizes, longest waits, newest steps), `S` reverses it.
 
 use std::cmp::Ordering;
-use stagehand::events::snapshot::{BlockView, DenialRecord, StepRecord, TransferRecord};
+use stagehand_events::snapshot::{BlockView, DenialRecord, StepRecord, TransferRecord};
 
 /// The tables that sort.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -299,7 +299,7 @@ mod tests {
 
     #[test]
     fn copies_that_were_not_timed_sort_below_the_timed_ones() {
-        use stagehand::events::{Direction, Owner, TransferId};
+        use stagehand_events::{Direction, Owner, TransferId};
         let rec = |seq: u64, duration_ms: Option<f64>| TransferRecord {
             seq,
             t_ns: seq,

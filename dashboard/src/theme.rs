@@ -3,7 +3,7 @@
 
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::symbols::border;
-use stagehand::events::BlockState;
+use stagehand_events::BlockState;
 
 /// How the UI draws.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

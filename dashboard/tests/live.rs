@@ -3,10 +3,10 @@
 mod common;
 
 use common::*;
-use stagehand::events::{Snapshot, StreamMessage};
+use stagehand_events::{Snapshot, StreamMessage};
 use stagehand_dashboard::app::{Link, LiveStatus, Skipped, SourceStatus, State};
 use stagehand_dashboard::source::{stream_url, Backoff, LiveSource, Source};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use std::time::{Duration, Instant};
 
 const QUICK: Backoff = Backoff {
@@ -140,7 +140,7 @@ fn raw_server(body: Vec<u8>) -> String {
 
 #[test]
 fn a_hostile_server_is_bounded_skipped_and_counted() {
-    use stagehand::events::{BlockId, Event, EventKind, Phase};
+    use stagehand_events::{BlockId, Event, EventKind, Phase};
     use stagehand_dashboard::source::sse::Limits;
     let limits = Limits { max_line: 1 << 20, max_message: 1 << 20 };
     let mut body = Vec::new();

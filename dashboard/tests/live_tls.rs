@@ -1,7 +1,7 @@
 //! The live source against an HTTPS server: the certificate given is trusted, the token comes
 //! from a file or the environment and goes in a header, and the address never holds it.
 
-use stagehand::events::{Snapshot, StreamMessage};
+use stagehand_events::{Snapshot, StreamMessage};
 use stagehand_dashboard::app::{Link, LiveStatus, SourceStatus, State};
 use stagehand_dashboard::source::sse::Limits;
 use stagehand_dashboard::source::{stream_url, Auth, Backoff, LiveSource, Source, TOKEN_ENV};

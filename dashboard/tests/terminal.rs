@@ -126,7 +126,7 @@ fn replay_in_a_terminal_follows_keys() {
 
 #[test]
 fn live_run_in_a_terminal_shows_the_stream_and_reconnects() {
-    let ev = stagehand::events::synthetic::events(Default::default());
+    let ev = stagehand_events::synthetic::events(Default::default());
     let mut first = vec![snapshot_of(&ev[..400])];
     first.extend(events_of(&ev[400..]));
     let addr = sse_server(vec![(first, true), (vec![snapshot_of(&ev)], false)]);

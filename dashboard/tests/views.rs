@@ -8,8 +8,8 @@ mod common;
 
 use common::*;
 use ratatui::style::Color;
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::{BlockId, BlockState, ReplayStatus};
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::{BlockId, BlockState, ReplayStatus};
 use stagehand_dashboard::app::{
     Control, Detail, Link, LiveStatus, Loading, ReplayInfo, Skipped, SourceStatus, State, View, ViewState,
 };
@@ -310,8 +310,8 @@ fn residency_states_are_coloured() {
 
 #[test]
 fn extreme_numbers_from_a_server_draw_without_panicking() {
-    use stagehand::events::snapshot::{ClassView, OwnersReading, VramReading};
-    use stagehand::events::{StepTimeBreakdown, VramByOwner};
+    use stagehand_events::snapshot::{ClassView, OwnersReading, VramReading};
+    use stagehand_events::{StepTimeBreakdown, VramByOwner};
     let (mut state, _) = replayed(RUN, &[Control::ToEnd]);
     let s = &mut state.snapshot;
     s.step = u64::MAX;
@@ -355,7 +355,7 @@ fn extreme_numbers_from_a_server_draw_without_panicking() {
 
 #[test]
 fn a_data_parallel_run_shows_a_row_per_gpu_on_the_overview() {
-    use stagehand::events::{Event, EventKind, Phase, StepTimeBreakdown, WeightStepMetrics};
+    use stagehand_events::{Event, EventKind, Phase, StepTimeBreakdown, WeightStepMetrics};
     let mut state = State::new();
     let on = |d: u32, seq: u64, kind: EventKind| Event::new(seq, seq, 3, Phase::Backward, kind).on_device(Some(d));
     for (i, d) in [0u32, 1].into_iter().enumerate() {

@@ -247,7 +247,7 @@ fn main() -> anyhow::Result<()> {
     let file = out_dir.join(format!("main_job-{}.jsonl", std::process::id()));
     hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
     let metrics = stagehand_exporter::Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     let spill_copies = Arc::new(std::sync::Mutex::new(stagehand::events::CopyStats::default()));
     hub.add_sink(Box::new(SpillCopySink(spill_copies.clone())));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);

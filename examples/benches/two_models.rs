@@ -84,7 +84,7 @@ fn main() -> anyhow::Result<()> {
     let file = out.join(format!("two_models-{}.jsonl", std::process::id()));
     let hub = Arc::new(Hub::new());
     let metrics = stagehand_exporter::Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let sh = Stagehand::builder()
         .budget_bytes(budget)

@@ -46,7 +46,7 @@ impl WatchArgs {
         let server = if self.serve {
             let config = self.server.config(stagehand_web::DEFAULT_SERVER_ADDR);
             let metrics = stagehand_exporter::Metrics::new();
-            hub.add_sink(Box::new(metrics.clone()));
+            hub.add_snapshot_sink(Box::new(metrics.clone()));
             let state = stagehand_web::AppState::live(hub.clone(), metrics);
             let server = stagehand_web::Server::start(&config, state).with_context(|| format!("serving on {}", config.addr))?;
             println!("  dashboard  {}", server.login_url());

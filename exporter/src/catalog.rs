@@ -16,9 +16,9 @@
 
 /// Buckets for copy durations, in seconds: 20 us to 2 s (the event model's, which the
 /// per-step counts are kept in).
-pub const TRANSFER_BUCKETS: &[f64] = stagehand::events::model::COPY_SECONDS_BOUNDS;
+pub const TRANSFER_BUCKETS: &[f64] = stagehand_events::model::COPY_SECONDS_BOUNDS;
 /// Buckets for stalls of the compute stream, in seconds: 10 us to 1 s (as above).
-pub const STALL_BUCKETS: &[f64] = stagehand::events::model::STALL_SECONDS_BOUNDS;
+pub const STALL_BUCKETS: &[f64] = stagehand_events::model::STALL_SECONDS_BOUNDS;
 /// Buckets for phase and step durations, in seconds: 1 ms to 60 s.
 pub const PHASE_BUCKETS: &[f64] = &[1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 

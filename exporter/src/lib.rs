@@ -25,7 +25,7 @@ pub enum Error {
     Encode(String),
     /// The telemetry file could not be read.
     #[error("telemetry: {0}")]
-    Telemetry(#[from] stagehand::events::jsonl::JsonlError),
+    Telemetry(#[from] stagehand_events::jsonl::JsonlError),
     /// Reading or writing a file failed.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),

@@ -1,7 +1,10 @@
 //! The one mapping from a run's events to metric values, shared by the Prometheus and the
 //! OpenTelemetry exporters ([`Mapper::on_event`]), gauges from the run's [`Snapshot`]
-//! ([`Mapper::gauges`]), and the series that exist from the start ([`initial`]). Each exporter
+//! ([`gauges`]), and the series that exist from the start ([`initial`]). Each exporter
 //! applies the [`Observation`]s to its own instruments, built from [`crate::catalog`].
+//!
+//! The mapper keeps no copy of the run: it reads the snapshot the hub reduced each event into
+//! (`stagehand_events::SnapshotSink`), so a run is reduced once however many exporters watch it.
 //!
 //! Counters and histograms of what the runtimes count (prefetch hits, copies, spills,
 //! evictions, the Conductor's grants and refusals, copy and stall durations) count *finished
@@ -15,13 +18,13 @@
 //! hints, incidents) are in every file and count as they come.
 
 use crate::catalog::Metric;
-use stagehand::events::model::{
+use stagehand_events::model::{
     BlockState, Buckets, DenyReason, Direction, Event, EventKind, EvictionReason, Owner, PackDecision, Phase, PolicyRule, PoolKind, ReservationMode,
     ReservationOutcome, StepCounts, StepTimeBreakdown, VramByOwner, COPY_SECONDS_BOUNDS, SCHEMA_VERSION,
     STALL_SECONDS_BOUNDS,
 };
-use stagehand::events::snapshot::StepRecord;
-use stagehand::events::{wire_name, Snapshot};
+use stagehand_events::snapshot::StepRecord;
+use stagehand_events::{wire_name, Snapshot};
 use strum::VariantArray;
 
 /// What to do to a series.
@@ -79,6 +82,12 @@ pub fn owner_parts(o: &VramByOwner) -> [(&'static str, u64); 5] {
 // (not collectives) by the two runtimes that copy, the phases a step is timed in, and the
 // tensors the guards name (anything else is `other`).
 const DIRECTIONS: [Direction; 2] = [Direction::H2d, Direction::D2h];
+
+/// The gauges whose series follow the shape of the run's state (the pools' classes, the owners'
+/// limits) rather than fixed label values: an exporter that keeps series between refreshes drops
+/// theirs before each one, so a class a pool no longer has (resized to other slabs) does not
+/// linger beside the current ones.
+pub const SHAPED_GAUGES: [Metric; 4] = [Metric::PoolCapacity, Metric::PoolUsed, Metric::PoolSlabsInUse, Metric::MemoryLimit];
 const COPY_OWNERS: [Owner; 2] = [Owner::Weights, Owner::Activations];
 const NON_FINITE: [&str; 4] = ["output", "gradient", "loss", "other"];
 const STEP_PHASES: [Phase; 5] = [Phase::StepBegin, Phase::Forward, Phase::Backward, Phase::Optimizer, Phase::StepEnd];
@@ -193,10 +202,10 @@ struct Seen {
     counts: u64,
 }
 
-/// Events to observations, keeping the run's snapshot for the gauges and the tallies.
+/// Events to observations. It reads the run's state from the snapshot it is handed and keeps
+/// only how much of it was already turned into observations.
 #[derive(Debug, Default)]
 pub struct Mapper {
-    snapshot: Snapshot,
     /// The bus's running total of dropped events seen so far.
     dropped_seen: u64,
     seen: Seen,
@@ -208,15 +217,20 @@ impl Mapper {
         Mapper::default()
     }
 
-    /// The run as the events so far describe it.
-    pub fn snapshot(&self) -> &Snapshot {
-        &self.snapshot
+    /// A mapper that starts watching a run whose state is `state` already: what the tallies
+    /// committed before counts as seen, so counters count from here on.
+    pub fn at(state: &Snapshot) -> Mapper {
+        let t = &state.tallies;
+        Mapper {
+            dropped_seen: state.dropped_events,
+            seen: Seen { weights: t.weights.commits, activations: t.activations.commits, counts: t.counts.commits },
+        }
     }
 
-    /// Applies an event and appends what it adds to counters and histograms.
-    pub fn on_event(&mut self, e: &Event, out: &mut Vec<Observation>) {
+    /// Appends what event `e` adds to counters and histograms; `state` is the run's snapshot
+    /// after it.
+    pub fn on_event(&mut self, e: &Event, state: &Snapshot, out: &mut Vec<Observation>) {
         use Metric::*;
-        self.snapshot.apply(e);
         out.push(obs(Events, &[e.kind.name()], Value::Add(1.0)));
         let one = Value::Add(1.0);
         match &e.kind {
@@ -253,14 +267,14 @@ impl Mapper {
             EventKind::FlightRecorded { .. } => out.push(obs(FlightRecords, &[], one)),
             _ => {}
         }
-        self.finished_steps(out);
+        self.finished_steps(state, out);
     }
 
     /// What the tallies committed with this event (a step's aggregate, or the detail of a step
     /// that got none): at most one commit per tally and event.
-    fn finished_steps(&mut self, out: &mut Vec<Observation>) {
+    fn finished_steps(&mut self, state: &Snapshot, out: &mut Vec<Observation>) {
         use Metric::*;
-        let t = &self.snapshot.tallies;
+        let t = &state.tallies;
         let add = |out: &mut Vec<Observation>, m: Metric, labels: &[&str], n: u64| {
             if n > 0 {
                 out.push(obs(m, labels, Value::Add(n as f64)));
@@ -285,63 +299,63 @@ impl Mapper {
             step_counts(&t.counts.last, out);
         }
     }
-    /// Appends the gauges as the run now stands.
-    pub fn gauges(&self, out: &mut Vec<Observation>) {
-        use Metric::*;
-        let s = &self.snapshot;
-        out.push(obs(Step, &[], Value::Set(s.step as f64)));
-        if let Some((_, t)) = s.last_train_step() {
-            out.push(obs(Loss, &[], Value::Set(t.loss)));
-        }
-        if let Some(t) = s.steps.iter().rev().find_map(|r| r.time) {
-            for (part, v) in time_parts(&t) {
-                out.push(obs(LastStepTime, &[part], Value::Set(v)));
-            }
-        }
-        for d in DIRECTIONS {
-            out.push(obs(TransfersInflight, &[d.as_str()], Value::Set(s.transfers.dir(d).inflight as f64)));
-        }
-        let counts = s.residency_counts();
-        for st in BlockState::ALL {
-            let n = counts.get(&st).copied().unwrap_or(0);
-            out.push(obs(ResidencyBlocks, &[st.as_str()], Value::Set(n as f64)));
-        }
-        for (kind, pool) in [(PoolKind::Weights, &s.weight_pool), (PoolKind::Activations, &s.activation_pool)] {
-            let Some(pool) = pool else { continue };
-            for (i, c) in pool.classes.iter().enumerate() {
-                let l = [pool_name(kind), &i.to_string(), &c.slab_bytes.to_string()];
-                out.push(obs(PoolCapacity, &l, Value::Set(c.slab_bytes as f64 * c.slabs as f64)));
-                out.push(obs(PoolUsed, &l, Value::Set(c.slab_bytes as f64 * c.in_use as f64)));
-                out.push(obs(PoolSlabsInUse, &l, Value::Set(c.in_use as f64)));
-            }
-        }
-        if let Some(v) = &s.vram {
-            // The peak is the run's, as on every other surface.
-            for (k, b) in [("allocated", v.allocated_bytes), ("reserved", v.reserved_bytes), ("peak", s.vram_peak_bytes)] {
-                out.push(obs(Vram, &[k], Value::Set(b as f64)));
-            }
-        }
-        for (owner, l) in &s.limits {
-            out.push(obs(MemoryLimit, &[owner.as_str(), "budget"], Value::Set(l.budget_bytes as f64)));
-            if let Some(h) = l.high_watermark_bytes {
-                out.push(obs(MemoryLimit, &[owner.as_str(), "high"], Value::Set(h as f64)));
-            }
-            if let Some(lo) = l.low_watermark_bytes {
-                out.push(obs(MemoryLimit, &[owner.as_str(), "low"], Value::Set(lo as f64)));
-            }
-        }
-        if let Some(r) = &s.vram_owners {
-            for (o, b) in owner_parts(&r.owners) {
-                out.push(obs(VramOwner, &[o], Value::Set(b as f64)));
-            }
-        }
-        if let Some((_, p)) = last_finished_peak(s) {
-            for (o, b) in owner_parts(&p) {
-                out.push(obs(VramAtPeak, &[o], Value::Set(b as f64)));
-            }
-        }
-        out.push(obs(ConductorReserved, &[], Value::Set(s.conductor.active_bytes as f64)));
+}
+
+/// Appends the gauges of the run as `s` has it.
+pub fn gauges(s: &Snapshot, out: &mut Vec<Observation>) {
+    use Metric::*;
+    out.push(obs(Step, &[], Value::Set(s.step as f64)));
+    if let Some((_, t)) = s.last_train_step() {
+        out.push(obs(Loss, &[], Value::Set(t.loss)));
     }
+    if let Some(t) = s.steps.iter().rev().find_map(|r| r.time) {
+        for (part, v) in time_parts(&t) {
+            out.push(obs(LastStepTime, &[part], Value::Set(v)));
+        }
+    }
+    for d in DIRECTIONS {
+        out.push(obs(TransfersInflight, &[d.as_str()], Value::Set(s.transfers.dir(d).inflight as f64)));
+    }
+    let counts = s.residency_counts();
+    for st in BlockState::ALL {
+        let n = counts.get(&st).copied().unwrap_or(0);
+        out.push(obs(ResidencyBlocks, &[st.as_str()], Value::Set(n as f64)));
+    }
+    for (kind, pool) in [(PoolKind::Weights, &s.weight_pool), (PoolKind::Activations, &s.activation_pool)] {
+        let Some(pool) = pool else { continue };
+        for (i, c) in pool.classes.iter().enumerate() {
+            let l = [pool_name(kind), &i.to_string(), &c.slab_bytes.to_string()];
+            out.push(obs(PoolCapacity, &l, Value::Set(c.slab_bytes as f64 * c.slabs as f64)));
+            out.push(obs(PoolUsed, &l, Value::Set(c.slab_bytes as f64 * c.in_use as f64)));
+            out.push(obs(PoolSlabsInUse, &l, Value::Set(c.in_use as f64)));
+        }
+    }
+    if let Some(v) = &s.vram {
+        // The peak is the run's, as on every other surface.
+        for (k, b) in [("allocated", v.allocated_bytes), ("reserved", v.reserved_bytes), ("peak", s.vram_peak_bytes)] {
+            out.push(obs(Vram, &[k], Value::Set(b as f64)));
+        }
+    }
+    for (owner, l) in &s.limits {
+        out.push(obs(MemoryLimit, &[owner.as_str(), "budget"], Value::Set(l.budget_bytes as f64)));
+        if let Some(h) = l.high_watermark_bytes {
+            out.push(obs(MemoryLimit, &[owner.as_str(), "high"], Value::Set(h as f64)));
+        }
+        if let Some(lo) = l.low_watermark_bytes {
+            out.push(obs(MemoryLimit, &[owner.as_str(), "low"], Value::Set(lo as f64)));
+        }
+    }
+    if let Some(r) = &s.vram_owners {
+        for (o, b) in owner_parts(&r.owners) {
+            out.push(obs(VramOwner, &[o], Value::Set(b as f64)));
+        }
+    }
+    if let Some((_, p)) = last_finished_peak(s) {
+        for (o, b) in owner_parts(&p) {
+            out.push(obs(VramAtPeak, &[o], Value::Set(b as f64)));
+        }
+    }
+    out.push(obs(ConductorReserved, &[], Value::Set(s.conductor.active_bytes as f64)));
 }
 
 /// The counters and histograms of one step's [`StepCounts`].
@@ -406,16 +420,17 @@ fn step_counts(c: &StepCounts, out: &mut Vec<Observation>) {
 mod tests {
     use super::*;
     use crate::catalog::CATALOG;
-    use stagehand::events::synthetic::{events, SyntheticRun};
+    use stagehand_events::synthetic::{events, SyntheticRun};
 
     #[test]
     fn every_observation_matches_its_definition() {
-        let mut m = Mapper::new();
+        let (mut m, mut state) = (Mapper::new(), Snapshot::new());
         let mut out = initial();
         for e in events(SyntheticRun::finished(3)) {
-            m.on_event(&e, &mut out);
+            state.apply(&e);
+            m.on_event(&e, &state, &mut out);
         }
-        m.gauges(&mut out);
+        gauges(&state, &mut out);
         for o in &out {
             let d = o.metric.def();
             assert_eq!(o.labels.len(), d.labels.len(), "{} {:?}", d.stem, o.labels);
@@ -435,10 +450,12 @@ mod tests {
 
     #[test]
     fn the_bus_s_running_total_of_drops_becomes_increments() {
-        let mut m = Mapper::new();
+        let (mut m, mut state) = (Mapper::new(), Snapshot::new());
         let mut out = Vec::new();
         for (i, total) in [3u64, 3, 10].into_iter().enumerate() {
-            m.on_event(&Event::new(i as u64 + 1, 0, 0, Phase::Idle, EventKind::EventsDropped { total }), &mut out);
+            let e = Event::new(i as u64 + 1, 0, 0, Phase::Idle, EventKind::EventsDropped { total });
+            state.apply(&e);
+            m.on_event(&e, &state, &mut out);
         }
         let added: f64 = out
             .iter()

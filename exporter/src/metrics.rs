@@ -1,4 +1,5 @@
-//! Prometheus metrics of a run, updated from events by an [`EventSink`].
+//! Prometheus metrics of a run, updated from events and the hub's snapshot by a
+//! [`SnapshotSink`].
 //!
 //! The instruments are the [`crate::catalog`]'s, named the Prometheus way (`stagehand_` prefix,
 //! base units `_bytes` and `_seconds`, `_total` for counters), and their values come from the
@@ -7,14 +8,15 @@
 //! tensor ids stay in the events and never become labels. Every series carries the const labels
 //! `device` (the CUDA ordinal) and `device_name`, as GPU exporters (DCGM, nvidia_gpu_exporter)
 //! label theirs, so the series can be joined. A data-parallel run's events carry their device:
-//! each device gets series of its own (its `device` label), fed by its events and the run's.
+//! each device gets series of its own (its `device` label), fed by its events and the run's,
+//! which it reduces into a snapshot of that device (the hub's follows the first device).
 
 use crate::catalog::{Kind, CATALOG};
-use crate::mapping::{initial, Mapper, Observation, Value};
+use crate::mapping::{gauges, initial, Mapper, Observation, Value, SHAPED_GAUGES};
 use crate::{Error, Result};
 use prometheus::{CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, Opts, Registry, TextEncoder};
-use stagehand::events::model::{Event, EventKind};
-use stagehand::events::EventSink;
+use stagehand_events::model::{Event, EventKind};
+use stagehand_events::{Snapshot, SnapshotSink};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -61,6 +63,15 @@ struct Families {
 }
 
 impl Families {
+    /// Drops the series of [`SHAPED_GAUGES`], which the next gauges set again from the state.
+    fn reset_shaped_gauges(&self) {
+        for m in SHAPED_GAUGES {
+            if let Some(Family::Gauge(g)) = self.families.get(m as usize) {
+                g.reset();
+            }
+        }
+    }
+
     fn new(l: &DeviceLabels) -> Result<Families> {
         let registry = Registry::new();
         let mut families = Vec::with_capacity(CATALOG.len());
@@ -131,6 +142,25 @@ impl Families {
     }
 }
 
+/// One device's series of a data-parallel run, from that device's own reduction of its events
+/// and the run's.
+struct Lane {
+    families: Families,
+    snapshot: Snapshot,
+    mapper: Mapper,
+}
+
+impl Lane {
+    fn on_event(&mut self, e: &Event, scratch: &mut Vec<Observation>) {
+        self.snapshot.apply(e);
+        scratch.clear();
+        self.mapper.on_event(e, &self.snapshot, scratch);
+        for o in scratch.iter() {
+            self.families.apply(o);
+        }
+    }
+}
+
 struct Inner {
     labels: Option<DeviceLabels>,
     /// Labels fixed at construction are never replaced by those of `run_started`.
@@ -140,30 +170,35 @@ struct Inner {
     scratch: Vec<Observation>,
     /// A data-parallel run: each device's series, by its index (empty for a run on one device,
     /// whose events carry none).
-    lanes: std::collections::BTreeMap<u32, (Families, Mapper)>,
+    lanes: std::collections::BTreeMap<u32, Lane>,
     /// The run's `run_started`, for a device's series made after it.
     started: Option<Event>,
+    /// Events recorded.
+    events: u64,
 }
 
 /// Devices with series of their own, at most (events of others go to the run's series).
 const MAX_LANES: usize = 64;
 
 impl Inner {
-    /// Fresh series under `labels` and an empty run: what Prometheus reads as a counter reset.
-    fn restart(&mut self, labels: &DeviceLabels) -> Result<()> {
+    /// Fresh series under `labels`, counted by `mapper`: what Prometheus reads as a counter
+    /// reset.
+    fn restart(&mut self, labels: &DeviceLabels, mapper: Mapper) -> Result<()> {
         self.families = Families::new(labels)?;
-        self.mapper = Mapper::new();
+        self.mapper = mapper;
         self.lanes.clear();
         Ok(())
     }
 
-    fn on_event(&mut self, e: &Event) -> Result<()> {
+    /// Records `e`, the hub's snapshot after it being `state`.
+    fn on_event(&mut self, e: &Event, state: &Snapshot) -> Result<()> {
+        self.events = self.events.saturating_add(1);
         if let EventKind::RunStarted { device, .. } = &e.kind {
             if !self.fixed_labels {
                 // A new run: new labels and fresh series (counter resets are what Prometheus
                 // expects of a restarted process).
                 let labels = DeviceLabels::new(device.index, device.name.clone());
-                self.restart(&labels)?;
+                self.restart(&labels, Mapper::at(state))?;
                 self.labels = Some(labels);
             }
             self.started = Some(e.clone());
@@ -182,7 +217,7 @@ impl Inner {
             }
         }
         self.scratch.clear();
-        self.mapper.on_event(e, &mut self.scratch);
+        self.mapper.on_event(e, state, &mut self.scratch);
         for o in &self.scratch {
             self.families.apply(o);
         }
@@ -193,50 +228,45 @@ impl Inner {
     fn lane_event(&mut self, d: u32, e: &Event) -> Result<()> {
         if !self.lanes.contains_key(&d) {
             let name = self.labels.as_ref().map(|l| l.device_name.clone()).unwrap_or_default();
-            let mut lane = (Families::new(&DeviceLabels::new(d, name))?, Mapper::new());
+            let mut lane = Lane { families: Families::new(&DeviceLabels::new(d, name))?, snapshot: Snapshot::new(), mapper: Mapper::new() };
             if let Some(s) = &self.started {
-                self.scratch.clear();
-                lane.1.on_event(s, &mut self.scratch);
-                for o in &self.scratch {
-                    lane.0.apply(o);
-                }
+                lane.on_event(s, &mut self.scratch);
             }
             self.lanes.insert(d, lane);
         }
-        let Some((families, mapper)) = self.lanes.get_mut(&d) else { return Ok(()) };
-        self.scratch.clear();
-        mapper.on_event(e, &mut self.scratch);
-        for o in &self.scratch {
-            families.apply(o);
-        }
+        let Some(lane) = self.lanes.get_mut(&d) else { return Ok(()) };
+        lane.on_event(e, &mut self.scratch);
         Ok(())
     }
 
-    /// Sets the gauges from the run's state; called before each render.
-    fn refresh_gauges(&mut self) {
+    /// Sets the gauges from the run's state (the hub's `state`, each device's own); called
+    /// once per batch, not per event.
+    fn refresh_gauges(&mut self, state: &Snapshot) {
         self.scratch.clear();
-        self.mapper.gauges(&mut self.scratch);
+        gauges(state, &mut self.scratch);
+        self.families.reset_shaped_gauges();
         for o in &self.scratch {
             self.families.apply(o);
         }
-        for (families, mapper) in self.lanes.values() {
+        for lane in self.lanes.values() {
             self.scratch.clear();
-            mapper.gauges(&mut self.scratch);
+            gauges(&lane.snapshot, &mut self.scratch);
+            lane.families.reset_shaped_gauges();
             for o in &self.scratch {
-                families.apply(o);
+                lane.families.apply(o);
             }
         }
     }
 
     /// What `/metrics` shows: the run's series, or each device's of a data-parallel run (one
     /// family per name, its series from every device).
-    fn gather(&mut self) -> Vec<prometheus::proto::MetricFamily> {
-        self.refresh_gauges();
+    fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
         if self.lanes.is_empty() {
             return self.families.registry.gather();
         }
         let mut out: Vec<prometheus::proto::MetricFamily> = Vec::new();
-        for (families, _) in self.lanes.values() {
+        for lane in self.lanes.values() {
+            let families = &lane.families;
             for mut f in families.registry.gather() {
                 match out.iter_mut().find(|o| o.name() == f.name()) {
                     Some(o) => o.mut_metric().extend(f.take_metric()),
@@ -248,15 +278,17 @@ impl Inner {
     }
 }
 
-/// The Prometheus side of a run: attach it to a [`Hub`](stagehand::events::Hub) as a sink and
-/// render `/metrics` from any thread. Cheap to clone; clones share one registry.
+/// The Prometheus side of a run: attach it to a [`Hub`](stagehand_events::Hub) as a snapshot
+/// sink and render `/metrics` from any thread. Cheap to clone; clones share one registry.
+/// Counters and histograms move with each event, gauges with each batch the hub delivers (and
+/// each flush): a scrape shows the run as of the last batch.
 ///
 /// ```
-/// use stagehand::events::Hub;
+/// use stagehand_events::Hub;
 /// use stagehand_exporter::Metrics;
 /// let hub = Hub::new();
 /// let metrics = Metrics::new();
-/// hub.add_sink(Box::new(metrics.clone()));
+/// hub.add_snapshot_sink(Box::new(metrics.clone()));
 /// let text = metrics.render().expect("renders");
 /// assert!(text.contains("stagehand_build_info"));
 /// ```
@@ -270,7 +302,7 @@ impl std::fmt::Debug for Metrics {
         let inner = self.lock();
         f.debug_struct("Metrics")
             .field("labels", &inner.labels)
-            .field("events", &inner.mapper.snapshot().events_applied)
+            .field("events", &inner.events)
             .finish()
     }
 }
@@ -306,6 +338,7 @@ impl Metrics {
                 scratch: Vec::new(),
                 lanes: std::collections::BTreeMap::new(),
                 started: None,
+                events: 0,
             })),
         })
     }
@@ -314,23 +347,16 @@ impl Metrics {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records one event (what the sink does).
-    pub fn record(&self, event: &Event) -> Result<()> {
-        self.lock().on_event(event)
-    }
-
     /// The device labels in use, once known.
     pub fn labels(&self) -> Option<DeviceLabels> {
         self.lock().labels.clone()
     }
 
-    /// The registry, for callers that gather or serve it themselves. Gauges are refreshed first.
-    /// A data-parallel run's devices have registries of their own: [`render`](Self::render)
-    /// shows them all.
+    /// The registry, for callers that gather or serve it themselves (its gauges as of the hub's
+    /// last batch). A data-parallel run's devices have registries of their own:
+    /// [`render`](Self::render) shows them all.
     pub fn registry(&self) -> Registry {
-        let mut inner = self.lock();
-        inner.refresh_gauges();
-        inner.families.registry.clone()
+        self.lock().families.registry.clone()
     }
 
     /// The metrics in the Prometheus text format ([`TEXT_CONTENT_TYPE`]).
@@ -342,10 +368,21 @@ impl Metrics {
     }
 }
 
-impl EventSink for Metrics {
-    fn on_event(&mut self, event: &Event) {
+impl SnapshotSink for Metrics {
+    /// Counters count from here on; gauges show the run as it stands.
+    fn attach(&mut self, state: &Snapshot) {
+        let mut inner = self.lock();
+        inner.mapper = Mapper::at(state);
+        inner.refresh_gauges(state);
+    }
+
+    fn on_event(&mut self, event: &Event, state: &Snapshot) {
         // Registration cannot fail after construction; a failed rebuild keeps the old families.
-        let _ = self.record(event);
+        let _ = self.lock().on_event(event, state);
+    }
+
+    fn flush(&mut self, state: &Snapshot) {
+        self.lock().refresh_gauges(state);
     }
 
     /// A replay seek: fresh series (a counter reset, as after a restarted process) that the
@@ -355,10 +392,10 @@ impl EventSink for Metrics {
         let labels = inner.labels.clone().unwrap_or_default();
         // Families::new only fails on a name clash inside this module; the old series then stay
         // and the history adds to them, which is the best left to do.
-        let _ = inner.restart(&labels);
+        let _ = inner.restart(&labels, Mapper::new());
     }
 
-    fn rewind_event(&mut self, event: &Event) {
-        let _ = self.record(event);
+    fn rewind_event(&mut self, event: &Event, state: &Snapshot) {
+        let _ = self.lock().on_event(event, state);
     }
 }

@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # fn main() -> stagehand_exporter::Result<()> {
-//! # let hub = stagehand::events::Hub::new();
+//! # let hub = stagehand_events::Hub::new();
 //! stagehand_exporter::otlp::attach_from_env(&hub)?; // OTLP whenever OTEL_EXPORTER_OTLP_ENDPOINT is set
 //! # Ok(()) }
 //! ```
@@ -30,7 +30,7 @@
 use crate::catalog::{Kind, CATALOG};
 pub use crate::collector::SHUTDOWN_WAIT;
 use crate::collector::{export_timeout, BoundedClient};
-use crate::mapping::{initial, Mapper, Observation, Value};
+use crate::mapping::{gauges, initial, Mapper, Observation, Value};
 use crate::{Error, Result};
 use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, MeterProvider as _};
 use opentelemetry::trace::{Span as _, TraceContextExt, Tracer as _, TracerProvider as _};
@@ -38,8 +38,8 @@ use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use opentelemetry_sdk::Resource;
-use stagehand::events::model::{Event, EventKind, Phase};
-use stagehand::events::{EventSink, Hub};
+use stagehand_events::model::{Event, EventKind, Phase};
+use stagehand_events::{Hub, Snapshot, SnapshotSink};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The instrumentation scope name.
@@ -129,14 +129,15 @@ pub fn from_env() -> Result<Option<OtelSink>> {
 pub fn attach_from_env(hub: &Hub) -> Result<bool> {
     Ok(match from_env()? {
         Some(sink) => {
-            hub.add_sink(Box::new(sink));
+            hub.add_snapshot_sink(Box::new(sink));
             true
         }
         None => false,
     })
 }
 
-/// An [`EventSink`] that records the run into OpenTelemetry metrics and spans.
+/// A [`SnapshotSink`] that records the run into OpenTelemetry metrics and spans, reading the
+/// hub's snapshot for the gauges and the finished steps' tallies.
 pub struct OtelSink {
     meter_provider: SdkMeterProvider,
     tracer_provider: SdkTracerProvider,
@@ -145,6 +146,10 @@ pub struct OtelSink {
     device: Vec<KeyValue>,
     mapper: Mapper,
     scratch: Vec<Observation>,
+    /// Events recorded.
+    events: u64,
+    /// The run's time as of the last event, where open spans end when the sink closes.
+    t_ns: u64,
     /// Whether the zero series were recorded (at the first event, under its device labels).
     initialized: bool,
     wall_anchor: SystemTime,
@@ -159,7 +164,7 @@ pub struct OtelSink {
 impl std::fmt::Debug for OtelSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OtelSink")
-            .field("events", &self.mapper.snapshot().events_applied)
+            .field("events", &self.events)
             .finish_non_exhaustive()
     }
 }
@@ -213,6 +218,8 @@ impl OtelSink {
             device: Vec::new(),
             mapper: Mapper::new(),
             scratch: Vec::new(),
+            events: 0,
+            t_ns: 0,
             initialized: false,
             wall_anchor: SystemTime::now(),
             step_cx: None,
@@ -243,11 +250,11 @@ impl OtelSink {
             return Ok(());
         }
         self.closed = true;
-        let end = self.wall(self.mapper.snapshot().t_ns);
+        // The gauges were recorded with the hub's last batch (the hub flushes its sinks after
+        // every batch and when the bus closes).
+        let end = self.wall(self.t_ns);
         self.end_phase(end);
         self.end_step(end);
-        self.dirty_gauges = true;
-        self.record_gauges();
         // The last export goes on a thread of its own, waited for a bounded time: a slow
         // collector must not hold the run's end.
         let (mp, tp) = (self.meter_provider.clone(), self.tracer_provider.clone());
@@ -311,14 +318,14 @@ impl OtelSink {
         }
     }
 
-    fn record_gauges(&mut self) {
+    fn record_gauges(&mut self, state: &Snapshot) {
         if !self.dirty_gauges {
             return;
         }
         self.dirty_gauges = false;
         let mut out = std::mem::take(&mut self.scratch);
         out.clear();
-        self.mapper.gauges(&mut out);
+        gauges(state, &mut out);
         for o in &out {
             self.apply(o);
         }
@@ -357,7 +364,9 @@ impl OtelSink {
         }
     }
 
-    fn record(&mut self, e: &Event) {
+    fn record(&mut self, e: &Event, state: &Snapshot) {
+        self.events = self.events.saturating_add(1);
+        self.t_ns = state.t_ns;
         if let EventKind::RunStarted { device, wall_clock_unix_ms, .. } = &e.kind {
             self.device = vec![
                 KeyValue::new("device", device.index.to_string()),
@@ -375,7 +384,7 @@ impl OtelSink {
         }
         let mut out = std::mem::take(&mut self.scratch);
         out.clear();
-        self.mapper.on_event(e, &mut out);
+        self.mapper.on_event(e, state, &mut out);
         for o in &out {
             self.apply(o);
         }
@@ -385,14 +394,29 @@ impl OtelSink {
     }
 }
 
-impl EventSink for OtelSink {
-    fn on_event(&mut self, event: &Event) {
-        self.record(event);
+impl SnapshotSink for OtelSink {
+    /// Counters count from here on.
+    fn attach(&mut self, state: &Snapshot) {
+        self.mapper = Mapper::at(state);
+        self.t_ns = state.t_ns;
     }
 
-    fn flush(&mut self) {
+    fn on_event(&mut self, event: &Event, state: &Snapshot) {
+        self.record(event, state);
+    }
+
+    fn flush(&mut self, state: &Snapshot) {
         // Gauges once per batch rather than once per event; the periodic reader exports them.
-        self.record_gauges();
+        self.record_gauges(state);
+    }
+
+    /// A replay seek: the counters go on from the new position (OTLP has no counter reset to
+    /// announce a jump back), the gauges show it.
+    fn rewind_end(&mut self, state: &Snapshot) {
+        self.mapper = Mapper::at(state);
+        self.t_ns = state.t_ns;
+        self.dirty_gauges = true;
+        self.record_gauges(state);
     }
 }
 

@@ -2,9 +2,10 @@
 //! values against the snapshot of the same events.
 
 use prometheus_parse::{Scrape, Value};
-use stagehand::events::model::{BlockState, Direction};
-use stagehand::events::{EventSink, Snapshot};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::model::{BlockState, Direction};
+use stagehand_events::bus::feed;
+use stagehand_events::Snapshot;
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::{DeviceLabels, Metrics, CATALOG};
 use std::collections::BTreeMap;
 
@@ -31,9 +32,7 @@ fn metrics_parse_back_with_prometheus_names_types_and_values() {
     let events = synthetic::events(SyntheticRun::finished(4));
     let snap = Snapshot::from_events(&events);
     let mut sink = Metrics::new();
-    for e in &events {
-        sink.on_event(e);
-    }
+    feed(&mut sink, &events);
     let text = sink.render().expect("renders");
     let s = scrape(&text);
     assert!(s.samples.len() > 50, "{} samples", s.samples.len());
@@ -149,10 +148,8 @@ fn metrics_parse_back_with_prometheus_names_types_and_values() {
 
 #[test]
 fn labels_fixed_at_construction_win_over_the_run() {
-    let m = Metrics::with_labels(DeviceLabels::new(3, "NVIDIA H200")).expect("builds");
-    for e in synthetic::events(SyntheticRun::finished(1)) {
-        m.record(&e).expect("records");
-    }
+    let mut m = Metrics::with_labels(DeviceLabels::new(3, "NVIDIA H200")).expect("builds");
+    feed(&mut m, synthetic::events(SyntheticRun::finished(1)));
     let s = scrape(&m.render().expect("renders"));
     assert!(s.samples.iter().all(|x| x.labels.get("device") == Some("3")
         && x.labels.get("device_name") == Some("NVIDIA H200")));
@@ -160,12 +157,9 @@ fn labels_fixed_at_construction_win_over_the_run() {
 
 #[test]
 fn dropped_events_are_counted_from_the_running_total() {
-    use stagehand::events::model::{Event, EventKind, Phase};
-    let m = Metrics::new();
-    for (i, total) in [3u64, 3, 10].into_iter().enumerate() {
-        m.record(&Event::new(i as u64 + 1, 0, 0, Phase::Idle, EventKind::EventsDropped { total }))
-            .expect("records");
-    }
+    use stagehand_events::model::{Event, EventKind, Phase};
+    let mut m = Metrics::new();
+    feed(&mut m, [3u64, 3, 10].into_iter().enumerate().map(|(i, total)| Event::new(i as u64 + 1, 0, 0, Phase::Idle, EventKind::EventsDropped { total })));
     let s = scrape(&m.render().expect("renders"));
     assert_eq!(value(&s, "stagehand_events_dropped_total", &[]), 10.0);
 }
@@ -212,12 +206,12 @@ fn samples_but_event_counts(text: &str) -> Vec<String> {
 
 #[test]
 fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
-    use stagehand::events::jsonl::read_file;
-    use stagehand::events::telemetry::{attach, Level, TelemetryConfig};
+    use stagehand_events::jsonl::read_file;
+    use stagehand_events::telemetry::{attach, Level, TelemetryConfig};
     let dir = tempfile::tempdir().expect("tempdir");
-    let bus = stagehand::events::Bus::new();
+    let bus = stagehand_events::Bus::new();
     let live = Metrics::new();
-    bus.hub().expect("enabled").add_sink(Box::new(live.clone()));
+    bus.hub().expect("enabled").add_snapshot_sink(Box::new(live.clone()));
     let file = |level, name: &str| TelemetryConfig { level, path: Some(dir.path().join(name)), ..Default::default() };
     let full = attach(&bus, file(Level::Full, "full.jsonl")).expect("full");
     let summary = attach(&bus, file(Level::Summary, "summary.jsonl")).expect("summary");
@@ -227,9 +221,7 @@ fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
     for t in [&full, &summary] {
         let (events, _) = read_file(&t.paths()[0]).expect("reads");
         let mut replay = Metrics::new();
-        for e in &events {
-            replay.on_event(e);
-        }
+        feed(&mut replay, &events);
         let got = samples_but_event_counts(&replay.render().expect("renders"));
         let differ: Vec<_> = got.iter().zip(&want).filter(|(g, w)| g != w).take(5).collect();
         assert!(differ.is_empty() && got.len() == want.len(), "{:?}: {} vs {} samples, first differences {differ:?}", t.level(), got.len(), want.len());
@@ -243,7 +235,7 @@ fn a_replay_of_either_file_level_scrapes_as_the_live_run() {
 
 #[test]
 fn each_device_of_a_data_parallel_run_has_its_series() {
-    use stagehand::events::model::{CopyCount, DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, StepCounts, TransferId};
+    use stagehand_events::model::{CopyCount, DeviceInfo, DeviceKind, Event, EventKind, Owner, Phase, StepCounts, TransferId};
     let started = Event::new(
         1,
         0,
@@ -270,9 +262,7 @@ fn each_device_of_a_data_parallel_run_has_its_series() {
         events.push(Event::new(2 * seq as u64 + 3, 11, step, Phase::StepEnd, EventKind::StepCounts(Box::new(counts))).on_device(Some(device)));
     }
     let mut sink = Metrics::new();
-    for e in &events {
-        sink.on_event(e);
-    }
+    feed(&mut sink, &events);
     let text = sink.render().expect("renders");
     let s = scrape(&text);
     for (device, bytes) in [("0", 1000.0), ("1", 3500.0)] {
@@ -287,4 +277,29 @@ fn each_device_of_a_data_parallel_run_has_its_series() {
         assert!(seen.insert((x.metric.clone(), labels.join(","))), "duplicate series {} {:?}", x.metric, x.labels);
     }
     assert_eq!(text.matches("# TYPE stagehand_transfer_bytes_total ").count(), 1);
+}
+
+#[test]
+fn a_resized_pool_shows_only_its_current_classes() {
+    use stagehand_events::model::{Event, EventKind, Phase, PoolClass, PoolKind};
+    let configured = |seq: u64, slab_bytes: u64| {
+        let classes = vec![PoolClass { slab_bytes, slabs: 4 }];
+        Event::new(seq, seq, 0, Phase::Idle, EventKind::PoolConfigured { pool: PoolKind::Activations, classes, pinned: true })
+    };
+    let hub = stagehand_events::Hub::new();
+    let m = Metrics::new();
+    hub.add_snapshot_sink(Box::new(m.clone()));
+    // The pool as first sized, seen by a batch (a scrape in between would show it), then resized.
+    hub.ingest(configured(1, 1 << 20));
+    hub.flush();
+    hub.ingest(configured(2, 4 << 20));
+    hub.flush();
+    let s = scrape(&m.render().expect("renders"));
+    let classes: Vec<&str> = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == "stagehand_pool_capacity_bytes")
+        .filter_map(|x| x.labels.get("slab_bytes"))
+        .collect();
+    assert_eq!(classes, ["4194304"], "the resized pool's class alone");
 }

@@ -4,8 +4,9 @@
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use stagehand::events::{EventSink, Snapshot};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::bus::feed;
+use stagehand_events::Snapshot;
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::OtelSink;
 use std::io::{Read, Write};
 
@@ -20,10 +21,7 @@ fn metrics_and_step_spans_reach_the_in_memory_exporters() {
     let mut sink = OtelSink::with_providers(mp, tp);
     let events = synthetic::events(SyntheticRun::finished(3));
     let snap = Snapshot::from_events(&events);
-    for e in &events {
-        sink.on_event(e);
-    }
-    sink.flush();
+    feed(&mut sink, &events);
     sink.force_flush().expect("flushes");
 
     let finished = metrics.get_finished_metrics().expect("metrics");
@@ -141,14 +139,11 @@ fn from_env_exports_over_otlp_http_to_the_configured_endpoint() {
     let (endpoint, rx) = receiver();
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint);
     std::env::set_var("OTEL_SERVICE_NAME", "stagehand-test");
-    let hub = stagehand::events::Hub::new();
+    let hub = stagehand_events::Hub::new();
     assert!(stagehand_exporter::otlp::attach_from_env(&hub).expect("builds from env"), "an endpoint, an exporter");
     let sink = stagehand_exporter::otlp::from_env().expect("builds").expect("asked for");
     let mut sink = sink;
-    for e in synthetic::events(SyntheticRun::finished(2)) {
-        sink.on_event(&e);
-    }
-    sink.flush();
+    feed(&mut sink, synthetic::events(SyntheticRun::finished(2)));
     sink.shutdown().expect("exports and shuts down");
     let got: Vec<(String, String, Vec<u8>)> = rx.try_iter().collect();
     let metrics: Vec<&Vec<u8>> = got.iter().filter(|(p, c, _)| p == "/v1/metrics" && c == "application/x-protobuf").map(|g| &g.2).collect();

@@ -2,8 +2,8 @@
 //! (the process does not grow with it), and a collector that never answers costs the run's end
 //! a bounded wait, said as an error. This binary sets the process environment: one test.
 
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::EventSink;
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::bus::feed;
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -59,10 +59,7 @@ fn silent_collector() -> String {
 fn export_a_run(endpoint: &str) -> stagehand_exporter::Result<()> {
     std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
     let mut sink = stagehand_exporter::otlp::from_env().expect("builds").expect("asked for");
-    for e in synthetic::events(SyntheticRun::finished(3)) {
-        sink.on_event(&e);
-    }
-    sink.flush();
+    feed(&mut sink, synthetic::events(SyntheticRun::finished(3)));
     sink.force_flush().ok();
     sink.shutdown()
 }

@@ -5,8 +5,8 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use prometheus_parse::{Scrape, Value};
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::EventSink;
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::bus::feed;
 use stagehand_exporter::catalog::{by_otel_name, by_prometheus_name, Kind, Metric};
 use stagehand_exporter::{Metrics, OtelSink, CATALOG};
 use std::collections::{BTreeMap, BTreeSet};
@@ -15,10 +15,8 @@ use std::collections::{BTreeMap, BTreeSet};
 fn both_exporters_expose_the_same_instruments_with_the_same_values() {
     let events = synthetic::events(SyntheticRun::finished(3));
 
-    let prom = Metrics::new();
-    for e in &events {
-        prom.record(e).expect("records");
-    }
+    let mut prom = Metrics::new();
+    feed(&mut prom, &events);
     let text = prom.render().expect("renders");
     let mut prom_ids = BTreeSet::new();
     for l in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
@@ -31,10 +29,7 @@ fn both_exporters_expose_the_same_instruments_with_the_same_values() {
     let exporter = InMemoryMetricExporter::default();
     let mp = SdkMeterProvider::builder().with_reader(PeriodicReader::builder(exporter.clone()).build()).build();
     let mut otel = OtelSink::with_providers(mp, SdkTracerProvider::builder().build());
-    for e in &events {
-        otel.on_event(e);
-    }
-    otel.flush();
+    feed(&mut otel, &events);
     otel.force_flush().expect("flushes");
     let finished = exporter.get_finished_metrics().expect("metrics");
     let last = finished.last().expect("an export");

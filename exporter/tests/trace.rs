@@ -2,14 +2,14 @@
 //! never over its input.
 
 use serde_json::Value;
-use stagehand::events::jsonl::{JsonlSink, OpenMode};
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::EventSink;
+use stagehand_events::jsonl::{JsonlSink, OpenMode};
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::EventSink;
 use stagehand_exporter::trace::{validate, COMPUTE_TID, D2H_TID, H2D_TID};
 use std::path::Path;
 use std::process::{Command, Output};
 
-fn write_run(path: &Path, steps: u64) -> Vec<stagehand::events::Event> {
+fn write_run(path: &Path, steps: u64) -> Vec<stagehand_events::Event> {
     let events = synthetic::events(SyntheticRun::finished(steps));
     let mut sink = JsonlSink::open(path, OpenMode::CreateNew).expect("opens");
     for e in &events {

@@ -2,7 +2,7 @@
 //! allocator measures the peak while converting a run, and the same run repeated twenty times
 //! over (fed from a reader that makes the lines as they are read, so the input costs nothing).
 
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Read;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -57,7 +57,7 @@ impl Read for Repeated {
             if k == 0 && rep > 0 {
                 self.offset_ns += self.span_ns;
             }
-            let mut e: stagehand::events::Event = serde_json::from_str(&self.lines[k]).expect("a fixture line");
+            let mut e: stagehand_events::Event = serde_json::from_str(&self.lines[k]).expect("a fixture line");
             e.t_ns += self.offset_ns;
             e.seq += (rep * self.lines.len()) as u64;
             let mut line = serde_json::to_vec(&e).expect("json");
@@ -73,7 +73,7 @@ fn peak_converting(times: usize) -> (usize, u64) {
     let lines: Vec<String> = text.lines().map(str::to_owned).collect();
     let span_ns = lines
         .last()
-        .and_then(|l| serde_json::from_str::<stagehand::events::Event>(l).ok())
+        .and_then(|l| serde_json::from_str::<stagehand_events::Event>(l).ok())
         .map_or(1, |e| e.t_ns + 1);
     let input = Repeated { lines, times, i: 0, offset_ns: 0, span_ns, cur: std::io::Cursor::new(Vec::new()) };
     let base = NOW.load(Ordering::Relaxed);

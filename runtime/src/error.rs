@@ -12,11 +12,9 @@ pub type HookError = Box<dyn std::error::Error + Send + Sync + 'static>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A libtorch call failed.
-    #[cfg(feature = "torch")]
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     /// A CUDA driver call failed.
-    #[cfg(feature = "torch")]
     #[error("cuda: {what}: {source}")]
     Cuda {
         what: &'static str,

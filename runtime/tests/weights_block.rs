@@ -3,7 +3,7 @@
 //! CUDA where present (`Device::auto`).
 
 use stagehand::device::Device;
-use stagehand::events::{BlockId, BlockState, Bus, EventKind, Update};
+use stagehand::events::{BlockId, BlockState, Bus, EventKind};
 use stagehand::optim::{Kernel, Optimizer};
 use stagehand::weights::{WeightConfig, WeightRuntime};
 use stagehand::Error;
@@ -13,6 +13,31 @@ use tch::{Kind, Tensor};
 mod common;
 use common::blocks::{block_bytes, block_fwd, Block, D, H};
 use common::rng;
+
+/// Every event the bus delivers from the moment it is attached, in order (the hub's sinks see
+/// each one, after the hub's snapshot).
+struct Collected(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
+
+impl Collected {
+    fn on(bus: &stagehand::events::Bus) -> Collected {
+        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        bus.hub().expect("hub").add_sink(Box::new(Collector(events.clone())));
+        Collected(events)
+    }
+
+    /// The events delivered since the last call.
+    fn take(&self) -> Vec<stagehand::events::Event> {
+        std::mem::take(&mut *self.0.lock().expect("events"))
+    }
+}
+
+struct Collector(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
+
+impl stagehand::events::EventSink for Collector {
+    fn on_event(&mut self, e: &stagehand::events::Event) {
+        self.0.lock().expect("events").push(e.clone());
+    }
+}
 
 /// A reference model on the device and an identical managed one (its VarStore on the CPU).
 fn pair(n: usize, trainable: bool) -> (nn::VarStore, Vec<Block>, nn::VarStore, Vec<Block>) {
@@ -97,7 +122,7 @@ fn eviction_picks_the_farthest_next_use() {
     let n = 4;
     let (_vr, _r, vm, m) = pair(n, false);
     let bus = Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let rt = runtime(&vm, device, 3, 0, bus.clone(), true);
     let ids = ids(&rt, n);
     let x = input(tch::Device::Cpu, 1);
@@ -108,11 +133,9 @@ fn eviction_picks_the_farthest_next_use() {
     }
     bus.flush();
     let mut evicted = Vec::new();
-    while let Ok(u) = sub.rx.try_recv() {
-        if let Update::Event(e) = u {
-            if let EventKind::Eviction { block, .. } = &e.kind {
-                evicted.push(block.0);
-            }
+    for e in sub.take() {
+        if let EventKind::Eviction { block, .. } = &e.kind {
+            evicted.push(block.0);
         }
     }
     // Step 0 (no itinerary yet): block 0 makes room for block 3. Step 1, forward-only
@@ -128,7 +151,7 @@ fn inference_steps(n: usize, slots: u64, pins: bool, steps: usize) -> (Vec<u64>,
     let dev = device.tch_device();
     let (_vr, r, vm, m) = pair(n, false);
     let bus = Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let cfg = WeightConfig::builder()
         .pool(4 << 20, 1 << 20)
         .watermarks(1 << 40, 1 << 39)
@@ -152,13 +175,11 @@ fn inference_steps(n: usize, slots: u64, pins: bool, steps: usize) -> (Vec<u64>,
         assert!(y.equal(&want), "step {step}: output differs from the unwrapped model");
         loads.push(rt.last_step_metrics().h2d_bytes / block_bytes());
         bus.flush();
-        while let Ok(u) = sub.rx.try_recv() {
-            if let Update::Event(e) = u {
-                match &e.kind {
-                    EventKind::Eviction { block, .. } if step >= 2 => late_evictions.push(block.0),
-                    EventKind::Protection { block, protected: true } => protected.push(block.0),
-                    _ => {}
-                }
+        for e in sub.take() {
+            match &e.kind {
+                EventKind::Eviction { block, .. } if step >= 2 => late_evictions.push(block.0),
+                EventKind::Protection { block, protected: true } => protected.push(block.0),
+                _ => {}
             }
         }
     }
@@ -186,7 +207,7 @@ fn a_demand_beyond_the_streaming_slots_lifts_a_pin_instead_of_failing() {
     let n = 10;
     let (_vr, _r, vm, m) = pair(n, false);
     let bus = Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let rt = runtime(&vm, device, 5, 3, bus.clone(), true);
     let ids = ids(&rt, n);
     let x = input(tch::Device::Cpu, 1);
@@ -202,11 +223,9 @@ fn a_demand_beyond_the_streaming_slots_lifts_a_pin_instead_of_failing() {
     let _g4 = rt.block(ids[4]).expect("block 4 takes a pinned block's slot");
     bus.flush();
     let mut lifted = Vec::new();
-    while let Ok(u) = sub.rx.try_recv() {
-        if let Update::Event(e) = u {
-            if let EventKind::Protection { block, protected: false } = &e.kind {
-                lifted.push(block.0);
-            }
+    for e in sub.take() {
+        if let EventKind::Protection { block, protected: false } = &e.kind {
+            lifted.push(block.0);
         }
     }
     assert_eq!(lifted.len(), 1, "{lifted:?}");
@@ -376,7 +395,7 @@ fn file_backed_blocks_stream_from_safetensors() {
     let named: Vec<(String, Tensor)> = vm.variables().into_iter().map(|(k, v)| (format!("model.{k}"), v)).collect();
     Tensor::write_safetensors(&named, &path).expect("write");
     let bus = Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let rt = runtime(&vm, device, 2, 1, bus.clone(), false);
     let ids = ids(&rt, n);
     for id in &ids {
@@ -387,11 +406,9 @@ fn file_backed_blocks_stream_from_safetensors() {
     // The registration that a block is backed by the file reaches the telemetry.
     bus.flush();
     let mut file_backed = std::collections::BTreeMap::new();
-    while let Ok(u) = sub.rx.try_recv() {
-        if let Update::Event(e) = u {
-            if let EventKind::BlockRegistered { block, file_backed: f, .. } = &e.kind {
-                file_backed.insert(block.0, *f);
-            }
+    for e in sub.take() {
+        if let EventKind::BlockRegistered { block, file_backed: f, .. } = &e.kind {
+            file_backed.insert(block.0, *f);
         }
     }
     assert_eq!(file_backed.values().filter(|f| **f).count(), n, "{file_backed:?}");
@@ -600,7 +617,7 @@ fn a_steps_first_copy_goes_out_before_the_last_steps_copies_are_all_reported() {
         .build()
         .expect("config");
     let bus = Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let rt = WeightRuntime::new(device.clone(), cfg, bus.clone()).expect("runtime");
     let ids: Vec<BlockId> = (0..n)
         .map(|i| rt.register_block(&format!("blocks.{i}"), vec![("w".into(), Tensor::full([elems], i as f64, (Kind::Float, tch::Device::Cpu)))]).expect("register"))
@@ -617,18 +634,16 @@ fn a_steps_first_copy_goes_out_before_the_last_steps_copies_are_all_reported() {
         step();
     }
     bus.flush();
-    while sub.rx.try_recv().is_ok() {}
+    sub.take();
     step();
     bus.flush();
     let (mut before_first_issue, mut issued, mut completed) = (0, 0, 0);
-    while let Ok(u) = sub.rx.try_recv() {
-        if let Update::Event(e) = u {
-            match e.kind {
-                EventKind::TransferIssued { .. } => issued += 1,
-                EventKind::TransferCompleted { .. } if issued == 0 => before_first_issue += 1,
-                EventKind::TransferCompleted { .. } => completed += 1,
-                _ => {}
-            }
+    for e in sub.take() {
+        match e.kind {
+            EventKind::TransferIssued { .. } => issued += 1,
+            EventKind::TransferCompleted { .. } if issued == 0 => before_first_issue += 1,
+            EventKind::TransferCompleted { .. } => completed += 1,
+            _ => {}
         }
     }
     assert!(issued > 0, "a streamed step issues copies");

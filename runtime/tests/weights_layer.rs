@@ -10,6 +10,31 @@ use tch::{Kind, Tensor};
 mod common;
 use common::rng;
 
+/// Every event the bus delivers from the moment it is attached, in order (the hub's sinks see
+/// each one, after the hub's snapshot).
+struct Collected(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
+
+impl Collected {
+    fn on(bus: &stagehand::events::Bus) -> Collected {
+        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        bus.hub().expect("hub").add_sink(Box::new(Collector(events.clone())));
+        Collected(events)
+    }
+
+    /// The events delivered since the last call.
+    fn take(&self) -> Vec<stagehand::events::Event> {
+        std::mem::take(&mut *self.0.lock().expect("events"))
+    }
+}
+
+struct Collector(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
+
+impl stagehand::events::EventSink for Collector {
+    fn on_event(&mut self, e: &stagehand::events::Event) {
+        self.0.lock().expect("events").push(e.clone());
+    }
+}
+
 const V: i64 = 20;
 const D: i64 = 16;
 const H: i64 = 32;
@@ -183,7 +208,7 @@ fn conv_layers_match_in_inference_mode() {
 /// with layer mode's cyclic pins on or off.
 fn pins_published(pins: bool) -> Vec<u32> {
     let bus = stagehand::events::Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let o = LayerOptions {
         inference_mode: true,
         cyclic_pins: pins,
@@ -207,11 +232,9 @@ fn pins_published(pins: bool) -> Vec<u32> {
     ms.runtime().finish().expect("finish");
     bus.flush();
     let mut pinned = Vec::new();
-    while let Ok(u) = sub.rx.try_recv() {
-        if let stagehand::events::Update::Event(e) = u {
-            if let stagehand::events::EventKind::Protection { block, protected: true } = &e.kind {
-                pinned.push(block.0);
-            }
+    for e in sub.take() {
+        if let stagehand::events::EventKind::Protection { block, protected: true } = &e.kind {
+            pinned.push(block.0);
         }
     }
     pinned
@@ -227,16 +250,14 @@ fn layer_mode_passes_its_cyclic_pins_option_to_the_runtime() {
 #[test]
 fn a_cpu_varstore_without_a_device_warns_when_cuda_is_there() {
     let bus = stagehand::events::Bus::new();
-    let mut sub = bus.hub().expect("hub").subscribe();
+    let sub = Collected::on(&bus);
     let o = LayerOptions { telemetry: bus.clone(), ..LayerOptions::default() };
     let ms = ManagedVarStore::new(nn::VarStore::new(tch::Device::Cpu), o).expect("store");
     bus.flush();
     let mut warnings = Vec::new();
-    while let Ok(u) = sub.rx.try_recv() {
-        if let stagehand::events::Update::Event(e) = u {
-            if let stagehand::events::EventKind::Warning { message, .. } = &e.kind {
-                warnings.push(message.clone());
-            }
+    for e in sub.take() {
+        if let stagehand::events::EventKind::Warning { message, .. } = &e.kind {
+            warnings.push(message.clone());
         }
     }
     let host_device = !ms.runtime().device().is_cuda();

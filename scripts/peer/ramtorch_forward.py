@@ -1,5 +1,5 @@
 """Forward only (inference) with RamTorch 1.11's OffloadModel on the weights benchmark's model
-(runtime/benches/weights.rs, the same model as shared/peer/ramtorch_bench.py), so the forward-only
+(examples/benches/weights.rs, the same model as shared/peer/ramtorch_bench.py), so the forward-only
 figures of both tools come from one device command.
 
 Model: 16 blocks, d=4096, bf16, 4096 tokens; one block is

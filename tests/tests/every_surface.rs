@@ -236,7 +236,7 @@ fn one_run_every_surface_the_same_numbers() {
     let device = Device::host(budget);
     let hub = Arc::new(Hub::new());
     let metrics = stagehand_exporter::Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     let server = Server::start(&ServerConfig::new("127.0.0.1:0"), AppState::live(hub.clone(), metrics)).expect("live server");
     let url = server.url();
     let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);

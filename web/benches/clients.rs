@@ -16,10 +16,10 @@
 //! Run: `cargo bench -p stagehand-web --bench clients` (or `-- watchers`, `-- training`, `--
 //! memory` for one part).
 
-use stagehand::events::bus::DEFAULT_QUEUE_CAPACITY;
-use stagehand::events::model::{EventKind, Phase};
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::{Bus, Event, Hub};
+use stagehand_events::bus::DEFAULT_QUEUE_CAPACITY;
+use stagehand_events::model::{EventKind, Phase};
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::{Bus, Event, Hub};
 use stagehand_exporter::Metrics;
 use stagehand_web::{AppState, Server, ServerConfig};
 use std::io::{Read, Write};

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-pub use stagehand::events::DEFAULT_SERVER_ADDR;
+pub use stagehand_events::DEFAULT_SERVER_ADDR;
 
 /// Admitted connections served at once (a request passed the access rules, the token when
 /// there is one); a request beyond is answered `503`. SSE and WebSocket clients count for as

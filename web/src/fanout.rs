@@ -15,7 +15,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::Serialize;
-use stagehand::events::{Event, EventSink, Hub, Snapshot};
+use stagehand_events::{Event, EventSink, Hub, Snapshot};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::broadcast;
@@ -344,8 +344,8 @@ impl EventSink for FanoutSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::model::{BlockId, EventKind, Phase};
-    use stagehand::events::StreamMessage;
+    use stagehand_events::model::{BlockId, EventKind, Phase};
+    use stagehand_events::StreamMessage;
 
     fn hit(seq: u64) -> Event {
         Event::new(seq, seq, 0, Phase::Idle, EventKind::PrefetchHit { block: BlockId(0) })

@@ -32,7 +32,7 @@ impl Observe for StagehandBuilder {
     fn serve(self, config: ServerConfig, started: impl FnOnce(&ServerHandle) + Send + 'static) -> Self {
         self.attach(move |hub| {
             let metrics = stagehand_exporter::Metrics::new();
-            hub.add_sink(Box::new(metrics.clone()));
+            hub.add_snapshot_sink(Box::new(metrics.clone()));
             let server = Server::start(&config, AppState::live(hub.clone(), metrics)).map_err(|e| Error::Attach {
                 what: format!("the server on {}", config.addr),
                 source: Box::new(e),

@@ -65,7 +65,7 @@ pub enum Error {
     Replay {
         path: PathBuf,
         #[source]
-        source: stagehand::events::jsonl::JsonlError,
+        source: stagehand_events::jsonl::JsonlError,
     },
     /// The server thread panicked.
     #[error("the server thread panicked")]

@@ -38,15 +38,15 @@ impl Server {
     /// a wider bind gets a random one). Attaches a fresh metrics sink to the hub for
     /// `/metrics`; call this before the run publishes `run_started` so the metrics carry the
     /// device labels.
-    pub fn live(hub: Arc<stagehand::events::Hub>, addr: &str) -> Result<ServerHandle> {
+    pub fn live(hub: Arc<stagehand_events::Hub>, addr: &str) -> Result<ServerHandle> {
         let metrics = stagehand_exporter::Metrics::new();
-        hub.add_sink(Box::new(metrics.clone()));
+        hub.add_snapshot_sink(Box::new(metrics.clone()));
         Server::start(&ServerConfig::new(addr), AppState::live(hub, metrics))
     }
 
     /// Serves a live run's hub with a metrics sink the caller already attached to it.
     pub fn live_with(
-        hub: Arc<stagehand::events::Hub>,
+        hub: Arc<stagehand_events::Hub>,
         metrics: stagehand_exporter::Metrics,
         addr: &str,
     ) -> Result<ServerHandle> {

@@ -5,7 +5,7 @@
 
 use crate::api::Shutdown;
 use crate::fanout::{Batch, Encoded, Fanout, Frame, BATCH_LINGER};
-use stagehand::events::Hub;
+use stagehand_events::Hub;
 use std::sync::Arc;
 use tokio::sync::broadcast;
 
@@ -117,8 +117,8 @@ impl Feed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::model::{BlockId, Event, EventKind, Phase};
-    use stagehand::events::StreamMessage;
+    use stagehand_events::model::{BlockId, Event, EventKind, Phase};
+    use stagehand_events::StreamMessage;
     use tokio::sync::watch;
 
     fn hit(seq: u64) -> Event {

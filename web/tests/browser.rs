@@ -8,9 +8,9 @@ mod http;
 mod webdriver;
 
 use serde_json::{json, Value};
-use stagehand::events::insight;
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::{Bus, Event, EventKind, Hub, Snapshot};
+use stagehand_events::insight;
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::{Bus, Event, EventKind, Hub, Snapshot};
 use stagehand_web::{AppState, ReplayDriver, Server, ServerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -68,7 +68,7 @@ fn assert_page_matches(driver: &Driver, f: &HashMap<String, String>, api: &Snaps
         assert_eq!(f.get(id).map(String::as_str), Some(want.to_string().as_str()), "{id}");
     }
     let counts = api.residency_counts();
-    for st in stagehand::events::BlockState::ALL {
+    for st in stagehand_events::BlockState::ALL {
         let want = counts.get(&st).copied().unwrap_or(0).to_string();
         assert_eq!(f.get(&format!("residency-{}", st.as_str())), Some(&want), "residency {st}");
     }
@@ -162,7 +162,7 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
     driver.wait_for("a live connection", |f| f.get("connection").map(String::as_str) == Some("live"));
 
     // The run starts after the page is connected: everything it shows arrived live.
-    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+    let bus = Bus::with_hub(hub.clone(), stagehand_events::bus::DEFAULT_QUEUE_CAPACITY);
     let publisher = {
         let bus = bus.clone();
         let events = run_events(6);
@@ -172,7 +172,7 @@ fn dashboard_shows_the_live_run_as_the_api_does() {
                 match e.kind {
                     EventKind::PhaseChanged { to, .. } => {
                         b.enter_phase(e.step, to);
-                        if to == stagehand::events::Phase::Idle {
+                        if to == stagehand_events::Phase::Idle {
                             std::thread::sleep(Duration::from_millis(150));
                         }
                     }

@@ -3,8 +3,8 @@
 
 mod http;
 
-use stagehand::events::{Bus, Snapshot, StreamMessage};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::{Bus, Snapshot, StreamMessage};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_web::Server;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,8 +42,8 @@ impl Picture {
 }
 
 /// A synthetic run of `steps` steps published on the hub from another thread.
-fn publish(hub: &Arc<stagehand::events::Hub>, steps: u64) -> (Bus, std::thread::JoinHandle<u64>) {
-    let bus = Bus::with_hub(hub.clone(), stagehand::events::bus::DEFAULT_QUEUE_CAPACITY);
+fn publish(hub: &Arc<stagehand_events::Hub>, steps: u64) -> (Bus, std::thread::JoinHandle<u64>) {
+    let bus = Bus::with_hub(hub.clone(), stagehand_events::bus::DEFAULT_QUEUE_CAPACITY);
     let b = bus.clone();
     let publisher = std::thread::spawn(move || synthetic::publish(SyntheticRun::finished(steps), &b, Duration::from_millis(20)));
     (bus, publisher)
@@ -51,7 +51,7 @@ fn publish(hub: &Arc<stagehand::events::Hub>, steps: u64) -> (Bus, std::thread::
 
 #[test]
 fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
-    let hub = Arc::new(stagehand::events::Hub::new());
+    let hub = Arc::new(stagehand_events::Hub::new());
     let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
     let addr = server.addr();
     assert!(addr.ip().is_loopback());
@@ -102,7 +102,7 @@ fn sse_stream_follows_a_run_from_snapshot_to_its_end() {
 
 #[test]
 fn websocket_stream_follows_a_run_from_snapshot_to_its_end() {
-    let hub = Arc::new(stagehand::events::Hub::new());
+    let hub = Arc::new(stagehand_events::Hub::new());
     let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
     let addr = server.addr();
     let (mut socket, response) = tungstenite::connect(format!("ws://{addr}/api/ws")).expect("upgrades");
@@ -143,7 +143,7 @@ fn websocket_stream_follows_a_run_from_snapshot_to_its_end() {
 /// the last, to the end of the run.
 #[test]
 fn view_stream_follows_a_run_with_server_computed_views() {
-    let hub = Arc::new(stagehand::events::Hub::new());
+    let hub = Arc::new(stagehand_events::Hub::new());
     let server = Server::live(hub.clone(), "127.0.0.1:0").expect("starts");
     let addr = server.addr();
     let mut sse = http::Sse::open_path(addr, "/api/view/stream", "");

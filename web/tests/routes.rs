@@ -7,8 +7,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use stagehand::events::{Hub, Snapshot};
-use stagehand::events::synthetic::{self, SyntheticRun};
+use stagehand_events::{Hub, Snapshot};
+use stagehand_events::synthetic::{self, SyntheticRun};
 use stagehand_exporter::Metrics;
 use inproc::call;
 use stagehand_web::{router, AppState, ReplayDriver};
@@ -18,7 +18,7 @@ use tower::ServiceExt;
 fn live_state(steps: u64) -> AppState {
     let hub = Arc::new(Hub::new());
     let metrics = Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     // Before the run, as a server is started: the page's log sees every event.
     let state = AppState::live(hub.clone(), metrics);
     for e in synthetic::events(SyntheticRun::finished(steps)) {
@@ -387,7 +387,7 @@ async fn replay_seeks_by_event_index_time_and_step() {
     assert_eq!(s, StatusCode::OK);
     let snap = state.hub().snapshot();
     assert_eq!((st["step"].as_u64(), snap.step), (Some(3), 3));
-    assert_eq!(snap.phase, stagehand::events::Phase::StepBegin, "at the start of the step");
+    assert_eq!(snap.phase, stagehand_events::Phase::StepBegin, "at the start of the step");
     let at_step = st["position"].as_u64().expect("position");
 
     let (_, st) = call_json(&state, "POST", "/api/replay/seek", Some(json!({ "position": 5 }))).await;
@@ -412,7 +412,7 @@ async fn run_config_keeps_its_structure() {
     let hub = Arc::new(Hub::new());
     let state = AppState::live(hub.clone(), Metrics::new());
     for mut e in synthetic::events(SyntheticRun::finished(1)) {
-        if let stagehand::events::EventKind::RunStarted { config, .. } = &mut e.kind {
+        if let stagehand_events::EventKind::RunStarted { config, .. } = &mut e.kind {
             *config = json!({ "weights": { "prefetch_window": 3, "room": { "mib": 640 } }, "steps": [1, 2] });
         }
         hub.ingest(e);
@@ -426,12 +426,12 @@ async fn run_config_keeps_its_structure() {
 /// replay has none to ask.
 #[tokio::test]
 async fn a_flight_record_is_written_on_request_once_per_interval() {
-    use stagehand::events::telemetry::{self, Level, TelemetryConfig};
+    use stagehand_events::telemetry::{self, Level, TelemetryConfig};
     let dir = tempfile::tempdir().expect("dir");
-    let bus = stagehand::events::Bus::new();
+    let bus = stagehand_events::Bus::new();
     let hub = bus.hub().expect("an enabled bus").clone();
     let metrics = Metrics::new();
-    hub.add_sink(Box::new(metrics.clone()));
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
     let state = AppState::live(hub, metrics);
     let config = TelemetryConfig {
         level: Level::Summary,
@@ -446,7 +446,7 @@ async fn a_flight_record_is_written_on_request_once_per_interval() {
     assert_eq!(status, StatusCode::OK, "{body}");
     let path = body["path"].as_str().expect("the record's path");
     assert!(path.contains("run.flight-") && path.ends_with("-api.jsonl"), "{path}");
-    let (events, report) = stagehand::events::jsonl::read_file(path).expect("the record reads as telemetry");
+    let (events, report) = stagehand_events::jsonl::read_file(path).expect("the record reads as telemetry");
     assert_eq!(report.skipped_total, 0);
     assert!(events.len() > 10, "the last steps in full: {} events", events.len());
 

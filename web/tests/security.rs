@@ -5,8 +5,8 @@
 mod http;
 
 use http::{request_with, Response};
-use stagehand::events::synthetic::{self, SyntheticRun};
-use stagehand::events::Hub;
+use stagehand_events::synthetic::{self, SyntheticRun};
+use stagehand_events::Hub;
 use stagehand_exporter::Metrics;
 use stagehand_web::{AppState, Error, ReplayDriver, Server, ServerConfig, ServerHandle, TlsFiles, TokenSetting};
 use std::io::{Read, Write};

@@ -1,6 +1,6 @@
 use super::*;
 use crate::filter::Filter;
-use stagehand::events::synthetic::{events, SyntheticRun};
+use stagehand_events::synthetic::{events, SyntheticRun};
 
 fn fed() -> (State, Vec<Event>) {
     let ev = events(SyntheticRun::default());

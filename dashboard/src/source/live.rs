@@ -8,7 +8,7 @@ use super::auth::Auth;
 use super::sse::{Item, Limits, LineReader, Skip, SseMessage, SseParser};
 use super::Source;
 use crate::app::{Control, Link, LiveStatus, Skipped, SourceStatus, SourceUpdate};
-use stagehand::events::{Event, EventKind, Snapshot, StreamMessage};
+use stagehand_events::{Event, EventKind, Snapshot, StreamMessage};
 use std::io::BufReader;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
@@ -346,8 +346,8 @@ impl Source for LiveSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::synthetic::{events, SyntheticRun};
-    use stagehand::events::{BlockId, Phase, PoolKind, SlabId};
+    use stagehand_events::synthetic::{events, SyntheticRun};
+    use stagehand_events::{BlockId, Phase, PoolKind, SlabId};
 
     #[test]
     fn decodes_tagged_and_untagged_payloads() {

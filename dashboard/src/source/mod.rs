@@ -12,7 +12,7 @@ pub use live::{decode, vet_event, vet_snapshot, Backoff, LiveSource, Refusal, MA
 pub use replay::{replay_snapshot, ReplaySource};
 
 use crate::app::{Control, SourceStatus, SourceUpdate};
-use stagehand::events::{jsonl, DEFAULT_SERVER_ADDR};
+use stagehand_events::{jsonl, DEFAULT_SERVER_ADDR};
 use std::time::Instant;
 
 /// Errors of the sources.

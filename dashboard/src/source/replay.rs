@@ -7,9 +7,9 @@
 use super::vetting::{vet, with_refusals};
 use super::{Error, Source};
 use crate::app::{Control, Loading, ReplayInfo, SourceStatus, SourceUpdate, RECENT_EVENTS};
-use stagehand::events::jsonl::{JsonlError, ReadReport, Restart};
-use stagehand::events::replay::{Change, FileReplay, Played};
-use stagehand::events::{Event, Replay, ReplayStatus, Snapshot};
+use stagehand_events::jsonl::{JsonlError, ReadReport, Restart};
+use stagehand_events::replay::{Change, FileReplay, Played};
+use stagehand_events::{Event, Replay, ReplayStatus, Snapshot};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -192,7 +192,7 @@ impl ReplaySource {
             match super::live::vet_event(&e) {
                 Ok(()) => out.push(SourceUpdate::Event(Box::new(e))),
                 Err(why) if self.vetted_seq.is_none_or(|s| seq > s) => {
-                    self.refused.skip(0, stagehand::events::jsonl::SkipReason::InvalidValue, format!("implausible: {why}"));
+                    self.refused.skip(0, stagehand_events::jsonl::SkipReason::InvalidValue, format!("implausible: {why}"));
                 }
                 Err(_) => {}
             }

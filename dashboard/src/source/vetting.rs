@@ -2,8 +2,8 @@
 //! allocate without bound are refused as they are played and counted in the report (a file is
 //! as untrusted as a server).
 
-use stagehand::events::jsonl::{ReadReport, SkipReason};
-use stagehand::events::Event;
+use stagehand_events::jsonl::{ReadReport, SkipReason};
+use stagehand_events::Event;
 
 /// The events the state may apply; the others are counted in `refused`.
 pub(super) fn vet(events: Vec<Event>, refused: &mut ReadReport) -> Vec<Event> {

@@ -6,7 +6,7 @@
 use super::widgets::{progress, Fields};
 use super::boxed;
 use crate::app::{Detail, Link, LiveStatus, ReplayInfo, SourceStatus, State, View, ViewState};
-use stagehand::events::describe::describe;
+use stagehand_events::describe::describe;
 use crate::format;
 use crate::keys::HELP;
 use crate::theme::Theme;

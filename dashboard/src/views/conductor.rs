@@ -4,7 +4,7 @@
 use super::widgets::{constraints, fit_columns, rows, sort_title};
 use super::boxed;
 use crate::app::{State, ViewState};
-use stagehand::events::describe::{fmt_hints, rule_name};
+use stagehand_events::describe::{fmt_hints, rule_name};
 use crate::format::{bytes, count, ms};
 use crate::sort::{self, TableId};
 use ratatui::style::Style;
@@ -14,7 +14,7 @@ use ratatui::style::Color;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
-use stagehand::events::{Concern, DenyReason, Phase};
+use stagehand_events::{Concern, DenyReason, Phase};
 
 fn phase_glyph(p: Phase) -> (&'static str, Color) {
     match p {

@@ -4,14 +4,14 @@
 use super::boxed;
 use super::widgets::{constraints, fit_columns};
 use crate::app::{State, ViewState};
-use stagehand::events::describe::describe;
+use stagehand_events::describe::describe;
 use crate::format::{count, run_time};
 use crate::theme::Theme;
 use ratatui::layout::Rect;
 use ratatui::text::Line;
 use ratatui::widgets::{Row, Table, TableState};
 use ratatui::Frame;
-use stagehand::events::{Event, EventKind};
+use stagehand_events::{Event, EventKind};
 
 /// Columns: (width, priority); "what" takes the rest. At 80 columns the time gives way, so
 /// what an event says keeps its units.

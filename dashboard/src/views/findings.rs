@@ -8,8 +8,8 @@ use ratatui::style::Style;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
-use stagehand::events::insight::{self, Finding, Severity};
-use stagehand::events::Snapshot;
+use stagehand_events::insight::{self, Finding, Severity};
+use stagehand_events::Snapshot;
 
 fn mark(s: Severity, theme: &Theme) -> (&'static str, Style) {
     match s {

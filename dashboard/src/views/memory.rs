@@ -14,8 +14,8 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
-use stagehand::events::snapshot::OwnersReading;
-use stagehand::events::{Owner, Snapshot, VramByOwner};
+use stagehand_events::snapshot::OwnersReading;
+use stagehand_events::{Owner, Snapshot, VramByOwner};
 
 /// Width of the chart's axis labels ("1023 MiB ").
 const AXIS: usize = 9;

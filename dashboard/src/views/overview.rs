@@ -13,7 +13,7 @@ use ratatui::style::Style;
 use ratatui::text::{Line, Span};
 use ratatui::widgets::Paragraph;
 use ratatui::Frame;
-use stagehand::events::BlockState;
+use stagehand_events::BlockState;
 
 /// Terminals at least this tall get the history lines.
 const TALL: u16 = 30;
@@ -187,7 +187,7 @@ fn draw_weights(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
 }
 
 /// Misses of the newest finished step after the first.
-fn steady_misses(s: &stagehand::events::Snapshot) -> u64 {
+fn steady_misses(s: &stagehand_events::Snapshot) -> u64 {
     s.last_finished_step().filter(|r| r.step > 1).and_then(|r| r.weights.as_ref()).map_or(0, |w| w.prefetch_misses)
 }
 
@@ -214,7 +214,7 @@ fn draw_conductor(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) {
         // Not an alarm: the Conductor holds back work that can wait (8 says why).
         ("denials (+slots)", "denied", format!("{} (+{})", count(c.denials), count(c.slot_denials)), n),
         ("grants / partial", "granted", format!("{} / {}", count(c.grants), count(c.partials)), n),
-        ("hints set by", "hints by", c.hints_rule.map_or("-".into(), |r| stagehand::events::describe::rule_name(r).to_owned()), n),
+        ("hints set by", "hints by", c.hints_rule.map_or("-".into(), |r| stagehand_events::describe::rule_name(r).to_owned()), n),
         ("active", "active", format!("{} ({})", count(c.active_reservations), bytes(c.active_bytes)), n),
         ("slots in flight", "in flight", format!("h2d {} d2h {}", c.h2d_inflight, c.d2h_inflight), n),
         ("hint changes", "hint chg", count(c.hint_changes), n),

@@ -5,7 +5,7 @@
 use super::widgets::Swatch;
 use crate::theme::Theme;
 use ratatui::style::{Color, Style};
-use stagehand::events::{StepTimeBreakdown, VramByOwner};
+use stagehand_events::{StepTimeBreakdown, VramByOwner};
 
 /// The parts of a step's time, in the order bars stack them.
 pub(crate) const TIME_PARTS: [(&str, Color, &str); 7] = [

@@ -10,10 +10,10 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
-use stagehand::events::BlockState;
+use stagehand_events::BlockState;
 
 /// Bytes a pool holds, saturating (the figures come from the run, or a server: never overflow).
-fn capacity(p: &stagehand::events::snapshot::PoolView) -> u64 {
+fn capacity(p: &stagehand_events::snapshot::PoolView) -> u64 {
     p.classes.iter().map(|c| c.slab_bytes.saturating_mul(u64::from(c.slabs))).fold(0, u64::saturating_add)
 }
 
@@ -29,7 +29,7 @@ fn draw_weight_pool(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme)
     let w = area.width.saturating_sub(2) as usize;
     let Some(p) = &s.weight_pool else {
         // Blocks in host memory load straight from their pinned copies: no pool to show.
-        let text = stagehand::events::insight::weights_without_pool(s).unwrap_or_else(|| "no weight blocks (yet)".into());
+        let text = stagehand_events::insight::weights_without_pool(s).unwrap_or_else(|| "no weight blocks (yet)".into());
         f.render_widget(
             Paragraph::new(Line::styled(text, theme.dim())).wrap(ratatui::widgets::Wrap { trim: false }).block(block),
             area,

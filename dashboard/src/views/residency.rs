@@ -11,7 +11,7 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table, TableState};
 use ratatui::Frame;
-use stagehand::events::{BlockId, BlockState};
+use stagehand_events::{BlockId, BlockState};
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let [strip, table] =

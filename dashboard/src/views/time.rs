@@ -14,7 +14,7 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::Line;
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
-use stagehand::events::snapshot::StepRecord;
+use stagehand_events::snapshot::StepRecord;
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let w = area.width.saturating_sub(2) as usize;

@@ -11,7 +11,7 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
 use ratatui::Frame;
-use stagehand::events::Direction;
+use stagehand_events::Direction;
 
 /// The bandwidth a direction is measured against: `bandwidth.h2d_gbps` / `bandwidth.d2h_gbps`
 /// in the run's configuration when the run measured it, else the fastest recent copy.

@@ -60,7 +60,7 @@ pub fn screen(t: &Terminal<TestBackend>) -> String {
         .join("\n")
 }
 
-use stagehand::events::{Event, Snapshot, StreamMessage};
+use stagehand_events::{Event, Snapshot, StreamMessage};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 

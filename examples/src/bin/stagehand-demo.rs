@@ -237,7 +237,7 @@ fn main() -> Result<()> {
     } else {
         let config = args.serve.config(stagehand_web::DEFAULT_SERVER_ADDR);
         let metrics = stagehand_exporter::Metrics::new();
-        hub.add_sink(Box::new(metrics.clone()));
+        hub.add_snapshot_sink(Box::new(metrics.clone()));
         let state = stagehand_web::AppState::live(hub.clone(), metrics);
         Some(stagehand_web::Server::start(&config, state).with_context(|| format!("serving on {}", config.addr))?)
     };

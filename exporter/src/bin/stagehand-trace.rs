@@ -121,7 +121,7 @@ fn main() -> ExitCode {
     };
     // Open the input first: a missing file creates nothing.
     // Plain or zstd-compressed, streamed: memory does not grow with the file.
-    let reader = match stagehand::events::jsonl::open(&input) {
+    let reader = match stagehand_events::jsonl::open(&input) {
         Ok(r) => r,
         Err(e) => return fail(&format!("cannot read '{}': {e}", input.display())),
     };
@@ -203,8 +203,8 @@ fn main() -> ExitCode {
 }
 
 /// Writes the trace straight into `path` (a device, a pipe): nothing is renamed over it.
-fn write_in_place<S: stagehand::events::jsonl::ByteSource>(
-    reader: stagehand::events::jsonl::Reader<S>,
+fn write_in_place<S: stagehand_events::jsonl::ByteSource>(
+    reader: stagehand_events::jsonl::Reader<S>,
     input: &Path,
     path: &Path,
 ) -> ExitCode {

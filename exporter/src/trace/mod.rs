@@ -25,8 +25,8 @@ pub use validate::validate;
 
 use crate::{Error, Result};
 use serde_json::{json, Map, Value};
-use stagehand::events::jsonl::{self, ReadReport};
-use stagehand::events::model::{copy_gbps, Direction, Event, EventKind, Owner, Phase, PoolKind};
+use stagehand_events::jsonl::{self, ReadReport};
+use stagehand_events::model::{copy_gbps, Direction, Event, EventKind, Owner, Phase, PoolKind};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufRead, Write};
 

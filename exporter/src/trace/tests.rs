@@ -1,5 +1,5 @@
 use super::*;
-use stagehand::events::model::{BlockId, Owner, StepTimeBreakdown, TransferId, VramByOwner};
+use stagehand_events::model::{BlockId, Owner, StepTimeBreakdown, TransferId, VramByOwner};
 
 fn ev(seq: u64, t_ns: u64, step: u64, kind: EventKind) -> Event {
     Event::new(seq, t_ns, step, Phase::Forward, kind)
@@ -127,7 +127,7 @@ fn a_file_without_events_is_an_error_not_an_empty_trace() {
 
 #[test]
 fn a_compressed_file_converts_like_the_plain_one() {
-    let events = stagehand::events::synthetic::events(Default::default());
+    let events = stagehand_events::synthetic::events(Default::default());
     let mut text = Vec::new();
     for e in &events {
         serde_json::to_writer(&mut text, e).expect("serializes");

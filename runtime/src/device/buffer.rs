@@ -9,12 +9,20 @@ use tch::{Kind, Tensor};
 /// Alignment of every host buffer (page size: good for DMA and for any dtype).
 const ALIGN: usize = 4096;
 
+/// Where a pooled buffer's range goes back to when the buffer drops (the
+/// [`HostPool`](super::HostPool)'s state). A trait of this file's so that the buffer needs
+/// nothing of the pool that cuts it.
+pub(super) trait Lender: Send + Sync + std::fmt::Debug {
+    /// Takes back `len` bytes at `offset` of chunk `chunk`.
+    fn release(&self, chunk: usize, offset: usize, len: usize);
+}
+
 #[derive(Debug)]
 enum Owner {
     Heap(Layout),
     Pinned(Arc<cudarc::driver::CudaContext>),
     /// A range of a [`HostPool`](super::HostPool) chunk, given back when the buffer drops.
-    Pooled { pool: Arc<super::pool::Shared>, chunk: usize, offset: usize, len: usize, pinned: bool },
+    Pooled { pool: Arc<dyn Lender>, chunk: usize, offset: usize, len: usize, pinned: bool },
     Empty,
 }
 
@@ -84,7 +92,7 @@ impl HostBuffer {
         ptr: *mut u8,
         bytes: usize,
         pinned: bool,
-        pool: Arc<super::pool::Shared>,
+        pool: Arc<dyn Lender>,
         chunk: usize,
         offset: usize,
         len: usize,

@@ -11,7 +11,7 @@
 //! Ranges are first-fit in address order, page-aligned, and adjacent free ranges merge. A
 //! request no free range holds pins a new chunk of at least [`DEFAULT_CHUNK_BYTES`].
 
-use super::buffer::HostBuffer;
+use super::buffer::{HostBuffer, Lender};
 use super::Device;
 use crate::error::Result;
 use std::collections::BTreeMap;
@@ -67,9 +67,11 @@ impl Shared {
         // Every mutation is a map insert or remove and counters: consistent after a panic.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
 
+impl Lender for Shared {
     /// Gives a range back (a pooled buffer dropped), merging it with free neighbours.
-    pub(super) fn release(&self, chunk: usize, offset: usize, len: usize) {
+    fn release(&self, chunk: usize, offset: usize, len: usize) {
         let mut st = self.lock();
         st.stats.in_use_bytes = st.stats.in_use_bytes.saturating_sub(len as u64);
         let Some(c) = st.chunks.get_mut(chunk) else { return };

@@ -6,7 +6,6 @@
 //! [`Managed::variables`] gives the real values. In block mode, [`Managed::in_block`] makes any
 //! layer over a registered block a `Module` that runs in it.
 
-use super::store::Table;
 use crate::error::{Error, Result};
 use crate::events::BlockId;
 use crate::torch::SavedTensorHooks;
@@ -32,11 +31,24 @@ pub fn release_hooks() {
     });
 }
 
+/// The table of layers a binding points into (the store's), as a binding uses it: a trait of
+/// this file's, so that a layer needs nothing of the store.
+pub(crate) trait LayerTable: Send + Sync + std::fmt::Debug {
+    /// Layer `i`'s name.
+    fn layer_name(&self, i: usize) -> String;
+    /// The block layer `i` runs in (the table is sealed first).
+    fn block_of(&self, i: usize) -> Result<BlockId>;
+    /// The weights' runtime.
+    fn runtime(&self) -> &WeightRuntime;
+    /// Layer `i`'s variables by name, with their values.
+    fn values(&self, i: usize) -> Result<Vec<(String, Tensor)>>;
+}
+
 /// How a layer is tied to the runtime.
 #[derive(Debug, Clone)]
 enum State {
     /// Layer `index` of the table, whose block it runs in.
-    Layer { table: Arc<Table>, index: usize, hooks: bool },
+    Layer { table: Arc<dyn LayerTable>, index: usize, hooks: bool },
     /// A block-mode block (registered by the user).
     Block { rt: WeightRuntime, id: BlockId, hooks: bool },
     /// A layer with no variables: nothing to manage.
@@ -53,7 +65,7 @@ pub(crate) struct Binding {
 }
 
 impl Binding {
-    pub(crate) fn layer(table: Arc<Table>, index: usize, hooks: bool) -> Binding {
+    pub(crate) fn layer(table: Arc<dyn LayerTable>, index: usize, hooks: bool) -> Binding {
         Binding {
             name: table.layer_name(index),
             state: State::Layer { table, index, hooks },

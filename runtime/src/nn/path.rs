@@ -49,6 +49,14 @@ impl<'a, T: ToString> std::ops::Div<T> for Path<'a> {
     }
 }
 
+// The store's root is made here, beside the paths: the store knows nothing of them.
+impl ManagedVarStore {
+    /// The root path, for the drop-in constructors (and tch's own).
+    pub fn root(&self) -> Path<'_> {
+        Path::new(self.raw_var_store().root(), self)
+    }
+}
+
 impl<'a> Path<'a> {
     pub(crate) fn new(inner: tch::nn::Path<'a>, store: &'a ManagedVarStore) -> Path<'a> {
         Path { inner, store }

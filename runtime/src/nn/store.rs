@@ -1,8 +1,7 @@
 //! [`ManagedVarStore`]: a `VarStore` whose layers stream through a [`WeightRuntime`], and the
 //! table of layers made so far, registered as blocks when the model first runs (sealing).
 
-use super::managed::Binding;
-use super::path::Path;
+use super::managed::{Binding, LayerTable};
 use super::{group_layers, Grouping, LayerOptions};
 use crate::checkpoint::VarStoreCopy;
 use crate::device::Device;
@@ -52,6 +51,24 @@ pub(crate) struct Table {
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Table").field("layers", &self.lock().pending.len()).finish_non_exhaustive()
+    }
+}
+
+impl LayerTable for Table {
+    fn layer_name(&self, i: usize) -> String {
+        Table::layer_name(self, i)
+    }
+
+    fn block_of(&self, i: usize) -> Result<BlockId> {
+        Table::block_of(self, i)
+    }
+
+    fn runtime(&self) -> &WeightRuntime {
+        Table::runtime(self)
+    }
+
+    fn values(&self, i: usize) -> Result<Vec<(String, Tensor)>> {
+        Table::values(self, i)
     }
 }
 
@@ -426,11 +443,6 @@ impl ManagedVarStore {
             seal: Some(Arc::new(move || weak.upgrade().map_or(Ok(()), |t| t.seal().and_then(|_| t.check_references())))),
         });
         Ok(ManagedVarStore { vs, rt, opts, table })
-    }
-
-    /// The root path, for the drop-in constructors (and tch's own).
-    pub fn root(&self) -> Path<'_> {
-        Path::new(self.vs.root(), self)
     }
 
     /// The runtime (for metrics, the optimizer, shutdown).

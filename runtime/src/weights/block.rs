@@ -8,7 +8,7 @@
 
 use super::file::FileSource;
 use super::quant::{self, ErrorSums, QuantLayout};
-use super::registry::{BlockSpec, ParamSpec};
+use super::registry::{param_tensor, BlockSpec, ParamSpec};
 use crate::device::{Device, HostBuffer, HostPool};
 use crate::error::{Error, Result};
 use crate::events::QuantizationReport;
@@ -363,27 +363,6 @@ fn master_of(var: &Tensor) -> Result<Tensor> {
     Ok(m)
 }
 
-/// A CPU tensor over `bytes` of `buf` at `offset`, with `shape` and `kind`.
-pub(crate) fn param_tensor(buf: &HostBuffer, offset: usize, shape: &[i64], kind: Kind) -> Result<Tensor> {
-    let numel: i64 = shape.iter().product();
-    let bytes = numel as usize * kind.elt_size_in_bytes();
-    buf.range(offset, bytes)?;
-    let strides = contiguous_strides(shape);
-    // SAFETY: the view covers `bytes` bytes at `offset` inside `buf` (checked above); the owner
-    // keeps `buf` alive longer than the view (field order in `HostCopy` and `ParamGrad`), and
-    // the view never leaves the runtime.
-    let t = unsafe {
-        Tensor::f_from_blob(
-            buf.as_slice().as_ptr().add(offset),
-            shape,
-            &strides,
-            kind,
-            tch::Device::Cpu,
-        )
-    }?;
-    Ok(t)
-}
-
 fn host_view(buf: &HostBuffer, p: &ParamSpec) -> Result<Tensor> {
     param_tensor(buf, p.offset, &p.shape, p.kind)
 }
@@ -413,10 +392,3 @@ pub(crate) fn placeholder(kind: Kind, shape: &[i64], dev: tch::Device) -> Result
     Ok(t.f_expand(shape, false)?)
 }
 
-fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
-    let mut s = vec![1i64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        s[i] = s[i + 1] * shape[i + 1].max(1);
-    }
-    s
-}

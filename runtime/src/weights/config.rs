@@ -26,8 +26,9 @@ pub const DEFAULT_VRAM_LOW_WATERMARK_BYTES: u64 = 18000 * MIB;
 pub const DEFAULT_MAX_INFLIGHT_H2D: u32 = 2;
 /// Blocks prefetched ahead of the one running.
 pub const DEFAULT_PREFETCH_WINDOW: u32 = 3;
-/// Every parameter starts on a multiple of this many bytes inside its block (GEMM-friendly).
-pub const PARAM_ALIGNMENT: usize = 256;
+// The layout's alignment is the registry's (it lays blocks out); named here too, beside the
+// other constants a configuration is made of.
+pub use super::registry::PARAM_ALIGNMENT;
 /// Layer mode: high watermark as a fraction of the VRAM budget.
 pub const LAYER_HIGH_WATERMARK_FRACTION: f64 = 0.8;
 /// Layer mode: low watermark as a fraction of the VRAM budget.

@@ -1,7 +1,8 @@
 //! Weight Stagehand: weights live in host memory (or in safetensors files) and stream to the
 //! device block by block just before they are needed, so a model larger than VRAM trains.
 //!
-//! - `registry`: blocks and their flat, aligned byte layout.
+//! - `registry`: blocks and their flat, aligned byte layout, and a parameter's bytes in a host
+//!   buffer viewed as a tensor.
 //! - `residency`: the six-state machine, refcounts, `keep_resident` protection.
 //! - `itinerary`: the order of a step's block uses, traced forward and backward, re-traced when
 //!   a step runs another order.
@@ -20,6 +21,8 @@
 //! - `file`: safetensors-backed frozen blocks.
 //! - [`quant`]: frozen blocks stored quantized (INT8 or FP8 with block-wise scales), their
 //!   payload dequantized in place in their slot before use.
+//! - `payload`: the layout of a quantized block's payload (plain data the registry's specs
+//!   hold; `quant` makes it).
 //!
 //! Layer mode (drop-in layers) is [`crate::nn`]; the optimizer for streamed weights is
 //! [`crate::optim`].
@@ -33,6 +36,7 @@ mod grads;
 pub(crate) mod handles;
 pub(crate) mod itinerary;
 mod loads;
+mod payload;
 pub mod quant;
 mod reduce;
 pub(crate) mod registry;

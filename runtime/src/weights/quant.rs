@@ -25,8 +25,8 @@
 //! nearest), the same on the host (a checkpoint's values) and on the device, so a model
 //! trained over a quantized base computes exactly what it would over the dequantized values.
 
-use super::config::PARAM_ALIGNMENT;
-use super::registry::{BlockSpec, ParamSpec};
+pub use super::payload::{DequantOp, QuantLayout, QuantParam};
+use super::registry::{param_tensor, BlockSpec, ParamSpec, PARAM_ALIGNMENT};
 use crate::error::{Error, Result};
 pub use crate::precision::{QuantFormat, QUANT_GROUP};
 use tch::{Kind, Tensor};
@@ -34,6 +34,14 @@ use tch::{Kind, Tensor};
 /// The smallest chunk dequantized in place, in bytes written: below it the rest of the payload
 /// is stashed (one device copy of about this many bytes) and dequantized from there.
 pub const MIN_CHUNK_BYTES: usize = 1 << 20;
+
+/// The libtorch dtype of a format's stored elements.
+pub fn element_kind(format: QuantFormat) -> Kind {
+    match format {
+        QuantFormat::Int8 => Kind::Int8,
+        QuantFormat::Fp8E4m3 => Kind::Float8e4m3fn,
+    }
+}
 
 /// Views of a block's payload in host memory `buf` (`layout.bytes` long), per parameter: its
 /// elements (flat, in the format's dtype) and scales (float32) when quantized, its full-width
@@ -44,10 +52,10 @@ pub(crate) fn payload_views(spec: &BlockSpec, layout: &QuantLayout, buf: &crate:
         .zip(&layout.params)
         .map(|(p, q)| match q.groups {
             Some(g) => Ok((
-                super::block::param_tensor(buf, q.data, &[p.numel()], layout.format.kind())?,
-                Some(super::block::param_tensor(buf, q.scales, &[g as i64], Kind::Float)?),
+                param_tensor(buf, q.data, &[p.numel()], element_kind(layout.format))?,
+                Some(param_tensor(buf, q.scales, &[g as i64], Kind::Float)?),
             )),
-            None => Ok((super::block::param_tensor(buf, q.data, &p.shape, p.kind)?, None)),
+            None => Ok((param_tensor(buf, q.data, &p.shape, p.kind)?, None)),
         })
         .collect()
 }
@@ -75,46 +83,8 @@ pub(crate) fn write_param(spec: &BlockSpec, layout: &QuantLayout, i: usize, valu
     })
 }
 
-/// Where one parameter is in a block's payload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QuantParam {
-    /// Groups of a quantized parameter; `None`: stored at full width in its dtype.
-    pub groups: Option<usize>,
-    /// Offset of its elements in the payload, and their bytes.
-    pub data: usize,
-    pub data_bytes: usize,
-    /// Offset of its float32 scales in the payload (quantized parameters).
-    pub scales: usize,
-}
-
-/// One step of dequantizing a block in its device bytes (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DequantOp {
-    /// Copies the payload from block byte `from` to the block's end into the stash.
-    Stash { from: usize },
-    /// Dequantizes elements `start..start + len` of parameter `param`, reading the slot's payload
-    /// or (`stashed`) the stash.
-    Chunk { param: usize, start: usize, len: usize, stashed: bool },
-}
-
-/// The quantized payload of a block: its format, each parameter's place in it, and how it is
-/// dequantized in the block's device bytes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct QuantLayout {
-    pub format: QuantFormat,
-    /// Elements sharing one scale.
-    pub group: usize,
-    pub params: Vec<QuantParam>,
-    /// Bytes of the payload: what the host holds and each load copies.
-    pub bytes: usize,
-    /// Where the payload lands in the block's device bytes: their last `bytes`.
-    pub offset: usize,
-    /// The dequantization's steps, in order.
-    pub ops: Vec<DequantOp>,
-    /// Bytes of the stash the last steps read from (0 when every chunk runs in place).
-    pub stash_bytes: usize,
-}
-
+// The payload's types are `payload.rs`'s (the registry's block specs hold a layout); how a
+// layout is made is here.
 impl QuantLayout {
     /// The payload of a block laid out as `spec` (its parameters at full width in `spec.bytes`),
     /// or `None` when no parameter is worth quantizing (the payload would not be smaller).
@@ -309,7 +279,7 @@ pub(crate) fn quantize(value: &Tensor, format: QuantFormat, group: usize, kind: 
             QuantFormat::Int8 => y.f_round()?.f_clamp(-127.0, 127.0)?,
             QuantFormat::Fp8E4m3 => y.f_clamp(-448.0, 448.0)?,
         }
-        .f_to_kind(format.kind())?
+        .f_to_kind(element_kind(format))?
         .f_reshape([-1])?
         .f_narrow(0, 0, n as i64)?
         .f_contiguous()?;
@@ -441,7 +411,7 @@ pub(crate) fn dequantize_block(buf: &Tensor, spec: &BlockSpec) -> Result<()> {
                             dst.f_copy_(&s)?;
                         }
                         Some(_) => {
-                            let q = src(layout.offset + qp.data + start, len)?.f_view_dtype(layout.format.kind())?;
+                            let q = src(layout.offset + qp.data + start, len)?.f_view_dtype(element_kind(layout.format))?;
                             let g0 = start / layout.group;
                             let ng = len.div_ceil(layout.group);
                             let s = src(layout.offset + qp.scales + 4 * g0, 4 * ng)?.f_view_dtype(Kind::Float)?;

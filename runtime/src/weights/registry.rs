@@ -1,12 +1,16 @@
 //! The block registry: which parameters form each block, and where each one sits in the
 //! block's flat byte layout (real dtypes, 256-byte-aligned offsets).
 
-use super::config::PARAM_ALIGNMENT;
+use super::payload::QuantLayout;
+use crate::device::HostBuffer;
 use crate::error::{Error, Result};
 use crate::events::BlockId;
 use regex::Regex;
 use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
+
+/// Every parameter starts on a multiple of this many bytes inside its block (GEMM-friendly).
+pub const PARAM_ALIGNMENT: usize = 256;
 
 /// One parameter of a block.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +61,7 @@ pub struct BlockSpec {
     pub bytes: usize,
     /// A frozen block stored quantized: its payload, which the host holds and each load copies
     /// (it lands in the block's own device bytes, where it is dequantized before use).
-    pub quant: Option<super::quant::QuantLayout>,
+    pub quant: Option<QuantLayout>,
 }
 
 impl BlockSpec {
@@ -182,6 +186,35 @@ pub fn group_by_pattern(
     }
     rest.sort_by(|a, b| natural_cmp(&a.0, &b.0));
     (out, rest)
+}
+
+/// A CPU tensor over `bytes` of `buf` at `offset`, with `shape` and `kind`.
+pub(crate) fn param_tensor(buf: &HostBuffer, offset: usize, shape: &[i64], kind: Kind) -> Result<Tensor> {
+    let numel: i64 = shape.iter().product();
+    let bytes = numel as usize * kind.elt_size_in_bytes();
+    buf.range(offset, bytes)?;
+    let strides = contiguous_strides(shape);
+    // SAFETY: the view covers `bytes` bytes at `offset` inside `buf` (checked above); the owner
+    // keeps `buf` alive longer than the view (field order in `HostCopy` and `ParamGrad`), and
+    // the view never leaves the runtime.
+    let t = unsafe {
+        Tensor::f_from_blob(
+            buf.as_slice().as_ptr().add(offset),
+            shape,
+            &strides,
+            kind,
+            tch::Device::Cpu,
+        )
+    }?;
+    Ok(t)
+}
+
+fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
+    let mut s = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1].max(1);
+    }
+    s
 }
 
 #[cfg(test)]

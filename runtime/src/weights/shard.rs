@@ -15,8 +15,7 @@
 //! the other). With libtorch 2.11 here, odd boundaries gave the same bits too (measured with
 //! the alignment set to 1); the alignment keeps that from depending on the build.
 
-use super::block::param_tensor;
-use super::registry::BlockSpec;
+use super::registry::{param_tensor, BlockSpec};
 use crate::device::{Device, HostBuffer};
 use crate::error::{Error, Result};
 use tch::{Kind, Tensor};

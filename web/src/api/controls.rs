@@ -8,7 +8,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
-use stagehand::events::ReplayStatus;
+use stagehand_events::ReplayStatus;
 use std::sync::Arc;
 
 /// Where a replay is: the replay's own status, answered as it is.

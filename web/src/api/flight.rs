@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::Json;
 use serde::Serialize;
-use stagehand::events::telemetry::TelemetryError;
+use stagehand_events::bus::FlightError;
 
 /// A flight record written.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -35,7 +35,7 @@ pub(crate) async fn record(State(s): State<AppState>) -> Result<Json<FlightRecor
             "this run has no flight recorder: a replay, or telemetry attached without one",
         )),
         Some(Ok(path)) => Ok(Json(FlightRecord { path: path.display().to_string() })),
-        Some(Err(e @ TelemetryError::RateLimited(_))) => Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())),
+        Some(Err(e @ FlightError::RateLimited(_))) => Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())),
         Some(Err(e)) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
     }
 }

@@ -7,8 +7,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
-use stagehand::events::snapshot::{RunInfo, StepRecord, STEP_HISTORY};
-use stagehand::events::{Phase, SCHEMA_VERSION};
+use stagehand_events::snapshot::{RunInfo, StepRecord, STEP_HISTORY};
+use stagehand_events::{Phase, SCHEMA_VERSION};
 use stagehand_exporter::TEXT_CONTENT_TYPE;
 use std::collections::HashMap;
 
@@ -82,7 +82,7 @@ struct Encoding {
 impl SnapshotCache {
     /// The snapshot's JSON: encoded now, or less than [`SNAPSHOT_REUSE`] ago, or when the
     /// snapshot was as it is now.
-    async fn get(&self, hub: &stagehand::events::Hub) -> Result<bytes::Bytes, serde_json::Error> {
+    async fn get(&self, hub: &stagehand_events::Hub) -> Result<bytes::Bytes, serde_json::Error> {
         // One encoding at a time: the requests that wait get its result.
         let mut last = self.last.lock().await;
         let now = hub.with_snapshot(|s| (s.events_applied, s.last_seq));
@@ -107,7 +107,7 @@ impl SnapshotCache {
 /// The current snapshot: everything known about the run, as every client's reducer has it
 /// (encoded at most four times a second, however many ask).
 #[utoipa::path(get, path = "/api/snapshot", tag = "state",
-    responses((status = 200, description = "The snapshot", body = stagehand::events::Snapshot), Refusals))]
+    responses((status = 200, description = "The snapshot", body = stagehand_events::Snapshot), Refusals))]
 pub(crate) async fn snapshot(State(s): State<AppState>) -> Response {
     match s.snapshots.get(&s.hub).await {
         Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
@@ -223,8 +223,8 @@ pub(crate) async fn metrics(State(s): State<AppState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::synthetic::{self, SyntheticRun};
-    use stagehand::events::Hub;
+    use stagehand_events::synthetic::{self, SyntheticRun};
+    use stagehand_events::Hub;
 
     #[tokio::test]
     async fn the_snapshot_is_encoded_once_for_requests_close_together() {

@@ -6,7 +6,7 @@ use crate::fanout::Fanout;
 use crate::replay::ReplayDriver;
 use crate::view::feed::ViewFeed;
 use serde::Serialize;
-use stagehand::events::Hub;
+use stagehand_events::Hub;
 use stagehand_exporter::Metrics;
 use std::sync::Arc;
 use tokio::sync::watch;
@@ -85,7 +85,7 @@ impl AppState {
     pub fn replay(driver: Arc<ReplayDriver>) -> AppState {
         let hub = Arc::new(Hub::new());
         let metrics = Metrics::new();
-        hub.add_sink(Box::new(metrics.clone()));
+        hub.add_snapshot_sink(Box::new(metrics.clone()));
         let fanout = Fanout::attach(&hub);
         AppState {
             hub,

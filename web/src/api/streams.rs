@@ -84,7 +84,7 @@ fn feed(s: &AppState) -> Feed {
                        tagged by `type`: first `snapshot` {snapshot: Snapshot}, then one `event` {event} per event \
                        (the JSONL event format); a client that fell behind gets `lagged` {missed} and a fresh \
                        `snapshot`, and so does every client after a replay seek. Comments are keep-alives.",
-        body = stagehand::events::Snapshot), Refusals))]
+        body = stagehand_events::Snapshot), Refusals))]
 pub(crate) async fn sse(State(s): State<AppState>) -> Response {
     let body = stream::unfold(feed(&s), |mut feed| async move {
         let chunk = match tokio::time::timeout(KEEP_ALIVE, feed.next()).await {

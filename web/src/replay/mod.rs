@@ -6,10 +6,10 @@
 mod source;
 
 use serde::Deserialize;
-use stagehand::events::jsonl::JsonlError;
+use stagehand_events::jsonl::JsonlError;
 use source::Source;
-use stagehand::events::replay::{FileReplay, MAX_SPEED, MIN_SPEED};
-use stagehand::events::{Event, Hub, Replay, ReplayStatus};
+use stagehand_events::replay::{FileReplay, MAX_SPEED, MIN_SPEED};
+use stagehand_events::{Event, Hub, Replay, ReplayStatus};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -79,7 +79,7 @@ impl ReplayDriver {
     }
 
     /// A driver over a file replay opened by the caller (with an
-    /// [`IndexObserver`](stagehand::events::replay::IndexObserver), say), paused where it is.
+    /// [`IndexObserver`](stagehand_events::replay::IndexObserver), say), paused where it is.
     pub fn from_file(mut replay: FileReplay) -> ReplayDriver {
         replay.set_paused(true);
         ReplayDriver::with(Source::File(replay))
@@ -109,7 +109,7 @@ impl ReplayDriver {
     }
 
     /// Events the driver holds in memory: for a file, the recent ones only (at most
-    /// [`RECENT_KEPT`](stagehand::events::replay::file::RECENT_KEPT) and one read ahead), whatever the file's size; for events given to
+    /// [`RECENT_KEPT`](stagehand_events::replay::file::RECENT_KEPT) and one read ahead), whatever the file's size; for events given to
     /// [`ReplayDriver::new`], all of them.
     pub fn events_held(&self) -> usize {
         self.lock().events_held()

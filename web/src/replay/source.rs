@@ -1,9 +1,9 @@
 //! What a [`ReplayDriver`](super::ReplayDriver) replays: a file read on demand or events in
 //! memory, behind one set of operations.
 
-use stagehand::events::jsonl::JsonlError;
-use stagehand::events::replay::{Change, FileReplay, Played};
-use stagehand::events::{Event, EventKind, Hub, Phase, Replay, ReplayStatus};
+use stagehand_events::jsonl::JsonlError;
+use stagehand_events::replay::{Change, FileReplay, Played};
+use stagehand_events::{Event, EventKind, Hub, Phase, Replay, ReplayStatus};
 
 fn is_step_begin(e: &Event) -> bool {
     matches!(e.kind, EventKind::PhaseChanged { to: Phase::StepBegin, .. })

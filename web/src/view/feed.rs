@@ -7,7 +7,7 @@ use super::log::{line, LogLine};
 use super::{LogBatch, PageView};
 use crate::api::AppState;
 use crate::fanout::Encoded;
-use stagehand::events::ReplayStatus;
+use stagehand_events::ReplayStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -143,8 +143,8 @@ mod tests {
     use super::*;
     use crate::api::AppState;
     use serde_json::Value;
-    use stagehand::events::synthetic::{self, SyntheticRun};
-    use stagehand::events::Hub;
+    use stagehand_events::synthetic::{self, SyntheticRun};
+    use stagehand_events::Hub;
     use stagehand_exporter::Metrics;
 
     fn parse(e: &Encoded) -> Value {

@@ -3,9 +3,9 @@
 
 use super::figures::{bytes_axis, decimal_axis, ms, Axis};
 use serde::Serialize;
-use stagehand::events::insight::{self, Severity};
-use stagehand::events::snapshot::StepRecord;
-use stagehand::events::{Phase, Snapshot, StepTimeBreakdown, VramByOwner};
+use stagehand_events::insight::{self, Severity};
+use stagehand_events::snapshot::StepRecord;
+use stagehand_events::{Phase, Snapshot, StepTimeBreakdown, VramByOwner};
 
 /// Steps shown in the time chart.
 pub const TIME_STEPS: usize = 60;
@@ -207,7 +207,7 @@ pub(crate) fn owners(s: &Snapshot) -> OwnersPanel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::synthetic::{self, SyntheticRun};
+    use stagehand_events::synthetic::{self, SyntheticRun};
 
     #[test]
     fn panels_carry_the_snapshots_figures() {

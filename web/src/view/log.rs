@@ -2,8 +2,8 @@
 //! ([`describe`]), long values cut (a replayed file may hold anything).
 
 use serde::Serialize;
-use stagehand::events::describe::describe;
-use stagehand::events::{Event, EventKind, Phase, ReservationOutcome};
+use stagehand_events::describe::describe;
+use stagehand_events::{Event, EventKind, Phase, ReservationOutcome};
 
 /// Characters of a line's text kept.
 const MAX_TEXT: usize = 400;
@@ -55,7 +55,7 @@ pub(crate) fn line(i: u64, e: &Event) -> LogLine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand::events::{Direction, Owner, TransferId};
+    use stagehand_events::{Direction, Owner, TransferId};
 
     #[test]
     fn each_event_reads_as_the_terminal_shows_it_and_long_text_is_cut() {

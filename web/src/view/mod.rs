@@ -17,7 +17,7 @@ use insight::{FindingView, OwnersPanel, StepTimePanel};
 use log::LogLine;
 use panels::{ActivationsPanel, ConductorPanel, GpuPanel, Header, PoolPanel, ResidencyPanel, TransfersPanel, VramPanel};
 use serde::Serialize;
-use stagehand::events::{ReplayStatus, Snapshot};
+use stagehand_events::{ReplayStatus, Snapshot};
 
 /// Where a replay is, as its controls show it.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
@@ -78,7 +78,7 @@ impl PageView {
             mode,
             header: panels::header(s),
             findings: insight::findings(s),
-            findings_note: stagehand::events::insight::nothing_found(s).to_owned(),
+            findings_note: stagehand_events::insight::nothing_found(s).to_owned(),
             vram: panels::vram(s),
             step_time: insight::step_time(s),
             owners: insight::owners(s),

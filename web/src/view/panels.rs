@@ -3,8 +3,8 @@
 
 use super::figures::{bytes_axis, decimal_axis, ms, round, Axis};
 use serde::Serialize;
-use stagehand::events::snapshot::PoolView;
-use stagehand::events::{wire_name, BlockState, Concern, DenyReason, Direction, Owner, Phase, Snapshot};
+use stagehand_events::snapshot::PoolView;
+use stagehand_events::{wire_name, BlockState, Concern, DenyReason, Direction, Owner, Phase, Snapshot};
 
 /// Points of the VRAM chart at most (the snapshot keeps more; peaks survive the thinning).
 pub const VRAM_POINTS: usize = 300;
@@ -252,7 +252,7 @@ pub(crate) fn pools(s: &Snapshot) -> Vec<PoolPanel> {
         .filter_map(|(n, p)| p.as_ref().map(|p| panel(n, p)))
         .collect();
     if s.weight_pool.is_none() {
-        if let Some(note) = stagehand::events::insight::weights_without_pool(s) {
+        if let Some(note) = stagehand_events::insight::weights_without_pool(s) {
             out.insert(0, PoolPanel { name: "weights", pinned: true, classes: Vec::new(), pageable_fallbacks: 0, note: Some(note) });
         }
     }
@@ -299,7 +299,7 @@ pub(crate) fn transfers(s: &Snapshot) -> TransfersPanel {
         }
     };
     let timed: Vec<_> = t.recent.iter().filter(|r| r.gbps().is_some()).collect();
-    let gbps = |r: &&stagehand::events::snapshot::TransferRecord, d| {
+    let gbps = |r: &&stagehand_events::snapshot::TransferRecord, d| {
         (r.dir == d).then(|| r.gbps().map(|g| round(g, 2))).flatten()
     };
     let h2d_gbps: Vec<_> = timed.iter().map(|r| gbps(r, Direction::H2d)).collect();
@@ -532,7 +532,7 @@ pub(crate) fn gpus(s: &Snapshot) -> Vec<GpuPanel> {
 #[cfg(test)]
 mod gpu_tests {
     use super::*;
-    use stagehand::events::{Event, EventKind, StepTimeBreakdown, TrainStepMetrics, WeightStepMetrics};
+    use stagehand_events::{Event, EventKind, StepTimeBreakdown, TrainStepMetrics, WeightStepMetrics};
 
     #[test]
     fn each_gpu_of_a_data_parallel_run_is_a_row_and_one_device_has_none() {

@@ -1,7 +1,7 @@
 use super::*;
 use crate::app::State;
-use stagehand::events::synthetic::{events, jsonl, SyntheticRun};
-use stagehand::events::{BlockId, EventKind, EventSink, JsonlSink, OpenMode, Phase};
+use stagehand_events::synthetic::{events, jsonl, SyntheticRun};
+use stagehand_events::{BlockId, EventKind, EventSink, JsonlSink, OpenMode, Phase};
 use std::time::Duration;
 
 fn drive(src: &mut ReplaySource, c: Control, state: &mut State) {
@@ -192,7 +192,7 @@ fn a_followed_file_holds_no_more_events_than_a_finished_one() {
     src.configure(1024.0, false);
     let _ = play_to_end(&mut src);
     assert_eq!(src.position(), text.lines().count());
-    assert!(src.events_held() <= stagehand::events::replay::file::RECENT_KEPT + 1, "{} held", src.events_held());
+    assert!(src.events_held() <= stagehand_events::replay::file::RECENT_KEPT + 1, "{} held", src.events_held());
 }
 
 #[test]

@@ -133,10 +133,10 @@ impl Source {
         }
         match (&self.quantized, &views.1) {
             (Some((format, group, errors)), Some(scales)) => {
-                if kind != format.kind() || *format != layout.format || *group != layout.group {
+                if kind != super::element_kind(*format) || *format != layout.format || *group != layout.group {
                     return Err(self.invalid(format!(
                         "tensor '{key}' is {kind:?} in groups of {group}, expected {:?} in groups of {} ({})",
-                        layout.format.kind(),
+                        super::element_kind(layout.format),
                         layout.group,
                         layout.format
                     )));
