@@ -20,6 +20,7 @@
 //! safetensors sidecar file ([`Optimizer::save_state`], format in [`state`]).
 
 mod clip;
+mod fit;
 pub(crate) mod groups;
 mod host;
 pub mod kernel;

@@ -10,7 +10,7 @@
 
 use super::groups::Groups;
 use super::host::{lock_groups, BlockJob, BlockOptimizer, HostParam};
-use super::state::fit_state;
+use super::fit::fit_state;
 use crate::weights::stepper::{self, Stepper};
 use super::{Algorithm, GradClip, Kernel};
 use crate::error::{Error, Result};

@@ -4,7 +4,7 @@
 //! The file is a safetensors file (format version 1):
 //!
 //! - a tensor `<variable>/<field>` for each state tensor of each variable, in the variable's
-//!   dtype and shape, `<field>` one of the names [`Algorithm::state_fields`] gives (`exp_avg`,
+//!   dtype and shape, `<field>` one of the names [`Algorithm::state_fields`](super::Algorithm::state_fields) gives (`exp_avg`,
 //!   `exp_avg_sq`, `max_exp_avg_sq` for Adam and AdamW; `momentum_buffer` for SGD;
 //!   `square_avg`, `momentum_buffer`, `grad_avg` for RMSprop), and `<variable>/step`, an int64
 //!   scalar, its step count (0 for SGD);
@@ -21,7 +21,7 @@
 use super::groups::Groups;
 use super::host::lock_groups;
 use super::optimizer::{trainable, Optimizer};
-use super::Algorithm;
+use super::fit::fit_state;
 use crate::tensorfile::{cpu_contiguous, write, Bytes, Entry, Reader};
 use crate::error::{Error, Result};
 use crate::torch::ParamState;
@@ -34,28 +34,6 @@ use tch::Tensor;
 pub const FORMAT: &str = "stagehand-optimizer-state";
 /// The format version this build writes and reads.
 pub const VERSION: &str = "1";
-
-/// `st` as state for `like` (a parameter): every tensor must have the parameter's shape, and is
-/// copied to its device and dtype.
-pub(super) fn fit_state(algorithm: &Algorithm, name: &str, st: &ParamState, like: &Tensor) -> Result<ParamState> {
-    let fields = algorithm.state_fields();
-    let mut tensors: [Option<Tensor>; 3] = [None, None, None];
-    for (i, t) in st.tensors.iter().enumerate() {
-        let Some(t) = t else { continue };
-        if t.size() != like.size() {
-            return Err(Error::Corrupt(format!(
-                "optimizer state '{name}/{}' has shape {:?}, but the variable has shape {:?}",
-                fields[i],
-                t.size(),
-                like.size()
-            )));
-        }
-        let out = Tensor::f_empty(like.size().as_slice(), (like.kind(), like.device()))?;
-        tch::no_grad(|| out.detach().f_copy_(t))?;
-        tensors[i] = Some(out);
-    }
-    Ok(ParamState { step: st.step, tensors })
-}
 
 fn share(st: &ParamState) -> ParamState {
     ParamState {
