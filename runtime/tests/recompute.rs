@@ -4,14 +4,14 @@
 //! device, and on CUDA where present.
 
 use stagehand::activations::{f_recompute, recompute, ActivationRuntime};
-use stagehand::events::{ActivationStepMetrics, Bus};
+use stagehand::events::{ActivationStepMetrics, Bus, EventKind, Hub, KeepReason};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tch::nn;
 use tch::{Kind, Tensor};
 
 mod common;
-use common::{assert_bit_identical, device, grads, rng, sgd_steps, spill_all_builder};
+use common::{assert_bit_identical, device, grads, rng, sgd_steps, spill_all_builder, Collected};
 
 /// Attention probabilities and an MLP's activation, either under `recompute` or plain.
 fn block(x: &Tensor, p: &[Tensor], scoped: bool) -> Tensor {
@@ -260,8 +260,9 @@ fn checkpointed_streamed_blocks_give_the_same_input_gradients() {
 
 /// bf16 attention through libtorch's fused kernel, forward and backward under the hooks. On
 /// CUDA the flash kernel saves its RNG seed and offset as UInt64 tensors, a kind tch cannot name
-/// (its `kind()` panicked inside the pack hook): they are kept as they are, and the gradients
-/// equal plain autograd's. On the host device the CPU kernel saves none of them.
+/// (its `kind()` panicked inside the pack hook): they are kept as they are, reported as kept for
+/// their kind with their storage's 8 bytes, and the gradients equal plain autograd's. On the
+/// host device the CPU kernel saves none of them.
 #[test]
 fn fused_bf16_attention_trains_through_the_hooks() {
     let _rng = rng();
@@ -280,10 +281,26 @@ fn fused_bf16_attention_trains_through_the_hooks() {
         (grads(&vs), losses)
     };
     let (plain, plain_losses) = run(None);
-    let rt = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), Bus::disabled(), None)
+    let bus = Bus::with_hub(Arc::new(Hub::new()), 1 << 16);
+    let events = Collected::on(&bus);
+    let rt = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), bus.clone(), None)
         .expect("runtime");
     let (hooked, hooked_losses) = run(Some(&rt));
     assert_bit_identical(&plain, &hooked);
     assert_eq!(plain_losses, hooked_losses);
     assert_eq!(rt.live_records(), 0, "every record released");
+    bus.flush();
+    let unnamed: Vec<u64> = events
+        .take()
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::Pack { reason: Some(KeepReason::UnnamedKind), bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .collect();
+    if device().is_cuda() {
+        assert!(!unnamed.is_empty() && unnamed.iter().all(|&b| b == 8), "the RNG state is kept for its kind, 8 bytes each: {unnamed:?}");
+    } else {
+        assert!(unnamed.is_empty(), "the CPU kernel saves no tensor of an unnamed kind: {unnamed:?}");
+    }
 }

@@ -12,32 +12,7 @@ use tch::{Kind, Tensor};
 
 mod common;
 use common::blocks::{block_bytes, block_fwd, Block, D, H};
-use common::rng;
-
-/// Every event the bus delivers from the moment it is attached, in order (the hub's sinks see
-/// each one, after the hub's snapshot).
-struct Collected(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
-
-impl Collected {
-    fn on(bus: &stagehand::events::Bus) -> Collected {
-        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        bus.hub().expect("hub").add_sink(Box::new(Collector(events.clone())));
-        Collected(events)
-    }
-
-    /// The events delivered since the last call.
-    fn take(&self) -> Vec<stagehand::events::Event> {
-        std::mem::take(&mut *self.0.lock().expect("events"))
-    }
-}
-
-struct Collector(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
-
-impl stagehand::events::EventSink for Collector {
-    fn on_event(&mut self, e: &stagehand::events::Event) {
-        self.0.lock().expect("events").push(e.clone());
-    }
-}
+use common::{rng, Collected};
 
 /// A reference model on the device and an identical managed one (its VarStore on the CPU).
 fn pair(n: usize, trainable: bool) -> (nn::VarStore, Vec<Block>, nn::VarStore, Vec<Block>) {

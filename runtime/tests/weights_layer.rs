@@ -8,32 +8,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
-use common::rng;
-
-/// Every event the bus delivers from the moment it is attached, in order (the hub's sinks see
-/// each one, after the hub's snapshot).
-struct Collected(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
-
-impl Collected {
-    fn on(bus: &stagehand::events::Bus) -> Collected {
-        let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        bus.hub().expect("hub").add_sink(Box::new(Collector(events.clone())));
-        Collected(events)
-    }
-
-    /// The events delivered since the last call.
-    fn take(&self) -> Vec<stagehand::events::Event> {
-        std::mem::take(&mut *self.0.lock().expect("events"))
-    }
-}
-
-struct Collector(std::sync::Arc<std::sync::Mutex<Vec<stagehand::events::Event>>>);
-
-impl stagehand::events::EventSink for Collector {
-    fn on_event(&mut self, e: &stagehand::events::Event) {
-        self.0.lock().expect("events").push(e.clone());
-    }
-}
+use common::{rng, Collected};
 
 const V: i64 = 20;
 const D: i64 = 16;

@@ -267,6 +267,9 @@ pub enum KeepReason {
     /// Chosen to spill with its block's batch, but released before the batch was copied: it
     /// never left the device.
     ReleasedBeforeCopy,
+    /// Of an element kind tch cannot name (flash attention on CUDA saves its RNG seed and offset
+    /// as unsigned 64-bit scalars): kept as it is.
+    UnnamedKind,
 }
 
 /// How a Conductor reservation may be granted.

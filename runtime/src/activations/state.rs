@@ -422,20 +422,20 @@ impl Shared {
     }
 
     /// A saved tensor of a kind tch cannot name (flash attention on CUDA saves its RNG seed and
-    /// offset as UInt64 scalars): kept where it is, as it is. Its identity and size need the
-    /// kind, so it is neither deduplicated nor spilled; its bytes are counted at 8 an element
-    /// (the widest such kind).
+    /// offset as UInt64 scalars): kept where it is, as it is, neither deduplicated nor spilled.
+    /// Its bytes are its storage's, or 8 an element (the widest such kind) for a view of less.
     fn keep_unnamed(&self, t: Tensor) -> u64 {
+        let storage = crate::torch::TensorIdentity::of(&t).storage_nbytes;
         let mut g = self.lock();
         g.next_tensor += 1;
         let id = TensorId(g.next_tensor);
-        let bytes = (t.numel() as u64).saturating_mul(8);
+        let bytes = storage.min((t.numel() as u64).saturating_mul(8));
         let mut rec = Record::new(id, RecordState::Kept, bytes);
         rec.tensor = Some(t.detach());
         let (_, handle) = g.records.insert(rec);
         g.metrics.activations_saved += 1;
         let region = current_region(&g);
-        self.count_kept(&mut g, id, bytes, KeepReason::TooSmall, region);
+        self.count_kept(&mut g, id, bytes, KeepReason::UnnamedKind, region);
         handle
     }
 

@@ -11,6 +11,31 @@ use std::sync::Mutex;
 use tch::nn;
 use tch::Tensor;
 
+/// Every event the bus delivers from the moment it is attached, in order (the hub's sinks see
+/// each one, after the hub's snapshot).
+pub struct Collected(std::sync::Arc<Mutex<Vec<stagehand::events::Event>>>);
+
+impl Collected {
+    pub fn on(bus: &stagehand::events::Bus) -> Collected {
+        let events = std::sync::Arc::new(Mutex::new(Vec::new()));
+        bus.hub().expect("hub").add_sink(Box::new(Collector(events.clone())));
+        Collected(events)
+    }
+
+    /// The events delivered since the last call.
+    pub fn take(&self) -> Vec<stagehand::events::Event> {
+        std::mem::take(&mut *self.0.lock().expect("events"))
+    }
+}
+
+struct Collector(std::sync::Arc<Mutex<Vec<stagehand::events::Event>>>);
+
+impl stagehand::events::EventSink for Collector {
+    fn on_event(&mut self, e: &stagehand::events::Event) {
+        self.0.lock().expect("events").push(e.clone());
+    }
+}
+
 /// libtorch's RNG is process-global: tests that draw from it (or compare runs that do) take
 /// this lock so parallel tests do not interleave their draws.
 static RNG: Mutex<()> = Mutex::new(());
