@@ -168,6 +168,10 @@ void* stagehand_hooks_set_context(void* ctx) {
   return prev;
 }
 
+// A zero-dimensional unsigned 64-bit tensor on the CPU, holding 0: a kind tch cannot name, as
+// flash attention's saved RNG seed and offset are on CUDA (for the hooks' tests).
+at::Tensor* stagehand_unsigned_scalar() { return new at::Tensor(at::zeros({}, at::dtype(at::kUInt64))); }
+
 // Storage identity of a tensor, for dedupe and weight recognition.
 void stagehand_tensor_identity(const at::Tensor* t, uint64_t* storage_ptr, int64_t* storage_offset,
                                uint64_t* storage_nbytes) {

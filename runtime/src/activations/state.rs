@@ -425,7 +425,7 @@ impl Shared {
     /// offset as UInt64 scalars): kept where it is, as it is, neither deduplicated nor spilled.
     /// Its bytes are its storage's, or 8 an element (the widest such kind) for a view of less.
     fn keep_unnamed(&self, t: Tensor) -> u64 {
-        let storage = crate::torch::TensorIdentity::of(&t).storage_nbytes;
+        let storage = crate::torch::hooks::storage_nbytes(&t);
         let mut g = self.lock();
         g.next_tensor += 1;
         let id = TensorId(g.next_tensor);

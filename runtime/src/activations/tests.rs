@@ -594,3 +594,32 @@ mod batches {
         }
     }
 }
+
+/// A saved tensor of a kind tch cannot name (flash attention's RNG state on CUDA; `kind()`
+/// panics on it) is kept as it is, counted at its storage's bytes for its own reason, and given
+/// back unchanged, while spilling is on.
+#[test]
+fn a_tensor_of_an_unnamed_kind_is_kept_as_it_is() {
+    let (rt, bus, seen) = setup(base().max_inflight(1, 1).build().expect("config"));
+    let store = rt.store();
+    rt.begin_step(1);
+    // The first pack is kept (an empty device), the second spilled: spilling is on.
+    let ts = [tensor(1.0), tensor(2.0)];
+    let before = pack_all(&store, &ts);
+    assert!(rt.is_spilling());
+    let odd = crate::torch::hooks::unsigned_scalar();
+    let h = store.pack(odd.shallow_clone()).expect("an unnamed kind packs");
+    let back = store.unpack(h).expect("unpack");
+    assert_eq!(back.data_ptr(), odd.data_ptr(), "the same tensor, not a copy");
+    store.release(h);
+    unpack_all_in_reverse(&store, &before, &ts);
+    rt.end_step().expect("step end");
+    let kept: Vec<(Option<KeepReason>, u64)> = events(&bus, &seen)
+        .into_iter()
+        .filter_map(|k| match k {
+            EventKind::Pack { reason: Some(KeepReason::UnnamedKind), bytes, .. } => Some((Some(KeepReason::UnnamedKind), bytes)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kept, vec![(Some(KeepReason::UnnamedKind), 8)]);
+}

@@ -59,6 +59,7 @@ extern "C" {
     pub(crate) fn stagehand_hooks_installed() -> c_int;
     pub(crate) fn stagehand_hooks_set_context(ctx: *mut c_void) -> *mut c_void;
     pub(crate) fn stagehand_hooks_get_context() -> *mut c_void;
+    pub(crate) fn stagehand_unsigned_scalar() -> *mut C_tensor;
     pub(crate) fn stagehand_tensor_identity(
         t: *const C_tensor,
         storage_ptr: *mut u64,

@@ -109,6 +109,23 @@ pub struct TensorIdentity {
     pub kind: tch::Kind,
 }
 
+/// Bytes of `t`'s whole storage (0 without one), read without its kind, which tch cannot name
+/// for every tensor autograd saves.
+pub fn storage_nbytes(t: &Tensor) -> u64 {
+    let (mut ptr, mut off, mut nbytes) = (0u64, 0i64, 0u64);
+    // SAFETY: `t` is a live tensor; the shim only reads its storage metadata.
+    unsafe { ffi::stagehand_tensor_identity(t.as_ptr(), &mut ptr, &mut off, &mut nbytes) };
+    nbytes
+}
+
+/// A zero-dimensional unsigned 64-bit tensor on the CPU: a kind tch cannot name (`kind()`
+/// panics on it), as flash attention's saved RNG state is on CUDA. For tests of the hooks.
+#[doc(hidden)]
+pub fn unsigned_scalar() -> Tensor {
+    // SAFETY: the shim returns a new, owned, defined tensor handle.
+    unsafe { Tensor::from_ptr(ffi::stagehand_unsigned_scalar()) }
+}
+
 impl TensorIdentity {
     /// Reads the identity of `t`.
     pub fn of(t: &Tensor) -> TensorIdentity {
