@@ -8,7 +8,7 @@
 //! training steps; evaluation forwards are prefetched along their own itinerary.
 
 use stagehand::device::Device;
-use stagehand::events::{Bus, Event, EventKind, EventSink, EvaluationMetrics, Hub, Phase};
+use stagehand::events::{Bus, Event, EventKind, EvaluationMetrics, Hub, Phase};
 use stagehand::nn as snn;
 use stagehand::optim::Kernel;
 use stagehand::Stagehand;
@@ -196,16 +196,6 @@ fn run(gpt: &Gpt, d: &Data, dev: tch::Device, mut step: impl FnMut(&Tensor, &Ten
     r
 }
 
-struct Collect(Arc<Mutex<Vec<Event>>>);
-
-impl EventSink for Collect {
-    fn on_event(&mut self, e: &Event) {
-        if let Ok(mut v) = self.0.lock() {
-            v.push(e.clone());
-        }
-    }
-}
-
 /// A handle with `budget` bytes in all (on CUDA counting what the device holds already, as the
 /// sizes a plan states do).
 fn handle(device: &Device, budget: u64, bus: Bus) -> Stagehand {
@@ -224,7 +214,7 @@ fn through_the_handle(device: &Device, d: &Data, budget: u64) -> (Run, Vec<Event
     let dev = device.tch_device();
     let events = Arc::new(Mutex::new(Vec::new()));
     let hub = Arc::new(Hub::new());
-    hub.add_sink(Box::new(Collect(events.clone())));
+    hub.add_sink(Box::new(common::EventLog(events.clone())));
     let bus = Bus::with_hub(hub, 1 << 20);
     let sh = handle(device, budget, bus.clone());
     let model = {

@@ -5,7 +5,7 @@
 //! without pinning anything again.
 
 use stagehand::device::Device;
-use stagehand::events::{Bus, Event, EventKind, EventSink, Hub};
+use stagehand::events::{Bus, Event, EventKind, Hub};
 use stagehand::nn as snn;
 use stagehand::session::ModelOptions;
 use stagehand::{QuantFormat, Stagehand};
@@ -21,14 +21,6 @@ const H: i64 = 256;
 const LAYERS: i64 = 4;
 const BATCH: i64 = 8;
 const STEPS: i64 = 4;
-
-struct Keep(Arc<Mutex<Vec<Event>>>);
-
-impl EventSink for Keep {
-    fn on_event(&mut self, e: &Event) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(e.clone());
-    }
-}
 
 struct Mlp(Vec<(Box<dyn Module>, Box<dyn Module>)>);
 
@@ -85,7 +77,7 @@ fn student_weights(sh: &Stagehand) -> Vec<Tensor> {
 fn together(budget: u64, quantize: Option<QuantFormat>, events: Option<Arc<Mutex<Vec<Event>>>>) -> (Trained, Stagehand) {
     let hub = events.map(|e| {
         let hub = Arc::new(Hub::new());
-        hub.add_sink(Box::new(Keep(e)));
+        hub.add_sink(Box::new(common::EventLog(e)));
         hub
     });
     let sh = handle(budget, hub);

@@ -6,13 +6,13 @@
 //! or stalls stops every rank with an error naming it. With two GPUs, the same over NCCL.
 
 use stagehand::device::Device;
-use stagehand::events::{Direction, Event, EventKind, EventSink, Phase};
+use stagehand::events::{Direction, EventKind, Phase};
 use stagehand::nn as snn;
 use stagehand::optim::Kernel;
 use stagehand::parallel::Devices;
 use stagehand::{Error, Precision, Stagehand};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
@@ -170,25 +170,14 @@ fn two_host_devices_train_bit_identically_to_one_device_over_micro_batches() {
     }
 }
 
-/// Events kept by a sink.
-#[derive(Clone, Default)]
-struct Keep(Arc<Mutex<Vec<Event>>>);
-
-impl EventSink for Keep {
-    fn on_event(&mut self, e: &Event) {
-        self.0.lock().expect("events").push(e.clone());
-    }
-}
-
 #[test]
 fn every_event_carries_its_device_and_the_reductions_are_collectives() {
     let data = batches();
     let bus = stagehand::events::Bus::new();
-    let keep = Keep::default();
-    bus.hub().expect("hub").add_sink(Box::new(keep.clone()));
+    let kept = common::Collected::on(&bus);
     let _ = two_devices(Precision::Fp32, &data, Some(bus.clone()));
     bus.flush();
-    let events = keep.0.lock().expect("events").clone();
+    let events = kept.take();
     let on = |d: u32| events.iter().filter(|e| e.device == Some(d)).count();
     assert!(on(0) > 100 && on(1) > 100, "both lanes publish: {} and {}", on(0), on(1));
     let unlabelled: Vec<&str> = events.iter().filter(|e| e.device.is_none()).map(|e| e.kind.name()).collect();

@@ -5,7 +5,7 @@
 //! saved.
 
 use stagehand::device::Device;
-use stagehand::events::{Bus, Event, EventKind, EventSink, Hub};
+use stagehand::events::{Bus, Event, EventKind, Hub};
 use stagehand::nn as snn;
 use stagehand::session::ModelOptions;
 use stagehand::weights::quant::error_bound;
@@ -26,15 +26,6 @@ const BATCH: i64 = 16;
 const STEPS: usize = 5;
 /// Streams the base: room for a few of its six blocks.
 const BUDGET: u64 = 2 << 20;
-
-/// Every event, kept.
-struct Keep(Arc<Mutex<Vec<Event>>>);
-
-impl EventSink for Keep {
-    fn on_event(&mut self, e: &Event) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(e.clone());
-    }
-}
 
 /// `above` bytes of budget beyond what the device holds already (on CUDA, libtorch's own).
 fn budget(dev: &Device, above: u64) -> u64 {
@@ -107,7 +98,7 @@ fn train(precision: Precision, format: Option<QuantFormat>, base_values: Option<
     let dev = &common::device();
     let hub = Arc::new(Hub::new());
     let events = Arc::new(Mutex::new(Vec::new()));
-    hub.add_sink(Box::new(Keep(events.clone())));
+    hub.add_sink(Box::new(common::EventLog(events.clone())));
     let sh = Stagehand::builder()
         .budget_bytes(budget(dev, BUDGET))
         .device(dev.clone())

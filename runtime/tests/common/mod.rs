@@ -17,9 +17,9 @@ pub struct Collected(std::sync::Arc<Mutex<Vec<stagehand::events::Event>>>);
 
 impl Collected {
     pub fn on(bus: &stagehand::events::Bus) -> Collected {
-        let events = std::sync::Arc::new(Mutex::new(Vec::new()));
-        bus.hub().expect("hub").add_sink(Box::new(Collector(events.clone())));
-        Collected(events)
+        let log = EventLog::default();
+        bus.hub().expect("hub").add_sink(Box::new(log.clone()));
+        Collected(log.0)
     }
 
     /// The events delivered since the last call.
@@ -28,11 +28,13 @@ impl Collected {
     }
 }
 
-struct Collector(std::sync::Arc<Mutex<Vec<stagehand::events::Event>>>);
+/// A sink that keeps every event it is given, shared with whoever holds a clone.
+#[derive(Debug, Clone, Default)]
+pub struct EventLog(pub std::sync::Arc<Mutex<Vec<stagehand::events::Event>>>);
 
-impl stagehand::events::EventSink for Collector {
+impl stagehand::events::EventSink for EventLog {
     fn on_event(&mut self, e: &stagehand::events::Event) {
-        self.0.lock().expect("events").push(e.clone());
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(e.clone());
     }
 }
 
