@@ -6,42 +6,14 @@ use stagehand_events::jsonl::{self, Follower, JsonlSink, OpenMode};
 use stagehand_events::model::{BlockId, Event, EventKind, Phase};
 use stagehand_events::replay::FileReplay;
 use stagehand_events::EventSink;
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Write;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-struct Counting;
-
-static NOW: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged; the counters only observe.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: as the caller promised for `l`.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            let now = NOW.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        NOW.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: `p` came from `alloc` with the same layout.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
+#[path = "support/counting_alloc.rs"]
+mod counting_alloc;
 
 /// The heap's peak above what it held when `f` started, in MiB.
 fn peak_mib(f: impl FnOnce()) -> f64 {
-    let base = NOW.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    f();
-    (PEAK.load(Ordering::Relaxed) - base) as f64 / (1 << 20) as f64
+    counting_alloc::peak_above(f).1 as f64 / (1 << 20) as f64
 }
 
 /// A line of telemetry, then `gib` GiB of one byte (newlines every `line` bytes, or none),

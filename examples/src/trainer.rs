@@ -282,6 +282,30 @@ impl Summary {
         Some(why)
     }
 
+    /// Adds step `step` of a handle's run (its report and the activation runtime's counts).
+    fn record(&mut self, sh: &Stagehand, step: u64, r: &stagehand::StepReport) {
+        if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
+            self.activations_spilled += m.activations_spilled;
+            self.spill_bytes += m.spill_bytes;
+        }
+        self.peak_bytes = self.peak_bytes.max(r.vram_peak_bytes);
+        self.step_peaks.push(r.vram_peak_bytes);
+        self.losses.push(r.loss);
+        self.step_times.push(r.step_ms / 1e3);
+        self.breakdowns.push(r.time);
+        self.steps = step;
+    }
+
+    /// Ends a handle's run: the plan, the guards' and checksums' counts, and the handle's
+    /// telemetry finished.
+    fn close(&mut self, sh: &Stagehand) -> Result<()> {
+        self.plan = sh.plan();
+        self.guards = sh.guard_checks();
+        self.checksums = sh.checksum_counts();
+        sh.finish()?;
+        Ok(())
+    }
+
     /// Mean step time in seconds over steady state: every step after the first (which traces
     /// the itinerary and sizes the pools), or the only step.
     pub fn steady_step_s(&self) -> f64 {
@@ -615,23 +639,11 @@ fn stagehand_run(
         }
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets))?;
-        if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
-            s.activations_spilled += m.activations_spilled;
-            s.spill_bytes += m.spill_bytes;
-        }
-        s.peak_bytes = s.peak_bytes.max(r.vram_peak_bytes);
-        s.step_peaks.push(r.vram_peak_bytes);
-        s.losses.push(r.loss);
-        s.step_times.push(r.step_ms / 1e3);
-        s.breakdowns.push(r.time);
-        s.steps = step;
+        s.record(&sh, step, &r);
         on_step(step, r.loss, r.step_ms / 1e3);
     }
     opt.wait()?;
-    s.plan = sh.plan();
-    s.guards = sh.guard_checks();
-    s.checksums = sh.checksum_counts();
-    sh.finish()?;
+    s.close(&sh)?;
     Ok(s)
 }
 
@@ -741,25 +753,13 @@ pub fn train_group(
                 let batch = batches.take(step);
                 let (x, y) = (sh.shard(&batch.inputs)?, sh.shard(&batch.targets)?);
                 let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&*model, &x), &y))?;
-                if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
-                    s.activations_spilled += m.activations_spilled;
-                    s.spill_bytes += m.spill_bytes;
-                }
-                s.peak_bytes = s.peak_bytes.max(r.vram_peak_bytes);
-                s.step_peaks.push(r.vram_peak_bytes);
-                s.losses.push(r.loss);
-                s.step_times.push(r.step_ms / 1e3);
-                s.breakdowns.push(r.time);
-                s.steps = step;
+                s.record(sh, step, &r);
                 weights.push(sh.weights().last_step_metrics());
                 host_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
                 on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);
             }
             opt.wait()?;
-            s.plan = sh.plan();
-            s.guards = sh.guard_checks();
-            s.checksums = sh.checksum_counts();
-            sh.finish()?;
+            s.close(sh)?;
             let plan_host_bytes = s.plan.as_ref().map_or(0, |p| p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes);
             Ok(RankSummary { rank: sh.rank(), device: sh.device().info().index, summary: s, weights, host_optimizer_ms: host_ms, plan_host_bytes })
         },

@@ -3,35 +3,10 @@
 //! over (fed from a reader that makes the lines as they are read, so the input costs nothing).
 
 use stagehand_events::synthetic::{self, SyntheticRun};
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Read;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-struct Counting;
-
-static NOW: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged; the counters only observe.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: as the caller promised for `l`.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            let now = NOW.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        NOW.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: `p` came from `alloc` with the same layout.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
+#[path = "../../events/tests/support/counting_alloc.rs"]
+mod counting_alloc;
 
 /// The lines of a run, `times` over, with sequence numbers and times that keep growing.
 struct Repeated {
@@ -76,10 +51,9 @@ fn peak_converting(times: usize) -> (usize, u64) {
         .and_then(|l| serde_json::from_str::<stagehand_events::Event>(l).ok())
         .map_or(1, |e| e.t_ns + 1);
     let input = Repeated { lines, times, i: 0, offset_ns: 0, span_ns, cur: std::io::Cursor::new(Vec::new()) };
-    let base = NOW.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let summary = stagehand_exporter::trace::convert(std::io::BufReader::new(input), std::io::sink()).expect("converts");
-    (PEAK.load(Ordering::Relaxed) - base, summary.report.events)
+    let (summary, peak) =
+        counting_alloc::peak_above(|| stagehand_exporter::trace::convert(std::io::BufReader::new(input), std::io::sink()).expect("converts"));
+    (peak, summary.report.events)
 }
 
 #[test]

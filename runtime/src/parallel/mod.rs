@@ -333,10 +333,7 @@ impl Turn {
 }
 
 fn panic_text(p: &(dyn Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
+    crate::error::panic_message(p).unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// One rank's whole run; any failure stops the group (the first one is its cause).

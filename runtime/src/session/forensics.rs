@@ -95,11 +95,7 @@ pub(super) fn catch_oom<T>(forward: impl FnOnce() -> T) -> crate::Result<T> {
         Ok(failure) => panic!("stagehand layer '{}': {}", failure.layer, failure.error),
         Err(payload) => payload,
     };
-    let text = payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()));
-    match text {
+    match crate::error::panic_message(payload.as_ref()) {
         Some(t) if classify_text(&t).is_some() => Err(Error::Torch(tch::TchError::Torch(t))),
         _ => resume_unwind(payload),
     }

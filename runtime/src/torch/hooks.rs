@@ -112,10 +112,15 @@ pub struct TensorIdentity {
 /// Bytes of `t`'s whole storage (0 without one), read without its kind, which tch cannot name
 /// for every tensor autograd saves.
 pub fn storage_nbytes(t: &Tensor) -> u64 {
+    storage_of(t).2
+}
+
+/// `t`'s storage: the address of its data, `t`'s offset into it in elements, and its bytes.
+fn storage_of(t: &Tensor) -> (u64, i64, u64) {
     let (mut ptr, mut off, mut nbytes) = (0u64, 0i64, 0u64);
     // SAFETY: `t` is a live tensor; the shim only reads its storage metadata.
     unsafe { ffi::stagehand_tensor_identity(t.as_ptr(), &mut ptr, &mut off, &mut nbytes) };
-    nbytes
+    (ptr, off, nbytes)
 }
 
 /// A zero-dimensional unsigned 64-bit tensor on the CPU: a kind tch cannot name (`kind()`
@@ -129,9 +134,7 @@ pub fn unsigned_scalar() -> Tensor {
 impl TensorIdentity {
     /// Reads the identity of `t`.
     pub fn of(t: &Tensor) -> TensorIdentity {
-        let (mut ptr, mut off, mut nbytes) = (0u64, 0i64, 0u64);
-        // SAFETY: `t` is a live tensor; the shim only reads its storage metadata.
-        unsafe { ffi::stagehand_tensor_identity(t.as_ptr(), &mut ptr, &mut off, &mut nbytes) };
+        let (ptr, off, nbytes) = storage_of(t);
         TensorIdentity {
             storage_ptr: ptr,
             storage_offset: off,
@@ -188,11 +191,7 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, HookError>)
     match out {
         Ok(r) => r.map_err(|e| message(e.as_ref())),
         Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = crate::error::panic_message(p.as_ref()).unwrap_or_else(|| "unknown panic".into());
             Err(format!("panic in {what}: {msg}"))
         }
     }
