@@ -22,7 +22,9 @@
 //! host optimizer's state: fp32, bf16, int8), `MJ_RESIDENT` (`train`, the default: the resident
 //! run trains with its optimizer; `fwdbwd`: its forward and backward alone, for a model whose
 //! optimizer does not fit on the device; `skip`, or `MJ_SKIP_RESIDENT=1`: no resident run, so
-//! the floor has no resident term).
+//! the floor has no resident term), `MJ_CHECKPOINT` (1: each block checkpointed, one recompute
+//! scope over its input and weights, so only block inputs are stored; 0: not; default: the
+//! demo's rule, on in 16-bit precisions).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -196,6 +198,11 @@ fn main() -> anyhow::Result<()> {
     };
     let mut cfg = TrainConfig::demo(steps, layers, d, seq, batch, budget).with_precision(precision);
     cfg.optimizer_state = storage;
+    // Checkpointed blocks (each block one recompute scope; the resident run computes the same):
+    // the demo's rule (on in 16-bit precisions) unless MJ_CHECKPOINT says.
+    if let Ok(v) = std::env::var("MJ_CHECKPOINT") {
+        cfg.model.checkpoint = v != "0";
+    }
     let resident_mode = match std::env::var("MJ_RESIDENT") {
         Ok(m) => m,
         Err(_) if std::env::var_os("MJ_SKIP_RESIDENT").is_some() => "skip".to_owned(),

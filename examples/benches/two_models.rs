@@ -15,7 +15,9 @@
 //! Knobs: `TM_LAYERS`, `TM_D`, `TM_SEQ`, `TM_BATCH` (both models), `TM_BUDGET_MIB` (above what
 //! libtorch holds on CUDA), `TM_STEPS`, `TM_PRECISION` (default bf16 where the device computes
 //! it fast, else fp32), `TM_TEACHER` (`full`, `int8`, `fp8`: how the teacher is stored),
-//! `TM_RESIDENT=0` (no resident term). Telemetry goes to `$OUT/two_models.jsonl`.
+//! `TM_RESIDENT=0` (no resident term), `TM_CHECKPOINT` (1: both models' blocks checkpointed,
+//! 0: not; default: on in 16-bit precisions, as the demo). Telemetry goes to
+//! `$OUT/two_models.jsonl`.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench two_models`.
 
@@ -70,6 +72,8 @@ fn main() -> anyhow::Result<()> {
         n_head: if precision.is_mixed() { (d / 128).max(4) } else { 4 },
         n_embd: d,
         attention: if precision.is_mixed() { Attention::Fused } else { Attention::Recomputed },
+        // The demo's rule (checkpointed blocks in 16-bit precisions) unless TM_CHECKPOINT says.
+        checkpoint: env("TM_CHECKPOINT", i64::from(precision.is_mixed())) != 0,
     };
     println!("device: {} ({})", device.info().name, if cuda { "cuda" } else { "host-simulated" });
     println!(

@@ -7,7 +7,9 @@
 //! every parameter lives in a linear or embedding layer. The attention probabilities (of the
 //! recomputed attention), the norms' outputs and the MLP's activation are recomputed in backward
 //! under an activation runtime ([`stagehand::activations::recompute`]) rather than stored; in
-//! plain tch that is the same computation.
+//! plain tch that is the same computation. With [`GptConfig::checkpoint`] each block is one
+//! recompute scope over its input, weights and biases: only the block's input is stored, and
+//! backward computes the block again (one more forward on the device, no activations to spill).
 
 use stagehand::activations::recompute;
 use stagehand::nn as snn;
@@ -16,8 +18,33 @@ use tch::{Kind, Tensor};
 
 /// Makes the layers that hold weights, at a path like `["blocks", "3", "qkv"]`.
 pub trait Layers {
-    fn linear(&self, path: &[String], in_dim: i64, out_dim: i64) -> Box<dyn Module>;
+    fn linear(&self, path: &[String], in_dim: i64, out_dim: i64) -> Box<dyn LinearLayer>;
     fn embedding(&self, path: &[String], n: i64, dim: i64) -> Box<dyn Module>;
+}
+
+/// A linear layer whose weight and bias a checkpointed block hands to its recompute scope.
+pub trait LinearLayer: Module {
+    /// Runs `f` on `[weight, bias]` while they hold their values (a streamed layer's block
+    /// resident).
+    fn with_params(&self, f: &mut dyn FnMut(&[Tensor]) -> Tensor) -> Tensor;
+}
+
+impl LinearLayer for nn::Linear {
+    fn with_params(&self, f: &mut dyn FnMut(&[Tensor]) -> Tensor) -> Tensor {
+        let bias = self.bs.as_ref().expect("the GPT's linear layers have biases");
+        f(&[self.ws.shallow_clone(), bias.shallow_clone()])
+    }
+}
+
+impl LinearLayer for snn::Linear {
+    fn with_params(&self, f: &mut dyn FnMut(&[Tensor]) -> Tensor) -> Tensor {
+        let run = self.run(|l| {
+            let bias = l.bs.as_ref().expect("the GPT's linear layers have biases");
+            f(&[l.ws.shallow_clone(), bias.shallow_clone()])
+        });
+        // As the layer's own forward does: an error of the runtime is raised as a panic.
+        run.unwrap_or_else(|e| panic!("layer '{}': {e}", self.name()))
+    }
 }
 
 /// Plain `tch::nn` layers on a VarStore path.
@@ -25,7 +52,7 @@ pub trait Layers {
 pub struct TchLayers<'a>(pub nn::Path<'a>);
 
 impl Layers for TchLayers<'_> {
-    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn Module> {
+    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn LinearLayer> {
         let p = path.iter().fold(&self.0 / "", |p, s| p / s.as_str());
         Box::new(nn::linear(p, i, o, Default::default()))
     }
@@ -40,7 +67,7 @@ impl Layers for TchLayers<'_> {
 pub struct StreamedLayers<'a>(pub &'a snn::ManagedVarStore);
 
 impl Layers for StreamedLayers<'_> {
-    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn Module> {
+    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn LinearLayer> {
         let p = path.iter().fold(self.0.root(), |p, s| p / s.as_str());
         Box::new(snn::linear(p, i, o, Default::default()))
     }
@@ -56,7 +83,7 @@ impl Layers for StreamedLayers<'_> {
 pub struct StreamedLayersAt<'a>(pub snn::Path<'a>);
 
 impl Layers for StreamedLayersAt<'_> {
-    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn Module> {
+    fn linear(&self, path: &[String], i: i64, o: i64) -> Box<dyn LinearLayer> {
         let p = path.iter().fold(self.0.clone(), |p, s| p / s.as_str());
         Box::new(snn::linear(p, i, o, Default::default()))
     }
@@ -72,12 +99,23 @@ fn at(prefix: &[String], name: &str) -> Vec<String> {
     v
 }
 
+/// Runs `f` on `sources`, recomputed in backward rather than stored when `scoped` (inside a
+/// checkpointed block, whose own scope already recomputes everything, it simply runs).
+fn scope(scoped: bool, sources: &[&Tensor], f: impl FnMut(&[Tensor]) -> Tensor + Send + 'static) -> Tensor {
+    let mut f = f;
+    if scoped {
+        recompute(sources, f)
+    } else {
+        f(&sources.iter().map(|t| t.shallow_clone()).collect::<Vec<_>>())
+    }
+}
+
 /// The norm before a linear layer, recomputed in backward rather than stored: the linear saves
 /// its input, which is the norm's output, and the norm's own input is saved anyway; recomputing
 /// one layer norm costs less than keeping (or spilling and restoring) a tensor of the block's
 /// width.
-fn normed(x: &Tensor) -> Tensor {
-    recompute(&[x], |s| norm(&s[0]))
+fn normed(scoped: bool, x: &Tensor) -> Tensor {
+    scope(scoped, &[x], |s| norm(&s[0]))
 }
 
 /// Layer norm without learnable parameters.
@@ -106,6 +144,11 @@ pub struct GptConfig {
     pub n_head: i64,
     pub n_embd: i64,
     pub attention: Attention,
+    /// Each block one recompute scope (activation checkpointing): only its input is stored,
+    /// and backward runs its forward again. Under a tight budget this trades one more forward
+    /// on the device for the activations a block would otherwise spill over PCIe and hold in
+    /// host memory. In plain tch (no activation runtime) it is the same computation.
+    pub checkpoint: bool,
 }
 
 impl GptConfig {
@@ -121,12 +164,12 @@ impl GptConfig {
 /// One transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
 #[derive(Debug)]
 pub struct Block {
-    qkv: Box<dyn Module>,
-    proj: Box<dyn Module>,
-    fc: Box<dyn Module>,
-    fc_out: Box<dyn Module>,
-    n_head: i64,
-    attention: Attention,
+    qkv: Box<dyn LinearLayer>,
+    proj: Box<dyn LinearLayer>,
+    fc: Box<dyn LinearLayer>,
+    fc_out: Box<dyn LinearLayer>,
+    math: BlockMath,
+    checkpoint: bool,
 }
 
 impl Block {
@@ -138,41 +181,88 @@ impl Block {
             proj: layers.linear(&at(path, "proj"), d, d),
             fc: layers.linear(&at(path, "fc"), d, 4 * d),
             fc_out: layers.linear(&at(path, "fc_out"), 4 * d, d),
-            n_head: cfg.n_head,
-            attention: cfg.attention,
+            math: BlockMath { n_head: cfg.n_head, attention: cfg.attention, scoped: true },
+            checkpoint: cfg.checkpoint,
         }
     }
 
-    fn attention(&self, x: &Tensor) -> Tensor {
+    /// The block as one recompute scope over its input and the four layers' weights and
+    /// biases, which backward's recomputation gets back resident.
+    fn checkpointed(&self, x: &Tensor) -> Tensor {
+        let math = BlockMath { scoped: false, ..self.math };
+        self.qkv.with_params(&mut |a| {
+            self.proj.with_params(&mut |b| {
+                self.fc.with_params(&mut |c| {
+                    self.fc_out.with_params(&mut |d| {
+                        let sources: Vec<&Tensor> = std::iter::once(x).chain(a).chain(b).chain(c).chain(d).collect();
+                        recompute(&sources, move |s| {
+                            let linear = |i: usize, h: &Tensor| h.linear(&s[1 + 2 * i], Some(&s[2 + 2 * i]));
+                            math.forward(&s[0], &linear)
+                        })
+                    })
+                })
+            })
+        })
+    }
+}
+
+/// The block's computation, given its linear layers (0: qkv, 1: proj, 2: fc, 3: fc_out).
+#[derive(Debug, Clone, Copy)]
+struct BlockMath {
+    n_head: i64,
+    attention: Attention,
+    /// The norms, attention probabilities and activation in recompute scopes of their own.
+    scoped: bool,
+}
+
+impl BlockMath {
+    fn forward(&self, x: &Tensor, linear: &dyn Fn(usize, &Tensor) -> Tensor) -> Tensor {
+        let x = x + self.attention(&normed(self.scoped, x), linear);
+        // The activation's output is as large as its input and elementwise to recompute.
+        let h = scope(self.scoped, &[&linear(2, &normed(self.scoped, &x))], |s| s[0].gelu("tanh"));
+        &x + linear(3, &h)
+    }
+
+    fn attention(&self, x: &Tensor, linear: &dyn Fn(usize, &Tensor) -> Tensor) -> Tensor {
         let (b, t, c) = x.size3().expect("block input is (batch, time, channels)");
         let hd = c / self.n_head;
-        let qkv = self.qkv.forward(x).view([b, t, 3, self.n_head, hd]);
+        let qkv = linear(0, x).view([b, t, 3, self.n_head, hd]);
         let q = qkv.select(2, 0).transpose(1, 2);
         let k = qkv.select(2, 1).transpose(1, 2);
         let v = qkv.select(2, 2).transpose(1, 2);
         if self.attention == Attention::Fused {
-            let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
-            return self.proj.forward(&y.transpose(1, 2).contiguous().view([b, t, c]));
+            let y = if self.scoped || !q.device().is_cuda() {
+                Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
+            } else {
+                // Inside a checkpointed block on CUDA, one fixed kernel (memory-efficient
+                // attention): libtorch's dispatcher may pick another backend for the same call
+                // on backward's thread (seen on the second GPU of a group: cuDNN's in backward
+                // after the efficient kernel in the forward), and a recomputation that saves
+                // other tensors than the forward did is refused.
+                Tensor::internal_scaled_dot_product_efficient_attention(&q, &k, &v, None::<&Tensor>, true, 0.0, true, None).0
+            };
+            return linear(1, &y.transpose(1, 2).contiguous().view([b, t, c]));
         }
         let scale = 1.0 / (hd as f64).sqrt();
         // The probabilities are the block's largest activation (batch x heads x t x t) and cost
         // one batched matmul to compute again: recomputed in backward, not stored.
-        let att = recompute(&[&q, &k], move |s| {
+        let att = scope(self.scoped, &[&q, &k], move |s| {
             let att = s[0].matmul(&s[1].transpose(-2, -1)) * scale;
             let mask = Tensor::ones([t, t], (Kind::Bool, att.device())).tril(0);
             att.masked_fill(&mask.logical_not(), f64::NEG_INFINITY).softmax(-1, att.kind())
         });
         let y = att.matmul(&v);
-        self.proj.forward(&y.transpose(1, 2).contiguous().view([b, t, c]))
+        linear(1, &y.transpose(1, 2).contiguous().view([b, t, c]))
     }
 }
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let x = x + self.attention(&normed(x));
-        // The activation's output is as large as its input and elementwise to recompute.
-        let h = recompute(&[&self.fc.forward(&normed(&x))], |s| s[0].gelu("tanh"));
-        &x + self.fc_out.forward(&h)
+        if self.checkpoint {
+            return self.checkpointed(x);
+        }
+        let layers = [&self.qkv, &self.proj, &self.fc, &self.fc_out];
+        self.math.forward(x, &|i, h| layers[i].forward(h))
     }
 }
 

@@ -19,6 +19,8 @@ fn the_demo_model_in_bf16_trains_as_the_resident_recipe() {
     let device = Device::host(budget);
     let mut cfg = TrainConfig::demo(6, 4, 128, 32, 4, budget).with_precision(Precision::Bf16);
     cfg.kernel = Some(Kernel::Exact);
+    // The blocks unchecked, so that activations spill (tests/checkpoint.rs covers the default).
+    cfg.model.checkpoint = false;
     let mut resident = cfg.clone();
     resident.memory = Memory::Resident;
     let want = train(&resident, &device, &Bus::disabled(), |_, _, _| {}).expect("resident");

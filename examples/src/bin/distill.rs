@@ -81,6 +81,7 @@ fn gpt_config(layers: i64, d: i64, seq: i64, precision: Precision) -> GptConfig 
         n_head: if mixed { (d / 128).max(4) } else { 4 },
         n_embd: d,
         attention: if mixed { Attention::Fused } else { Attention::Recomputed },
+        checkpoint: false,
     }
 }
 

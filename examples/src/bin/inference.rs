@@ -27,7 +27,7 @@ fn main() -> anyhow::Result<()> {
     // on the CPU, where the streamed weights' host copies live.
     let runtime_device = Device::auto(1 << 30);
     let device = runtime_device.tch_device();
-    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 16, n_head: 4, n_embd: 256, attention: Default::default() };
+    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 16, n_head: 4, n_embd: 256, attention: Default::default(), checkpoint: false };
     let weights = (cfg.parameters() * 4) as u64;
     let budget = weights / 4;
     tch::manual_seed(0);

@@ -79,6 +79,12 @@ struct Args {
     /// where the device computes bf16 fast (CUDA compute capability 8.0 or later), else fp32.
     #[arg(long, value_name = "PRECISION", default_value = "auto", value_parser = parse_precision)]
     precision: PrecisionChoice,
+    /// Checkpoint each block (on: only its input is stored, backward computes it again; off:
+    /// its activations are stored, spilled over PCIe where the budget needs), or auto: on in
+    /// bf16 and fp16, whose steps are short enough on the device that the host's memory is the
+    /// wall, off in fp32 and tf32.
+    #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    checkpoint: String,
     /// How the host optimizer stores its state: fp32, bf16 (half the bytes) or int8 (8-bit
     /// block-wise, about a quarter).
     #[arg(long, value_name = "STORAGE", default_value = "fp32", value_parser = parse_state)]
@@ -250,6 +256,11 @@ fn main() -> Result<()> {
     };
     let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget).with_precision(precision);
     cfg.optimizer_state = args.optimizer_state;
+    match args.checkpoint.as_str() {
+        "on" => cfg.model.checkpoint = true,
+        "off" => cfg.model.checkpoint = false,
+        _ => {}
+    }
     if args.resident {
         cfg.memory = Memory::Resident;
     }

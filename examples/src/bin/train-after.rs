@@ -27,7 +27,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let Args { steps, out } = Args::parse();
     let device = tch::Device::cuda_if_available();
-    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128, attention: Default::default() };
+    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128, attention: Default::default(), checkpoint: false };
     tch::manual_seed(0);
     // stagehand: one handle with an 8 MiB device budget and a telemetry file.
     let sh = Stagehand::builder().budget_mib(8).telemetry_file(&out).build()?;

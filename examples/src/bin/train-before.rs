@@ -19,7 +19,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let Args { steps } = Args::parse();
     let device = tch::Device::cuda_if_available();
-    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128, attention: Default::default() };
+    let cfg = GptConfig { vocab: 128, block_size: 64, n_layer: 4, n_head: 4, n_embd: 128, attention: Default::default(), checkpoint: false };
     tch::manual_seed(0);
     let mut vs = nn::VarStore::new(tch::Device::Cpu);
     let model = Gpt::new(&TchLayers(vs.root()), cfg);
