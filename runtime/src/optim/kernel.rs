@@ -143,10 +143,13 @@ fn encode_magnitude(x: f32, emax: u32, r: u32) -> u32 {
     let normal = ((127 - (t >> 3)) << 3) | (t & 7);
     // The subnormal row: multiples of 2^-(emax-1) / 8; rounding up past 7 is the smallest
     // normal code.
-    // floor(scaled + u) counted by comparisons rather than converted: a float-to-integer
-    // conversion does not vectorize on x86 without AVX-512, comparisons do.
+    // floor(scaled + u) without a float-to-integer conversion (which does not vectorize on x86
+    // without AVX-512): adding 2^23 rounds `z` (below 9) to the nearest integer, which the
+    // low bits of the sum then hold; one less where that rounded up. (For a normal `x`, whose
+    // code is the other one, `z` is larger and `k` meaningless: hence the wrapping.)
     let z = f32::from_bits(bits) * f32::from_bits((127 + emax + 2) << 23) + ((r >> 8) as i32) as f32 * (1.0 / 16_777_216.0);
-    let k = (1..=8u32).map(|j| u32::from(z >= j as f32)).sum::<u32>();
+    let t = z + 8_388_608.0;
+    let k = (t.to_bits() & 0x7f_ffff).wrapping_sub(u32::from(t - 8_388_608.0 > z));
     let sub = if k >= 8 { (emax - 1) << 3 } else { (emax << 3) | k };
     if bits >> 23 >= 127 - (emax - 1) {
         normal
@@ -206,6 +209,16 @@ fn random_bits(i: u32, key: u32) -> u32 {
     x ^= x >> 15;
     x = x.wrapping_mul(0x846C_A68B);
     x ^ (x >> 16)
+}
+
+/// Random bits for both moments of element `i` from one hash (half the multiplies of two): the
+/// second moment's are the first's with their halves swapped. Each is uniform; the first
+/// moment's rounding reads their top 20 to 24 bits, the second's the swapped word's, so the two
+/// share at most their 8 least significant threshold bits.
+#[inline(always)]
+fn moment_bits(i: u32, key: u32) -> (u32, u32) {
+    let r = random_bits(i, key);
+    (r, r.rotate_left(16))
 }
 
 /// The key of a step's random bits for one moment.
@@ -272,6 +285,36 @@ fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: Scalars) {
     }
 }
 
+/// The largest magnitude in `x` (0 for none; a NaN is passed over, as `f32::max` does). Eight
+/// lanes of running maxima over whole groups of eight, folded at the end: a single running
+/// maximum is a dependency chain, and `f32::max`'s NaN rule keeps the compiler from turning
+/// even the lanes into SIMD maxima, while a plain comparison becomes one.
+#[inline(always)]
+fn abs_max(x: &[f32]) -> f32 {
+    #[inline(always)]
+    fn larger(a: f32, b: f32) -> f32 {
+        // NaN compares false: the running maximum stays.
+        if b > a {
+            b
+        } else {
+            a
+        }
+    }
+    let mut lanes = [0f32; 8];
+    let groups = x.chunks_exact(8);
+    let tail = groups.remainder();
+    for g in groups {
+        for (l, &v) in lanes.iter_mut().zip(g) {
+            *l = larger(*l, v.abs());
+        }
+    }
+    let mut most = lanes.iter().fold(0f32, |a, &b| larger(a, b));
+    for &v in tail {
+        most = larger(most, v.abs());
+    }
+    most
+}
+
 /// Raw views of one call's buffers, shared by the chunk tasks, each of which touches a disjoint
 /// range.
 struct Views {
@@ -296,8 +339,8 @@ const S_F32: u8 = 0;
 const S_BF16: u8 = 1;
 const S_INT8: u8 = 2;
 const O_NONE: u8 = 0;
-const SALT_M: u32 = 0x6D6F_3121;
-const SALT_V: u32 = 0x6D6F_3222;
+/// Salt of the moments' rounding bits.
+const SALT: u32 = 0x6D6F_3121;
 const O_BF16: u8 = 1;
 const O_F16: u8 = 2;
 
@@ -441,11 +484,11 @@ unsafe fn chunk_body(v: &Views, start: usize, end: usize, s: Scalars) {
                         q[i] = bf16_to_f32(vv[i]);
                     }
                     update(p, &g[..k], &mut m[..k], &mut q[..k], s);
-                    let (km, kv) = (step_key(s.step, SALT_M), step_key(s.step, SALT_V));
+                    let key = step_key(s.step, SALT);
                     for i in 0..k {
-                        let at = (b + i) as u32;
-                        mm[i] = f32_to_bf16_stochastic(m[i], random_bits(at, km));
-                        vv[i] = f32_to_bf16_stochastic(q[i], random_bits(at, kv));
+                        let (rm, rv) = moment_bits((b + i) as u32, key);
+                        mm[i] = f32_to_bf16_stochastic(m[i], rm);
+                        vv[i] = f32_to_bf16_stochastic(q[i], rv);
                     }
                 }
                 _ => {
@@ -459,21 +502,13 @@ unsafe fn chunk_body(v: &Views, start: usize, end: usize, s: Scalars) {
                         q[i] = decode_unsigned(vv[i], sv);
                     }
                     update(p, &g[..k], &mut m[..k], &mut q[..k], s);
-                    // Eight lanes of running maxima, folded at the end: a single running maximum
-                    // is a dependency chain the compiler may not reorder into SIMD lanes.
-                    let (mut lm, mut lv) = ([0f32; 8], [0f32; 8]);
-                    for i in 0..k {
-                        lm[i % 8] = lm[i % 8].max(m[i].abs());
-                        lv[i % 8] = lv[i % 8].max(q[i]);
-                    }
-                    let am = lm.iter().fold(0f32, |a, &x| a.max(x));
-                    let av = lv.iter().fold(0f32, |a, &x| a.max(x));
+                    let (am, av) = (abs_max(&m[..k]), abs_max(&q[..k]));
                     let (im, iv) = (if am > 0.0 { 1.0 / am } else { 0.0 }, if av > 0.0 { 1.0 / av } else { 0.0 });
-                    let (km, kv) = (step_key(s.step, SALT_M), step_key(s.step, SALT_V));
+                    let key = step_key(s.step, SALT);
                     for i in 0..k {
-                        let at = (b + i) as u32;
-                        mm[i] = encode_signed(m[i] * im, random_bits(at, km));
-                        vv[i] = encode_unsigned(q[i] * iv, random_bits(at, kv));
+                        let (rm, rv) = moment_bits((b + i) as u32, key);
+                        mm[i] = encode_signed(m[i] * im, rm);
+                        vv[i] = encode_unsigned(q[i] * iv, rv);
                     }
                     *ms = am;
                     *vs = av;
