@@ -125,6 +125,11 @@ pub struct Machine {
     pub device_bytes: u64,
     /// Host memory available now.
     pub host_available_bytes: u64,
+    /// Of the plan's host memory, what is already allocated, so not among the available bytes:
+    /// the registered blocks' host copies, gradient buffers and float32 masters (a handle plans
+    /// after its model's blocks are registered; 0 for a plan made beforehand).
+    #[serde(default)]
+    pub host_held_bytes: u64,
 }
 
 /// Every memory decision of a run.
@@ -504,7 +509,9 @@ impl Plan {
             ));
         }
         let host_need = p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes;
-        let host_left = machine.host_available_bytes.saturating_sub(host_need);
+        // What the host must still find: the registered blocks' memory is taken already.
+        let host_to_come = host_need.saturating_sub(machine.host_held_bytes);
+        let host_left = machine.host_available_bytes.saturating_sub(host_to_come);
         // The activation pool is sized from what a traced step spills at once, which depends on
         // the model's activations, not on the device's room: a model whose activations are many
         // times the room needs that much pinned memory. The limit only keeps the pool within
@@ -518,16 +525,18 @@ impl Plan {
             8 * activations.max(MIB)
         };
         let per_param = host_bytes_per_param(model, state);
-        if machine.host_available_bytes > 0 && host_need > machine.host_available_bytes {
+        if machine.host_available_bytes > 0 && host_to_come > machine.host_available_bytes {
             return Err(Misfit::Other(Error::Config {
                 field: "model",
                 value: format!(
-                    "{} of host weights and gradients plus {} of optimizer state ({}) plus {} of float32 masters: {} in all, {per_param}",
+                    "{} of host weights and gradients plus {} of optimizer state ({}) plus {} of float32 masters: {} in all, {per_param}; {} of it still to allocate ({} held already)",
                     mib(p.pinned_bytes),
                     mib(p.optimizer_state_bytes),
                     model.state_storage,
                     mib(p.master_bytes),
-                    mib(host_need)
+                    mib(host_need),
+                    mib(host_to_come),
+                    mib(host_need - host_to_come)
                 ),
                 expected: format!(
                     "at most the host's available memory, {}{}",
@@ -705,6 +714,7 @@ mod tests {
     const HOST: Machine = Machine {
         device_bytes: 80 * GB,
         host_available_bytes: 100 * GB,
+        host_held_bytes: 0,
     };
 
     #[test]
@@ -761,9 +771,29 @@ mod tests {
         }
         let e = Plan::derive(u64::MAX, &gpt(8, block), HOST, 2).expect_err("more than the device");
         assert!(e.to_string().contains("device's memory"), "{e}");
-        let small_host = Machine { device_bytes: 80 * GB, host_available_bytes: 2 * GB };
+        let small_host = Machine { device_bytes: 80 * GB, host_available_bytes: 2 * GB, host_held_bytes: 0 };
         let e = Plan::derive(8 * GB, &gpt(24, block), small_host, 2).expect_err("host too small");
         assert!(e.to_string().contains("host's available memory"), "{e}");
+    }
+
+    /// A handle plans after its blocks are registered, whose host copies, gradient buffers and
+    /// masters are then taken from the available memory already: the fit counts only what is
+    /// still to come (a 6.7 B model with fp32 state was refused on a 128 GiB host that held it).
+    #[test]
+    fn host_memory_already_held_by_the_registered_blocks_is_not_counted_twice() {
+        let model = gpt(24, 100 * MIB);
+        let p = Plan::derive(8 * GB, &model, HOST, 2).expect("plan");
+        let need = p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes;
+        let held = p.pinned_bytes + p.master_bytes;
+        // Exactly the state still to allocate is available: it fits with the held bytes known...
+        let tight = Machine { device_bytes: 80 * GB, host_available_bytes: need - held, host_held_bytes: held };
+        Plan::derive(8 * GB, &model, tight, 2).expect("the state fits what is left");
+        // ...and is refused without them, or with one byte less available.
+        let e = Plan::derive(8 * GB, &model, Machine { host_held_bytes: 0, ..tight }, 2).expect_err("counted twice");
+        assert!(e.to_string().contains("host's available memory"), "{e}");
+        let short = Machine { host_available_bytes: need - held - 1, ..tight };
+        let e = Plan::derive(8 * GB, &model, short, 2).expect_err("one byte short").to_string();
+        assert!(e.contains("still to allocate") && e.contains("held already"), "{e}");
     }
 
     #[test]
@@ -874,12 +904,12 @@ mod tests {
         let room = p.budget_bytes - p.reserve_bytes - p.resident_bytes - p.weight_room_bytes;
         assert!(p.pool_limit_bytes > 10 * room, "{p:?}");
         assert!(p.pool_limit_bytes <= HOST.host_available_bytes / 2, "{p:?}");
-        let unknown = Machine { device_bytes: 80 * GB, host_available_bytes: 0 };
+        let unknown = Machine { device_bytes: 80 * GB, host_available_bytes: 0, host_held_bytes: 0 };
         let p = Plan::derive(16 * MIB, &gpt(8, 800 << 10), unknown, 2).expect("plan");
         assert!(p.pool_limit_bytes > 0 && p.pool_limit_bytes <= 8 * 16 * MIB, "{p:?}");
         // The host's free memory moves a little from run to run; the plan does not.
         let limit = |free: u64| {
-            let m = Machine { device_bytes: 80 * GB, host_available_bytes: free };
+            let m = Machine { device_bytes: 80 * GB, host_available_bytes: free, host_held_bytes: 0 };
             Plan::derive(16 * MIB, &gpt(8, 800 << 10), m, 2).expect("plan").pool_limit_bytes
         };
         assert_eq!(limit(22 * GB), limit(22 * GB + 300 * MIB));

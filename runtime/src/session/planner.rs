@@ -126,6 +126,10 @@ impl Planner {
             // memory when the handle was built): no bound of its own.
             device_bytes: if self.device.is_cuda() { self.device.info().total_bytes } else { 0 },
             host_available_bytes: plan::host_available_bytes(),
+            // Registration made the blocks' pinned copies and gradient buffers (from the
+            // weights' host pool, which may hold more: a pool handed over) and their masters.
+            host_held_bytes: self.table.runtime().host_pool().stats().pinned_bytes
+                + 4 * if self.group.0 == 0 { facts.master_elements } else { 0 },
         };
         Ok((facts, machine))
     }
