@@ -9,9 +9,14 @@ use stagehand::events::Bus;
 use stagehand::optim::Kernel;
 use stagehand::Precision;
 use stagehand_examples::trainer::{train, Memory, TrainConfig};
+use std::sync::Mutex;
+
+/// The runs draw their weights and batches from libtorch's global generator: one test at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 #[test]
 fn checkpointed_blocks_train_as_the_resident_model_and_spill_less() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     stagehand::torch::init();
     stagehand::torch::hooks::install().expect("hook engine");
     // One intra-op thread: libtorch's CPU reductions then sum in one order in every run.
@@ -45,4 +50,34 @@ fn checkpointed_blocks_train_as_the_resident_model_and_spill_less() {
             plain.spill_bytes
         );
     }
+}
+
+/// The same checkpointed model data parallel over two simulated devices (each rank's blocks
+/// recomputed on its own backward thread) trains as one device over the same global batch, in
+/// fp32 to float rounding (the group's loss is the mean of the ranks' means; in bf16 the ranks'
+/// summed 16-bit gradients also round otherwise than one device's, checkpointed or not).
+#[test]
+fn checkpointed_blocks_train_in_a_group_as_on_one_device() {
+    use stagehand::parallel::Devices;
+    use stagehand_examples::trainer::{train_group, Hooks};
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    stagehand::torch::init();
+    stagehand::torch::hooks::install().expect("hook engine");
+    tch::set_num_threads(1);
+    let budget = 10 << 20;
+    let mut cfg = TrainConfig::demo(4, 4, 128, 64, 4, budget);
+    cfg.model.checkpoint = true;
+    cfg.kernel = Some(Kernel::Exact);
+    cfg.threads = Some(1);
+    let one = train(&cfg, &Device::host(budget), &Bus::disabled(), |_, _, _| {}).expect("one device");
+    let ranks = train_group(&cfg, Devices::host(2, budget), &Bus::disabled(), |_, _, _, _| {}, Hooks::default(), |b| b).expect("group");
+    assert_eq!(ranks.len(), 2);
+    for r in &ranks {
+        assert_eq!(r.summary.losses.len(), one.losses.len(), "rank {}", r.rank);
+        for (step, (a, b)) in r.summary.losses.iter().zip(&one.losses).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "rank {} step {}: {a} against one device's {b}", r.rank, step + 1);
+        }
+        assert_eq!(r.summary.spill_bytes, 0, "rank {}: only block inputs stored", r.rank);
+    }
+    assert!(one.losses[3] < one.losses[0], "it trains: {:?}", one.losses);
 }
