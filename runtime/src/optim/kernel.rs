@@ -94,11 +94,15 @@ pub fn bf16_to_f32(b: u16) -> f32 {
 #[inline(always)]
 pub fn f32_to_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
-    if x.is_nan() {
-        return ((bits >> 16) | 0x40) as u16;
-    }
+    let nan = ((bits >> 16) | 0x40) as u16;
     let rounding = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(rounding) >> 16) as u16
+    let nearest = (bits.wrapping_add(rounding) >> 16) as u16;
+    // A select rather than an early return: the loops that call this vectorize.
+    if x.is_nan() {
+        nan
+    } else {
+        nearest
+    }
 }
 
 #[inline(always)]
@@ -189,11 +193,15 @@ pub fn decode_unsigned(code: u8, scale: f32) -> f32 {
 /// weights' copy rounds to nearest, as libtorch does).
 #[inline(always)]
 pub fn f32_to_bf16_stochastic(x: f32, r: u32) -> u16 {
-    let rounded = (x.to_bits().wrapping_add(r >> 16) >> 16) as u16;
-    if x.is_finite() {
-        rounded
+    let bits = x.to_bits();
+    // Adding under 2^16 to an infinity's bits leaves its top half: infinities stay. A NaN whose
+    // payload sits in the low half could become one: it is kept quiet instead.
+    let rounded = (bits.wrapping_add(r >> 16) >> 16) as u16;
+    let nan = ((bits >> 16) | 0x40) as u16;
+    if x.is_nan() {
+        nan
     } else {
-        f32_to_bf16(x)
+        rounded
     }
 }
 
@@ -553,6 +561,19 @@ mod tests {
             assert_eq!(bf16_to_f32(o).to_bits(), t.to_bits(), "element {i}: {}", xs[i]);
         }
         assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn stochastic_bf16_keeps_infinities_and_nans() {
+        let low_nan = f32::from_bits(0x7f80_0001);
+        assert!(low_nan.is_nan());
+        for r in [0, 0x8000_0000, u32::MAX] {
+            assert_eq!(bf16_to_f32(f32_to_bf16_stochastic(f32::INFINITY, r)), f32::INFINITY);
+            assert_eq!(bf16_to_f32(f32_to_bf16_stochastic(f32::NEG_INFINITY, r)), f32::NEG_INFINITY);
+            assert!(bf16_to_f32(f32_to_bf16_stochastic(f32::NAN, r)).is_nan());
+            assert!(bf16_to_f32(f32_to_bf16_stochastic(low_nan, r)).is_nan(), "a NaN whose payload is in the low half");
+            assert!(bf16_to_f32(f32_to_bf16(low_nan)).is_nan());
+        }
     }
 
     #[test]
