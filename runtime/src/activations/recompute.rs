@@ -359,7 +359,7 @@ fn check(frame: &Frame, output: &Tensor, saved: &[Tensor]) -> Result<()> {
     let shapes: Vec<Vec<i64>> = saved.iter().map(Tensor::size).collect();
     if shapes != frame.saved || output.size() != frame.output_sizes {
         let err: HookError = format!(
-            "recomputing a scope saved {} tensors of shapes {:?} and returned {:?}; the forward saved {} of shapes {:?} and returned {:?}: the function given to `recompute` must compute the same thing from the same sources",
+            "recomputing a scope saved {} tensors of shapes {:?} and returned {:?}; the forward saved {} of shapes {:?} and returned {:?}: the function given to `recompute` must compute the same thing from the same sources (no randomness; and a fused operation that picks its kernel as it runs, such as scaled_dot_product_attention on CUDA, may pick another on backward's thread: call one kernel explicitly)",
             shapes.len(),
             shapes,
             output.size(),
