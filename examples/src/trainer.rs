@@ -254,6 +254,9 @@ pub struct Summary {
     pub peak_bytes: u64,
     /// Each step's peak allocated device memory.
     pub step_peaks: Vec<u64>,
+    /// Milliseconds the host optimizer's worker spent stepping blocks, by step (Stagehand
+    /// only; its steps overlap the training step, so this is its load, not a wait).
+    pub host_optimizer_ms: Vec<f64>,
     /// The memory plan (Stagehand only).
     pub plan: Option<Plan>,
     /// What the numeric guards checked (when on).
@@ -646,6 +649,7 @@ fn stagehand_run(
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets))?;
         s.record(&sh, step, &r);
+        s.host_optimizer_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
         on_step(step, r.loss, r.step_ms / 1e3);
     }
     opt.wait()?;
@@ -665,8 +669,6 @@ pub struct RankSummary {
     /// Its weight runtime's figures of each step: the copies (H2D weights, D2H gradient
     /// shards) and its gradient reductions' time on the device (`collective_ms`).
     pub weights: Vec<stagehand::events::WeightStepMetrics>,
-    /// Milliseconds its host optimizer worker spent stepping its shards, by step.
-    pub host_optimizer_ms: Vec<f64>,
     /// Host bytes its plan counts: pinned weights (rank 0: the one copy) and gradient shards,
     /// optimizer state, float32 masters.
     pub plan_host_bytes: u64,
@@ -749,7 +751,7 @@ pub fn train_group(
                 }
             }
             let mut s = Summary::default();
-            let (mut weights, mut host_ms) = (Vec::new(), Vec::new());
+            let mut weights = Vec::new();
             for step in 1..=cfg.steps {
                 // Every rank stops after the same step, or none does.
                 if sh.any_rank(stop.is_some_and(|s| s.load(Ordering::SeqCst)))? {
@@ -761,13 +763,13 @@ pub fn train_group(
                 let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&*model, &x), &y))?;
                 s.record(sh, step, &r);
                 weights.push(sh.weights().last_step_metrics());
-                host_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
+                s.host_optimizer_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
                 on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);
             }
             opt.wait()?;
             s.close(sh)?;
             let plan_host_bytes = s.plan.as_ref().map_or(0, |p| p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes);
-            Ok(RankSummary { rank: sh.rank(), device: sh.device().info().index, summary: s, weights, host_optimizer_ms: host_ms, plan_host_bytes })
+            Ok(RankSummary { rank: sh.rank(), device: sh.device().info().index, summary: s, weights, plan_host_bytes })
         },
     )?;
     group.flush();
