@@ -101,8 +101,7 @@ fn at(prefix: &[String], name: &str) -> Vec<String> {
 
 /// Runs `f` on `sources`, recomputed in backward rather than stored when `scoped` (inside a
 /// checkpointed block, whose own scope already recomputes everything, it simply runs).
-fn scope(scoped: bool, sources: &[&Tensor], f: impl FnMut(&[Tensor]) -> Tensor + Send + 'static) -> Tensor {
-    let mut f = f;
+fn scope(scoped: bool, sources: &[&Tensor], mut f: impl FnMut(&[Tensor]) -> Tensor + Send + 'static) -> Tensor {
     if scoped {
         recompute(sources, f)
     } else {
