@@ -334,6 +334,7 @@ pub fn run_config(cfg: &TrainConfig) -> serde_json::Value {
             serde_json::json!({
                 "layers": m.n_layer, "d_model": m.n_embd, "heads": m.n_head,
                 "seq": m.block_size, "vocab": m.vocab, "parameters": m.parameters(),
+                "attention": format!("{:?}", m.attention).to_lowercase(), "checkpointed_blocks": m.checkpoint,
             }),
         );
         let streamed = cfg.memory == Memory::Stagehand;
@@ -800,6 +801,9 @@ mod tests {
         assert_eq!(c["memory"]["budget_bytes"], 16u64 << 20);
         assert_eq!(c["memory"]["conductor"], true);
         assert_eq!(c["model"]["layers"], 2);
+        assert_eq!((c["model"]["attention"].as_str(), c["model"]["checkpointed_blocks"].as_bool()), (Some("recomputed"), Some(false)));
+        let c = run_config(&TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20).with_precision(Precision::Bf16));
+        assert_eq!((c["model"]["attention"].as_str(), c["model"]["checkpointed_blocks"].as_bool()), (Some("fused"), Some(true)));
         let mut r = TrainConfig::demo(3, 2, 32, 8, 2, 16 << 20);
         r.memory = Memory::Resident;
         let c = run_config(&r);
