@@ -351,8 +351,46 @@ fn run_rank<M, T, E>(
 where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let out = std::panic::catch_unwind(AssertUnwindSafe(|| rank_body(rank, world, replica, device, bus, shared, build, train)));
-    let out = match out {
+    let body = || -> Outcome<T> {
+        let text = |e: Error| e.to_string();
+        device.bind_to_thread().map_err(text)?;
+        let collective = match &shared.nccl {
+            Some(g) => {
+                let id = if rank == 0 { nccl::unique_id().map_err(text)? } else { Vec::new() };
+                let ids = shared.exchange.all_gather(rank, "NCCL's unique id", id).map_err(text)?;
+                let t = g.join(rank, world, &device, &ids[0]).map_err(text)?;
+                Collective::nccl(t, rank, device.clone(), bus.clone(), shared.exchange.clone())
+            }
+            None => Collective::host(rank, device.clone(), bus.clone(), shared.exchange.clone()),
+        };
+        let member = Membership { rank, world, faults: shared.faults.clone(), exchange: shared.exchange.clone(), collective: Arc::new(collective) };
+        let sh = replica.build_rank(device, bus, member.clone(), shared.model.clone()).map_err(text)?;
+        // The models, one rank after the other.
+        shared.turn.wait(rank, &shared.faults).map_err(text)?;
+        if rank == 1 {
+            *shared.rng.lock().unwrap_or_else(|p| p.into_inner()) = crate::torch::rng::cpu_rng_state();
+        }
+        let mut model = build(&sh);
+        sh.store().seal().map_err(text)?;
+        start_from_rank0(rank, &sh, shared).map_err(text)?;
+        if rank + 1 == world {
+            if let Some(state) = shared.rng.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                crate::torch::rng::set_cpu_rng_state(&state).map_err(text)?;
+            }
+        }
+        shared.turn.pass(rank + 1);
+        shared.exchange.barrier(rank, "every rank built its model").map_err(text)?;
+        let result = train(&sh, &mut model).map_err(|e| e.into().to_string());
+        if result.is_ok() {
+            // No rank frees its communicator while another may still queue a collective with it.
+            shared.exchange.barrier(rank, "every rank finished").map_err(text)?;
+        }
+        member.collective.close();
+        drop(model);
+        drop(sh);
+        result
+    };
+    let out = match std::panic::catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(cause)) => Err(cause),
         Err(p) => Err(format!("panicked: {}", panic_text(&*p))),
@@ -361,59 +399,6 @@ where
         shared.faults.raise(rank, cause.clone());
     }
     out
-}
-
-#[allow(clippy::too_many_arguments)]
-fn rank_body<M, T, E>(
-    rank: usize,
-    world: usize,
-    replica: StagehandBuilder,
-    device: Device,
-    bus: Bus,
-    shared: &Shared,
-    build: &(impl Fn(&Stagehand) -> M + Sync),
-    train: &(impl Fn(&Stagehand, &mut M) -> std::result::Result<T, E> + Sync),
-) -> Outcome<T>
-where
-    E: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let text = |e: Error| e.to_string();
-    device.bind_to_thread().map_err(text)?;
-    let collective = match &shared.nccl {
-        Some(g) => {
-            let id = if rank == 0 { nccl::unique_id().map_err(text)? } else { Vec::new() };
-            let ids = shared.exchange.all_gather(rank, "NCCL's unique id", id).map_err(text)?;
-            let t = g.join(rank, world, &device, &ids[0]).map_err(text)?;
-            Collective::nccl(t, rank, device.clone(), bus.clone(), shared.exchange.clone())
-        }
-        None => Collective::host(rank, device.clone(), bus.clone(), shared.exchange.clone()),
-    };
-    let member = Membership { rank, world, faults: shared.faults.clone(), exchange: shared.exchange.clone(), collective: Arc::new(collective) };
-    let sh = replica.build_rank(device, bus, member.clone(), shared.model.clone()).map_err(text)?;
-    // The models, one rank after the other.
-    shared.turn.wait(rank, &shared.faults).map_err(text)?;
-    if rank == 1 {
-        *shared.rng.lock().unwrap_or_else(|p| p.into_inner()) = crate::torch::rng::cpu_rng_state();
-    }
-    let mut model = build(&sh);
-    sh.store().seal().map_err(text)?;
-    start_from_rank0(rank, &sh, shared).map_err(text)?;
-    if rank + 1 == world {
-        if let Some(state) = shared.rng.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            crate::torch::rng::set_cpu_rng_state(&state).map_err(text)?;
-        }
-    }
-    shared.turn.pass(rank + 1);
-    shared.exchange.barrier(rank, "every rank built its model").map_err(text)?;
-    let result = train(&sh, &mut model).map_err(|e| e.into().to_string());
-    if result.is_ok() {
-        // No rank frees its communicator while another may still queue a collective with it.
-        shared.exchange.barrier(rank, "every rank finished").map_err(text)?;
-    }
-    member.collective.close();
-    drop(model);
-    drop(sh);
-    result
 }
 
 /// Rank 0 records its values of the variables Stagehand does not stream; every other rank sets
