@@ -11,7 +11,8 @@
 //! about the configuration.
 //!
 //! Every knob a finding names is one of [`KNOBS`]: a method of the `Stagehand` builder (or, for
-//! the learning rate, of the handle's optimizer) and a flag of the demo with the same name.
+//! the learning rate, of the handle's optimizer, and for checkpointed blocks, of the model) and a
+//! flag of the demo with the same name.
 
 use super::snapshot::{Snapshot, StepRecord};
 use serde::{Deserialize, Serialize};
@@ -62,6 +63,12 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "restore_lookahead", code: "Stagehand::builder().restore_lookahead(tensors)", flag: "--restore-lookahead" },
     Knob { name: "slabs_per_class", code: "Stagehand::builder().slabs_per_class(slabs)", flag: "--slabs-per-class" },
     Knob { name: "learning_rate", code: "sh.optimizer(config, learning_rate)", flag: "--learning-rate" },
+    Knob { name: "optimizer_state", code: "Stagehand::builder().optimizer_state(StateStorage::Bf16)", flag: "--optimizer-state" },
+    Knob {
+        name: "checkpoint",
+        code: "activations::recompute over each block's input and weights (the demo's GptConfig::checkpoint)",
+        flag: "--checkpoint",
+    },
     Knob {
         name: "telemetry_level",
         code: "Stagehand::builder().telemetry(TelemetryConfig { level, .. })",
@@ -77,6 +84,8 @@ fn knob(names: &[&str], how: &str) -> String {
 
 /// A share of the step above which a wait is worth a finding.
 const WAIT_SHARE: f64 = 0.05;
+/// A share of the step waiting for the host optimizer above which its pass is the step's wall.
+const OPTIMIZER_SHARE: f64 = 0.25;
 /// Prefetch hit rate below which the weights count as thrashing.
 const HIT_RATE_FLOOR: f64 = 0.9;
 
@@ -251,6 +260,22 @@ fn time(r: &StepRecord, out: &mut Vec<Finding>) {
                 100.0 * share(t.restore_stall_ms)
             ),
             &knob(&["restore_lookahead"], "restore more tensors ahead of backward"),
+        ));
+    }
+    if share(t.optimizer_ms) > OPTIMIZER_SHARE {
+        out.push(finding(
+            "optimizer_wait",
+            Severity::Info,
+            format!(
+                "step {}: the GPU waited {:.1} ms ({:.0}%) for the host optimizer, whose pass over the masters and moments host memory bandwidth bounds",
+                r.step,
+                t.optimizer_ms,
+                100.0 * share(t.optimizer_ms)
+            ),
+            &knob(
+                &["optimizer_state", "checkpoint"],
+                "fewer host bytes a step: moments stored in bf16 or int8, or checkpointed blocks, whose activations do not cross the same memory",
+            ),
         ));
     }
     if share(t.d2h_wait_ms) > WAIT_SHARE {
@@ -439,6 +464,21 @@ mod tests {
         assert!(late.knob.starts_with("prefetch_window or budget_mib: "), "{}", late.knob);
         assert!(f.iter().any(|f| f.id == "restore_stalls"));
         assert!(!f.iter().any(|f| f.id == "weight_stalls"), "4% is under the threshold");
+    }
+
+    #[test]
+    fn a_step_that_waits_for_the_host_optimizer_says_so() {
+        let with = |step: u64, optimizer_ms: f64| {
+            let mut s = Snapshot::new();
+            s.apply(&at(1, step, EventKind::StepTime(StepTimeBreakdown { step_ms: 300.0, optimizer_ms, ..Default::default() })));
+            findings(&s).into_iter().find(|f| f.id == "optimizer_wait")
+        };
+        let f = with(2, 180.0).expect("60% of the step");
+        assert_eq!(f.severity, Severity::Info);
+        assert!(f.message.contains("180.0 ms (60%)"), "{}", f.message);
+        assert!(f.knob.starts_with("optimizer_state or checkpoint: "), "{}", f.knob);
+        assert!(with(2, 60.0).is_none(), "20% is under the threshold");
+        assert!(with(1, 180.0).is_none(), "step 1 says nothing about the configuration");
     }
 
     #[test]
