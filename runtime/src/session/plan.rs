@@ -509,8 +509,11 @@ impl Plan {
             ));
         }
         let host_need = p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes;
-        // What the host must still find: the registered blocks' memory is taken already.
-        let host_to_come = host_need.saturating_sub(machine.host_held_bytes);
+        // What the host must still find: the registered blocks' memory is taken already. Held
+        // bytes count only against the parts registration makes (a pool handed over may hold
+        // more than this model's copies and gradients): the state is always still to come.
+        let held = machine.host_held_bytes.min(p.pinned_bytes + p.master_bytes);
+        let host_to_come = host_need - held;
         let host_left = machine.host_available_bytes.saturating_sub(host_to_come);
         // The activation pool is sized from what a traced step spills at once, which depends on
         // the model's activations, not on the device's room: a model whose activations are many
@@ -794,6 +797,10 @@ mod tests {
         let short = Machine { host_available_bytes: need - held - 1, ..tight };
         let e = Plan::derive(8 * GB, &model, short, 2).expect_err("one byte short").to_string();
         assert!(e.contains("still to allocate") && e.contains("held already"), "{e}");
+        // A pool holding more than this model's copies (handed over from a larger one) does not
+        // count against the state, which is still to allocate.
+        let big_pool = Machine { host_held_bytes: need * 4, ..short };
+        Plan::derive(8 * GB, &model, big_pool, 2).expect_err("the state still does not fit");
     }
 
     #[test]
