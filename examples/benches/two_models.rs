@@ -65,16 +65,18 @@ fn main() -> anyhow::Result<()> {
     device.warm_up()?;
     let budget_above = env("TM_BUDGET_MIB", if cuda { 4096 } else { 24 }) as u64;
     let budget = (budget_above << 20) + if cuda { device.memory().allocated } else { 0 };
-    let cfg = GptConfig {
+    let mut cfg = GptConfig {
         vocab: 128,
         block_size: seq,
         n_layer: layers,
-        n_head: if precision.is_mixed() { (d / 128).max(4) } else { 4 },
+        n_head: 4,
         n_embd: d,
-        attention: if precision.is_mixed() { Attention::Fused } else { Attention::Recomputed },
-        // The demo's rule (checkpointed blocks in 16-bit precisions) unless TM_CHECKPOINT says.
-        checkpoint: env("TM_CHECKPOINT", i64::from(precision.is_mixed())) != 0,
-    };
+        attention: Attention::Recomputed,
+        checkpoint: false,
+    }
+    .with_precision(precision);
+    // The demo's rule (checkpointed blocks in 16-bit precisions) unless TM_CHECKPOINT says.
+    cfg.checkpoint = env("TM_CHECKPOINT", i64::from(cfg.checkpoint)) != 0;
     println!("device: {} ({})", device.info().name, if cuda { "cuda" } else { "host-simulated" });
     println!(
         "models: student and teacher gpt L={layers} d={d} ({:.3} B parameters each), seq {seq}, batch {batch}, {precision}; teacher {}",

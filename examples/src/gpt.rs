@@ -158,6 +158,22 @@ impl GptConfig {
         let per_block = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
         self.vocab * d + self.block_size * d + self.n_layer * per_block + d * self.vocab + self.vocab
     }
+
+    /// The model as it trains in `p`. Under 16-bit precisions attention is libtorch's fused
+    /// kernel (flash attention on CUDA) with heads of 128 (at least 4 heads), as 16-bit training
+    /// runs it, and each block is checkpointed: a 16-bit step is 7-9x shorter on the device than
+    /// a float32 one, so the host's memory (the optimizer's pass, the copies) is the wall, and
+    /// computing a block again in backward costs less than spilling its activations and bringing
+    /// them back through that memory. In float32 and tf32 the blocks are not checkpointed and
+    /// the attention is as it was given.
+    pub fn with_precision(mut self, p: stagehand::Precision) -> GptConfig {
+        self.checkpoint = p.is_mixed();
+        if p.is_mixed() {
+            self.attention = Attention::Fused;
+            self.n_head = (self.n_embd / 128).max(4);
+        }
+        self
+    }
 }
 
 /// One transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.

@@ -164,19 +164,12 @@ impl TrainConfig {
         self.threads.unwrap_or_else(|| usize::try_from(tch::get_num_threads()).unwrap_or(1)).max(1)
     }
 
-    /// Trains in `p`. Under 16-bit precisions attention is libtorch's fused kernel (flash
-    /// attention on CUDA) with heads of 128 (at least 4 heads), as 16-bit training runs it, and
-    /// each block is checkpointed: a 16-bit step is 7-9x shorter on the device than a float32
-    /// one, so the host's memory (the optimizer's pass, the copies) is the wall, and computing a
-    /// block again in backward costs less than spilling its activations and bringing them back
-    /// through that memory. The float32 model keeps its recomputed attention and spills.
+    /// Trains in `p`, with the model as it trains in `p` ([`GptConfig::with_precision`]: in
+    /// 16-bit precisions fused attention and checkpointed blocks; the float32 model keeps its
+    /// recomputed attention and spills).
     pub fn with_precision(mut self, p: Precision) -> TrainConfig {
         self.precision = p;
-        self.model.checkpoint = p.is_mixed();
-        if p.is_mixed() {
-            self.model.attention = Attention::Fused;
-            self.model.n_head = (self.model.n_embd / 128).max(4);
-        }
+        self.model = self.model.with_precision(p);
         self
     }
 
@@ -291,8 +284,10 @@ impl Summary {
         Some(why)
     }
 
-    /// Adds step `step` of a handle's run (its report and the activation runtime's counts).
-    fn record(&mut self, sh: &Stagehand, step: u64, r: &stagehand::StepReport) {
+    /// Adds step `step` of a handle's run (its report, the activation runtime's counts, and the
+    /// host optimizer's busy time since the last step).
+    fn record(&mut self, sh: &Stagehand, opt: &stagehand::optim::Optimizer, step: u64, r: &stagehand::StepReport) {
+        self.host_optimizer_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
         if let Some(m) = sh.activations().and_then(|a| a.last_step_metrics()) {
             self.activations_spilled += m.activations_spilled;
             self.spill_bytes += m.spill_bytes;
@@ -649,8 +644,7 @@ fn stagehand_run(
         }
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets))?;
-        s.record(&sh, step, &r);
-        s.host_optimizer_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
+        s.record(&sh, &opt, step, &r);
         on_step(step, r.loss, r.step_ms / 1e3);
     }
     opt.wait()?;
@@ -762,9 +756,8 @@ pub fn train_group(
                 let batch = batches.take(step);
                 let (x, y) = (sh.shard(&batch.inputs)?, sh.shard(&batch.targets)?);
                 let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&*model, &x), &y))?;
-                s.record(sh, step, &r);
+                s.record(sh, &opt, step, &r);
                 weights.push(sh.weights().last_step_metrics());
-                s.host_optimizer_ms.push(opt.take_host_busy().as_secs_f64() * 1e3);
                 on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);
             }
             opt.wait()?;

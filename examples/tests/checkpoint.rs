@@ -9,18 +9,24 @@ use stagehand::events::Bus;
 use stagehand::optim::Kernel;
 use stagehand::Precision;
 use stagehand_examples::trainer::{train, Memory, TrainConfig};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 /// The runs draw their weights and batches from libtorch's global generator: one test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-#[test]
-fn checkpointed_blocks_train_as_the_resident_model_and_spill_less() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+/// Takes this file's turn, with the hook engine installed and one intra-op thread (libtorch's
+/// CPU reductions then sum in one order in every run).
+fn serial() -> MutexGuard<'static, ()> {
+    let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     stagehand::torch::init();
     stagehand::torch::hooks::install().expect("hook engine");
-    // One intra-op thread: libtorch's CPU reductions then sum in one order in every run.
     tch::set_num_threads(1);
+    turn
+}
+
+#[test]
+fn checkpointed_blocks_train_as_the_resident_model_and_spill_less() {
+    let _serial = serial();
     for precision in [Precision::Fp32, Precision::Bf16] {
         // Room for the prefetch window; the activations of 4 x 64 tokens do not fit beside it.
         let budget = if precision == Precision::Fp32 { 10 << 20 } else { 6 << 20 };
@@ -60,10 +66,7 @@ fn checkpointed_blocks_train_as_the_resident_model_and_spill_less() {
 fn checkpointed_blocks_train_in_a_group_as_on_one_device() {
     use stagehand::parallel::Devices;
     use stagehand_examples::trainer::{train_group, Hooks};
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    stagehand::torch::init();
-    stagehand::torch::hooks::install().expect("hook engine");
-    tch::set_num_threads(1);
+    let _serial = serial();
     let budget = 10 << 20;
     let mut cfg = TrainConfig::demo(4, 4, 128, 64, 4, budget);
     cfg.model.checkpoint = true;
