@@ -24,7 +24,9 @@
 //! optimizer does not fit on the device; `skip`, or `MJ_SKIP_RESIDENT=1`: no resident run, so
 //! the floor has no resident term), `MJ_CHECKPOINT` (1: each block checkpointed, one recompute
 //! scope over its input and weights, so only block inputs are stored; 0: not; default: the
-//! demo's rule, on in 16-bit precisions).
+//! demo's rule, on in 16-bit precisions), `MJ_MICRO` (the step's batch split into that many
+//! micro-batches, gradient accumulation, in both runs; with `MJ_GPUS=N`, each GPU takes
+//! `MJ_MICRO / N` of them, at least one).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -198,6 +200,8 @@ fn main() -> anyhow::Result<()> {
     };
     let mut cfg = TrainConfig::demo(steps, layers, d, seq, batch, budget).with_precision(precision);
     cfg.optimizer_state = storage;
+    cfg.micro_batches = env("MJ_MICRO", 1).max(1) as usize;
+    cfg.check_split(1)?;
     // Checkpointed blocks (each block one recompute scope; the resident run computes the same):
     // the demo's rule (on in 16-bit precisions) unless MJ_CHECKPOINT says.
     if let Ok(v) = std::env::var("MJ_CHECKPOINT") {
@@ -210,8 +214,9 @@ fn main() -> anyhow::Result<()> {
     };
     println!("device: {} ({})", device.info().name, if cuda { "cuda" } else { "host-simulated" });
     println!(
-        "model: {} batch {batch} ({} tokens a step), budget {budget_mib} MiB, {steps} steps (steady state: steps 2..), optimizer state {storage}",
+        "model: {} batch {batch}{} ({} tokens a step), budget {budget_mib} MiB, {steps} steps (steady state: steps 2..), optimizer state {storage}",
         cfg.describe(),
+        if cfg.micro_batches > 1 { format!(" in {} micro-batches of {}", cfg.micro_batches, batch / cfg.micro_batches as i64) } else { String::new() },
         cfg.tokens()
     );
 
@@ -500,12 +505,15 @@ fn data_parallel(
 ) -> anyhow::Result<()> {
     use stagehand::parallel::Devices;
     let devices = if cuda { Devices::cuda(gpus)? } else { Devices::host(gpus, budget) };
+    // The same micro-batches as one GPU's, shared out: each GPU takes its part of them.
+    let cfg = &TrainConfig { micro_batches: (cfg.micro_batches / gpus).max(1), ..cfg.clone() };
     println!();
     println!(
-        "data parallel: {gpus} GPUs ({}), the same global batch of {} sequences ({} each), the same initial weights and batches{}",
+        "data parallel: {gpus} GPUs ({}), the same global batch of {} sequences ({} each{}), the same initial weights and batches{}",
         if cuda { "cuda" } else { "host-simulated" },
         cfg.batch,
         cfg.batch / gpus as i64,
+        if cfg.micro_batches > 1 { format!(", in {} micro-batches", cfg.micro_batches) } else { String::new() },
         if cuda { stagehand::parallel::nccl_version().map(|v| format!(", NCCL {v}")).unwrap_or_default() } else { String::new() }
     );
     reset_host_memory();

@@ -33,7 +33,12 @@ pub struct TrainConfig {
     pub conductor: bool,
     #[serde(skip)]
     pub model: GptConfig,
+    /// Sequences a step trains on (in a data-parallel group, the group's batch).
     pub batch: i64,
+    /// Micro-batches a step's batch is split into (gradient accumulation; 1: none): each is a
+    /// forward and a backward, and one optimizer step follows the last. More tokens a step
+    /// spread the host optimizer's one pass over more device work.
+    pub micro_batches: usize,
     pub learning_rate: f64,
     /// Device memory budget in bytes (the simulated VRAM on the host device).
     pub budget_bytes: u64,
@@ -147,6 +152,7 @@ impl TrainConfig {
                 checkpoint: false,
             },
             batch,
+            micro_batches: 1,
             // Wider models need smaller steps: AdamW at 3e-3 trains d=128 well but diverges from
             // d=1024 on, so the rate falls with the width beyond 128.
             learning_rate: 3e-3 * (128.0 / d_model as f64).min(1.0),
@@ -187,13 +193,14 @@ impl TrainConfig {
     pub fn describe(&self) -> String {
         let m = &self.model;
         format!(
-            "gpt L={} d={} seq={} ({:.1}M params){}, {}",
+            "gpt L={} d={} seq={} ({:.1}M params){}, {}{}",
             m.n_layer,
             m.n_embd,
             m.block_size,
             m.parameters() as f64 / 1e6,
             if m.checkpoint { ", checkpointed blocks" } else { "" },
-            self.precision
+            self.precision,
+            if self.micro_batches > 1 { format!(", {} micro-batches a step", self.micro_batches) } else { String::new() }
         )
     }
 
@@ -201,6 +208,29 @@ impl TrainConfig {
     pub fn tokens(&self) -> u64 {
         (self.batch * self.model.block_size) as u64
     }
+
+    /// Checks that the batch splits evenly over `world` devices and each device's share over
+    /// the micro-batches.
+    pub fn check_split(&self, world: usize) -> Result<()> {
+        let parts = (world.max(1) * self.micro_batches) as i64;
+        anyhow::ensure!(self.micro_batches > 0, "micro-batches: at least 1");
+        anyhow::ensure!(
+            self.batch > 0 && self.batch % parts == 0,
+            "a batch of {} sequences over {world} device(s) in {} micro-batch(es): a multiple of {parts}",
+            self.batch,
+            self.micro_batches
+        );
+        Ok(())
+    }
+}
+
+/// Micro-batch `i` of `n` of a batch's rows (each `rows / n` sequences).
+fn micro(t: &tch::Tensor, i: usize, n: usize) -> tch::Tensor {
+    if n == 1 {
+        return t.shallow_clone();
+    }
+    let rows = t.size()[0] / n as i64;
+    t.narrow(0, i as i64 * rows, rows)
 }
 
 /// Called with the memory plan once it is known.
@@ -390,6 +420,7 @@ pub fn train_with(
 ) -> Result<Summary> {
     // The training thread's intra-op threads, the same in both modes; the handle's host
     // optimizer takes the same count.
+    cfg.check_split(1)?;
     tch::set_num_threads(cfg.thread_count() as i32);
     match cfg.memory {
         Memory::Resident => train_resident(cfg, device, bus, on_step, hooks),
@@ -424,20 +455,26 @@ fn train_resident(
         device.reset_peak();
         bus.enter_phase(step, Phase::StepBegin);
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
-        bus.enter_phase(step, Phase::Forward);
-        let loss = {
-            let _autocast = match cfg.precision.compute_kind() {
-                Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
-                None => None,
-            };
-            Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets)
-        };
-        bus.enter_phase(step, Phase::Backward);
         opt.zero_grad()?;
-        loss.backward();
+        // Each micro-batch adds its share of the batch's mean loss to the gradients.
+        let n = cfg.micro_batches;
+        let mut loss_sum = tch::Tensor::zeros([], (tch::Kind::Double, device.tch_device()));
+        for i in 0..n {
+            bus.enter_phase(step, Phase::Forward);
+            let loss = {
+                let _autocast = match cfg.precision.compute_kind() {
+                    Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
+                    None => None,
+                };
+                Gpt::loss(&tch::nn::Module::forward(&model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n))
+            };
+            bus.enter_phase(step, Phase::Backward);
+            if n > 1 { &loss / n as f64 } else { loss.shallow_clone() }.backward();
+            loss_sum += loss.detach().to_kind(tch::Kind::Double);
+        }
         bus.enter_phase(step, Phase::Optimizer);
         opt.step()?;
-        let loss_v = loss.double_value(&[]);
+        let loss_v = loss_sum.double_value(&[]) / n as f64;
         device.synchronize()?;
         bus.enter_phase(step, Phase::StepEnd);
         let dt = t0.elapsed().as_secs_f64();
@@ -561,6 +598,7 @@ impl ResidentOptimizer {
 /// does not fit on the device beside it): each step's wall time, the device synchronized at its
 /// end. The model is in `cfg.precision`'s compute dtype under its autocast.
 pub fn time_forward_backward(cfg: &TrainConfig, device: &Device) -> Result<Vec<f64>> {
+    cfg.check_split(1)?;
     tch::manual_seed(cfg.seed);
     let vs = nn::VarStore::new(device.tch_device());
     let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
@@ -575,20 +613,23 @@ pub fn time_forward_backward(cfg: &TrainConfig, device: &Device) -> Result<Vec<f
     for _ in 0..cfg.steps {
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
         let t0 = Instant::now();
-        let loss = {
-            let _autocast = match cfg.precision.compute_kind() {
-                Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
-                None => None,
-            };
-            Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets)
-        };
         for (_, w) in vs.variables() {
             let mut g = w.grad();
             if g.defined() {
                 let _ = g.zero_();
             }
         }
-        loss.backward();
+        let n = cfg.micro_batches;
+        for i in 0..n {
+            let loss = {
+                let _autocast = match cfg.precision.compute_kind() {
+                    Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
+                    None => None,
+                };
+                Gpt::loss(&tch::nn::Module::forward(&model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n))
+            };
+            if n > 1 { &loss / n as f64 } else { loss }.backward();
+        }
         device.synchronize()?;
         times.push(t0.elapsed().as_secs_f64());
     }
@@ -643,7 +684,8 @@ fn stagehand_run(
             break;
         }
         let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
-        let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&model, &batch.inputs), &batch.targets))?;
+        let n = cfg.micro_batches;
+        let r = sh.train_step_micro(&mut opt, n, |i| Gpt::loss(&tch::nn::Module::forward(&model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n)))?;
         s.record(&sh, &opt, step, &r);
         on_step(step, r.loss, r.step_ms / 1e3);
     }
@@ -708,7 +750,8 @@ pub fn train_group(
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Vec<RankSummary>> {
     let world = devices.len();
-    anyhow::ensure!(world > 0 && cfg.batch % world as i64 == 0, "a global batch of {} sequences over {world} GPUs: a multiple of the GPU count", cfg.batch);
+    anyhow::ensure!(world > 0, "a group of no devices");
+    cfg.check_split(world)?;
     tch::set_num_threads(cfg.thread_count() as i32);
     let mut builder = Stagehand::builder()
         .budget_bytes(cfg.budget_bytes)
@@ -755,7 +798,8 @@ pub fn train_group(
                 }
                 let batch = batches.take(step);
                 let (x, y) = (sh.shard(&batch.inputs)?, sh.shard(&batch.targets)?);
-                let r = sh.train_step(&mut opt, || Gpt::loss(&tch::nn::Module::forward(&*model, &x), &y))?;
+                let n = cfg.micro_batches;
+                let r = sh.train_step_micro(&mut opt, n, |i| Gpt::loss(&tch::nn::Module::forward(&*model, &micro(&x, i, n)), &micro(&y, i, n)))?;
                 s.record(sh, &opt, step, &r);
                 weights.push(sh.weights().last_step_metrics());
                 on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);

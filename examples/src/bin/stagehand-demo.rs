@@ -40,6 +40,11 @@ struct Args {
     /// Sequences per batch.
     #[arg(long, default_value_t = DEMO_DEFAULTS.batch)]
     batch: i64,
+    /// Micro-batches each step's batch is split into (gradient accumulation): each a forward and
+    /// a backward, one optimizer step after the last. The batch must split evenly (with --gpus,
+    /// each GPU's share).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    micro_batches: u32,
     /// Device memory budget in MiB (the simulated VRAM on the host device). Everything else (the
     /// weights' room, the spill watermarks, the pools, the Conductor) is derived from it. Default:
     /// 16 MiB; on CUDA, 32 MiB above what libtorch holds for itself (cuBLAS's workspaces; the
@@ -256,6 +261,8 @@ fn main() -> Result<()> {
     };
     let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget).with_precision(precision);
     cfg.optimizer_state = args.optimizer_state;
+    cfg.micro_batches = args.micro_batches as usize;
+    cfg.check_split(gpus.max(1))?;
     match args.checkpoint.as_str() {
         "on" => cfg.model.checkpoint = true,
         "off" => cfg.model.checkpoint = false,

@@ -173,7 +173,9 @@ impl Stagehand {
             a.begin_step(step);
         }
         let e0 = self.device.record_compute()?;
-        let mut loss_total = 0.0;
+        // The micro-batches' losses, summed on the device and read once after the last: a read
+        // per micro-batch would drain the device's queue between micro-batches.
+        let mut loss_sum: Option<Tensor> = None;
         // With guards on, a loss that is NaN or infinite: its value.
         let mut non_finite_loss = None;
         for i in 0..micro_batches {
@@ -237,14 +239,22 @@ impl Stagehand {
                     share.f_backward()?;
                 }
             }
-            loss_total += loss.f_double_value(&[])?;
+            let l = loss.detach().f_to_kind(tch::Kind::Double)?;
+            loss_sum = Some(match loss_sum {
+                Some(sum) => sum.f_add(&l)?,
+                None => l,
+            });
         }
         if non_finite_loss.is_none() {
             weights.after_backward()?;
             self.guard_gradients();
         }
         let e2 = self.device.record_compute()?;
-        let mut loss_value = non_finite_loss.unwrap_or(loss_total / micro_batches as f64);
+        let mut loss_value = match (non_finite_loss, &loss_sum) {
+            (Some(v), _) => v,
+            (None, Some(sum)) => sum.f_double_value(&[])? / micro_batches as f64,
+            (None, None) => return Err(crate::Error::internal("a step with no micro-batch")),
+        };
         // In a group, the group's loss: the ranks' means averaged (in rank order, as one device
         // averages its micro-batches).
         if let Some(m) = self.member() {

@@ -4,9 +4,10 @@
 //! copy of it has landed.
 //!
 //! A parameter's first gradient in an accumulation window is copied straight into its host
-//! buffer; a later one (gradient accumulation over micro-batches) is added to it on the host, in
-//! the order autograd would have added them on the device.
+//! buffer; a later one (gradient accumulation over micro-batches) is added on the device to the
+//! sum so far, brought back from that buffer (`super::accumulate`), and the sum copied home.
 
+use super::accumulate::DeviceSum;
 use super::block::Block;
 use crate::conductor::SlotToken;
 use crate::device::{HostBuffer, Order};
@@ -30,6 +31,8 @@ pub(crate) struct GradSink {
     inflight: Vec<GradCopy>,
     /// The run's numeric guards, which check each gradient before it leaves.
     guards: GuardSlot,
+    /// Later gradients of an accumulation window, summed on the device.
+    sum: DeviceSum,
 }
 
 impl GradSink {
@@ -38,6 +41,7 @@ impl GradSink {
             copier,
             inflight: Vec::new(),
             guards,
+            sum: DeviceSum::default(),
         }
     }
 
@@ -50,35 +54,45 @@ impl GradSink {
         mut slot: impl FnMut() -> Option<SlotToken>,
     ) -> Result<u64> {
         let mut moved = 0u64;
+        let mut outgoing = Vec::new();
         for gi in 0..block.grads.len() {
-            let param = block.grads[gi].param;
-            let g = block.vars[param].grad();
+            let g = block.vars[block.grads[gi].param].grad();
             if !g.defined() {
                 continue;
             }
             self.guards.observe_gradient(Some(id), &g);
             let g = if g.is_contiguous() { g } else { g.f_contiguous()? };
-            let bytes = crate::torch::tensor_bytes(&g);
-            let fresh = !block.grads[gi].received;
-            if fresh {
-                let buf = self.take_buffer(id, gi, block)?;
-                let name = &block.spec.params[param].name;
-                match self.copier.d2h(buf, 0, &g, Order::AfterCompute, slot(), || format!("gradient {name}")) {
-                    Ok(transfer) => self.inflight.push(GradCopy {
-                        block: id,
-                        grad: gi,
-                        transfer,
-                    }),
-                    Err(failed) => {
-                        block.grads[gi].buf = Some(failed.host);
-                        return Err(failed.error);
-                    }
-                }
-            } else {
-                // Accumulation: the host sum must include the copy still landing first.
+            if block.grads[gi].received {
+                // Accumulation: the sum so far must have landed before it comes back.
                 self.wait_grad(id, gi, block)?;
-                let host = g.f_to_device(tch::Device::Cpu)?;
-                let _ = tch::no_grad(|| block.grads[gi].view.f_add_(&host))?;
+            }
+            outgoing.push((gi, g));
+        }
+        // Later gradients of the window first take in the sums so far, all the block's at once.
+        let later: Vec<(&HostBuffer, &tch::Tensor)> = outgoing
+            .iter()
+            .filter(|(gi, _)| block.grads[*gi].received)
+            .filter_map(|(gi, g)| block.grads[*gi].buf.as_ref().map(|b| (b, g)))
+            .collect();
+        if later.len() != outgoing.iter().filter(|(gi, _)| block.grads[*gi].received).count() {
+            return Err(Error::internal(format!("block {id}: a gradient's sum so far has no host buffer")));
+        }
+        self.sum.add_host_sums(&self.copier, &later, &format!("block '{}' gradients", block.spec.name))?;
+        drop(later);
+        for (gi, g) in outgoing {
+            let bytes = crate::torch::tensor_bytes(&g);
+            let buf = self.take_buffer(id, gi, block)?;
+            let name = &block.spec.params[block.grads[gi].param].name;
+            match self.copier.d2h(buf, 0, &g, Order::AfterCompute, slot(), || format!("gradient {name}")) {
+                Ok(transfer) => self.inflight.push(GradCopy {
+                    block: id,
+                    grad: gi,
+                    transfer,
+                }),
+                Err(failed) => {
+                    block.grads[gi].buf = Some(failed.host);
+                    return Err(failed.error);
+                }
             }
             block.grads[gi].received = true;
             moved += bytes;
@@ -168,12 +182,12 @@ impl GradSink {
         Ok(())
     }
 
-    /// Waits for every copy.
+    /// Waits for every copy (and the reads of sums so far before them).
     pub(crate) fn wait_all(&mut self, blocks: &mut [Block]) -> Result<()> {
         for c in std::mem::take(&mut self.inflight) {
             self.land(c, blocks)?;
         }
-        Ok(())
+        self.sum.wait_all(&self.copier)
     }
 
     /// Copies in flight.
@@ -181,8 +195,8 @@ impl GradSink {
         self.inflight.len()
     }
 
-    /// Device bytes the copies in flight still hold.
+    /// Device bytes the copies in flight still hold, and the accumulation's scratch slab.
     pub(crate) fn in_flight_bytes(&self) -> u64 {
-        self.inflight.iter().map(|c| c.transfer.bytes()).sum()
+        self.inflight.iter().map(|c| c.transfer.bytes()).sum::<u64>() + self.sum.device_bytes()
     }
 }

@@ -27,6 +27,7 @@
 //! Layer mode (drop-in layers) is [`crate::nn`]; the optimizer for streamed weights is
 //! [`crate::optim`].
 
+mod accumulate;
 mod block;
 mod claims;
 pub mod config;

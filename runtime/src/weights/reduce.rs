@@ -8,9 +8,11 @@
 //! compute stream that made them, so each is kept alive until the last operation reading or
 //! writing it completed (the collective holds both, the copy holds the shard), and the copy of
 //! the shard waits for the collective's event. A later gradient of the same accumulation window
-//! (micro-batches, a weight used twice) is reduced the same way and added to the shard on the
-//! host, in the order one device would have added it.
+//! (micro-batches, a weight used twice) is reduced the same way, and the shard's sum so far comes
+//! back from its host buffer to be added to it on the device (`super::accumulate`) before the
+//! sum is copied home.
 
+use super::accumulate::DeviceSum;
 use super::block::Block;
 use crate::collective::{Collective, InFlight};
 use crate::conductor::SlotToken;
@@ -49,11 +51,13 @@ pub(crate) struct ReduceSink {
     /// Milliseconds the collectives of this step ran on the device (the timed ones), and bytes.
     collective_ms: f64,
     collective_bytes: u64,
+    /// Later shards of an accumulation window, summed on the device.
+    sum: DeviceSum,
 }
 
 impl ReduceSink {
     pub(crate) fn new(collective: Arc<Collective>, copier: Copier, guards: GuardSlot) -> ReduceSink {
-        ReduceSink { collective, copier, guards, inflight: Vec::new(), collective_ms: 0.0, collective_bytes: 0 }
+        ReduceSink { collective, copier, guards, inflight: Vec::new(), collective_ms: 0.0, collective_bytes: 0, sum: DeviceSum::default() }
     }
 
     /// Reduces `block`'s device gradients over the group and sends this rank's shard of the sum
@@ -92,26 +96,27 @@ impl ReduceSink {
         self.collective_bytes += op.bytes();
         let fresh = !block.shard.as_ref().is_some_and(|s| s.received);
         let bytes = layout.shard_bytes() as u64;
-        let copy = if fresh {
-            let buf = self.take_buffer(id, block)?;
-            match self.copier.d2h(buf, 0, &out, Order::After(op.done()), slot(), || format!("block '{name}' gradient shard")) {
-                Ok(t) => Some(t),
-                Err(failed) => {
-                    if let Some(s) = &mut block.shard {
-                        s.buf = Some(failed.host);
-                    }
-                    return Err(failed.error);
-                }
-            }
+        let order = if fresh {
+            Order::After(op.done())
         } else {
-            // Accumulation: the host sum must include the copy still landing first.
+            // Accumulation: the sum so far, landed, comes back and takes in the reduced shard on
+            // the compute stream (after the collective), and the sum goes home.
             self.wait_block(id, block)?;
             device.compute_wait(op.done())?;
-            let host = out.f_to_device(tch::Device::Cpu)?;
-            if let Some(s) = &block.shard {
-                let _ = tch::no_grad(|| s.view.shallow_clone().f_add_(&host))?;
+            let buf = block.shard.as_ref().and_then(|s| s.buf.as_ref());
+            let buf = buf.ok_or_else(|| Error::internal(format!("block {id}: its gradient shard's buffer is missing")))?;
+            self.sum.add_host_sums(&self.copier, &[(buf, &out)], &format!("block '{name}' gradient shard"))?;
+            Order::AfterCompute
+        };
+        let buf = self.take_buffer(id, block)?;
+        let copy = match self.copier.d2h(buf, 0, &out, order, slot(), || format!("block '{name}' gradient shard")) {
+            Ok(t) => Some(t),
+            Err(failed) => {
+                if let Some(s) = &mut block.shard {
+                    s.buf = Some(failed.host);
+                }
+                return Err(failed.error);
             }
-            None
         };
         if let Some(s) = &mut block.shard {
             s.received = true;
@@ -185,13 +190,13 @@ impl ReduceSink {
         Ok(())
     }
 
-    /// Waits for every reduction.
+    /// Waits for every reduction (and the reads of sums so far before their copies).
     pub(crate) fn wait_all(&mut self, blocks: &mut [Block]) -> Result<()> {
         for b in std::mem::take(&mut self.inflight) {
             let id = b.block;
             self.land(b, blocks.get_mut(id.0 as usize))?;
         }
-        Ok(())
+        self.sum.wait_all(&self.copier)
     }
 
     /// Keeps at most `cap` device bytes in flight (buckets and shards): what completed first,
@@ -220,9 +225,9 @@ impl ReduceSink {
         self.inflight.len()
     }
 
-    /// Device bytes the reductions in flight hold.
+    /// Device bytes the reductions in flight hold, and the accumulation's scratch slab.
     pub(crate) fn in_flight_bytes(&self) -> u64 {
-        self.inflight.iter().map(Bucket::device_bytes).sum()
+        self.inflight.iter().map(Bucket::device_bytes).sum::<u64>() + self.sum.device_bytes()
     }
 
     /// The collectives' time on the device and bytes since the last call (one step's).

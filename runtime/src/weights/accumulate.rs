@@ -1,0 +1,139 @@
+//! Gradient accumulation on the device. A parameter's first gradient of an accumulation window
+//! goes straight to its pinned host buffer; a later one (a micro-batch after the first, a weight
+//! used twice) is added to the sum so far on the device, not on the host: the sum comes back
+//! from the host buffer into a scratch slab (on the gradient sink's copy stream, so it is read
+//! before the sink's next copy overwrites the buffer), the compute stream adds the new gradient
+//! to it in place, and the sum then leaves as a first gradient does.
+//!
+//! Why not on the host: the host sum needs the new gradient there first, a synchronous copy to
+//! pageable memory that drains the device's queue, and then an add on the training thread. For a
+//! 6.5 B parameter model in two micro-batches that took 13 s a step, against 1.7 s of device
+//! work per micro-batch. On the device the sum costs one more copy each way, on the copy
+//! engines, and one add per parameter, and the training thread waits for nothing. The sum is
+//! the one autograd makes when it accumulates into `.grad` on the device, in the same dtype.
+
+use crate::device::{HostBuffer, HostMemory, Order, StreamEvent};
+use crate::error::Result;
+use crate::transfer::{Copier, Transfer};
+use tch::{Kind, Tensor};
+
+/// Alignment of each gradient's place in the scratch slab (bytes).
+const ALIGN: u64 = 256;
+
+/// A pinned host buffer read by a copy while its owner keeps it.
+#[derive(Debug)]
+struct HostRead {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is only read, by the copy engine.
+unsafe impl Send for HostRead {}
+
+// SAFETY: the memory does not move (a `HostBuffer`'s allocation stays where it is while the
+// value moves), and nothing writes or frees it before the read completes: the only writer is
+// the sink's next copy into the buffer, issued after the read on the same copy stream, and the
+// buffer is given back (and may be freed) only once that copy completed. The sink waits for
+// every read before it reports its copies landed (`DeviceSum::wait_all`).
+unsafe impl HostMemory for HostRead {
+    fn host_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn host_len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The device side of gradient accumulation: a scratch slab for the sums coming back, and the
+/// copies reading them.
+#[derive(Debug, Default)]
+pub(crate) struct DeviceSum {
+    /// Bytes, on the device; dropped at the end of each accumulation window.
+    scratch: Option<Tensor>,
+    /// The compute stream after the last add that read the scratch: the next sums may land in
+    /// it once that has run. `None` for a slab libtorch just handed out, which the compute
+    /// stream may still be using.
+    free: Option<StreamEvent>,
+    reads: Vec<Transfer<HostRead>>,
+}
+
+impl DeviceSum {
+    /// Adds to each device gradient the sum so far in its host buffer (`(buffer, gradient)`,
+    /// the gradient contiguous, its bytes at the start of the buffer), in place, on the compute
+    /// stream. The buffers may be handed to copies on `copier`'s stream right after: the reads
+    /// come first there.
+    pub(crate) fn add_host_sums(&mut self, copier: &Copier, pairs: &[(&HostBuffer, &Tensor)], subject: &str) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let device = copier.device().clone();
+        let sizes: Vec<u64> = pairs.iter().map(|(_, g)| crate::torch::tensor_bytes(g)).collect();
+        for (&(buf, _), &bytes) in pairs.iter().zip(&sizes) {
+            if (buf.host_len() as u64) < bytes {
+                return Err(crate::Error::internal(format!(
+                    "{subject}: a host gradient of {} bytes for a device gradient of {bytes}",
+                    buf.host_len()
+                )));
+            }
+        }
+        let total: u64 = sizes.iter().map(|b| b.div_ceil(ALIGN) * ALIGN).sum();
+        if self.scratch.as_ref().is_none_or(|s| (s.numel() as u64) < total) {
+            // A larger slab: the old one's last reader is on the compute stream, which frees it
+            // in order.
+            self.scratch = Some(Tensor::f_empty([total as i64], (Kind::Uint8, device.tch_device()))?);
+            self.free = None;
+        }
+        let scratch = self.scratch.as_ref().ok_or_else(|| crate::Error::internal("no scratch slab"))?;
+        let mut views = Vec::with_capacity(pairs.len());
+        let mut offset = 0u64;
+        for (&(buf, g), &bytes) in pairs.iter().zip(&sizes) {
+            let view = scratch.f_narrow(0, offset as i64, bytes as i64)?.f_view_dtype(g.kind())?.f_view(g.size().as_slice())?;
+            offset += bytes.div_ceil(ALIGN) * ALIGN;
+            let order = match &self.free {
+                Some(e) => Order::After(e),
+                None => Order::AfterCompute,
+            };
+            let read = HostRead { ptr: buf.host_ptr(), len: buf.host_len() };
+            let t = copier.h2d(&view, read, 0, order, None, || format!("{subject}: the sum so far")).map_err(|f| f.error)?;
+            self.reads.push(t);
+            views.push(view);
+        }
+        // The reads share one stream: the compute stream waits for the last.
+        if let Some(last) = self.reads.last() {
+            device.compute_wait(last.done())?;
+        }
+        tch::no_grad(|| -> Result<()> {
+            for (&(_, g), v) in pairs.iter().zip(&views) {
+                let _ = g.shallow_clone().f_add_(v)?;
+            }
+            Ok(())
+        })?;
+        self.free = Some(device.record_compute()?);
+        self.reap(copier);
+        Ok(())
+    }
+
+    /// Reports the reads that completed.
+    fn reap(&mut self, copier: &Copier) {
+        for t in std::mem::take(&mut self.reads) {
+            if let Err(t) = copier.finish(t) {
+                self.reads.push(t);
+            }
+        }
+    }
+
+    /// Device bytes the scratch slab holds.
+    pub(crate) fn device_bytes(&self) -> u64 {
+        self.scratch.as_ref().map_or(0, |s| s.numel() as u64)
+    }
+
+    /// Waits for every read and gives the scratch slab back (the window's sums are all in).
+    pub(crate) fn wait_all(&mut self, copier: &Copier) -> Result<()> {
+        for t in std::mem::take(&mut self.reads) {
+            copier.wait(t)?;
+        }
+        self.scratch = None;
+        self.free = None;
+        Ok(())
+    }
+}
