@@ -341,12 +341,13 @@ fn main() -> anyhow::Result<()> {
     let w_h2d = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.h2d_bytes as f64));
     let w_min = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.min_h2d_bytes as f64));
     let w_d2h = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.d2h_bytes as f64));
+    let g_sum = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_h2d_bytes as f64));
     let a_restore = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.restore_bytes as f64));
     let a_spill = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.spill_bytes as f64));
     let pageable = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.pageable_bytes as f64));
     let hits = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.prefetch_hits as f64));
     let misses = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.prefetch_misses as f64));
-    let h2d = w_h2d + a_restore;
+    let h2d = w_h2d + a_restore + g_sum;
     let d2h = w_d2h + a_spill;
     let host_w = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_ms));
     let host_a = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.host_ms));
@@ -371,10 +372,11 @@ fn main() -> anyhow::Result<()> {
         println!("  term {name:28} {:9.1} ms", v * 1e3);
     }
     println!(
-        "  per step: H2D {:.1} MiB (weights {:.1}, restores {:.1}), D2H {:.1} MiB (gradients {:.1}, spills {:.1})",
+        "  per step: H2D {:.1} MiB (weights {:.1}, restores {:.1}, gradient sums {:.1}), D2H {:.1} MiB (gradients {:.1}, spills {:.1})",
         h2d / MIB,
         w_h2d / MIB,
         a_restore / MIB,
+        g_sum / MIB,
         d2h / MIB,
         w_d2h / MIB,
         a_spill / MIB

@@ -97,6 +97,8 @@ enum Memory {
 pub struct Lease {
     memory: Memory,
     len: usize,
+    /// The bytes asked for (a slab may be larger).
+    requested: usize,
     pool: Arc<Shared>,
 }
 
@@ -220,6 +222,7 @@ impl SlabPool {
             Lease {
                 memory: Memory::Pageable(buf),
                 len: bytes,
+                requested: bytes,
                 pool: sh.clone(),
             },
             false,
@@ -277,6 +280,7 @@ impl SlabPool {
                         offset: slab.0 as usize * sh.classes[class].slab_bytes,
                     },
                     len: sh.classes[class].slab_bytes,
+                    requested: bytes,
                     pool: sh.clone(),
                 }));
             }
@@ -334,6 +338,11 @@ fn owner(kind: PoolKind) -> Owner {
 }
 
 impl Lease {
+    /// The bytes asked for when it was acquired (a slab may hold more).
+    pub fn requested_bytes(&self) -> usize {
+        self.requested
+    }
+
     /// The size class, for slabs (`None` for a pageable fallback).
     pub fn class(&self) -> Option<u32> {
         match self.memory {
@@ -424,9 +433,9 @@ impl LeasePart {
         Arc::get_mut(&mut self.lease).map(|l| &mut l.as_mut_slice()[offset..offset + len])
     }
 
-    /// Bytes of the whole lease (what the pool handed out for every part together).
-    pub fn lease_bytes(&self) -> usize {
-        self.lease.len
+    /// The bytes the whole lease was acquired for.
+    pub fn requested_bytes(&self) -> usize {
+        self.lease.requested
     }
 
     /// Whether this is the last part holding the lease (dropping it returns the slab).

@@ -1,6 +1,7 @@
 //! Gradient accumulation through the handle: `train_step_micro` over two micro-batches trains as
 //! plain tch does accumulating `loss / 2` of each before one optimizer step (bit-identical on the
-//! host device), with the streamed blocks' gradients summed on the host.
+//! host device), with the streamed blocks' gradients summed on the device: the second
+//! micro-batch's gradients take in the first's, brought back from their host buffers.
 
 use stagehand::device::Device;
 use stagehand::nn as snn;
@@ -69,6 +70,12 @@ fn two_micro_batches_equal_plain_accumulation() {
     let mut got = Vec::new();
     for s in 0..steps {
         got.push(sh.train_step_micro(&mut opt, 2, |i| loss(&model, &micro(s, i, dev))).expect("step").loss);
+        // The blocks that left the device after the first micro-batch's backward have their
+        // sums brought back once, whole, in the second's; each of those sums also left twice.
+        let m = sh.weights().last_step_metrics();
+        let block = ((D * D + D) * 4) as u64;
+        assert!(m.grad_sum_h2d_bytes > 0 && m.grad_sum_h2d_bytes % block == 0, "step {s}: {m:?}");
+        assert!(2 * m.grad_sum_h2d_bytes <= m.d2h_bytes, "step {s}: {m:?}");
     }
     assert!(sh.plan().expect("plan").streams(), "blocks stream");
     if cuda {

@@ -50,6 +50,11 @@ pub struct WeightStepMetrics {
     pub collective_ms: f64,
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub collective_bytes: u64,
+    /// Gradient accumulation (micro-batches): bytes of gradient sums so far copied back to the
+    /// device, to be added to a later micro-batch's gradients there. Not in `h2d_bytes`, which
+    /// counts weights. Absent when nothing accumulated.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub grad_sum_h2d_bytes: u64,
 }
 
 fn is_zero_f64(v: &f64) -> bool {

@@ -35,12 +35,14 @@ pub(super) struct Ahead {
 }
 
 /// What restoring did in one call, for the step's metrics.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Restored {
     pub count: u64,
     pub bytes: u64,
     pub stall_ms: f64,
     pub stalls: u64,
+    /// The bytes each lease given back was acquired for (its last part restored).
+    pub released: Vec<u64>,
 }
 
 impl std::ops::AddAssign for Restored {
@@ -49,6 +51,7 @@ impl std::ops::AddAssign for Restored {
         self.bytes += o.bytes;
         self.stall_ms += o.stall_ms;
         self.stalls += o.stalls;
+        self.released.extend(o.released);
     }
 }
 
@@ -160,6 +163,7 @@ impl Restorer {
         let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };
         let Some(t) = rec.restore.take() else { return Ok(Restored::default()) };
         let (lease, elapsed) = self.copier.wait(t)?;
+        let released = if lease.is_last() { vec![lease.requested_bytes() as u64] } else { Vec::new() };
         drop(lease);
         rec.transition(RecordState::Restored)?;
         // A stall lasts as long as the copy the compute stream waited for (the GPU's timing); on
@@ -181,6 +185,7 @@ impl Restorer {
             bytes,
             stall_ms,
             stalls: u64::from(!predicted),
+            released,
         })
     }
 

@@ -526,8 +526,9 @@ impl Shared {
         let src = if src.is_contiguous() { src } else { src.f_contiguous()? };
         let class = lease.class();
         let (id, bytes) = g.records.get(idx).map(|r| (r.id, r.bytes)).ok_or_else(|| Error::internal(format!("record {idx} is gone")))?;
+        let sized = lease.requested_bytes() as u64;
         g.spills.start(&g.records, idx, lease, &src, slot)?;
-        g.sizes.spilled(bytes);
+        g.sizes.spilled(sized);
         self.count_spill(g, id, bytes, class, hit, region);
         Ok(())
     }
@@ -607,8 +608,9 @@ impl Shared {
         drop(parts);
         let slot = ctx.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
         let class = lease.class();
+        let sized = lease.requested_bytes() as u64;
         g.spills.start_batch(members, lease, &gathered, slot, batch.region.as_deref())?;
-        g.sizes.spilled(batch.bytes);
+        g.sizes.spilled(sized);
         for &idx in &batch.members {
             if let Some((id, bytes, region)) = g.records.get(idx).map(|r| (r.id, r.bytes, r.region.clone())) {
                 self.count_spill(g, id, bytes, class, hit, region);
@@ -766,12 +768,17 @@ impl Shared {
     }
 
     fn reap_restores(&self, g: &mut State, ctx: &Ctx<'_>, all: bool) -> Result<()> {
-        let State { records, restorer, metrics, .. } = g;
+        let State { records, restorer, metrics, sizes, .. } = g;
         let r = restorer.reap(records, ctx, all)?;
         metrics.activations_restored += r.count;
         metrics.restore_bytes += r.bytes;
         metrics.stall_time_ms += r.stall_ms;
         metrics.stall_count += r.stalls;
+        // A restored spill's host memory is free again: the pool's trace counts what is held
+        // at once, not what a step spilled in all.
+        for b in r.released {
+            sizes.released(b);
+        }
         Ok(())
     }
 
@@ -861,7 +868,7 @@ impl Shared {
             g.scopes.member_gone(member);
         }
         if let Some(part) = rec.host.as_ref().filter(|p| p.is_last()) {
-            g.sizes.released(part.lease_bytes() as u64);
+            g.sizes.released(part.requested_bytes() as u64);
         }
         rec.set_device_bytes(0, ctx.device);
         g.restorer.forget(rec.predicted, rec.bytes);

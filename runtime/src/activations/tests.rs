@@ -239,6 +239,35 @@ fn exhausted_pool_falls_back_then_is_sized_from_the_step() {
     rt.end_step().expect("step end");
 }
 
+/// Two micro-batches in one step, each restoring and releasing what it spilled before the next
+/// spills: the traced pool holds what one of them held at once, not what the step spilled in
+/// all (restored spills give their memory back; a slab larger than the request still counts
+/// as the request's size).
+#[test]
+fn a_traced_pool_holds_what_is_held_at_once_not_what_the_step_spilled_in_all() {
+    let cfg = base().classes_bytes(&[2 * N]).slabs_per_class(&[1]).build().expect("config");
+    let (rt, _bus, _seen) = setup(cfg);
+    let store = rt.store();
+    let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
+    for step in 1..=2 {
+        rt.begin_step(step);
+        for _micro in 0..3 {
+            unpack_all_in_reverse(&store, &pack_all(&store, &ts), &ts);
+        }
+        let m = rt.end_step().expect("step end");
+        // The first micro-batch keeps its first tensor (under the watermark), the others spill
+        // all four.
+        assert_eq!((m.activations_spilled, m.activations_restored), (11, 11), "step {step}");
+        let s = rt.pool_stats();
+        // Four spills held at once, and one more (an eighth, at least one): five slabs, in
+        // which the second step finds room for every spill.
+        assert_eq!(s.total, vec![5], "step {step}: {s:?}");
+        if step == 2 {
+            assert_eq!(m.pool_misses, 0, "{m:?}");
+        }
+    }
+}
+
 #[test]
 fn a_fixed_pool_warns_once_when_it_falls_back() {
     let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).size_pool_from_trace(false, None).build().expect("config");

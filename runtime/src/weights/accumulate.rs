@@ -55,6 +55,8 @@ pub(crate) struct DeviceSum {
     /// stream may still be using.
     free: Option<StreamEvent>,
     reads: Vec<Transfer<HostRead>>,
+    /// Bytes brought back since the last `take_read_bytes`.
+    read_bytes: u64,
 }
 
 impl DeviceSum {
@@ -96,6 +98,7 @@ impl DeviceSum {
             let read = HostRead { ptr: buf.host_ptr(), len: buf.host_len() };
             let t = copier.h2d(&view, read, 0, order, None, || format!("{subject}: the sum so far")).map_err(|f| f.error)?;
             self.reads.push(t);
+            self.read_bytes += bytes;
             views.push(view);
         }
         // The reads share one stream: the compute stream waits for the last.
@@ -120,6 +123,11 @@ impl DeviceSum {
                 self.reads.push(t);
             }
         }
+    }
+
+    /// Bytes of sums brought back to the device since the last call.
+    pub(crate) fn take_read_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.read_bytes)
     }
 
     /// Device bytes the scratch slab holds.

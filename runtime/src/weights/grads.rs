@@ -170,6 +170,11 @@ impl GradSink {
             .collect()
     }
 
+    /// Bytes of gradient sums brought back to the device for accumulation since the last call.
+    pub(crate) fn take_sum_bytes(&mut self) -> u64 {
+        self.sum.take_read_bytes()
+    }
+
     /// Waits for every copy of `block`.
     pub(crate) fn wait_block(&mut self, id: BlockId, block: &mut Block) -> Result<()> {
         while let Some(i) = self.inflight.iter().position(|c| c.block == id) {

@@ -181,6 +181,11 @@ impl ReduceSink {
         Ok(())
     }
 
+    /// Bytes of gradient sums brought back to the device for accumulation since the last call.
+    pub(crate) fn take_sum_bytes(&mut self) -> u64 {
+        self.sum.take_read_bytes()
+    }
+
     /// Waits for every reduction of `id`.
     pub(crate) fn wait_block(&mut self, id: BlockId, block: &mut Block) -> Result<()> {
         while let Some(i) = self.inflight.iter().position(|b| b.block == id) {
