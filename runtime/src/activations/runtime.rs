@@ -185,6 +185,13 @@ impl ActivationRuntime {
         }
     }
 
+    /// Between two micro-batches of a step (every saved tensor of the last one released): sizes
+    /// the pool from the step so far if its spills fell back to pageable memory.
+    pub fn between_micro_batches(&self) -> Result<()> {
+        let mut g = self.shared.lock();
+        self.shared.between_micro_batches(&mut g)
+    }
+
     /// Ends the step: waits for copies, publishes `ActivationStep`, learns the group profile
     /// (and after a step that spilled, the pool's size), releases every record, and returns the
     /// step's metrics.

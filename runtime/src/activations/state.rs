@@ -58,6 +58,9 @@ pub(super) struct State {
     sizes: SizeProfile,
     /// The pool was sized from a traced step.
     pool_traced: bool,
+    /// The step's pool misses a rebuild within it already sized the pool for (a rebuild between
+    /// micro-batches).
+    pool_misses_sized: u64,
     /// Bytes the spill watermarks were lowered by since the trace: the pool holds that much more.
     pool_extra: u64,
     /// The region the weight runtime said the forward was in at the last pack.
@@ -103,6 +106,7 @@ impl State {
             conductor: Conductor::disabled(),
             sizes: SizeProfile::default(),
             pool_traced: false,
+            pool_misses_sized: 0,
             pool_extra: 0,
             auto_region: None,
             d2h_waits: Default::default(),
@@ -129,6 +133,7 @@ impl State {
     /// forward's groups learned anew.
     pub(super) fn reset_step(&mut self) {
         self.metrics = ActivationStepMetrics::default();
+        self.pool_misses_sized = 0;
         self.policy.reset_step();
         self.in_backward = false;
         self.group = None;
@@ -1041,11 +1046,27 @@ impl Shared {
             g.sizes.clear_step();
             return Ok(());
         }
-        let needed = !g.pool_traced || g.metrics.pool_misses > 0;
+        let needed = !g.pool_traced || g.metrics.pool_misses > g.pool_misses_sized;
         if needed {
             self.rebuild_pool(g)?;
         }
         g.sizes.clear_step();
+        Ok(())
+    }
+
+    /// Between two micro-batches of a step, with no saved tensor left: when this step's spills
+    /// found no slab (the first step's provisional pool), the pool is rebuilt from what they held
+    /// at once so far, so the step's later micro-batches spill into pinned slabs instead of
+    /// copying through pageable memory, each as slowly as the first.
+    pub(super) fn between_micro_batches(&self, g: &mut State) -> Result<()> {
+        if !self.config.size_pool_from_trace || g.sizes.is_empty() || g.records.live() > 0 {
+            return Ok(());
+        }
+        if !g.pool_traced || g.metrics.pool_misses > g.pool_misses_sized {
+            // Tried once for these misses, rebuilt or (over the pinned limit) not.
+            g.pool_misses_sized = g.metrics.pool_misses;
+            self.rebuild_pool(g)?;
+        }
         Ok(())
     }
 

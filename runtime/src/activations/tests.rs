@@ -268,6 +268,32 @@ fn a_traced_pool_holds_what_is_held_at_once_not_what_the_step_spilled_in_all() {
     }
 }
 
+/// The first step's provisional pool sends its spills through pageable memory; with the step in
+/// micro-batches, the pool is sized between the first and the second, whose spills all find
+/// slabs, and the step's end does not size it again.
+#[test]
+fn the_first_steps_later_micro_batches_spill_into_the_pool_the_first_one_sized() {
+    let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).build().expect("config");
+    let (rt, bus, seen) = setup(cfg);
+    let store = rt.store();
+    let ts: Vec<Tensor> = (0..4).map(|i| tensor(i as f64 + 1.0)).collect();
+    let pools = |ev: &[EventKind]| ev.iter().filter(|e| matches!(e, EventKind::PoolConfigured { .. })).count();
+    let before = pools(&events(&bus, &seen));
+    rt.begin_step(1);
+    unpack_all_in_reverse(&store, &pack_all(&store, &ts), &ts);
+    let misses = rt.metrics().pool_misses;
+    assert!(misses > 0, "the provisional pool is too small");
+    rt.between_micro_batches().expect("between micro-batches");
+    assert_eq!(pools(&events(&bus, &seen)), before + 1, "sized once, between the micro-batches");
+    for _ in 0..2 {
+        unpack_all_in_reverse(&store, &pack_all(&store, &ts), &ts);
+        rt.between_micro_batches().expect("between micro-batches");
+    }
+    let m = rt.end_step().expect("step end");
+    assert_eq!(m.pool_misses, misses, "the later micro-batches found slabs: {m:?}");
+    assert_eq!(pools(&events(&bus, &seen)), before + 1, "and the pool was not sized again");
+}
+
 #[test]
 fn a_fixed_pool_warns_once_when_it_falls_back() {
     let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).size_pool_from_trace(false, None).build().expect("config");

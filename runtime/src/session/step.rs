@@ -239,6 +239,11 @@ impl Stagehand {
                     share.f_backward()?;
                 }
             }
+            if !last {
+                if let Some(a) = &acts {
+                    a.between_micro_batches()?;
+                }
+            }
             let l = loss.detach().f_to_kind(tch::Kind::Double)?;
             loss_sum = Some(match loss_sum {
                 Some(sum) => sum.f_add(&l)?,
