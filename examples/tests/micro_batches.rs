@@ -9,20 +9,9 @@ use stagehand::events::Bus;
 use stagehand::optim::Kernel;
 use stagehand::parallel::Devices;
 use stagehand_examples::trainer::{train, train_group, Hooks, Memory, TrainConfig};
-use std::sync::{Mutex, MutexGuard};
 
-/// The runs draw their weights and batches from libtorch's global generator: one test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// Takes this file's turn, with the hook engine installed and one intra-op thread (libtorch's
-/// CPU reductions then sum in one order in every run).
-fn serial() -> MutexGuard<'static, ()> {
-    let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    stagehand::torch::init();
-    stagehand::torch::hooks::install().expect("hook engine");
-    tch::set_num_threads(1);
-    turn
-}
+mod common;
+use common::serial;
 
 const BUDGET: u64 = 10 << 20;
 
