@@ -418,9 +418,9 @@ pub fn train_with(
     hooks: Hooks<'_>,
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Summary> {
+    cfg.check_split(1)?;
     // The training thread's intra-op threads, the same in both modes; the handle's host
     // optimizer takes the same count.
-    cfg.check_split(1)?;
     tch::set_num_threads(cfg.thread_count() as i32);
     match cfg.memory {
         Memory::Resident => train_resident(cfg, device, bus, on_step, hooks),
@@ -461,13 +461,7 @@ fn train_resident(
         let mut loss_sum = tch::Tensor::zeros([], (tch::Kind::Double, device.tch_device()));
         for i in 0..n {
             bus.enter_phase(step, Phase::Forward);
-            let loss = {
-                let _autocast = match cfg.precision.compute_kind() {
-                    Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
-                    None => None,
-                };
-                Gpt::loss(&tch::nn::Module::forward(&model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n))
-            };
+            let loss = resident_loss(&model, cfg, device, &batch, i)?;
             bus.enter_phase(step, Phase::Backward);
             if n > 1 { &loss / n as f64 } else { loss.shallow_clone() }.backward();
             loss_sum += loss.detach().to_kind(tch::Kind::Double);
@@ -506,6 +500,16 @@ fn train_resident(
         stagehand::torch::amp::set_tf32(was);
     }
     Ok(s)
+}
+
+/// Micro-batch `i`'s loss through the resident model, under `cfg.precision`'s autocast.
+fn resident_loss(model: &Gpt, cfg: &TrainConfig, device: &Device, batch: &crate::data::Batch, i: usize) -> Result<tch::Tensor> {
+    let _autocast = match cfg.precision.compute_kind() {
+        Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
+        None => None,
+    };
+    let n = cfg.micro_batches;
+    Ok(Gpt::loss(&tch::nn::Module::forward(model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n)))
 }
 
 /// The resident run's optimizer: tch's AdamW over the model in fp32 and tf32; under 16-bit
@@ -621,13 +625,7 @@ pub fn time_forward_backward(cfg: &TrainConfig, device: &Device) -> Result<Vec<f
         }
         let n = cfg.micro_batches;
         for i in 0..n {
-            let loss = {
-                let _autocast = match cfg.precision.compute_kind() {
-                    Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
-                    None => None,
-                };
-                Gpt::loss(&tch::nn::Module::forward(&model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n))
-            };
+            let loss = resident_loss(&model, cfg, device, &batch, i)?;
             if n > 1 { &loss / n as f64 } else { loss }.backward();
         }
         device.synchronize()?;
