@@ -11,8 +11,8 @@
 //! about the configuration.
 //!
 //! Every knob a finding names is one of [`KNOBS`]: a method of the `Stagehand` builder (or, for
-//! the learning rate, of the handle's optimizer, and for checkpointed blocks, of the model) and a
-//! flag of the demo with the same name.
+//! the learning rate, of the handle's optimizer, for micro-batches, of its step, and for
+//! checkpointed blocks, of the model) and a flag of the demo with the same name.
 
 use super::snapshot::{Snapshot, StepRecord};
 use serde::{Deserialize, Serialize};
@@ -69,6 +69,7 @@ pub const KNOBS: &[Knob] = &[
         code: "activations::recompute over each block's input and weights (the demo's GptConfig::checkpoint)",
         flag: "--checkpoint",
     },
+    Knob { name: "micro_batches", code: "sh.train_step_micro(opt, micro_batches, |i| loss_i)", flag: "--micro-batches" },
     Knob {
         name: "telemetry_level",
         code: "Stagehand::builder().telemetry(TelemetryConfig { level, .. })",
@@ -273,8 +274,8 @@ fn time(r: &StepRecord, out: &mut Vec<Finding>) {
                 100.0 * share(t.optimizer_ms)
             ),
             &knob(
-                &["optimizer_state", "checkpoint"],
-                "fewer host bytes a step: moments stored in bf16 or int8, or checkpointed blocks, whose activations do not cross the same memory",
+                &["micro_batches", "optimizer_state", "checkpoint"],
+                "more tokens a step for the same host pass (micro-batches), or fewer host bytes a step: moments stored in bf16 or int8, or checkpointed blocks, whose activations do not cross the same memory",
             ),
         ));
     }
@@ -476,7 +477,7 @@ mod tests {
         let f = with(2, 180.0).expect("60% of the step");
         assert_eq!(f.severity, Severity::Info);
         assert!(f.message.contains("180.0 ms (60%)"), "{}", f.message);
-        assert!(f.knob.starts_with("optimizer_state or checkpoint: "), "{}", f.knob);
+        assert!(f.knob.starts_with("micro_batches or optimizer_state or checkpoint: "), "{}", f.knob);
         assert!(with(2, 60.0).is_none(), "20% is under the threshold");
         assert!(with(1, 180.0).is_none(), "step 1 says nothing about the configuration");
     }

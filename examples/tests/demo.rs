@@ -352,3 +352,21 @@ fn telemetry_lost_to_a_full_disk_is_reported_and_fails_the_run() {
     let lost = out.lines().find(|l| l.contains("lost writing the telemetry")).expect("the summary says what was lost");
     assert!(!lost.contains(" 0 lost"), "{lost}");
 }
+
+/// Every setting a finding names is a flag of the demo (its `--help` lists it), and a batch that
+/// does not split into the micro-batches asked for is refused before anything starts.
+#[test]
+fn every_knob_a_finding_names_is_a_flag_and_micro_batches_are_checked() {
+    let help = Command::new(DEMO).arg("--help").output().expect("the demo runs");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for k in stagehand::events::insight::KNOBS {
+        assert!(help.contains(k.flag), "{} ({}) is not a flag of the demo", k.flag, k.name);
+    }
+    let o = Command::new(DEMO)
+        .args(["--steps", "1", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "4", "--micro-batches", "3"])
+        .args(["--cpu", "--no-serve", "--telemetry-level", "off"])
+        .output()
+        .expect("the demo runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("multiple of 3"), "{err}");
+}
