@@ -37,7 +37,8 @@
 //! optimizer, its gradient reductions' time on the device, the H2D and D2H bytes, its host
 //! optimizer's time), the tokens a second against the one-GPU run's (the scaling), both loss
 //! curves, and the host memory each run took (peak resident set over what was there before, and
-//! what the plans count) with its ratio. Two GPUs:
+//! what the plans count) with its ratio, and each GPU's own pinned staging (its activation pool)
+//! against the bound 1.1x one GPU's host memory plus the staging beyond one GPU's. Two GPUs:
 //! `MJ_GPUS=2 cargo bench -p stagehand-examples --bench main_job`.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench main_job`.
@@ -583,6 +584,18 @@ fn data_parallel(
         plan_group as f64 / (1u64 << 30) as f64,
         plan_one as f64 / (1u64 << 30) as f64,
         plan_group as f64 / plan_one.max(1) as f64
+    );
+    // The bound: 1.1x one GPU's, plus each GPU's own pinned staging (its activation
+    // pool; the gradient shards are in the plans, one copy's worth together).
+    let staging: Vec<u64> = ranks.iter().map(|r| r.summary.activation_pool_bytes).collect();
+    let bound = 1.1 * one_host as f64 + staging.iter().sum::<u64>().saturating_sub(one.activation_pool_bytes) as f64;
+    println!(
+        "  pinned staging (activation pools): [{}] MiB on {gpus} GPUs, {:.1} MiB on one; host memory {:.2} GiB against 1.1x one GPU's plus the staging beyond it, {:.2} GiB: {}",
+        staging.iter().map(|b| format!("{:.1}", *b as f64 / MIB)).collect::<Vec<_>>().join(", "),
+        one.activation_pool_bytes as f64 / MIB,
+        group_host as f64 / (1u64 << 30) as f64,
+        bound / (1u64 << 30) as f64,
+        if (group_host as f64) <= bound { "within" } else { "over" }
     );
     Ok(())
 }

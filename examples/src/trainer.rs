@@ -286,6 +286,8 @@ pub struct Summary {
     pub guards: Option<stagehand::guards::Checked>,
     /// Spills checksummed and restores verified (when checksums are on).
     pub checksums: Option<(u64, u64)>,
+    /// Bytes the activation pool held at the end (pinned on CUDA): a device's own staging.
+    pub activation_pool_bytes: u64,
 }
 
 impl Summary {
@@ -336,6 +338,7 @@ impl Summary {
         self.plan = sh.plan();
         self.guards = sh.guard_checks();
         self.checksums = sh.checksum_counts();
+        self.activation_pool_bytes = sh.activations().map_or(0, |a| a.pool_bytes());
         sh.finish()?;
         Ok(())
     }

@@ -175,6 +175,12 @@ impl SlabPool {
         })
     }
 
+    /// Bytes of every slab together (pinned on CUDA), free or leased.
+    pub fn capacity_bytes(&self) -> u64 {
+        let st = self.shared.lock();
+        self.shared.classes.iter().zip(&st.stats.total).map(|(c, &n)| c.slab_bytes as u64 * n as u64).sum()
+    }
+
     /// Bytes of the largest slab.
     pub fn largest_slab(&self) -> usize {
         self.shared.classes.last().map_or(0, |c| c.slab_bytes)

@@ -265,6 +265,11 @@ impl ActivationRuntime {
         self.shared.lock().pool_stats()
     }
 
+    /// Bytes the pool holds, every slab (pinned on CUDA).
+    pub fn pool_bytes(&self) -> u64 {
+        self.shared.lock().pool_bytes()
+    }
+
     /// Whether the hysteresis flag is on.
     pub fn is_spilling(&self) -> bool {
         self.shared.lock().policy().is_spilling()

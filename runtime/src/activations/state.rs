@@ -195,6 +195,10 @@ impl State {
         self.pool.stats()
     }
 
+    pub(super) fn pool_bytes(&self) -> u64 {
+        self.pool.capacity_bytes()
+    }
+
     /// The records and the spill queue, for a test that reaches between them.
     #[cfg(test)]
     pub(super) fn records_and_spills(&mut self) -> (&mut Records, &mut SpillQueue) {
