@@ -1,18 +1,24 @@
 //! The demo's training loop as a library function, so the demo binary, the benchmark and the
 //! end-to-end tests run exactly the same code: the GPT of this crate trained resident in plain
-//! tch, or under one [`Stagehand`] handle with a device budget.
+//! tch, or under one [`Stagehand`] handle with a device budget. The resident reference is in
+//! `resident`, data parallel training over several GPUs in `group`.
 
 use crate::data::progression_batch;
-use crate::gpt::{Attention, Gpt, GptConfig, StreamedLayers, TchLayers};
+use crate::gpt::{Attention, Gpt, GptConfig, StreamedLayers};
 use anyhow::Result;
 use serde::Serialize;
 use stagehand::device::Device;
-use stagehand::events::{Bus, EventKind, Phase, StepTimeBreakdown, TrainStepMetrics};
+use stagehand::events::{Bus, EventKind, StepTimeBreakdown};
 use stagehand::optim::Kernel;
 use stagehand::{Plan, Precision, Stagehand, StateStorage};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
-use tch::nn::{self, OptimizerConfig};
+use tch::nn;
+
+mod group;
+mod resident;
+
+pub use group::{train_group, RankSummary};
+pub use resident::time_forward_backward;
 
 /// How the model's memory is managed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -426,215 +432,9 @@ pub fn train_with(
     // optimizer takes the same count.
     tch::set_num_threads(cfg.thread_count() as i32);
     match cfg.memory {
-        Memory::Resident => train_resident(cfg, device, bus, on_step, hooks),
+        Memory::Resident => resident::train_resident(cfg, device, bus, on_step, hooks),
         Memory::Stagehand => stagehand_run(cfg, device, bus, on_step, hooks, customize),
     }
-}
-
-fn train_resident(
-    cfg: &TrainConfig,
-    device: &Device,
-    bus: &Bus,
-    mut on_step: impl FnMut(u64, f64, f64),
-    hooks: Hooks<'_>,
-) -> Result<Summary> {
-    tch::manual_seed(cfg.seed);
-    // Built on the CPU, as the streamed model is, so both start from the same weights.
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
-    vs.set_device(device.tch_device());
-    let mut opt = ResidentOptimizer::new(&vs, cfg, device)?;
-    let tf32 = (cfg.precision == Precision::Tf32 && device.is_cuda()).then(|| stagehand::torch::amp::set_tf32(true));
-    let mut s = Summary::default();
-    // On the host device plain tch's tensors are not counted in the simulated VRAM: there is
-    // no reading to publish.
-    let measured = device.is_cuda();
-    for step in 1..=cfg.steps {
-        if hooks.stopped() {
-            s.stopped = true;
-            break;
-        }
-        let t0 = Instant::now();
-        device.reset_peak();
-        bus.enter_phase(step, Phase::StepBegin);
-        let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
-        opt.zero_grad()?;
-        // Each micro-batch adds its share of the batch's mean loss to the gradients.
-        let n = cfg.micro_batches;
-        let mut loss_sum = tch::Tensor::zeros([], (tch::Kind::Double, device.tch_device()));
-        for i in 0..n {
-            bus.enter_phase(step, Phase::Forward);
-            let loss = resident_loss(&model, cfg, device, &batch, i)?;
-            bus.enter_phase(step, Phase::Backward);
-            if n > 1 { &loss / n as f64 } else { loss.shallow_clone() }.backward();
-            loss_sum += loss.detach().to_kind(tch::Kind::Double);
-        }
-        bus.enter_phase(step, Phase::Optimizer);
-        opt.step()?;
-        let loss_v = loss_sum.double_value(&[]) / n as f64;
-        device.synchronize()?;
-        bus.enter_phase(step, Phase::StepEnd);
-        let dt = t0.elapsed().as_secs_f64();
-        let mem = device.memory();
-        if measured {
-            bus.publish(EventKind::VramSample {
-                allocated_bytes: mem.allocated,
-                reserved_bytes: mem.reserved,
-                peak_allocated_bytes: mem.peak,
-            });
-        }
-        bus.publish(EventKind::TrainStep(TrainStepMetrics {
-            loss: loss_v,
-            step_time_s: dt,
-            tokens: cfg.tokens(),
-            vram_peak_bytes: mem.peak,
-            ..Default::default()
-        }));
-        s.peak_bytes = s.peak_bytes.max(mem.peak);
-        s.step_peaks.push(mem.peak);
-        s.losses.push(loss_v);
-        s.step_times.push(dt);
-        s.steps = step;
-        on_step(step, loss_v, dt);
-    }
-    bus.enter_phase(s.steps, Phase::Idle);
-    bus.publish(EventKind::RunEnded { steps: s.steps });
-    if let Some(was) = tf32 {
-        stagehand::torch::amp::set_tf32(was);
-    }
-    Ok(s)
-}
-
-/// Micro-batch `i`'s loss through the resident model, under `cfg.precision`'s autocast.
-fn resident_loss(model: &Gpt, cfg: &TrainConfig, device: &Device, batch: &crate::data::Batch, i: usize) -> Result<tch::Tensor> {
-    let _autocast = match cfg.precision.compute_kind() {
-        Some(k) => Some(stagehand::torch::amp::Autocast::enter(device.is_cuda(), k)?),
-        None => None,
-    };
-    let n = cfg.micro_batches;
-    Ok(Gpt::loss(&tch::nn::Module::forward(model, &micro(&batch.inputs, i, n)), &micro(&batch.targets, i, n)))
-}
-
-/// The resident run's optimizer: tch's AdamW over the model in fp32 and tf32; under 16-bit
-/// precisions the standard recipe: the model's weights in 16 bits, float32 masters beside them
-/// on the device, AdamW over the masters (libtorch's fused kernel on CUDA, its exact optimizer
-/// on the host device, as the handle's host optimizer there), and the masters' rounding copied
-/// back into the weights after each step.
-enum ResidentOptimizer {
-    Plain(nn::Optimizer),
-    Mixed {
-        weights: Vec<tch::Tensor>,
-        master_list: Vec<tch::Tensor>,
-        exact: Option<nn::Optimizer>,
-        fused: Option<(Vec<tch::Tensor>, Vec<tch::Tensor>, Vec<tch::Tensor>)>,
-        lr: f64,
-    },
-}
-
-impl ResidentOptimizer {
-    fn new(vs: &nn::VarStore, cfg: &TrainConfig, device: &Device) -> Result<ResidentOptimizer> {
-        let Some(kind) = cfg.precision.compute_kind() else {
-            return Ok(ResidentOptimizer::Plain(nn::AdamW::default().build(vs, cfg.learning_rate)?));
-        };
-        let masters = nn::VarStore::new(device.tch_device());
-        let mut weights = Vec::new();
-        let mut master_list = Vec::new();
-        let mut named: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, mut w) in named {
-            let m = masters.root().var_copy(&name.replace('.', "_"), &w);
-            tch::no_grad(|| w.set_data(&w.to_kind(kind)));
-            weights.push(w);
-            master_list.push(m);
-        }
-        let (exact, fused) = if device.is_cuda() {
-            let z = || master_list.iter().map(|m| m.zeros_like()).collect::<Vec<_>>();
-            let steps = master_list.iter().map(|_| tch::Tensor::zeros([], (tch::Kind::Float, device.tch_device()))).collect();
-            (None, Some((z(), z(), steps)))
-        } else {
-            (Some(nn::AdamW::default().build(&masters, cfg.learning_rate)?), None)
-        };
-        Ok(ResidentOptimizer::Mixed { weights, master_list, exact, fused, lr: cfg.learning_rate })
-    }
-
-    fn zero_grad(&mut self) -> Result<()> {
-        match self {
-            ResidentOptimizer::Plain(o) => o.zero_grad(),
-            ResidentOptimizer::Mixed { weights, .. } => {
-                for w in weights {
-                    let mut g = w.grad();
-                    if g.defined() {
-                        let _ = g.zero_();
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn step(&mut self) -> Result<()> {
-        match self {
-            ResidentOptimizer::Plain(o) => o.step(),
-            ResidentOptimizer::Mixed { weights, master_list, exact, fused, lr } => {
-                for (w, m) in weights.iter().zip(master_list.iter()) {
-                    let g = w.grad();
-                    let g32 = if g.defined() { Some(g.to_kind(tch::Kind::Float)) } else { None };
-                    stagehand::torch::optim::set_grad(m, g32.as_ref())?;
-                }
-                if let Some(o) = exact {
-                    o.step();
-                }
-                if let Some((m1, m2, steps)) = fused {
-                    let d = nn::AdamW::default();
-                    let grads: Vec<tch::Tensor> = master_list.iter().map(|m| m.grad()).collect();
-                    let h = stagehand::torch::optim::AdamStep { lr: *lr, beta1: d.beta1, beta2: d.beta2, weight_decay: d.wd, eps: d.eps };
-                    tch::no_grad(|| stagehand::torch::optim::fused_adam(stagehand::torch::optim::FusedAdam::AdamW, master_list, &grads, m1, m2, steps, h))?;
-                }
-                tch::no_grad(|| {
-                    for (w, m) in weights.iter().zip(master_list.iter()) {
-                        w.detach().copy_(m);
-                    }
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The resident model's forward and backward alone, no optimizer (for a model whose optimizer
-/// does not fit on the device beside it): each step's wall time, the device synchronized at its
-/// end. The model is in `cfg.precision`'s compute dtype under its autocast.
-pub fn time_forward_backward(cfg: &TrainConfig, device: &Device) -> Result<Vec<f64>> {
-    cfg.check_split(1)?;
-    tch::manual_seed(cfg.seed);
-    let vs = nn::VarStore::new(device.tch_device());
-    let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
-    if let Some(kind) = cfg.precision.compute_kind() {
-        tch::no_grad(|| {
-            for (_, mut w) in vs.variables() {
-                w.set_data(&w.to_kind(kind));
-            }
-        });
-    }
-    let mut times = Vec::new();
-    for _ in 0..cfg.steps {
-        let batch = progression_batch(cfg.batch, cfg.model.block_size, cfg.model.vocab, device.tch_device());
-        let t0 = Instant::now();
-        for (_, w) in vs.variables() {
-            let mut g = w.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
-        }
-        let n = cfg.micro_batches;
-        for i in 0..n {
-            let loss = resident_loss(&model, cfg, device, &batch, i)?;
-            if n > 1 { &loss / n as f64 } else { loss }.backward();
-        }
-        device.synchronize()?;
-        times.push(t0.elapsed().as_secs_f64());
-    }
-    Ok(times)
 }
 
 /// Trains under a [`Stagehand`] handle built from `cfg` on `device` and `bus`; `customize` may
@@ -693,126 +493,6 @@ fn stagehand_run(
     opt.wait()?;
     s.close(&sh)?;
     Ok(s)
-}
-
-/// One GPU's record of a data-parallel run ([`train_group`]).
-#[derive(Debug, Clone)]
-pub struct RankSummary {
-    pub rank: usize,
-    /// Its device's index.
-    pub device: u32,
-    /// Its steps: the group's loss (every rank reports the same), its own step times, time
-    /// breakdowns and peaks, its plan.
-    pub summary: Summary,
-    /// Its weight runtime's figures of each step: the copies (H2D weights, D2H gradient
-    /// shards) and its gradient reductions' time on the device (`collective_ms`).
-    pub weights: Vec<stagehand::events::WeightStepMetrics>,
-    /// Host bytes its plan counts: pinned weights (rank 0: the one copy) and gradient shards,
-    /// optimizer state, float32 masters.
-    pub plan_host_bytes: u64,
-}
-
-/// The global batches of a data-parallel run, each drawn once, in step order, from the
-/// process's generator (as one device's loop draws them), and shared by the ranks, each of
-/// which trains on its slice.
-struct SharedBatches {
-    world: usize,
-    cfg: (i64, i64, i64),
-    /// By step: the batch and how many ranks took it.
-    drawn: std::sync::Mutex<std::collections::BTreeMap<u64, (crate::data::Batch, usize)>>,
-}
-
-impl SharedBatches {
-    fn take(&self, step: u64) -> crate::data::Batch {
-        let mut d = self.drawn.lock().unwrap_or_else(|p| p.into_inner());
-        let (batch, block, vocab) = self.cfg;
-        let e = d.entry(step).or_insert_with(|| (progression_batch(batch, block, vocab, tch::Device::Cpu), 0));
-        e.1 += 1;
-        let out = crate::data::Batch { inputs: e.0.inputs.shallow_clone(), targets: e.0.targets.shallow_clone() };
-        if e.1 == self.world {
-            d.remove(&step);
-        }
-        out
-    }
-}
-
-/// Trains the GPT data parallel over `devices` (one rank each, the budget each device's) on
-/// the global batch `cfg.batch`, each rank on its slice: the steps one device trains with
-/// [`train_with`] over the same batches (drawn from the same generator). `on_step(rank, step,
-/// loss, seconds)` runs on each rank's thread after its steps; `hooks.on_plan` gets rank 0's
-/// plan; `hooks.stop` ends every rank after the same step (the ranks decide together). Each
-/// rank's host optimizer takes its share of `cfg.thread_count()`. Returns each rank's record.
-pub fn train_group(
-    cfg: &TrainConfig,
-    devices: Vec<Device>,
-    bus: &Bus,
-    on_step: impl Fn(usize, u64, f64, f64) + Sync,
-    hooks: Hooks<'_>,
-    customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
-) -> Result<Vec<RankSummary>> {
-    let world = devices.len();
-    anyhow::ensure!(world > 0, "a group of no devices");
-    cfg.check_split(world)?;
-    tch::set_num_threads(cfg.thread_count() as i32);
-    let mut builder = Stagehand::builder()
-        .budget_bytes(cfg.budget_bytes)
-        .devices(devices)
-        .bus(bus.clone())
-        .conductor(cfg.conductor)
-        .precision(cfg.precision)
-        .optimizer_state(cfg.optimizer_state)
-        .host_optimizer_threads((cfg.thread_count() / world).max(1));
-    if let Some(k) = cfg.kernel {
-        builder = builder.kernel(k);
-    }
-    let group = customize(builder).build_group()?;
-    let batches = SharedBatches {
-        world,
-        cfg: (cfg.batch, cfg.model.block_size, cfg.model.vocab),
-        drawn: std::sync::Mutex::new(Default::default()),
-    };
-    let Hooks { on_plan, stop } = hooks;
-    let on_plan = std::sync::Mutex::new(on_plan);
-    // As one device's loop: seeded before the model is built (rank 0's build draws what one
-    // device's would; the group puts the generator back after the other ranks').
-    tch::manual_seed(cfg.seed);
-    let model_cfg = cfg.model;
-    let tokens = cfg.tokens() / world as u64;
-    let ranks = group.run(
-        |sh| Gpt::new(&StreamedLayers(sh.store()), model_cfg),
-        |sh, model| -> Result<RankSummary> {
-            sh.set_tokens_per_step(tokens);
-            let mut opt = sh.optimizer(nn::AdamW::default(), cfg.learning_rate)?;
-            let plan = sh.prepare()?;
-            if sh.rank() == 0 {
-                if let Some(f) = on_plan.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                    f(&plan);
-                }
-            }
-            let mut s = Summary::default();
-            let mut weights = Vec::new();
-            for step in 1..=cfg.steps {
-                // Every rank stops after the same step, or none does.
-                if sh.any_rank(stop.is_some_and(|s| s.load(Ordering::SeqCst)))? {
-                    s.stopped = true;
-                    break;
-                }
-                let batch = batches.take(step);
-                let (x, y) = (sh.shard(&batch.inputs)?, sh.shard(&batch.targets)?);
-                let n = cfg.micro_batches;
-                let r = sh.train_step_micro(&mut opt, n, |i| Gpt::loss(&tch::nn::Module::forward(&*model, &micro(&x, i, n)), &micro(&y, i, n)))?;
-                s.record(sh, &opt, step, &r);
-                weights.push(sh.weights().last_step_metrics());
-                on_step(sh.rank(), step, r.loss, r.step_ms / 1e3);
-            }
-            opt.wait()?;
-            s.close(sh)?;
-            let plan_host_bytes = s.plan.as_ref().map_or(0, |p| p.pinned_bytes + p.optimizer_state_bytes + p.master_bytes);
-            Ok(RankSummary { rank: sh.rank(), device: sh.device().info().index, summary: s, weights, plan_host_bytes })
-        },
-    )?;
-    group.flush();
-    Ok(ranks)
 }
 
 #[cfg(test)]
