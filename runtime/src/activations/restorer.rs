@@ -10,6 +10,7 @@
 
 use super::ctx::Ctx;
 use super::record::{RecordState, Records};
+use super::sizing::SizeProfile;
 use crate::conductor::{ReservationRequest, SlotToken};
 use crate::device::{Device, Order, WaitProbe};
 use crate::error::{Error, Result};
@@ -35,14 +36,12 @@ pub(super) struct Ahead {
 }
 
 /// What restoring did in one call, for the step's metrics.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Restored {
     pub count: u64,
     pub bytes: u64,
     pub stall_ms: f64,
     pub stalls: u64,
-    /// The bytes each lease given back was acquired for (its last part restored).
-    pub released: Vec<u64>,
 }
 
 impl std::ops::AddAssign for Restored {
@@ -51,7 +50,6 @@ impl std::ops::AddAssign for Restored {
         self.bytes += o.bytes;
         self.stall_ms += o.stall_ms;
         self.stalls += o.stalls;
-        self.released.extend(o.released);
     }
 }
 
@@ -158,12 +156,16 @@ impl Restorer {
 
     /// Completes a restore: its copy waited for, its host bytes given up (the slab goes back to
     /// the pool with the last tensor copied into it).
-    fn complete(&mut self, records: &mut Records, idx: usize, ctx: &Ctx<'_>) -> Result<Restored> {
+    fn complete(&mut self, records: &mut Records, sizes: &mut SizeProfile, idx: usize, ctx: &Ctx<'_>) -> Result<Restored> {
         self.inflight.retain(|&i| i != idx);
         let Some(rec) = records.get_mut(idx) else { return Ok(Restored::default()) };
         let Some(t) = rec.restore.take() else { return Ok(Restored::default()) };
         let (lease, elapsed) = self.copier.wait(t)?;
-        let released = if lease.is_last() { vec![lease.requested_bytes() as u64] } else { Vec::new() };
+        // Its host memory is free again once the last tensor copied into it is back: the pool's
+        // trace counts what is held at once, not what a step spilled in all.
+        if lease.is_last() {
+            sizes.released(lease.requested_bytes() as u64);
+        }
         drop(lease);
         rec.transition(RecordState::Restored)?;
         // A stall lasts as long as the copy the compute stream waited for (the GPU's timing); on
@@ -185,12 +187,11 @@ impl Restorer {
             bytes,
             stall_ms,
             stalls: u64::from(!predicted),
-            released,
         })
     }
 
     /// Completes the restores whose copies finished (all of them, waiting, with `all`).
-    pub(super) fn reap(&mut self, records: &mut Records, ctx: &Ctx<'_>, all: bool) -> Result<Restored> {
+    pub(super) fn reap(&mut self, records: &mut Records, sizes: &mut SizeProfile, ctx: &Ctx<'_>, all: bool) -> Result<Restored> {
         let done: Vec<usize> = self
             .inflight
             .iter()
@@ -199,7 +200,7 @@ impl Restorer {
             .collect();
         let mut out = Restored::default();
         for i in done {
-            out += self.complete(records, i, ctx)?;
+            out += self.complete(records, sizes, i, ctx)?;
         }
         Ok(out)
     }

@@ -778,16 +778,11 @@ impl Shared {
 
     fn reap_restores(&self, g: &mut State, ctx: &Ctx<'_>, all: bool) -> Result<()> {
         let State { records, restorer, metrics, sizes, .. } = g;
-        let r = restorer.reap(records, ctx, all)?;
+        let r = restorer.reap(records, sizes, ctx, all)?;
         metrics.activations_restored += r.count;
         metrics.restore_bytes += r.bytes;
         metrics.stall_time_ms += r.stall_ms;
         metrics.stall_count += r.stalls;
-        // A restored spill's host memory is free again: the pool's trace counts what is held
-        // at once, not what a step spilled in all.
-        for b in r.released {
-            sizes.released(b);
-        }
         Ok(())
     }
 
