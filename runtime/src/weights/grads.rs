@@ -69,14 +69,14 @@ impl GradSink {
             outgoing.push((gi, g));
         }
         // Later gradients of the window first take in the sums so far, all the block's at once.
-        let later: Vec<(&HostBuffer, &tch::Tensor)> = outgoing
+        let later = outgoing
             .iter()
             .filter(|(gi, _)| block.grads[*gi].received)
-            .filter_map(|(gi, g)| block.grads[*gi].buf.as_ref().map(|b| (b, g)))
-            .collect();
-        if later.len() != outgoing.iter().filter(|(gi, _)| block.grads[*gi].received).count() {
-            return Err(Error::internal(format!("block {id}: a gradient's sum so far has no host buffer")));
-        }
+            .map(|(gi, g)| {
+                let buf = block.grads[*gi].buf.as_ref();
+                buf.map(|b| (b, g)).ok_or_else(|| Error::internal(format!("block {id}: a gradient's sum so far has no host buffer")))
+            })
+            .collect::<Result<Vec<(&HostBuffer, &tch::Tensor)>>>()?;
         self.sum.add_host_sums(&self.copier, &later, &format!("block '{}' gradients", block.spec.name))?;
         drop(later);
         for (gi, g) in outgoing {
