@@ -26,7 +26,7 @@
 //! scope over its input and weights, so only block inputs are stored; 0: not; default: the
 //! demo's rule, on in 16-bit precisions), `MJ_MICRO` (the step's batch split into that many
 //! micro-batches, gradient accumulation, in both runs; with `MJ_GPUS=N`, each GPU takes
-//! `MJ_MICRO / N` of them, at least one).
+//! `MJ_MICRO / N` of them: a multiple of N, or fewer than N, each GPU then one).
 //! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
 //! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
@@ -201,7 +201,8 @@ fn main() -> anyhow::Result<()> {
     };
     let mut cfg = TrainConfig::demo(steps, layers, d, seq, batch, budget).with_precision(precision);
     cfg.optimizer_state = storage;
-    cfg.micro_batches = env("MJ_MICRO", 1).max(1) as usize;
+    // 0 or less is refused by the split's check, not taken as 1.
+    cfg.micro_batches = usize::try_from(env("MJ_MICRO", 1)).unwrap_or(0);
     cfg.check_split(1)?;
     // Checkpointed blocks (each block one recompute scope; the resident run computes the same):
     // the demo's rule (on in 16-bit precisions) unless MJ_CHECKPOINT says.
@@ -508,7 +509,13 @@ fn data_parallel(
 ) -> anyhow::Result<()> {
     use stagehand::parallel::Devices;
     let devices = if cuda { Devices::cuda(gpus)? } else { Devices::host(gpus, budget) };
-    // The same micro-batches as one GPU's, shared out: each GPU takes its part of them.
+    // The same micro-batches as one GPU's, shared out: each GPU takes its part of them (one, of
+    // its whole slice, when there are fewer than GPUs); a count the GPUs cannot share is refused.
+    anyhow::ensure!(
+        cfg.micro_batches < gpus || cfg.micro_batches.is_multiple_of(gpus),
+        "MJ_MICRO={} micro-batches do not share out over {gpus} GPUs: a multiple of {gpus}, or fewer than {gpus}",
+        cfg.micro_batches
+    );
     let cfg = &TrainConfig { micro_batches: (cfg.micro_batches / gpus).max(1), ..cfg.clone() };
     println!();
     println!(
