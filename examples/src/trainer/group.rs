@@ -7,7 +7,6 @@ use crate::gpt::{Gpt, StreamedLayers};
 use anyhow::Result;
 use stagehand::device::Device;
 use stagehand::events::Bus;
-use stagehand::Stagehand;
 use std::sync::atomic::Ordering;
 use tch::nn;
 
@@ -70,18 +69,7 @@ pub fn train_group(
     anyhow::ensure!(world > 0, "a group of no devices");
     cfg.check_split(world)?;
     tch::set_num_threads(cfg.thread_count() as i32);
-    let mut builder = Stagehand::builder()
-        .budget_bytes(cfg.budget_bytes)
-        .devices(devices)
-        .bus(bus.clone())
-        .conductor(cfg.conductor)
-        .precision(cfg.precision)
-        .optimizer_state(cfg.optimizer_state)
-        .host_optimizer_threads((cfg.thread_count() / world).max(1));
-    if let Some(k) = cfg.kernel {
-        builder = builder.kernel(k);
-    }
-    let group = customize(builder).build_group()?;
+    let group = customize(cfg.builder(bus, (cfg.thread_count() / world).max(1)).devices(devices)).build_group()?;
     let batches = SharedBatches {
         world,
         cfg: (cfg.batch, cfg.model.block_size, cfg.model.vocab),

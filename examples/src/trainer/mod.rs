@@ -210,6 +210,23 @@ impl TrainConfig {
         )
     }
 
+    /// The handle's builder for this run, its devices still to set: the budget, the bus, the
+    /// Conductor, the precision, the optimizer's state and kernel as configured, the host
+    /// optimizer on `host_threads` threads.
+    fn builder(&self, bus: &Bus, host_threads: usize) -> stagehand::StagehandBuilder {
+        let b = Stagehand::builder()
+            .budget_bytes(self.budget_bytes)
+            .bus(bus.clone())
+            .conductor(self.conductor)
+            .precision(self.precision)
+            .optimizer_state(self.optimizer_state)
+            .host_optimizer_threads(host_threads);
+        match self.kernel {
+            Some(k) => b.kernel(k),
+            None => b,
+        }
+    }
+
     /// Tokens one step processes.
     pub fn tokens(&self) -> u64 {
         (self.batch * self.model.block_size) as u64
@@ -457,18 +474,7 @@ fn stagehand_run(
     mut hooks: Hooks<'_>,
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Summary> {
-    let mut builder = Stagehand::builder()
-        .budget_bytes(cfg.budget_bytes)
-        .device(device.clone())
-        .bus(bus.clone())
-        .conductor(cfg.conductor)
-        .precision(cfg.precision)
-        .optimizer_state(cfg.optimizer_state)
-        .host_optimizer_threads(cfg.thread_count());
-    if let Some(k) = cfg.kernel {
-        builder = builder.kernel(k);
-    }
-    let sh = customize(builder).build()?;
+    let sh = customize(cfg.builder(bus, cfg.thread_count()).device(device.clone())).build()?;
     sh.set_tokens_per_step(cfg.tokens());
     tch::manual_seed(cfg.seed);
     let model = Gpt::new(&StreamedLayers(sh.store()), cfg.model);
