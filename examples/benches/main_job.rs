@@ -340,7 +340,7 @@ fn main() -> anyhow::Result<()> {
     let records: Vec<_> = snap.steps.iter().filter(|r| r.step > 1 && r.step <= steps).collect();
     let n = records.len().max(1) as f64;
     let sum = |f: &dyn Fn(&stagehand::events::snapshot::StepRecord) -> f64| records.iter().map(|r| f(r)).sum::<f64>() / n;
-    let w_h2d = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.h2d_bytes as f64));
+    let w_h2d = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.load_bytes() as f64));
     let w_min = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.min_h2d_bytes as f64));
     let w_d2h = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.d2h_bytes as f64));
     let g_sum = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_h2d_bytes as f64));

@@ -132,7 +132,7 @@ fn main() -> anyhow::Result<()> {
     let records: Vec<_> = snap.steps.iter().filter(|r| r.step > 1 && r.step <= steps).collect();
     let n = records.len().max(1) as f64;
     let per = |f: &dyn Fn(&stagehand::events::snapshot::StepRecord) -> f64| records.iter().map(|r| f(r)).sum::<f64>() / n;
-    let w_h2d = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.h2d_bytes as f64));
+    let w_h2d = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.load_bytes() as f64));
     let w_min = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.min_h2d_bytes as f64));
     let h2d = w_h2d + per(&|r| r.activations.as_ref().map_or(0.0, |a| a.restore_bytes as f64));
     let d2h = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.d2h_bytes as f64)) + per(&|r| r.activations.as_ref().map_or(0.0, |a| a.spill_bytes as f64));

@@ -4,6 +4,8 @@
 //! micro-batch's gradients take in the first's, brought back from their host buffers.
 
 use stagehand::device::Device;
+use stagehand::events::{Bus, Direction, EventKind, Hub, Owner};
+use std::sync::Arc;
 use stagehand::nn as snn;
 use stagehand::optim::Kernel;
 use stagehand::Stagehand;
@@ -55,9 +57,12 @@ fn two_micro_batches_equal_plain_accumulation() {
 
     let cuda = device.is_cuda();
     let budget = (96 << 10) + if cuda { device.memory().allocated } else { 0 };
+    let bus = Bus::with_hub(Arc::new(Hub::new()), 1 << 16);
+    let events = common::Collected::on(&bus);
     let sh = Stagehand::builder()
         .budget_bytes(budget)
         .device(if cuda { device.clone() } else { Device::host(budget) })
+        .bus(bus.clone())
         .kernel(Kernel::Exact)
         .build()
         .expect("handle");
@@ -76,6 +81,7 @@ fn two_micro_batches_equal_plain_accumulation() {
         let block = ((D * D + D) * 4) as u64;
         assert!(m.grad_sum_h2d_bytes > 0 && m.grad_sum_h2d_bytes % block == 0, "step {s}: {m:?}");
         assert!(2 * m.grad_sum_h2d_bytes <= m.d2h_bytes, "step {s}: {m:?}");
+        assert_eq!(m.load_bytes() + m.grad_sum_h2d_bytes, m.h2d_bytes, "step {s}: the sums are part of the copies in");
     }
     assert!(sh.plan().expect("plan").streams(), "blocks stream");
     if cuda {
@@ -98,4 +104,18 @@ fn two_micro_batches_equal_plain_accumulation() {
     }
     let e = sh.train_step_micro(&mut opt, 0, |i| loss(&model, &micro(9, i, dev))).expect_err("no micro-batches");
     assert!(e.to_string().contains("micro_batches = 0"), "{e}");
+    // One figure: the weight runtime's copies in, as its steps count them and as its transfer
+    // events add up (what a full telemetry file and a summary one both total).
+    sh.finish().expect("finish");
+    bus.flush();
+    let events = events.take();
+    let steps: u64 = events.iter().filter_map(|e| match &e.kind { EventKind::WeightStep(m) => Some(m.h2d_bytes), _ => None }).sum();
+    let copies: u64 = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::TransferCompleted { owner: Owner::Weights, dir: Direction::H2d, bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(steps, copies, "weight_step h2d_bytes against the weights' H2D transfers");
 }

@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct WeightStepMetrics {
+    /// Bytes the weight runtime copied to the device: its loads, and the gradient sums it brought
+    /// back for accumulation (`grad_sum_h2d_bytes` of them). Every copy is a `transfer_completed`
+    /// of the weights, so a step's detail events and this figure agree.
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
     pub stall_time_ms: f64,
@@ -32,7 +35,8 @@ pub struct WeightStepMetrics {
     #[serde(default)]
     pub update_wait_ms: f64,
     /// Bytes a scheduler that knew the whole step in advance would have had to copy in (the
-    /// Belady minimum for the step's itinerary and room), to compare with `h2d_bytes`.
+    /// Belady minimum for the step's itinerary and room), to compare with the loads
+    /// ([`WeightStepMetrics::load_bytes`]).
     #[serde(default)]
     pub min_h2d_bytes: u64,
     /// Milliseconds the training thread spent in the weight runtime's hooks (block entry and
@@ -51,10 +55,23 @@ pub struct WeightStepMetrics {
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub collective_bytes: u64,
     /// Gradient accumulation (micro-batches): bytes of gradient sums so far copied back to the
-    /// device, to be added to a later micro-batch's gradients there. Not in `h2d_bytes`, which
-    /// counts weights. Absent when nothing accumulated.
+    /// device, to be added to a later micro-batch's gradients there; part of `h2d_bytes`. Absent
+    /// when nothing accumulated.
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub grad_sum_h2d_bytes: u64,
+}
+
+impl WeightStepMetrics {
+    /// Bytes of weight loads: `h2d_bytes` less the gradient sums.
+    pub fn load_bytes(&self) -> u64 {
+        self.h2d_bytes.saturating_sub(self.grad_sum_h2d_bytes)
+    }
+
+    /// Counts `bytes` of gradient sums brought back to the device.
+    pub fn count_grad_sums(&mut self, bytes: u64) {
+        self.h2d_bytes = self.h2d_bytes.saturating_add(bytes);
+        self.grad_sum_h2d_bytes = self.grad_sum_h2d_bytes.saturating_add(bytes);
+    }
 }
 
 fn is_zero_f64(v: &f64) -> bool {

@@ -214,7 +214,7 @@ fn main() -> Result<()> {
     }
     println!(
         "last step: {:.1} MiB moved against a Belady minimum of {:.1} MiB for the combined itinerary",
-        mib(last.h2d_bytes),
+        mib(last.load_bytes()),
         mib(last.min_h2d_bytes)
     );
     for m in &last.models {

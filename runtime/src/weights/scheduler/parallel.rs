@@ -105,7 +105,7 @@ impl Scheduler {
         let Some(r) = self.rank.as_mut() else { return Err(Error::internal("a shard flush outside a group")) };
         let moved = r.reduce.flush(id, &mut self.blocks[id.0 as usize], slot)?;
         self.metrics.d2h_bytes += moved;
-        self.metrics.grad_sum_h2d_bytes += r.reduce.take_sum_bytes();
+        self.metrics.count_grad_sums(r.reduce.take_sum_bytes());
         if let Some(cap) = cap {
             r.reduce.bound(&mut self.blocks, cap)?;
         }

@@ -57,7 +57,7 @@ impl Scheduler {
         let slot = || conductor.acquire_slot(Direction::D2h, Owner::Weights, Priority::Required).ok();
         let moved = self.grads.flush(id, &mut self.blocks[id.0 as usize], slot)?;
         self.metrics.d2h_bytes += moved;
-        self.metrics.grad_sum_h2d_bytes += self.grads.take_sum_bytes();
+        self.metrics.count_grad_sums(self.grads.take_sum_bytes());
         if let Some(cap) = self.cfg.max_inflight_grad_bytes {
             self.grads.bound(&mut self.blocks, cap)?;
         }
