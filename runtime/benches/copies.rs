@@ -14,6 +14,10 @@
 //! units of a block, a third, a sixth, one d×d matrix and half of one). What a unit's copy costs
 //! beyond its bytes is what makes smaller units pay for the bytes they save.
 //!
+//! Last, pinning: how long the device layer takes to allocate a pinned buffer of each size in
+//! `STAGEHAND_PIN_MIB` (default `16,256,4096` on CUDA) and to free it, against `cuMemHostAlloc`
+//! (flags 0, page by page on the calling thread) of the same size in the same run.
+//!
 //! Run: `cargo bench -p stagehand-runtime --bench copies` (prints GB/s per direction and both at
 //! once).
 
@@ -96,6 +100,58 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    if dev.is_cuda() {
+        for mib in pin_sizes()? {
+            pin_pattern(&dev, mib << 20)?;
+        }
+    }
+    Ok(())
+}
+
+fn pin_sizes() -> anyhow::Result<Vec<usize>> {
+    std::env::var("STAGEHAND_PIN_MIB")
+        .unwrap_or_else(|_| "16,256,4096".into())
+        .split(',')
+        .map(|m| m.trim().parse::<usize>().ok().filter(|&m| m >= 1).ok_or_else(|| anyhow::anyhow!("STAGEHAND_PIN_MIB: '{m}' is not a size in MiB")))
+        .collect()
+}
+
+/// Allocates and frees a pinned buffer of `bytes` through the device layer, then through
+/// `cuMemHostAlloc` directly, and prints both (best of two: the first allocation of a size may
+/// pay for the kernel's own bookkeeping).
+fn pin_pattern(dev: &Device, bytes: usize) -> anyhow::Result<()> {
+    let ctx = cudarc::driver::CudaContext::new(0)?;
+    let (mut ours, mut plain) = ((f64::MAX, f64::MAX), (f64::MAX, f64::MAX));
+    for _ in 0..2 {
+        let t = Instant::now();
+        let buf = dev.alloc_host(bytes)?;
+        let alloc = t.elapsed().as_secs_f64() * 1e3;
+        anyhow::ensure!(buf.is_pinned(), "the device layer's buffer of {bytes} bytes is not pinned");
+        let t = Instant::now();
+        drop(buf);
+        ours = (ours.0.min(alloc), ours.1.min(t.elapsed().as_secs_f64() * 1e3));
+        ctx.bind_to_thread()?;
+        let t = Instant::now();
+        // SAFETY: a plain allocation, freed below and never read.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }?;
+        let alloc = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        // SAFETY: allocated just above; freed once.
+        unsafe { cudarc::driver::result::free_host(ptr) }?;
+        plain = (plain.0.min(alloc), plain.1.min(t.elapsed().as_secs_f64() * 1e3));
+    }
+    let rate = |ms: f64| bytes as f64 / (1 << 30) as f64 / (ms / 1e3);
+    println!(
+        "pin {} MiB: device layer {:.1} ms ({:.2} GiB/s), freed in {:.1} ms; cuMemHostAlloc {:.1} ms ({:.2} GiB/s), freed in {:.1} ms ({:.1}x)",
+        bytes >> 20,
+        ours.0,
+        rate(ours.0),
+        ours.1,
+        plain.0,
+        rate(plain.0),
+        plain.1,
+        plain.0 / ours.0
+    );
     Ok(())
 }
 

@@ -3,13 +3,15 @@
 //! [`Lease`]s that return to their class when dropped.
 //!
 //! A request takes a slab of the smallest class that fits, then of each larger class. When every
-//! class is empty, [`SlabPool::acquire`] falls back to a pageable buffer (a counted miss and one
-//! warning) if the pool allows it, or refuses; [`SlabPool::acquire_wait`] waits for a slab
+//! class is empty, [`SlabPool::acquire`] falls back to a buffer of its own (a counted miss and
+//! one warning) if the pool allows it, or refuses: pinned on the spot on CUDA, where pinning
+//! large buffers is fast enough (`device/pinning.rs`) that the copy staying asynchronous is worth
+//! it, and pageable where pinning fails or on the host device; [`SlabPool::acquire_wait`] waits for a slab
 //! instead, in slices so shutdown is noticed. The weight runtime stages file-backed blocks
 //! through a one-class pool; the activation runtime spills into a pool whose classes were sized
 //! from a traced step.
 
-use crate::device::{Device, HostBuffer, HostMemory, HostTarget};
+use crate::device::{Device, HostBuffer, HostMemory, HostPool, HostTarget};
 use crate::error::{Error, Result};
 use crate::events::{Bus, EventKind, Owner, PoolClass, PoolKind, SlabId};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -27,10 +29,14 @@ pub struct PoolStats {
     pub free: Vec<u32>,
     /// Most slabs of each class in use at once.
     pub peak_in_use: Vec<u32>,
-    /// Pageable buffers handed out because no slab was free, and bytes of them.
+    /// Buffers handed out because no slab was free, and bytes of them.
     pub fallbacks: u64,
     pub fallback_bytes: u64,
-    /// Pageable buffers not yet dropped.
+    /// Bytes of those that were pinned on the spot (the rest were pageable), and of those not
+    /// yet dropped.
+    pub pinned_fallback_bytes: u64,
+    pub pinned_fallback_live_bytes: u64,
+    /// Fallback buffers not yet dropped.
     pub fallbacks_live: u64,
     /// Acquisitions that had to wait, and for how long in all.
     pub wait_count: u64,
@@ -47,7 +53,17 @@ impl PoolStats {
 #[derive(Debug)]
 struct Class {
     slab_bytes: usize,
-    buffer: HostBuffer,
+    /// Slabs in each range (the last may hold fewer).
+    per_range: usize,
+    /// The class's memory, cut from the arena in ranges of at most its largest chunk.
+    ranges: Vec<HostBuffer>,
+}
+
+impl Class {
+    fn range_of(&self, slab: u32) -> (&HostBuffer, usize) {
+        let s = slab as usize;
+        (&self.ranges[s / self.per_range], (s % self.per_range) * self.slab_bytes)
+    }
 }
 
 #[derive(Debug)]
@@ -61,6 +77,11 @@ struct State {
 #[derive(Debug)]
 struct Shared {
     kind: PoolKind,
+    /// Where the slabs and the fallback buffers are cut from.
+    arena: HostPool,
+    /// Pinned bytes the slabs and the live pinned fallbacks may hold together; a fallback over
+    /// it is pageable (`u64::MAX`: no limit).
+    pinned_limit: std::sync::atomic::AtomicU64,
     classes: Vec<Class>,
     pageable_fallback: bool,
     /// Warn on the first pageable fallback (off for a provisional pool, which a traced step
@@ -87,11 +108,11 @@ pub struct SlabPool {
 /// What a lease points at.
 #[derive(Debug)]
 enum Memory {
-    Slab { class: u32, slab: SlabId, offset: usize },
-    Pageable(HostBuffer),
+    Slab { class: u32, slab: SlabId },
+    Fallback(HostBuffer),
 }
 
-/// Host memory on loan from a [`SlabPool`]: a slab (or a pageable fallback buffer) of at least
+/// Host memory on loan from a [`SlabPool`]: a slab (or a fallback buffer) of at least
 /// the requested size, returned when the lease drops.
 #[derive(Debug)]
 pub struct Lease {
@@ -104,7 +125,7 @@ pub struct Lease {
 
 impl SlabPool {
     /// Allocates every class at once: `slabs[i]` slabs of `class_bytes[i]` bytes (ascending),
-    /// pinned on CUDA.
+    /// pinned on CUDA, in one allocation of its own.
     pub fn new(
         device: &Device,
         kind: PoolKind,
@@ -113,49 +134,55 @@ impl SlabPool {
         pageable_fallback: bool,
         bus: Bus,
     ) -> Result<SlabPool> {
-        if class_bytes.len() != slabs.len() || class_bytes.is_empty() {
-            return Err(Error::Config {
-                field: "slabs_per_class",
-                value: format!("{slabs:?} for classes {class_bytes:?}"),
-                expected: "one slab count per class, at least one class".into(),
-            });
+        let layout = Layout::of(class_bytes, slabs, usize::MAX)?;
+        let arena = HostPool::new(device);
+        arena.reserve(layout.bytes())?;
+        SlabPool::build(&arena, kind, layout, pageable_fallback, bus)
+    }
+
+    /// [`SlabPool::new`] with the classes cut from `arena`, in ranges of at most its largest
+    /// chunk, and the fallback buffers as well: what one pool gives back (a step's fallbacks
+    /// restored, a pool replaced) serves the next without pinning again.
+    pub fn in_arena(
+        arena: &HostPool,
+        kind: PoolKind,
+        class_bytes: &[u64],
+        slabs: &[u32],
+        pageable_fallback: bool,
+        bus: Bus,
+    ) -> Result<SlabPool> {
+        let layout = Layout::of(class_bytes, slabs, arena.max_chunk_bytes())?;
+        SlabPool::build(arena, kind, layout, pageable_fallback, bus)
+    }
+
+    fn build(arena: &HostPool, kind: PoolKind, layout: Layout, pageable_fallback: bool, bus: Bus) -> Result<SlabPool> {
+        let mut classes = Vec::with_capacity(layout.classes.len());
+        for &(slab_bytes, count, per_range) in &layout.classes {
+            let mut ranges = Vec::with_capacity(count.div_ceil(per_range));
+            let mut left = count;
+            while left > 0 {
+                let n = left.min(per_range);
+                ranges.push(arena.alloc(n * slab_bytes)?);
+                left -= n;
+            }
+            classes.push(Class { slab_bytes, per_range, ranges });
         }
-        if class_bytes.windows(2).any(|w| w[0] >= w[1]) || class_bytes.first() == Some(&0) {
-            return Err(Error::Config {
-                field: "class_sizes",
-                value: format!("{class_bytes:?}"),
-                expected: "sizes above zero in ascending order".into(),
-            });
-        }
-        let too_large = |needed: u64| Error::TooLarge {
-            what: "pinned pool class".into(),
-            needed,
-            limit: "the address space is smaller".into(),
-        };
-        let mut classes = Vec::with_capacity(class_bytes.len());
-        for (&size, &count) in class_bytes.iter().zip(slabs) {
-            let slab_bytes = usize::try_from(size).map_err(|_| too_large(size))?;
-            let total = slab_bytes
-                .checked_mul(count as usize)
-                .ok_or_else(|| too_large(size.saturating_mul(count as u64)))?;
-            classes.push(Class {
-                slab_bytes,
-                buffer: device.alloc_host(total)?,
-            });
-        }
-        let pinned = classes.iter().any(|c| c.buffer.is_pinned());
+        let pinned = classes.iter().flat_map(|c| &c.ranges).any(|r| r.is_pinned());
+        let slabs: Vec<u32> = layout.classes.iter().map(|&(_, n, _)| n as u32).collect();
         bus.publish(EventKind::PoolConfigured {
             pool: kind,
-            classes: class_bytes
-                .iter()
-                .zip(slabs)
-                .map(|(&slab_bytes, &slabs)| PoolClass { slab_bytes, slabs })
-                .collect(),
+            classes: layout.classes.iter().map(|&(b, n, _)| PoolClass { slab_bytes: b as u64, slabs: n as u32 }).collect(),
             pinned,
         });
-        Ok(SlabPool {
+        Ok(SlabPool::with_classes(arena, kind, classes, &slabs, pageable_fallback, bus))
+    }
+
+    fn with_classes(arena: &HostPool, kind: PoolKind, classes: Vec<Class>, slabs: &[u32], pageable_fallback: bool, bus: Bus) -> SlabPool {
+        SlabPool {
             shared: Arc::new(Shared {
                 kind,
+                arena: arena.clone(),
+                pinned_limit: std::sync::atomic::AtomicU64::new(u64::MAX),
                 classes,
                 pageable_fallback,
                 warn: std::sync::atomic::AtomicBool::new(true),
@@ -172,7 +199,23 @@ impl SlabPool {
                 cv: Condvar::new(),
                 bus,
             }),
-        })
+        }
+    }
+
+    /// A pool of no slabs in this one's arena, with its fallback, limit and warning: what stands
+    /// in while a pool is replaced, so the old one's memory goes back to the arena before the
+    /// new one is cut from it. Publishes nothing.
+    pub fn vacant(&self) -> SlabPool {
+        let sh = &self.shared;
+        let pool = SlabPool::with_classes(&sh.arena, sh.kind, Vec::new(), &[], sh.pageable_fallback, sh.bus.clone());
+        pool.shared.pinned_limit.store(sh.pinned_limit.load(std::sync::atomic::Ordering::Relaxed), std::sync::atomic::Ordering::Relaxed);
+        pool.set_warn_on_fallback(sh.warn.load(std::sync::atomic::Ordering::Relaxed));
+        pool
+    }
+
+    /// The arena its slabs and fallbacks are cut from.
+    pub fn arena(&self) -> &HostPool {
+        &self.shared.arena
     }
 
     /// Bytes of every slab together (pinned on CUDA), free or leased.
@@ -188,8 +231,8 @@ impl SlabPool {
 
 
     /// A slab of at least `bytes` now, from the smallest class that has one; when none is free,
-    /// a pageable buffer (if the pool allows it) or an error. The flag says whether it is a
-    /// slab (a pool hit).
+    /// a fallback buffer (if the pool allows it: pinned on CUDA, else pageable) or an error. The
+    /// flag says whether it is a slab (a pool hit).
     pub fn acquire(&self, bytes: usize) -> Result<(Lease, bool)> {
         if let Some(lease) = self.take(bytes, Duration::ZERO)? {
             return Ok((lease, true));
@@ -202,31 +245,48 @@ impl SlabPool {
                 limit: "no slab is free or large enough and the pageable fallback is off".into(),
             });
         }
-        let buf = HostBuffer::pageable(bytes)?;
+        // The arena's bytes in use: this pool's slabs, its live fallbacks, and a pool being replaced.
+        let held = sh.arena.stats().in_use_bytes;
+        let may_pin = held.saturating_add(bytes as u64) <= sh.pinned_limit.load(std::sync::atomic::Ordering::Relaxed);
+        // Over the pinned limit, or where pinning fails, pageable memory takes the copy (counted
+        // and reported as such below). On the host device the arena's memory is plain memory.
+        let buf = match may_pin.then(|| sh.arena.alloc(bytes)) {
+            Some(Ok(b)) => b,
+            _ => HostBuffer::pageable(bytes)?,
+        };
+        let pinned = buf.is_pinned();
         let first = {
             let mut st = sh.lock();
             st.stats.fallbacks += 1;
             st.stats.fallbacks_live += 1;
             st.stats.fallback_bytes += bytes as u64;
+            if pinned {
+                st.stats.pinned_fallback_bytes += bytes as u64;
+                st.stats.pinned_fallback_live_bytes += bytes as u64;
+            }
             st.stats.fallbacks == 1
         };
-        sh.bus.publish(EventKind::PageableFallback {
-            pool: sh.kind,
-            bytes: bytes as u64,
-        });
+        if !pinned {
+            sh.bus.publish(EventKind::PageableFallback {
+                pool: sh.kind,
+                bytes: bytes as u64,
+            });
+        }
         if first && sh.warn.load(std::sync::atomic::Ordering::Relaxed) {
             // One warning per pool: the counters carry the rest.
+            let how = if pinned {
+                "pinning a buffer for it on the spot (a pause on the calling thread)"
+            } else {
+                "copying through pageable memory (slower)"
+            };
             sh.bus.publish(EventKind::Warning {
                 source: owner(sh.kind),
-                message: format!(
-                    "the {} pool had no free slab for {bytes} bytes; copying through pageable memory (slower); give it more slabs",
-                    wire(sh.kind)
-                ),
+                message: format!("the {} pool had no free slab for {bytes} bytes; {how}; give it more slabs", wire(sh.kind)),
             });
         }
         Ok((
             Lease {
-                memory: Memory::Pageable(buf),
+                memory: Memory::Fallback(buf),
                 len: bytes,
                 requested: bytes,
                 pool: sh.clone(),
@@ -280,11 +340,7 @@ impl SlabPool {
                     waited_ms,
                 });
                 return Ok(Some(Lease {
-                    memory: Memory::Slab {
-                        class: class as u32,
-                        slab,
-                        offset: slab.0 as usize * sh.classes[class].slab_bytes,
-                    },
+                    memory: Memory::Slab { class: class as u32, slab },
                     len: sh.classes[class].slab_bytes,
                     requested: bytes,
                     pool: sh.clone(),
@@ -310,6 +366,12 @@ impl SlabPool {
         }
     }
 
+    /// Caps the pinned bytes the slabs and the fallback buffers pinned on the spot hold together
+    /// (`None`: no cap); a fallback over it is pageable.
+    pub fn limit_pinned(&self, limit: Option<u64>) {
+        self.shared.pinned_limit.store(limit.unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Whether the first pageable fallback publishes a warning (on by default; a provisional
     /// pool that a traced step will replace is quiet).
     pub fn set_warn_on_fallback(&self, on: bool) {
@@ -326,6 +388,58 @@ impl SlabPool {
     pub fn shutdown(&self) {
         self.shared.lock().shutdown = true;
         self.shared.cv.notify_all();
+    }
+}
+
+/// A pool's classes checked and laid out: (slab bytes, slabs, slabs per range).
+struct Layout {
+    classes: Vec<(usize, usize, usize)>,
+}
+
+impl Layout {
+    /// Checks the classes (one count each, sizes ascending above zero, totals that fit the
+    /// address space) and lays each out in ranges of at most `max_range` bytes (a slab larger
+    /// than that gets a range of its own).
+    fn of(class_bytes: &[u64], slabs: &[u32], max_range: usize) -> Result<Layout> {
+        if class_bytes.len() != slabs.len() || class_bytes.is_empty() {
+            return Err(Error::Config {
+                field: "slabs_per_class",
+                value: format!("{slabs:?} for classes {class_bytes:?}"),
+                expected: "one slab count per class, at least one class".into(),
+            });
+        }
+        if class_bytes.windows(2).any(|w| w[0] >= w[1]) || class_bytes.first() == Some(&0) {
+            return Err(Error::Config {
+                field: "class_sizes",
+                value: format!("{class_bytes:?}"),
+                expected: "sizes above zero in ascending order".into(),
+            });
+        }
+        let too_large = |needed: u64| Error::TooLarge {
+            what: "pinned pool class".into(),
+            needed,
+            limit: "the address space is smaller".into(),
+        };
+        let mut classes = Vec::with_capacity(class_bytes.len());
+        for (&size, &count) in class_bytes.iter().zip(slabs) {
+            let slab_bytes = usize::try_from(size).map_err(|_| too_large(size))?;
+            slab_bytes.checked_mul(count as usize).ok_or_else(|| too_large(size.saturating_mul(count as u64)))?;
+            let per_range = (max_range / slab_bytes).clamp(1, (count as usize).max(1));
+            classes.push((slab_bytes, count as usize, per_range));
+        }
+        Ok(Layout { classes })
+    }
+
+    /// Bytes of every range, each rounded up to a page as the arena cuts it.
+    fn bytes(&self) -> usize {
+        self.classes
+            .iter()
+            .map(|&(b, n, per)| {
+                let full = n / per;
+                let rest = n % per;
+                full * (per * b).next_multiple_of(4096) + if rest > 0 { (rest * b).next_multiple_of(4096) } else { 0 }
+            })
+            .sum()
     }
 }
 
@@ -349,11 +463,19 @@ impl Lease {
         self.requested
     }
 
-    /// The size class, for slabs (`None` for a pageable fallback).
+    /// The size class, for slabs (`None` for a fallback buffer).
     pub fn class(&self) -> Option<u32> {
         match self.memory {
             Memory::Slab { class, .. } => Some(class),
-            Memory::Pageable(_) => None,
+            Memory::Fallback(_) => None,
+        }
+    }
+
+    /// Whether the memory is page-locked (its copies run asynchronously).
+    pub fn is_pinned(&self) -> bool {
+        match &self.memory {
+            Memory::Slab { class, slab } => self.pool.classes[*class as usize].range_of(slab.0).0.is_pinned(),
+            Memory::Fallback(b) => b.is_pinned(),
         }
     }
 
@@ -365,12 +487,12 @@ impl Lease {
 
     fn ptr(&self) -> *mut u8 {
         match &self.memory {
-            Memory::Slab { class, offset, .. } => {
-                let base = self.pool.classes[*class as usize].buffer.host_ptr() as *mut u8;
-                // SAFETY: the slab lies inside its class buffer (offset + len <= class size).
-                unsafe { base.add(*offset) }
+            Memory::Slab { class, slab } => {
+                let (range, offset) = self.pool.classes[*class as usize].range_of(slab.0);
+                // SAFETY: the slab lies inside its range (offset + len <= the range's length).
+                unsafe { (range.host_ptr() as *mut u8).add(offset) }
             }
-            Memory::Pageable(b) => b.host_ptr() as *mut u8,
+            Memory::Fallback(b) => b.host_ptr() as *mut u8,
         }
     }
 
@@ -481,9 +603,12 @@ impl Drop for Lease {
                 });
                 sh.cv.notify_one();
             }
-            Memory::Pageable(_) => {
+            Memory::Fallback(b) => {
                 let mut st = sh.lock();
                 st.stats.fallbacks_live = st.stats.fallbacks_live.saturating_sub(1);
+                if b.is_pinned() {
+                    st.stats.pinned_fallback_live_bytes = st.stats.pinned_fallback_live_bytes.saturating_sub(b.len() as u64);
+                }
             }
         }
     }

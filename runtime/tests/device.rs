@@ -16,8 +16,9 @@ fn cuda() -> Option<Device> {
 
 #[test]
 fn round_trip_through_pinned_memory_on_copy_streams() {
-    for dev in [Some(Device::host(1 << 30)), cuda()].into_iter().flatten() {
-        let n = 1 << 20;
+    // 4 MiB (pinned with one call) and 20 MiB and a bit (a mapping page-locked in place).
+    let devices = [Some(Device::host(1 << 30)), cuda()].into_iter().flatten();
+    for (dev, n) in devices.flat_map(|d| [(d.clone(), 1 << 20), (d, (5 << 20) + 3)]) {
         let src = Tensor::arange(n, (Kind::Float, dev.tch_device())) * 0.5;
         let stream = dev.copy_stream().expect("stream");
         let buf = dev.alloc_host((n * 4) as usize).expect("buffer");

@@ -40,8 +40,9 @@ pub const DEFAULT_RESTORE_ALLOWANCE_BYTES: u64 = 512 * MIB;
 pub const DEFAULT_DEBUG_CHECKSUMS: bool = false;
 /// Publish events and per-step metrics (on: the runtime is observed by default).
 pub const DEFAULT_TELEMETRY_ENABLED: bool = true;
-/// When every fitting class is exhausted, spill into pageable memory, counted as a miss: slower,
-/// but the tensor still leaves the device.
+/// When every fitting class is exhausted, spill into a buffer of its own, counted as a miss:
+/// pinned on the spot on CUDA while the pinned limit allows (a pause to pin, the copy stays
+/// asynchronous), else pageable memory (slower); either way the tensor still leaves the device.
 pub const DEFAULT_PAGEABLE_FALLBACK: bool = true;
 /// Rebuild the pool after the first step that spills, holding exactly what it held at once.
 pub const DEFAULT_SIZE_POOL_FROM_TRACE: bool = true;
@@ -109,14 +110,16 @@ pub struct ActivationConfig {
     pub debug_checksums: bool,
     /// Publish events and per-step metrics.
     pub telemetry_enabled: bool,
-    /// Spill into pageable memory when the pool has no fitting slab.
+    /// Spill into a buffer of its own when the pool has no fitting slab (pinned on the spot on
+    /// CUDA within `pinned_limit_bytes`, else pageable).
     pub pageable_fallback: bool,
     /// Rebuild the pool from the spills of the first step that spills (and again after a step
     /// that fell back to pageable memory), so steady-state steps find a slab for every spill.
     pub size_pool_from_trace: bool,
     /// Most size classes a traced pool has (more sizes share the next larger class).
     pub max_pool_classes: u32,
-    /// Pinned bytes a traced pool may take at most (`None`: no limit).
+    /// Pinned bytes a traced pool, with the fallback buffers pinned beside it, may take at most
+    /// (`None`: no limit).
     pub pinned_limit_bytes: Option<u64>,
     /// The least slabs each size class of a traced pool has (0: as many as the traced step
     /// held at once).
@@ -341,7 +344,8 @@ impl ActivationConfigBuilder {
         self.cfg.telemetry_enabled = on;
         self
     }
-    /// Spill into pageable memory when the pool has no fitting slab.
+    /// Spill into a buffer of its own when the pool has no fitting slab (pinned on the spot on
+    /// CUDA within the pinned limit, else pageable).
     pub fn pageable_fallback(mut self, on: bool) -> Self {
         self.cfg.pageable_fallback = on;
         self

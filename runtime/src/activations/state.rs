@@ -533,17 +533,18 @@ impl Shared {
         let slot = ctx.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
         let src = t.detach();
         let src = if src.is_contiguous() { src } else { src.f_contiguous()? };
-        let class = lease.class();
+        let took = Took::of(&lease, hit);
         let (id, bytes) = g.records.get(idx).map(|r| (r.id, r.bytes)).ok_or_else(|| Error::internal(format!("record {idx} is gone")))?;
         let sized = lease.requested_bytes() as u64;
         g.spills.start(&g.records, idx, lease, &src, slot)?;
         g.sizes.spilled(sized);
-        self.count_spill(g, id, bytes, class, hit, region);
+        self.count_spill(g, id, bytes, took, region);
         Ok(())
     }
 
     /// Counts a started spill in the step's metrics and publishes its pack decision.
-    fn count_spill(&self, g: &mut State, id: TensorId, bytes: u64, class: Option<u32>, hit: bool, region: Option<String>) {
+    fn count_spill(&self, g: &mut State, id: TensorId, bytes: u64, took: Took, region: Option<String>) {
+        let Took { class, hit, pinned } = took;
         let m = &mut g.metrics;
         m.activations_spilled += 1;
         m.spill_bytes += bytes;
@@ -551,7 +552,9 @@ impl Shared {
             m.pool_hits += 1;
         } else {
             m.pool_misses += 1;
-            m.pageable_bytes += bytes;
+            if !pinned {
+                m.pageable_bytes += bytes;
+            }
         }
         self.bus.publish_with(|| EventKind::Pack {
             tensor: id,
@@ -616,13 +619,13 @@ impl Shared {
         // compute stream, is ordered before any later use of it.
         drop(parts);
         let slot = ctx.conductor.acquire_slot(Direction::D2h, Owner::Activations, Priority::Required).ok();
-        let class = lease.class();
+        let took = Took::of(&lease, hit);
         let sized = lease.requested_bytes() as u64;
         g.spills.start_batch(members, lease, &gathered, slot, batch.region.as_deref())?;
         g.sizes.spilled(sized);
         for &idx in &batch.members {
             if let Some((id, bytes, region)) = g.records.get(idx).map(|r| (r.id, r.bytes, r.region.clone())) {
-                self.count_spill(g, id, bytes, class, hit, region);
+                self.count_spill(g, id, bytes, took, region);
             }
         }
         Ok(())
@@ -1108,15 +1111,38 @@ impl Shared {
             ));
             return Ok(());
         }
-        g.pool = SlabPool::new(
-            &self.device,
+        // The old pool's slabs go back to the arena first, so the new one is cut from them.
+        let arena = g.pool.arena().clone();
+        let vacant = g.pool.vacant();
+        drop(std::mem::replace(&mut g.pool, vacant));
+        g.pool = SlabPool::in_arena(
+            &arena,
             PoolKind::Activations,
             &classes,
             &slabs,
             self.config.pageable_fallback,
             self.bus.clone(),
         )?;
+        g.pool.limit_pinned(self.config.pinned_limit_bytes);
         g.pool_traced = true;
         Ok(())
+    }
+}
+
+/// Where a spill's host memory came from, for its counters and its pack decision.
+#[derive(Debug, Clone, Copy)]
+struct Took {
+    /// The pool's size class (`None` outside the pool).
+    class: Option<u32>,
+    /// A slab of the pool.
+    hit: bool,
+    /// Page-locked (on CUDA: a slab, or a buffer pinned for it when no slab was free, whose copy
+    /// stays asynchronous; a miss that is not went through pageable memory).
+    pinned: bool,
+}
+
+impl Took {
+    fn of(lease: &Lease, hit: bool) -> Took {
+        Took { class: lease.class(), hit, pinned: lease.is_pinned() }
     }
 }

@@ -21,6 +21,9 @@ pub(super) trait Lender: Send + Sync + std::fmt::Debug {
 enum Owner {
     Heap(Layout),
     Pinned(Arc<cudarc::driver::CudaContext>),
+    /// Anonymous memory page-locked in place (large buffers: see `pinning.rs`), held for its
+    /// drop, which unregisters and unmaps it.
+    Registered(#[allow(dead_code)] super::pinning::Registered),
     /// A range of a [`HostPool`](super::HostPool) chunk, given back when the buffer drops.
     Pooled { pool: Arc<dyn Lender>, chunk: usize, offset: usize, len: usize, pinned: bool },
     Empty,
@@ -83,6 +86,11 @@ impl HostBuffer {
         }
     }
 
+    /// Wraps `len` bytes of registered memory.
+    pub(super) fn registered(mut mem: super::pinning::Registered, len: usize) -> HostBuffer {
+        HostBuffer { ptr: mem.as_mut_ptr(), len, owner: Owner::Registered(mem) }
+    }
+
     /// A buffer over a range of a pool's chunk.
     ///
     /// # Safety
@@ -116,7 +124,7 @@ impl HostBuffer {
 
     /// Whether the memory is page-locked (copies can run asynchronously at full bandwidth).
     pub fn is_pinned(&self) -> bool {
-        matches!(self.owner, Owner::Pinned(_) | Owner::Pooled { pinned: true, .. })
+        matches!(self.owner, Owner::Pinned(_) | Owner::Registered(_) | Owner::Pooled { pinned: true, .. })
     }
 
     /// The bytes.
@@ -254,7 +262,8 @@ impl Drop for HostBuffer {
                 let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut _) };
             }
             Owner::Pooled { pool, chunk, offset, len, .. } => pool.release(*chunk, *offset, *len),
-            Owner::Empty => {}
+            // Unregistered and unmapped by its own drop.
+            Owner::Registered(_) | Owner::Empty => {}
         }
     }
 }

@@ -82,6 +82,10 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {
+        if bytes >= super::pinning::MIN_BYTES {
+            let mem = super::pinning::Registered::new(bytes, self.ctx.clone())?;
+            return Ok(HostBuffer::registered(mem, bytes));
+        }
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // Flags 0: cacheable pinned memory. The cudarc default is write-combined, which is slow
         // for the CPU to read after a D2H copy.

@@ -3,7 +3,8 @@
 //!
 //! - `cuda`: cudarc (loaded dynamically, no toolkit needed) on the primary context that libtorch
 //!   also uses; non-blocking copy streams; pinned host memory allocated with flags 0 (not
-//!   write-combined, so the CPU reads D2H results quickly); async copies on raw device pointers
+//!   write-combined, so the CPU reads D2H results quickly), large buffers page-locked in place
+//!   on huge pages (`pinning`); async copies on raw device pointers
 //!   taken from tensors; the compute stream (libtorch's legacy default stream) made to wait on
 //!   copy events without blocking the host.
 //! - `host`: the same work done synchronously on a machine without CUDA. "VRAM" is an accounted
@@ -23,6 +24,7 @@ mod copy;
 mod cuda;
 mod host;
 pub(crate) mod idle;
+mod pinning;
 pub mod pool;
 
 pub use buffer::{HostBuffer, HostMemory, HostTarget};

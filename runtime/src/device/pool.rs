@@ -59,6 +59,9 @@ struct State {
 pub(super) struct Shared {
     device: Device,
     chunk_bytes: usize,
+    /// New chunks grow with what is pinned, up to this (`chunk_bytes` for a pool that does not
+    /// grow its chunks).
+    max_chunk_bytes: usize,
     state: Mutex<State>,
 }
 
@@ -108,10 +111,19 @@ impl HostPool {
 
     /// An empty pool whose new chunks hold at least `chunk_bytes`.
     pub fn with_chunk_bytes(device: &Device, chunk_bytes: usize) -> HostPool {
+        HostPool::growing(device, chunk_bytes, chunk_bytes)
+    }
+
+    /// An empty pool whose new chunks hold at least what it pinned so far, from `first_chunk`
+    /// up to `max_chunk` bytes: a pool that serves little pins little, one that serves much pins
+    /// it in fewer, larger chunks (pinning a large chunk runs faster per byte).
+    pub fn growing(device: &Device, first_chunk: usize, max_chunk: usize) -> HostPool {
+        let chunk_bytes = first_chunk.max(RANGE_ALIGN);
         HostPool {
             shared: Arc::new(Shared {
                 device: device.clone(),
-                chunk_bytes: chunk_bytes.max(RANGE_ALIGN),
+                chunk_bytes,
+                max_chunk_bytes: max_chunk.max(chunk_bytes),
                 state: Mutex::new(State { chunks: Vec::new(), stats: HostPoolStats::default() }),
             }),
         }
@@ -144,7 +156,8 @@ impl HostPool {
         let (chunk, offset, served) = match find(&st.chunks, len) {
             Some((c, o)) => (c, o, true),
             None => {
-                let c = self.pin(&mut st, len.max(self.shared.chunk_bytes))?;
+                let grown = (st.stats.pinned_bytes as usize).clamp(self.shared.chunk_bytes, self.shared.max_chunk_bytes);
+                let c = self.pin(&mut st, len.max(grown))?;
                 (c, 0, false)
             }
         };
@@ -166,6 +179,11 @@ impl HostPool {
         // `shared`; the range is removed from the free map until the buffer gives it back, so
         // no other buffer overlaps it.
         Ok(unsafe { HostBuffer::pooled(ptr, bytes, pinned, self.shared.clone(), chunk, offset, len) })
+    }
+
+    /// The most a new chunk pins for a request smaller than it.
+    pub fn max_chunk_bytes(&self) -> usize {
+        self.shared.max_chunk_bytes
     }
 
     /// What the pool holds and did.
@@ -226,6 +244,22 @@ mod tests {
         let kept = pool.alloc(1000).expect("kept");
         drop(pool);
         assert_eq!(kept.as_slice().len(), 1000);
+    }
+
+    #[test]
+    fn a_growing_pool_pins_larger_chunks_as_it_grows_up_to_its_largest() {
+        let dev = Device::host(1 << 20);
+        let pool = HostPool::growing(&dev, 4096, 32 << 10);
+        // Pages one by one: chunks of 4, 4, 8, 16 and 32 KiB hold the first 16, then 32 KiB
+        // chunks (the largest) the rest.
+        let bufs: Vec<_> = (0..16).map(|_| pool.alloc(4096).expect("buffer")).collect();
+        let s = pool.stats();
+        assert_eq!((s.chunks, s.pinned_bytes), (5, 64 << 10));
+        let more: Vec<_> = (0..9).map(|_| pool.alloc(4096).expect("buffer")).collect();
+        let s = pool.stats();
+        assert_eq!((s.chunks, s.pinned_bytes), (7, 128 << 10));
+        drop((bufs, more));
+        assert_eq!(pool.max_chunk_bytes(), 32 << 10);
     }
 
     #[test]
