@@ -140,9 +140,10 @@ impl SlabPool {
         SlabPool::build(&arena, kind, layout, pageable_fallback, bus)
     }
 
-    /// [`SlabPool::new`] with the classes cut from `arena`, in ranges of at most its largest
-    /// chunk, and the fallback buffers as well: what one pool gives back (a step's fallbacks
-    /// restored, a pool replaced) serves the next without pinning again.
+    /// [`SlabPool::new`] with the classes cut from `arena`, and the fallback buffers as well:
+    /// what one pool gives back (a step's fallbacks restored, a pool replaced) serves the next
+    /// without pinning again. A class is cut in ranges of at most the arena's smallest chunk (or
+    /// one slab), so that they fill the chunks a growing arena pinned, small ones included.
     pub fn in_arena(
         arena: &HostPool,
         kind: PoolKind,
@@ -151,7 +152,7 @@ impl SlabPool {
         pageable_fallback: bool,
         bus: Bus,
     ) -> Result<SlabPool> {
-        let layout = Layout::of(class_bytes, slabs, arena.max_chunk_bytes())?;
+        let layout = Layout::of(class_bytes, slabs, arena.chunk_bytes())?;
         SlabPool::build(arena, kind, layout, pageable_fallback, bus)
     }
 

@@ -275,7 +275,8 @@ impl ActivationRuntime {
         self.shared.lock().pool_stats()
     }
 
-    /// Bytes the pool holds, every slab (pinned on CUDA).
+    /// Bytes the pool's arena holds: every slab, and what the fallbacks gave back for the next
+    /// pool (pinned on CUDA): the host memory the runtime stages spills in.
     pub fn pool_bytes(&self) -> u64 {
         self.shared.lock().pool_bytes()
     }

@@ -196,7 +196,7 @@ impl State {
     }
 
     pub(super) fn pool_bytes(&self) -> u64 {
-        self.pool.capacity_bytes()
+        self.pool.arena().stats().pinned_bytes
     }
 
     /// The records and the spill queue, for a test that reaches between them.

@@ -181,6 +181,11 @@ impl HostPool {
         Ok(unsafe { HostBuffer::pooled(ptr, bytes, pinned, self.shared.clone(), chunk, offset, len) })
     }
 
+    /// The least a new chunk pins.
+    pub fn chunk_bytes(&self) -> usize {
+        self.shared.chunk_bytes
+    }
+
     /// The most a new chunk pins for a request smaller than it.
     pub fn max_chunk_bytes(&self) -> usize {
         self.shared.max_chunk_bytes
