@@ -220,6 +220,7 @@ impl SlabPool {
     }
 
     /// Bytes of every slab together (pinned on CUDA), free or leased.
+    #[cfg(test)]
     pub fn capacity_bytes(&self) -> u64 {
         let st = self.shared.lock();
         self.shared.classes.iter().zip(&st.stats.total).map(|(c, &n)| c.slab_bytes as u64 * n as u64).sum()
