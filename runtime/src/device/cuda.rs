@@ -83,8 +83,11 @@ impl Backend for CudaBackend {
 
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {
         if bytes >= super::pinning::MIN_BYTES {
-            let mem = super::pinning::Registered::new(bytes, self.ctx.clone())?;
-            return Ok(HostBuffer::registered(mem, bytes));
+            // Where registering is refused (a driver or host that does not allow it), the
+            // allocation below pins the same memory, only more slowly.
+            if let Ok(mem) = super::pinning::Registered::new(bytes, self.ctx.clone()) {
+                return Ok(HostBuffer::registered(mem, bytes));
+            }
         }
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // Flags 0: cacheable pinned memory. The cudarc default is write-combined, which is slow
