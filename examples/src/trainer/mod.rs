@@ -309,7 +309,8 @@ pub struct Summary {
     pub guards: Option<stagehand::guards::Checked>,
     /// Spills checksummed and restores verified (when checksums are on).
     pub checksums: Option<(u64, u64)>,
-    /// Bytes the activation pool held at the end (pinned on CUDA): a device's own staging.
+    /// Bytes the activation runtime's arena held at the end, its pool's slabs and the memory
+    /// its fallbacks gave back (pinned on CUDA): a device's own staging.
     pub activation_pool_bytes: u64,
 }
 
