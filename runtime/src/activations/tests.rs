@@ -223,7 +223,11 @@ fn exhausted_pool_falls_back_then_is_sized_from_the_step() {
     assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::PageableFallback { .. })).count(), 2);
     // The first pool is provisional (a traced step sizes the real one): no warning for it.
     assert_eq!(ev.iter().filter(|e| matches!(e, EventKind::Warning { .. })).count(), 0);
+    let staged = rt.pool_bytes();
     rt.end_step().expect("step end");
+    // The traced pool is cut from the arena the fallbacks gave back to: nothing more is held.
+    assert_eq!(rt.pool_bytes(), staged);
+    assert!(staged >= 4 * N, "{staged}");
     // The step held three spills of this size at once: the pool now holds three slabs of it
     // and one more (an eighth, at least one, for later steps that spill a little more), and the
     // same step again finds a slab for each.

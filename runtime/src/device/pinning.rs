@@ -51,6 +51,9 @@ impl Registered {
         {
             // Refused where transparent huge pages are off: small pages work, more slowly.
             let _ = map.advise(memmap2::Advice::HugePage);
+            // A forked child gets none of it, as with the driver's own pinned allocations: a
+            // copy-on-write page would leave the device reading the parent's old one.
+            map.advise(memmap2::Advice::DontFork).map_err(|e| Error::internal(format!("keeping pinned memory out of forked processes: {e}")))?;
         }
         let offset = (map.as_ptr() as usize).next_multiple_of(HUGE) - map.as_ptr() as usize;
         fault_in(&mut map[offset..offset + len]);
