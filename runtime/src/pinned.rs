@@ -1,15 +1,17 @@
-//! The pinned host pool both runtimes copy through: size classes of equal slabs, each class one
-//! allocation made at start (pinning is far too slow for a hot path), handed out as RAII
+//! The pinned host pool both runtimes copy through: size classes of equal slabs, pinned when the
+//! pool is made (never on a hot path) and cut from an arena (a [`HostPool`]), handed out as RAII
 //! [`Lease`]s that return to their class when dropped.
 //!
 //! A request takes a slab of the smallest class that fits, then of each larger class. When every
 //! class is empty, [`SlabPool::acquire`] falls back to a buffer of its own (a counted miss and
 //! one warning) if the pool allows it, or refuses: pinned on the spot on CUDA, where pinning
 //! large buffers is fast enough (`device/pinning.rs`) that the copy staying asynchronous is worth
-//! it, and pageable where pinning fails or on the host device; [`SlabPool::acquire_wait`] waits for a slab
-//! instead, in slices so shutdown is noticed. The weight runtime stages file-backed blocks
-//! through a one-class pool; the activation runtime spills into a pool whose classes were sized
-//! from a traced step.
+//! it, pageable over the pinned limit, where pinning fails, or on the host device.
+//! [`SlabPool::acquire_wait`] waits for a slab instead, in slices so shutdown is noticed.
+//!
+//! The weight runtime stages file-backed blocks through a one-class pool; the activation runtime
+//! spills into a pool whose classes were sized from a traced step, in an arena it keeps across
+//! the pools it makes.
 
 use crate::device::{Device, HostBuffer, HostMemory, HostPool, HostTarget};
 use crate::error::{Error, Result};
@@ -55,7 +57,7 @@ struct Class {
     slab_bytes: usize,
     /// Slabs in each range (the last may hold fewer).
     per_range: usize,
-    /// The class's memory, cut from the arena in ranges of at most its largest chunk.
+    /// The class's memory, cut from the arena in ranges (see [`SlabPool::in_arena`]).
     ranges: Vec<HostBuffer>,
 }
 
@@ -79,8 +81,9 @@ struct Shared {
     kind: PoolKind,
     /// Where the slabs and the fallback buffers are cut from.
     arena: HostPool,
-    /// Pinned bytes the slabs and the live pinned fallbacks may hold together; a fallback over
-    /// it is pageable (`u64::MAX`: no limit).
+    /// Bytes the arena may hold in use (this pool's slabs, its live fallbacks, a pool being
+    /// replaced) with a new fallback pinned; a fallback over it is pageable (`u64::MAX`: no
+    /// limit).
     pinned_limit: std::sync::atomic::AtomicU64,
     classes: Vec<Class>,
     pageable_fallback: bool,
