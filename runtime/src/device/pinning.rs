@@ -123,4 +123,14 @@ mod tests {
             assert_eq!(*b, if i % PAGE == 0 { 0 } else { 1 }, "byte {i}");
         }
     }
+
+    #[test]
+    fn several_threads_touch_every_page_of_a_large_buffer() {
+        // Three threads' worth where the machine has the cores (two on a 2-core one).
+        let mut mem = vec![1u8; 3 * BYTES_PER_THREAD + 5 * PAGE];
+        fault_in(&mut mem);
+        for i in (0..mem.len()).step_by(PAGE) {
+            assert_eq!((mem[i], mem[i + 1]), (0, 1), "page at {i}");
+        }
+    }
 }
