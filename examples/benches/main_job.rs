@@ -442,8 +442,9 @@ fn main() -> anyhow::Result<()> {
         let rec = snap.steps.iter().find(|r| r.step == i as u64 + 1);
         let hooks_w = rec.and_then(|r| r.weights.as_ref()).map_or(0.0, |w| w.host_ms);
         let hooks_a = rec.and_then(|r| r.activations.as_ref()).map_or(0.0, |a| a.host_ms);
+        let pin = rec.and_then(|r| r.activations.as_ref()).map_or(0.0, |a| a.pin_ms);
         println!(
-            "  step {}: {:.1} ms: compute {:.1}, waits H2D {:.1} / D2H {:.1}, stalls {:.1}, optimizer {:.1}, other {:.1}; hooks weights {hooks_w:.1} / saved tensors {hooks_a:.1} ms",
+            "  step {}: {:.1} ms: compute {:.1}, waits H2D {:.1} / D2H {:.1}, stalls {:.1}, optimizer {:.1}, other {:.1}; hooks weights {hooks_w:.1} / saved tensors {hooks_a:.1} ms (pinning for spills {pin:.1} ms)",
             i + 1,
             b.step_ms,
             b.compute_ms,

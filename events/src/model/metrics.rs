@@ -145,6 +145,10 @@ pub struct ActivationStepMetrics {
     /// the compute stream).
     #[serde(default)]
     pub recompute_ms: f64,
+    /// Milliseconds spent pinning host memory for spills: buffers pinned on the spot for spills
+    /// no slab took, and a pool sized from the trace (the first step's cost of sizing it).
+    #[serde(default)]
+    pub pin_ms: f64,
 }
 
 /// Conductor metrics of one step (field names kept from the original, as above).

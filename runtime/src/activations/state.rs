@@ -58,6 +58,8 @@ pub(super) struct State {
     sizes: SizeProfile,
     /// The pool was sized from a traced step.
     pool_traced: bool,
+    /// The arena's pinning time when the step began.
+    pin_ms_before: f64,
     /// The step's pool misses a rebuild within it already sized the pool for (a rebuild between
     /// micro-batches).
     pool_misses_sized: u64,
@@ -107,6 +109,7 @@ impl State {
             sizes: SizeProfile::default(),
             pool_traced: false,
             pool_misses_sized: 0,
+            pin_ms_before: 0.0,
             pool_extra: 0,
             auto_region: None,
             d2h_waits: Default::default(),
@@ -133,6 +136,7 @@ impl State {
     /// forward's groups learned anew.
     pub(super) fn reset_step(&mut self) {
         self.metrics = ActivationStepMetrics::default();
+        self.pin_ms_before = self.pool.arena().stats().pin_ms;
         self.pool_misses_sized = 0;
         self.policy.reset_step();
         self.in_backward = false;
@@ -1036,6 +1040,8 @@ impl Shared {
         if result.is_ok() {
             result = self.resize_pool_from_trace(g);
         }
+        // The arena is the same across the pools it serves: its pinning time since the step began.
+        g.metrics.pin_ms = (g.pool.arena().stats().pin_ms - g.pin_ms_before).max(0.0);
         let m = g.metrics.clone();
         g.last = Some(m.clone());
         (m, saves, result)

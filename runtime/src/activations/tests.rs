@@ -241,6 +241,29 @@ fn exhausted_pool_falls_back_then_is_sized_from_the_step() {
         store.release(*h);
     }
     rt.end_step().expect("step end");
+    assert_eq!(rt.metrics().pin_ms, 0.0);
+}
+
+/// The time a step spends pinning for spills is its own: the first step, whose fallbacks
+/// outgrow the arena's first chunk, reports it; the next, which finds every slab, pins nothing.
+#[test]
+fn a_step_reports_the_time_it_spent_pinning_for_spills() {
+    let cfg = base().classes_bytes(&[N]).slabs_per_class(&[1]).build().expect("config");
+    let (rt, _bus, _seen) = setup(cfg);
+    let store = rt.store();
+    // 4 MiB tensors, six held at once: more than the arena's first 16 MiB chunk.
+    let ts: Vec<Tensor> = (0..6).map(|i| Tensor::full([1 << 20], i as f64, (Kind::Float, tch::Device::Cpu))).collect();
+    for step in 1..=2 {
+        rt.begin_step(step);
+        unpack_all_in_reverse(&store, &pack_all(&store, &ts), &ts);
+        rt.end_step().expect("step end");
+        let m = rt.metrics();
+        if step == 1 {
+            assert!(m.pool_misses > 0 && m.pin_ms > 0.0, "{m:?}");
+        } else {
+            assert_eq!((m.pool_misses, m.pin_ms), (0, 0.0), "{m:?}");
+        }
+    }
 }
 
 /// Two micro-batches in one step, each restoring and releasing what it spilled before the next
