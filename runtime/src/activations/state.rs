@@ -199,6 +199,12 @@ impl State {
         self.pool.stats()
     }
 
+    /// Whether the pool was never sized from a trace, or this step's spills missed it since it
+    /// was last sized (the step's end, or between its micro-batches, sizes it then).
+    fn pool_unsized(&self) -> bool {
+        !self.pool_traced || self.metrics.pool_misses > self.pool_misses_sized
+    }
+
     pub(super) fn pool_bytes(&self) -> u64 {
         self.pool.arena().stats().pinned_bytes
     }
@@ -1054,8 +1060,7 @@ impl Shared {
             g.sizes.clear_step();
             return Ok(());
         }
-        let needed = !g.pool_traced || g.metrics.pool_misses > g.pool_misses_sized;
-        if needed {
+        if g.pool_unsized() {
             self.rebuild_pool(g)?;
         }
         g.sizes.clear_step();
@@ -1070,7 +1075,7 @@ impl Shared {
         if !self.config.size_pool_from_trace || g.sizes.is_empty() || g.records.live() > 0 {
             return Ok(());
         }
-        if !g.pool_traced || g.metrics.pool_misses > g.pool_misses_sized {
+        if g.pool_unsized() {
             // Tried once for these misses, rebuilt or (over the pinned limit) not.
             g.pool_misses_sized = g.metrics.pool_misses;
             self.rebuild_pool(g)?;
