@@ -435,14 +435,13 @@ impl Layout {
         Ok(Layout { classes })
     }
 
-    /// Bytes of every range, each rounded up to a page as the arena cuts it.
+    /// Bytes of every range, as the arena cuts them.
     fn bytes(&self) -> usize {
         self.classes
             .iter()
             .map(|&(b, n, per)| {
-                let full = n / per;
-                let rest = n % per;
-                full * (per * b).next_multiple_of(4096) + if rest > 0 { (rest * b).next_multiple_of(4096) } else { 0 }
+                let (full, rest) = (n / per, n % per);
+                full * HostPool::range_bytes(per * b) + if rest > 0 { HostPool::range_bytes(rest * b) } else { 0 }
             })
             .sum()
     }

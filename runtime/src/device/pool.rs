@@ -147,11 +147,16 @@ impl HostPool {
         a.kind == b.kind && a.index == b.index
     }
 
+    /// The bytes a request for `bytes` takes from a chunk: whole pages, at least one.
+    pub fn range_bytes(bytes: usize) -> usize {
+        bytes.max(1).next_multiple_of(RANGE_ALIGN)
+    }
+
     /// A buffer of `bytes` bytes cut from a free range, pinning a new chunk when none holds it.
     /// Its contents are whatever the range held before (callers write what they read).
     pub fn alloc(&self, bytes: usize) -> Result<HostBuffer> {
         let t0 = Instant::now();
-        let len = bytes.max(1).next_multiple_of(RANGE_ALIGN);
+        let len = HostPool::range_bytes(bytes);
         let mut st = self.shared.lock();
         let (chunk, offset, served) = match find(&st.chunks, len) {
             Some((c, o)) => (c, o, true),
