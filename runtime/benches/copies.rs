@@ -82,11 +82,7 @@ fn main() -> anyhow::Result<()> {
             whole / each
         );
     }
-    let unit_streams: Vec<usize> = std::env::var("STAGEHAND_UNIT_STREAMS")
-        .unwrap_or_else(|_| "1,2".into())
-        .split(',')
-        .map(|n| n.trim().parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| anyhow::anyhow!("STAGEHAND_UNIT_STREAMS: '{n}' is not a stream count")))
-        .collect::<Result<_, _>>()?;
+    let unit_streams = counts("STAGEHAND_UNIT_STREAMS", "1,2", "a stream count")?;
     let mut streams = vec![h2d_stream];
     for (mib, count) in sizes("STAGEHAND_UNIT_SIZES", if dev.is_cuda() { "384x12,128x37,64x73,32x146,16x292" } else { "4x8,1x32" })? {
         for &n in &unit_streams {
@@ -101,18 +97,20 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if dev.is_cuda() {
-        for mib in pin_sizes()? {
+        for mib in counts("STAGEHAND_PIN_MIB", "16,256,4096", "a size in MiB")? {
             pin_pattern(&dev, mib << 20)?;
         }
     }
     Ok(())
 }
 
-fn pin_sizes() -> anyhow::Result<Vec<usize>> {
-    std::env::var("STAGEHAND_PIN_MIB")
-        .unwrap_or_else(|_| "16,256,4096".into())
+/// The numbers of at least 1 in the comma-separated list in `var` (or `default`); an error
+/// naming `var` and `what` each should be for anything else.
+fn counts(var: &str, default: &str, what: &str) -> anyhow::Result<Vec<usize>> {
+    std::env::var(var)
+        .unwrap_or_else(|_| default.into())
         .split(',')
-        .map(|m| m.trim().parse::<usize>().ok().filter(|&m| m >= 1).ok_or_else(|| anyhow::anyhow!("STAGEHAND_PIN_MIB: '{m}' is not a size in MiB")))
+        .map(|n| n.trim().parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| anyhow::anyhow!("{var}: '{n}' is not {what}")))
         .collect()
 }
 
