@@ -22,6 +22,7 @@ pub mod bandwidth;
 mod buffer;
 mod copy;
 mod cuda;
+pub(crate) mod dequant;
 mod host;
 pub(crate) mod idle;
 mod pinning;
