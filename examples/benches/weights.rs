@@ -29,9 +29,17 @@
 //! into the block's slot, where it is dequantized in place just before use. Their floor is
 //! max(the resident step with dequantization: every block's payload on the device, dequantized
 //! into a full-width buffer before its forward, then forward and backward; the quantized bytes'
-//! Belady minimum / H2D bandwidth); they are also compared with the bf16 stream at the same room
-//! (`fwd+bwd, telemetry on`), both measured in this command: choosing a quantized variant
-//! chooses that stream too, so `SH_VARIANTS=int8` runs just those two.
+//! Belady minimum / H2D bandwidth); they are also compared with the bf16 stream of the same
+//! units at the same room, both measured in this command: choosing a quantized variant chooses
+//! that stream too, so `SH_VARIANTS=int8` runs the INT8 variants (whole blocks, thirds, d×d
+//! units) and their bf16 streams.
+//!
+//! Each fwd+bwd variant also prints its phase floor: max(the resident forward, the forward's
+//! loads / bandwidth) + max(the resident backward, the backward's loads / bandwidth), with a
+//! quantized stream's dequantization of the units each phase loads added to its compute. The
+//! floor above lets the link carry one phase's loads while the other computes; at a full room
+//! it cannot (see `phase_floor`), so a stream whose forward is bound by the link and backward
+//! by compute (INT8 at four blocks of room) stays above that floor by the difference.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench weights`. It lives beside the examples because
 //! its telemetry-on runs attach the live server (`stagehand-web`), which the runtime's own
@@ -250,6 +258,8 @@ fn main() -> anyhow::Result<()> {
     };
     let variants = [
         ("fwd+bwd, int8, telemetry on", false, true, false, Units::Blocks, true),
+        ("fwd+bwd, int8, third-block units, telemetry on", false, true, false, Units::Thirds, true),
+        ("fwd+bwd, int8, d×d units, telemetry on", false, true, false, Units::Matrices, true),
         ("fwd+bwd, fp8, telemetry on", false, true, false, Units::Blocks, true),
         (FULL_WIDTH_STREAM, false, true, false, Units::Blocks, true),
         ("fwd+bwd, bus disabled", false, false, false, Units::Blocks, true),
@@ -266,13 +276,16 @@ fn main() -> anyhow::Result<()> {
     // SH_VARIANTS: run only the variants whose names contain one of these comma-separated parts.
     let only = std::env::var("SH_VARIANTS").ok();
     let picked = |name: &str| only.as_deref().is_none_or(|o| o.split(',').any(|part| name.contains(part.trim())));
-    // A quantized variant is compared with the full-width stream at the same room, in the same
-    // command: choosing one chooses that stream too (`SH_VARIANTS=int8` runs both).
-    let any_quantized = variants.iter().any(|v| quantized(v.0).is_some() && picked(v.0));
-    let chosen = |name: &str| picked(name) || (any_quantized && name == FULL_WIDTH_STREAM);
+    // A quantized variant is compared with the full-width stream of the same units at the same
+    // room, in the same command: choosing one chooses that stream too (`SH_VARIANTS=int8` runs
+    // them all).
+    let quantized_units: Vec<Units> = variants.iter().filter(|v| quantized(v.0).is_some() && picked(v.0)).map(|v| v.4).collect();
+    let counterpart = |name: &str, inference: bool, checkpoint: bool, units: Units| {
+        quantized(name).is_none() && !inference && !checkpoint && name.contains("telemetry on") && quantized_units.contains(&units)
+    };
     let mut results = Vec::new();
     for (i, (name, inference, telemetry, checkpoint, units, pins)) in variants.into_iter().enumerate() {
-        if !chosen(name) {
+        if !picked(name) && !counterpart(name, inference, checkpoint, units) {
             continue;
         }
         // Telemetry on: every event to a JSONL file, the Prometheus metrics, and the live server
@@ -291,7 +304,12 @@ fn main() -> anyhow::Result<()> {
             (true, Some(w)) => w,
             _ => prefetch * units.per_block(),
         };
-        let (r, output) = run_streamed(&probe, &vs, blocks, block_bytes, budget_blocks, window, inflight, steps, &x0, bus.clone(), mode)?;
+        // A runtime leaves its blocks' values in the variables when it finishes, a quantized
+        // block's dequantized ones: a quantized variant streams a copy of the weights, so the
+        // variants after it stream (and check their output against) the model's own values.
+        let copy = mode.quant.map(|_| common::host_copy(&vs, blocks));
+        let (r, output) = run_streamed(&probe, copy.as_ref().unwrap_or(&vs), blocks, block_bytes, budget_blocks, window, inflight, steps, &x0, bus.clone(), mode)?;
+        drop(copy);
         bus.close();
         if let Some(live) = live {
             println!("{name}: {}", live.finish()?);
@@ -321,7 +339,7 @@ fn main() -> anyhow::Result<()> {
             r.metrics.prefetch_misses,
             r.peak as f64 / 1e9
         );
-        results.push((name, inference, mode.quant, r));
+        results.push((name, inference, mode.quant, units, r));
     }
     let (bw_after, _) = common::pinned_bandwidth(&probe, bw_bytes)?;
     let bw = bw_before.max(bw_after);
@@ -389,11 +407,18 @@ fn main() -> anyhow::Result<()> {
         println!("resident step with {format} dequantization: {best:.4} s (fwd+bwd, each block dequantized once before its forward)");
         resident_dequant.push((format, best));
     }
-    let bf16_stream = results.iter().find(|r| r.0 == FULL_WIDTH_STREAM).map(|r| r.3.step_s);
+    // A quantized variant's full-width counterpart: the fwd+bwd stream of the same units, kept
+    // and not checkpointed, if it ran; else the whole-block one.
+    let full_width = |units: Units| {
+        results
+            .iter()
+            .find(|r| r.2.is_none() && !r.1 && r.3 == units && r.0.contains("telemetry on") && !r.0.contains("checkpointed"))
+            .map(|r| (r.0, r.4.step_s))
+    };
     // What no unit size can beat: every byte beyond the room moved once per pass (twice with
     // backward), as if units were infinitely fine.
     let beyond_room = (blocks as u64 * block_bytes as u64).saturating_sub(budget_blocks * block_bytes as u64);
-    for (name, inference, quant, r) in &results {
+    for (name, inference, quant, units, r) in &results {
         let base = match quant {
             Some(f) => resident_dequant.iter().find(|(g, _)| g == f).map_or(resident, |(_, s)| *s),
             None if *inference => resident_fwd,
@@ -411,9 +436,23 @@ fn main() -> anyhow::Result<()> {
             if r.min_bytes > 0 { r.bytes as f64 / r.min_bytes as f64 } else { 0.0 },
             r.bytes as f64 / (passes * beyond_room).max(1) as f64
         );
-        if let (Some(f), Some(full)) = (quant, bf16_stream) {
+        if !*inference {
+            let dequant = if quant.is_some() { base - resident } else { 0.0 };
+            let loaded = blocks.saturating_sub(budget_blocks as i64) as f64 / blocks.max(1) as f64;
+            let p = phase_floor(resident, resident_fwd, dequant, loaded, r.min_bytes as f64 / bw);
             println!(
-                "{name}: {:.4} s/step against the {kind:?} stream's {full:.4} at the same room: {:.3}x its time ({f} payloads, {:.3} GB a step against the minimum {:.3} GB)",
+                "{name}: phase floor max(forward {:.4}, its bytes {:.4}) + max(backward {:.4}, its bytes {:.4}) = {:.4} s; ratio {:.3} (the floor above lets the link carry one phase's loads in the other)",
+                p.forward,
+                p.bytes,
+                p.backward,
+                p.bytes,
+                p.total(),
+                r.step_s / p.total()
+            );
+        }
+        if let (Some(f), Some((full_name, full))) = (quant, full_width(*units)) {
+            println!(
+                "{name}: {:.4} s/step against {full_name}'s {full:.4} ({kind:?}) at the same room: {:.3}x its time ({f} payloads, {:.3} GB a step against the minimum {:.3} GB)",
                 r.step_s,
                 r.step_s / full,
                 r.bytes as f64 / 1e9,
@@ -422,6 +461,38 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A training step's floor taken phase by phase: each phase's compute or its own loads,
+/// whichever is longer, summed.
+#[derive(Debug, Clone, Copy)]
+struct PhaseFloor {
+    forward: f64,
+    backward: f64,
+    /// One phase's loads over the link (seconds).
+    bytes: f64,
+}
+
+impl PhaseFloor {
+    fn total(&self) -> f64 {
+        self.forward.max(self.bytes) + self.backward.max(self.bytes)
+    }
+}
+
+/// The phase floor of a fwd+bwd stream of equal units whose Belady minimum takes `min_bytes_s`
+/// on the link, from the resident step (`step`), its forward alone (`forward`), the
+/// dequantization a resident step adds (`dequant`, 0 for full-width units; it dequantizes every
+/// unit once) and the share of the units a phase loads (`loaded`: the units beyond the room).
+///
+/// Why the link cannot carry one phase's loads in the other without more room: at the
+/// forward/backward turn the room holds the forward's last units, which backward needs first,
+/// and at the step's end the backward's last units, which the next forward needs first. Every
+/// slot holds a unit needed sooner than any unit outside the room, so a load can start only
+/// once a unit of the new phase is done; each phase loads the units beyond the room, half the
+/// step's minimum, and dequantizes each one it loads.
+fn phase_floor(step: f64, forward: f64, dequant: f64, loaded: f64, min_bytes_s: f64) -> PhaseFloor {
+    let dequant = dequant.max(0.0) * loaded;
+    PhaseFloor { forward: forward + dequant, backward: (step - forward).max(0.0) + dequant, bytes: min_bytes_s / 2.0 }
 }
 
 /// The live server on a loopback port, its metrics sink on the hub, and one client reading the

@@ -55,7 +55,10 @@ pub fn host_copy(resident: &nn::VarStore, blocks: i64) -> nn::VarStore {
     let vars = resident.variables();
     for b in 0..blocks {
         for n in NAMES {
-            let t = vars[&format!("blocks.{b}.{n}")].to_device(tch::Device::Cpu);
+            let v = &vars[&format!("blocks.{b}.{n}")];
+            // A copy whatever the source's device (`to_device` to the same device is the same
+            // tensor): the copy's values are its own.
+            let t = if v.device() == tch::Device::Cpu { v.copy() } else { v.to_device(tch::Device::Cpu) };
             let _ = (vs.root() / "blocks" / b).add(n, t, false);
         }
     }
