@@ -196,10 +196,14 @@ fn trained_weights_are_never_quantized() {
     let e = sh.model("student", ModelOptions::trained().quantized(QuantFormat::Int8)).expect_err("a trained model quantized");
     assert!(e.to_string().contains("never quantized"), "{e}");
 
-    // Block mode: a trainable block refuses, a frozen one quantizes.
+    // Block mode: a trainable block refuses, a frozen one quantizes. The layers draw from the
+    // global generator: under its lock, or a test beside this one seeding it draws other values.
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let _a = nn::linear(vs.root() / "blocks" / 0 / "fc", D, H, Default::default());
-    let _b = nn::linear(vs.root() / "blocks" / 1 / "fc", D, H, Default::default());
+    {
+        let _g = rng();
+        let _a = nn::linear(vs.root() / "blocks" / 0 / "fc", D, H, Default::default());
+        let _b = nn::linear(vs.root() / "blocks" / 1 / "fc", D, H, Default::default());
+    }
     // Block 1 frozen, block 0 trains.
     for (n, t) in vs.variables() {
         if n.starts_with("blocks.1.") {
