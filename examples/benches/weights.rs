@@ -38,8 +38,8 @@
 //! loads / bandwidth) + max(the resident backward, the backward's loads / bandwidth), with a
 //! quantized stream's dequantization of the units each phase loads added to its compute. The
 //! floor above lets the link carry one phase's loads while the other computes; at a full room
-//! it cannot (see `phase_floor`), so a stream whose forward is bound by the link and backward
-//! by compute (INT8 at four blocks of room) stays above that floor by the difference.
+//! it cannot (see `phase_floor`), so a stream with one phase bound by the link and the other by
+//! compute stays above that floor by the difference.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench weights`. It lives beside the examples because
 //! its telemetry-on runs attach the live server (`stagehand-web`), which the runtime's own
@@ -407,8 +407,8 @@ fn main() -> anyhow::Result<()> {
         println!("resident step with {format} dequantization: {best:.4} s (fwd+bwd, each block dequantized once before its forward)");
         resident_dequant.push((format, best));
     }
-    // A quantized variant's full-width counterpart: the fwd+bwd stream of the same units, kept
-    // and not checkpointed, if it ran; else the whole-block one.
+    // A quantized variant's full-width counterpart: the fwd+bwd stream of the same units with
+    // telemetry on, not checkpointed (chosen with it, so it ran).
     let full_width = |units: Units| {
         results
             .iter()
