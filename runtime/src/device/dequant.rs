@@ -191,6 +191,36 @@ fn loaded(ordinal: usize) -> Loading {
     modules.entry(ordinal).or_insert_with(|| Loaded::load(ordinal).map(Arc::new)).clone()
 }
 
+/// A launch's arguments, in the entries' parameter order.
+struct Args {
+    q: u64,
+    s: u64,
+    o: u64,
+    /// Quads (wide) or elements (scalar) to stop at.
+    count: u64,
+    shift: u32,
+    /// The scalar entry's first element.
+    first: u64,
+}
+
+impl Args {
+    /// Pointers to the arguments the wide (`wide`) or the scalar entry takes, valid while
+    /// `self` is neither moved nor dropped.
+    fn params(&mut self, wide: bool) -> Vec<*mut c_void> {
+        let mut p = vec![
+            &mut self.q as *mut u64 as *mut c_void,
+            &mut self.s as *mut u64 as *mut c_void,
+            &mut self.o as *mut u64 as *mut c_void,
+            &mut self.count as *mut u64 as *mut c_void,
+            &mut self.shift as *mut u32 as *mut c_void,
+        ];
+        if !wide {
+            p.push(&mut self.first as *mut u64 as *mut c_void);
+        }
+        p
+    }
+}
+
 /// Threads a block.
 const THREADS: u32 = 256;
 /// Blocks a launch at most; the kernels stride over the rest.
@@ -223,9 +253,8 @@ pub(crate) fn dequantize_int8(dst: &Tensor, q: &Tensor, scales: &Tensor, group: 
         return Ok(false);
     }
     let Ok(module) = loaded(ordinal) else { return Ok(false) };
-    let shift = group.trailing_zeros();
-    let (qp, sp, op) = (q.data_ptr() as u64, scales.data_ptr() as u64, dst.data_ptr() as u64);
     module.ctx.bind_to_thread().map_err(|source| Error::Cuda { what: "binding the context for dequantization", source })?;
+    let mut args = Args { q: q.data_ptr() as u64, s: scales.data_ptr() as u64, o: dst.data_ptr() as u64, count: 0, shift: group.trailing_zeros(), first: 0 };
     let launch = |f: sys::CUfunction, threads: u64, params: &mut [*mut c_void]| -> Result<()> {
         let blocks = threads.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32;
         // SAFETY: `params` point at values of the entry's parameter types, alive for the call;
@@ -235,34 +264,18 @@ pub(crate) fn dequantize_int8(dst: &Tensor, q: &Tensor, scales: &Tensor, group: 
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (THREADS, 1, 1), 0, std::ptr::null_mut(), params) }
             .map_err(|source| Error::Cuda { what: "launching the dequantization kernel", source })
     };
-    let wide_ok = group >= 4 && qp % 4 == 0 && op % (4 * out.bytes() as u64) == 0;
+    let wide_ok = group >= 4 && args.q % 4 == 0 && args.o % (4 * out.bytes() as u64) == 0;
     let quads = if wide_ok { (n / 4) as u64 } else { 0 };
-    let (mut q_arg, mut s_arg, mut o_arg, mut shift_arg) = (qp, sp, op, shift);
     if quads > 0 {
         let f = module.function(out, true).ok_or_else(|| Error::internal("the wide dequantization kernel is missing"))?;
-        let mut count = quads;
-        let mut params = [
-            &mut q_arg as *mut u64 as *mut c_void,
-            &mut s_arg as *mut u64 as *mut c_void,
-            &mut o_arg as *mut u64 as *mut c_void,
-            &mut count as *mut u64 as *mut c_void,
-            &mut shift_arg as *mut u32 as *mut c_void,
-        ];
-        launch(f, quads, &mut params)?;
+        args.count = quads;
+        launch(f, quads, &mut args.params(true))?;
     }
     let first = quads * 4;
     if first < n as u64 {
         let f = module.function(out, false).ok_or_else(|| Error::internal("the dequantization kernel is missing"))?;
-        let (mut count, mut first_arg) = (n as u64, first);
-        let mut params = [
-            &mut q_arg as *mut u64 as *mut c_void,
-            &mut s_arg as *mut u64 as *mut c_void,
-            &mut o_arg as *mut u64 as *mut c_void,
-            &mut count as *mut u64 as *mut c_void,
-            &mut shift_arg as *mut u32 as *mut c_void,
-            &mut first_arg as *mut u64 as *mut c_void,
-        ];
-        launch(f, n as u64 - first, &mut params)?;
+        (args.count, args.first) = (n as u64, first);
+        launch(f, n as u64 - first, &mut args.params(false))?;
     }
     Ok(true)
 }
