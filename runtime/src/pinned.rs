@@ -162,13 +162,7 @@ impl SlabPool {
     fn build(arena: &HostPool, kind: PoolKind, layout: Layout, pageable_fallback: bool, bus: Bus) -> Result<SlabPool> {
         let mut classes = Vec::with_capacity(layout.classes.len());
         for &(slab_bytes, count, per_range) in &layout.classes {
-            let mut ranges = Vec::with_capacity(count.div_ceil(per_range));
-            let mut left = count;
-            while left > 0 {
-                let n = left.min(per_range);
-                ranges.push(arena.alloc(n * slab_bytes)?);
-                left -= n;
-            }
+            let ranges = range_slabs(count, per_range).map(|n| arena.alloc(n * slab_bytes)).collect::<Result<Vec<_>>>()?;
             classes.push(Class { slab_bytes, per_range, ranges });
         }
         let pinned = classes.iter().flat_map(|c| &c.ranges).any(|r| r.is_pinned());
@@ -437,14 +431,16 @@ impl Layout {
 
     /// Bytes of every range, as the arena cuts them.
     fn bytes(&self) -> usize {
-        self.classes
-            .iter()
-            .map(|&(b, n, per)| {
-                let (full, rest) = (n / per, n % per);
-                full * HostPool::range_bytes(per * b) + if rest > 0 { HostPool::range_bytes(rest * b) } else { 0 }
-            })
-            .sum()
+        self.classes.iter().flat_map(|&(b, n, per)| range_slabs(n, per).map(move |k| HostPool::range_bytes(k * b))).sum()
     }
+}
+
+/// The slabs in each range of a class of `count` slabs cut `per` to a range (at least 1): `per`
+/// each, the last the rest. The one rule for cutting a class, which building a pool and sizing
+/// its arena both follow.
+fn range_slabs(count: usize, per: usize) -> impl Iterator<Item = usize> {
+    let per = per.max(1);
+    (0..count.div_ceil(per)).map(move |i| per.min(count - i * per))
 }
 
 fn wire(kind: PoolKind) -> &'static str {
