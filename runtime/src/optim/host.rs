@@ -341,6 +341,10 @@ impl Job for BlockJob {
             .unwrap_or_else(|p| p.into_inner())
             .step(&self.received, &self.groups, self.grad_scale, pool)
     }
+
+    fn is_ready(&self) -> bool {
+        self.ready.iter().all(|e| e.is_complete())
+    }
 }
 
 impl Algorithm {

@@ -1,8 +1,12 @@
 //! The host optimizer's worker: one thread that steps streamed blocks on the host while the
 //! training thread goes on (the rest of backward, the next forward). It lives beside the weights
 //! because their scheduler orders it and gates loads on it; the optimizer (a layer above) makes
-//! the steps and hands them over as [`Job`]s. Jobs run in order of when their block is next
-//! needed, so the next forward waits as little as possible; the weight runtime asks
+//! the steps and hands them over as [`Job`]s. Of the jobs whose gradients have landed, the one
+//! whose block the next forward needs first runs first, so the next forward waits as little as
+//! possible; a job still waiting for its copies never holds up one that could run (backward
+//! queues the block the next forward needs first last, so that job is the one most often still
+//! in flight). Where none can run yet, the oldest runs (waiting for its copies), which lands
+//! first. The weight runtime asks
 //! [`Stepper::is_pending`] before it loads a block, and never copies host weights that are being
 //! changed.
 //!
@@ -22,6 +26,17 @@ use std::time::{Duration, Instant};
 /// own (`None`: rayon's global pool, one thread per core).
 pub(crate) trait Job: Send {
     fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()>;
+
+    /// Whether the copies `run` would wait for have completed (never blocks).
+    fn is_ready(&self) -> bool {
+        true
+    }
+}
+
+/// A queued job and when it was queued (the order its copies were issued in).
+struct Queued {
+    seq: u64,
+    job: Box<dyn Job>,
 }
 
 /// Makes a block's step: given the block, which of its parameters received a gradient in this
@@ -31,8 +46,11 @@ pub(crate) type JobMaker =
 
 #[derive(Default)]
 struct State {
-    /// Queued jobs by (priority, block): the lowest priority value runs first.
-    queue: BTreeMap<(u64, u32), Box<dyn Job>>,
+    /// Queued jobs by (priority, block): the lowest priority value among the ready ones runs
+    /// first.
+    queue: BTreeMap<(u64, u32), Queued>,
+    /// The next job's place in the order of submission.
+    seq: u64,
     /// Blocks queued or running.
     pending: HashSet<BlockId>,
     failed: Option<String>,
@@ -40,6 +58,17 @@ struct State {
     busy: Duration,
     /// Threads for libtorch's CPU kernels on the worker (`None`: libtorch's default).
     threads: Option<usize>,
+}
+
+impl State {
+    /// Takes the next job to run: the most urgent ready one, else the oldest.
+    fn next(&mut self) -> Option<(u32, Box<dyn Job>)> {
+        let key = match self.queue.iter().find(|(_, q)| q.job.is_ready()) {
+            Some((k, _)) => *k,
+            None => *self.queue.iter().min_by_key(|(_, q)| q.seq)?.0,
+        };
+        self.queue.remove(&key).map(|q| (key.1, q.job))
+    }
 }
 
 struct Shared {
@@ -92,7 +121,9 @@ impl Stepper {
     pub(crate) fn submit(&self, block: BlockId, priority: u64, job: Box<dyn Job>) {
         let mut st = self.shared.lock();
         st.pending.insert(block);
-        st.queue.insert((priority, block.0), job);
+        let seq = st.seq;
+        st.seq += 1;
+        st.queue.insert((priority, block.0), Queued { seq, job });
         drop(st);
         self.shared.cv.notify_all();
     }
@@ -157,7 +188,7 @@ fn work(shared: &Shared) {
         if st.shutdown {
             return;
         }
-        let Some(((_, block), mut job)) = st.queue.pop_first() else {
+        let Some((block, mut job)) = st.next() else {
             st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
             continue;
         };
@@ -233,6 +264,73 @@ mod tests {
         s.wait_all().expect("all");
         assert_eq!(*log.lock().expect("log"), [9, 1, 2, 3]);
         assert!(!s.is_pending(BlockId(3)));
+    }
+
+    /// Records its block as it starts, then waits for its flag, as a step waits for its copies;
+    /// ready as the flag says.
+    struct Gated(Arc<Mutex<Vec<u32>>>, u32, Arc<AtomicU32>);
+    impl Job for Gated {
+        fn run(&mut self, _: Option<&rayon::ThreadPool>) -> Result<()> {
+            self.0.lock().expect("log").push(self.1);
+            while !self.is_ready() {
+                std::thread::yield_now();
+            }
+            Ok(())
+        }
+        fn is_ready(&self) -> bool {
+            self.2.load(Ordering::SeqCst) != 0
+        }
+    }
+
+    #[test]
+    fn a_job_whose_copies_are_in_flight_never_holds_up_one_that_can_run() {
+        let s = Stepper::new().expect("thread");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let go = Arc::new(AtomicU32::new(0));
+        let (yes, no) = (Arc::new(AtomicU32::new(1)), Arc::new(AtomicU32::new(0)));
+        s.submit(BlockId(9), 0, Box::new(Record(log.clone(), 9, go.clone())));
+        // As backward queues them: the least urgent first, the most urgent last and in flight.
+        s.submit(BlockId(3), 30, Box::new(Gated(log.clone(), 3, yes.clone())));
+        s.submit(BlockId(2), 20, Box::new(Gated(log.clone(), 2, yes.clone())));
+        s.submit(BlockId(1), 10, Box::new(Gated(log.clone(), 1, no.clone())));
+        go.store(1, Ordering::SeqCst);
+        // Bounded: a worker stuck on the job in flight would never get here.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while s.is_pending(BlockId(3)) {
+            if Instant::now() > deadline {
+                no.store(1, Ordering::SeqCst); // lets the worker go, so the stepper can stop
+                panic!("the ready jobs waited for the one in flight: {:?}", log.lock().expect("log"));
+            }
+            std::thread::yield_now();
+        }
+        // The ready ones ran, the more urgent first; the one in flight, left alone, runs last
+        // (waiting for its copies).
+        assert_eq!(log.lock().expect("log")[..3], [9, 2, 3]);
+        assert!(s.is_pending(BlockId(1)));
+        no.store(1, Ordering::SeqCst);
+        s.submit(BlockId(5), 50, Box::new(Gated(log.clone(), 5, yes.clone())));
+        s.wait_all().expect("all");
+        assert_eq!(log.lock().expect("log")[3..], [1, 5]);
+    }
+
+    #[test]
+    fn where_no_job_can_run_yet_the_oldest_runs_first() {
+        let s = Stepper::new().expect("thread");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let go = Arc::new(AtomicU32::new(0));
+        let no = Arc::new(AtomicU32::new(0));
+        s.submit(BlockId(9), 0, Box::new(Record(log.clone(), 9, go.clone())));
+        for (b, prio) in [(3, 30), (1, 10), (2, 20)] {
+            s.submit(BlockId(b), prio, Box::new(Gated(log.clone(), b, no.clone())));
+        }
+        go.store(1, Ordering::SeqCst);
+        // The oldest starts (and waits for its copies); then all land, and urgency decides.
+        while log.lock().expect("log").len() < 2 {
+            std::thread::yield_now();
+        }
+        no.store(1, Ordering::SeqCst);
+        s.wait_all().expect("all");
+        assert_eq!(*log.lock().expect("log"), [9, 3, 1, 2]);
     }
 
     /// Reports the intra-op thread count its step would use.

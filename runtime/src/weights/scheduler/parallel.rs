@@ -50,6 +50,10 @@ impl Job for Counted {
             Err(e) => Err(self.member.fail(format!("the host optimizer's step of block {}: {e}", self.block))),
         }
     }
+
+    fn is_ready(&self) -> bool {
+        self.job.is_ready()
+    }
 }
 
 impl Scheduler {
