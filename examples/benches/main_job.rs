@@ -45,14 +45,11 @@
 
 use stagehand::device::{bandwidth, Device};
 use stagehand::events::{Bus, Hub, Snapshot, StepTimeBreakdown};
-use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad};
-use stagehand::optim::moments::StoredMoments;
-use stagehand::torch::optim::{fused_adam, AdamStep, FusedAdam};
 use stagehand::{Precision, StateStorage};
+use stagehand_examples::floors::host_optimizer_step_s;
 use stagehand_examples::trainer::{time_forward_backward, train, train_group, train_stagehand, Memory, Summary, TrainConfig};
 use std::sync::Arc;
 use std::time::Instant;
-use tch::{Kind, Tensor};
 
 
 fn env(name: &str, default: i64) -> i64 {
@@ -60,31 +57,6 @@ fn env(name: &str, default: i64) -> i64 {
 }
 
 const MIB: f64 = (1u64 << 20) as f64;
-
-/// One AdamW step of the handle's host kernel over `params` parameters in `chunks` tensors,
-/// timed alone (best of three after a warm-up): the host optimizer's share of the floor. In
-/// fp32 libtorch's fused kernel over float32 tensors; under 16-bit precisions Stagehand's mixed
-/// kernel, as the handle runs it: 16-bit gradients in, float32 masters, the state in `storage`,
-/// the 16-bit copy out.
-fn host_optimizer_step_s(params: i64, chunks: i64, precision: Precision, storage: StateStorage) -> f64 {
-    if precision.is_mixed() || storage != StateStorage::Fp32 {
-        return mixed_kernel_step_s(params, chunks, precision, storage);
-    }
-    let per = (params / chunks.max(1)).max(1);
-    let mk = |v: f64| (0..chunks).map(|_| Tensor::full([per], v, (Kind::Float, tch::Device::Cpu))).collect::<Vec<_>>();
-    let (p, g, m, v) = (mk(0.1), mk(0.01), mk(0.0), mk(0.0));
-    let s: Vec<Tensor> = (0..chunks).map(|_| Tensor::zeros([], (Kind::Float, tch::Device::Cpu))).collect();
-    let h = AdamStep { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 };
-    let mut best = f64::MAX;
-    for i in 0..4 {
-        let t0 = Instant::now();
-        tch::no_grad(|| fused_adam(FusedAdam::AdamW, &p, &g, &m, &v, &s, h)).expect("fused AdamW");
-        if i > 0 {
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-    }
-    best
-}
 
 /// The activation runtime's spill copies after step 1, tallied as the telemetry tallies a step's
 /// copies: how many, their bytes, and the rate of the timed ones (one in 16 on CUDA).
@@ -109,30 +81,6 @@ impl stagehand::events::EventSink for SpillCopySink {
             }
         }
     }
-}
-
-fn mixed_kernel_step_s(params: i64, chunks: i64, precision: Precision, storage: StateStorage) -> f64 {
-    let per = (params / chunks.max(1)).max(1) as usize;
-    let n = chunks.max(1) as usize;
-    let mut p: Vec<Vec<f32>> = (0..n).map(|_| vec![0.1; per]).collect();
-    let g: Vec<Vec<u16>> = (0..n).map(|_| vec![kernel::f32_to_bf16(0.01); per]).collect();
-    let g32: Vec<Vec<f32>> = if precision.is_mixed() { Vec::new() } else { (0..n).map(|_| vec![0.01; per]).collect() };
-    let mut copy: Vec<Vec<u16>> = (0..n).map(|_| vec![0; if precision.is_mixed() { per } else { 0 }]).collect();
-    let mut moments: Vec<StoredMoments> = (0..n).map(|_| StoredMoments::zeros(storage, per)).collect();
-    let mut best = f64::MAX;
-    for i in 0..4u64 {
-        let h = AdamHyper { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8, decoupled: true, step: i + 1, grad_scale: 1.0 };
-        let t0 = Instant::now();
-        for c in 0..n {
-            let grad = if precision.is_mixed() { Grad::Bf16(&g[c]) } else { Grad::F32(&g32[c]) };
-            let out = if precision.is_mixed() { Copy16::Bf16(&mut copy[c]) } else { Copy16::None };
-            kernel::adam(&mut p[c], grad, moments[c].moments(), out, &h, None).expect("mixed kernel");
-        }
-        if i > 0 {
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-    }
-    best
 }
 
 /// This process's resident set now and at its highest (kB from /proc/self/status), in bytes.
@@ -360,7 +308,7 @@ fn main() -> anyhow::Result<()> {
     let bw = bandwidth::measure(&device, if cuda { 256 << 20 } else { 32 << 20 })?;
     let trained = cfg.model.parameters();
     let streamed_blocks = layers.max(1);
-    let opt_s = host_optimizer_step_s(trained.max(1), streamed_blocks, precision, storage);
+    let opt_s = host_optimizer_step_s(trained.max(1), streamed_blocks, precision, storage)?;
     let resident_s = resident.as_ref().map_or(resident_fwdbwd_s.unwrap_or(0.0), |r| mean(steady(&r.step_times)));
     let terms = [
         (if resident_fwdbwd_s.is_some() { "resident forward+backward" } else { "resident step" }, resident_s),

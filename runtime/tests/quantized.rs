@@ -1,8 +1,8 @@
 //! Quantized frozen weights: adapters trained over a quantized base compute exactly what they
 //! compute over the same base dequantized (bit for bit on the host device), the base streams at
 //! its payload's width, each block's quantization error is reported (event and plan) within the
-//! stated bound, trained weights are never quantized, and a quantized file reads back as it was
-//! saved.
+//! stated bound, trained weights are never quantized, a quantized file reads back as it was
+//! saved, and a checkpoint holds the dequantized base the model computes with.
 
 use stagehand::device::Device;
 use stagehand::events::{Bus, Event, EventKind, Hub};
@@ -346,4 +346,39 @@ fn a_quantized_model_saves_its_payloads_and_loads_them_back_as_they_are() {
     let _mc = build_seeded(&c, Some(QuantFormat::Fp8E4m3), 4);
     let e = c.load_quantized(&file).expect_err("int8 into fp8");
     assert!(e.to_string().contains("int8") && e.to_string().contains("fp8_e4m3"), "{e}");
+}
+
+#[test]
+fn a_checkpoint_holds_the_dequantized_base_which_a_full_width_base_loads_as_it_is() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("adapted.safetensors");
+    let handle = || {
+        let dev = common::device();
+        Stagehand::builder().budget_bytes(budget(&dev, BUDGET)).device(dev).build().expect("handle")
+    };
+    let q = handle();
+    let _mq = build_seeded(&q, Some(QuantFormat::Int8), 5);
+    q.prepare().expect("plan");
+    q.save(&file).expect("save");
+    let dequantized = base_values(&q);
+    // The same base drawn at full width: what quantizing lost.
+    let full = handle();
+    let _mf = build_seeded(&full, None, 5);
+    let original = base_values(&full);
+    let saved: Vec<(String, Tensor)> = {
+        let mut v: Vec<_> = Tensor::read_safetensors(&file).expect("read").into_iter().filter(|(n, _)| n.starts_with("base.")).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    assert_eq!(saved.len(), dequantized.len());
+    for ((n, s), (m, d)) in saved.iter().zip(&dequantized) {
+        assert_eq!(n, m);
+        assert!(s.equal(d), "{n}: the checkpoint holds the values the model computes with");
+    }
+    assert!(saved.iter().zip(&original).any(|((_, s), (_, o))| !s.equal(o)), "the INT8 base differs from the full-width one it came from");
+    // Loaded into a full-width base, the checkpoint gives it the dequantized values exactly.
+    full.load(&file).expect("load into the full-width base");
+    for ((n, a), (_, b)) in base_values(&full).iter().zip(&dequantized) {
+        assert!(a.equal(b), "{n}");
+    }
 }
