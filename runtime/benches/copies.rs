@@ -118,7 +118,12 @@ fn counts(var: &str, default: &str, what: &str) -> anyhow::Result<Vec<usize>> {
 /// `cuMemHostAlloc` directly, and prints both (best of two: the first allocation of a size may
 /// pay for the kernel's own bookkeeping).
 fn pin_pattern(dev: &Device, bytes: usize) -> anyhow::Result<()> {
-    let ctx = cudarc::driver::CudaContext::new(0)?;
+    // The plain allocation goes through the same device's context as the device layer's.
+    let ordinal = match dev.tch_device() {
+        tch::Device::Cuda(n) => n,
+        other => anyhow::bail!("pinning on {other:?}: a CUDA device"),
+    };
+    let ctx = cudarc::driver::CudaContext::new(ordinal)?;
     let (mut ours, mut plain) = ((f64::MAX, f64::MAX), (f64::MAX, f64::MAX));
     for _ in 0..2 {
         let t = Instant::now();
