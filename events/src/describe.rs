@@ -93,6 +93,9 @@ pub fn describe(k: &EventKind) -> String {
         }
         PrefetchHit { block } => format!("#{block}"),
         PrefetchMiss { block, stall_ms } => format!("#{block} stalled {stall_ms:.2} ms"),
+        HostStep { block, queued_ms, waited_ms, ran_ms } => {
+            format!("#{block} ran {ran_ms:.2} ms (queued {queued_ms:.2} ms, waited {waited_ms:.2} ms for its copies)")
+        }
         Eviction { block, reason, score, bytes } => format!(
             "#{block} {} {} score {score:.2e}",
             wire_name(reason),

@@ -53,6 +53,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
         }),
         id().prop_map(|b| EventKind::PrefetchHit { block: BlockId(b) }),
         (id(), ms()).prop_map(|(b, stall_ms)| EventKind::PrefetchMiss { block: BlockId(b), stall_ms }),
+        (id(), ms(), ms(), ms()).prop_map(|(b, queued_ms, waited_ms, ran_ms)| EventKind::HostStep { block: BlockId(b), queued_ms, waited_ms, ran_ms }),
         (id(), ms(), big()).prop_map(|(b, score, bytes)| EventKind::Eviction {
             block: BlockId(b),
             reason: EvictionReason::Budget,

@@ -19,6 +19,8 @@ pub mod precision;
 pub mod saved;
 pub mod session;
 pub(crate) mod tensorfile;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub mod torch;
 pub(crate) mod transfer;
 pub mod weights;

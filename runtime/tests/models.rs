@@ -161,6 +161,17 @@ fn two_models_on_one_handle_train_as_on_two() {
         })
         .collect();
     assert_eq!(registered, [("main".to_string(), LAYERS as usize, false), ("teacher".to_string(), LAYERS as usize, true)]);
+    // The host optimizer reports each step it took, of the student's blocks alone.
+    let trained: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::BlockRegistered { block, trainable: true, .. } => Some(*block),
+            _ => None,
+        })
+        .collect();
+    let stepped: Vec<_> = events.iter().filter_map(|e| if let EventKind::HostStep { block, .. } = e.kind { Some(block) } else { None }).collect();
+    assert!(stepped.len() >= STEPS as usize, "a host step reported for each block stepped: {stepped:?}");
+    assert!(stepped.iter().all(|b| trained.contains(b)), "only trained blocks: {stepped:?} of {trained:?}");
     let memory = events.iter().filter(|e| matches!(e.kind, EventKind::ModelMemory { .. })).count();
     assert!(memory >= 3 * STEPS as usize, "model memory beside every vram_owners reading: {memory}");
     let steps: Vec<_> = events

@@ -149,6 +149,13 @@ pub enum EventKind {
     },
     /// `keep_resident` protection added or removed.
     Protection { block: BlockId, protected: bool },
+    /// The host optimizer stepped a streamed block (in a data-parallel group, this device's
+    /// shard of it), on its own thread while training went on; published as the step ended, so
+    /// it carries the training step and phase of that moment. It was queued `queued_ms` before
+    /// it started, waited `waited_ms` for its gradients (and any load still reading the block)
+    /// to land, and updated the block's master values, optimizer state and streamed copy in
+    /// `ran_ms`.
+    HostStep { block: BlockId, queued_ms: f64, waited_ms: f64, ran_ms: f64 },
     /// A frozen block was quantized: its host copy and its loads are its quantized payload, and
     /// what that cost in accuracy.
     Quantized(QuantizationReport),
@@ -386,7 +393,8 @@ impl EventKind {
             | EventKind::PrefetchHit { block }
             | EventKind::PrefetchMiss { block, .. }
             | EventKind::Eviction { block, .. }
-            | EventKind::Protection { block, .. } => Some(*block),
+            | EventKind::Protection { block, .. }
+            | EventKind::HostStep { block, .. } => Some(*block),
             EventKind::Quantized(r) => Some(r.block),
             _ => None,
         }

@@ -356,7 +356,7 @@ impl Snapshot {
             | NonFinite { .. } | FlightRecorded { .. } => run::apply(self, e),
             BlockRegistered { .. } | ItineraryLearned { .. } | ItineraryChanged { .. }
             | Residency { .. } | PrefetchHit { .. } | PrefetchMiss { .. } | Eviction { .. }
-            | PrefetchWindow { .. } | Protection { .. } | WeightStep(_) | Evaluation(_)
+            | PrefetchWindow { .. } | Protection { .. } | HostStep { .. } | WeightStep(_) | Evaluation(_)
             | Quantized(_) | ModelRegistered { .. } | ModelMemory { .. } => weights::apply(self, e),
             TransferIssued { .. } | TransferCompleted { .. } | TransferStep(_) => {
                 transfers::apply(self, e)

@@ -90,7 +90,7 @@ fn summary_keeps(e: &Event) -> bool {
         | VramOwners(_) | WatermarksMoved { .. } | Quantized(_) | ModelRegistered { .. }
         | ModelMemory { .. } => true,
         Residency { .. } | PrefetchHit { .. } | PrefetchMiss { .. } | Eviction { .. }
-        | PrefetchWindow { .. } | Protection { .. } | TransferIssued { .. }
+        | PrefetchWindow { .. } | Protection { .. } | HostStep { .. } | TransferIssued { .. }
         | TransferCompleted { .. } | SlabAcquired { .. } | SlabReleased { .. }
         | PoolExhausted { .. } | PageableFallback { .. } | Pack { .. }
         | SpillFinalized { .. } | Restored { .. } | Reservation { .. }

@@ -7,7 +7,9 @@
 //! from each event's device); in each, one track for the compute stream, which carries a slice
 //! per step with its phases nested inside and an instant per prefetch miss; one track per copy
 //! lane of each direction (`H2D`, `D2H`, and `collective` for a group's reductions; copies that
-//! overlap in time go to extra lanes `H2D 2`, ... so the slices of a track never overlap). Counter tracks follow VRAM (readings, and the limits), VRAM
+//! overlap in time go to extra lanes `H2D 2`, ... so the slices of a track never overlap); and a
+//! track for the host optimizer, a slice per block it stepped (after a slice for its wait for
+//! the block's copies, where it waited). Counter tracks follow VRAM (readings, and the limits), VRAM
 //! by owner (stacked: weights, kept and restored activations, copies in flight, the rest), the
 //! step time by part, and the bytes taken in each pinned pool. Incidents (out of memory,
 //! non-finite values, flight records, lost telemetry, dropped events, itinerary changes,
@@ -45,6 +47,8 @@ pub const H2D_TID: u64 = 100;
 pub const D2H_TID: u64 = 200;
 /// First track of the collectives' lanes (a data-parallel run's reductions).
 pub const COLLECTIVE_TID: u64 = 300;
+/// First track of the host optimizer's lanes.
+pub const HOST_TID: u64 = 400;
 /// Lanes per direction; copies beyond this many in flight share the lane that frees first.
 const MAX_LANES: u64 = 99;
 /// Copies waiting for their completion, at most; issues beyond wait unpaired.
@@ -126,6 +130,7 @@ struct Tracks {
     h2d: Lanes,
     d2h: Lanes,
     collective: Lanes,
+    host: Lanes,
     /// Per pool: (slab bytes, slabs in use) by class.
     pools: [Vec<(u64, u64)>; 2],
     limits: BTreeMap<&'static str, u64>,
@@ -314,6 +319,21 @@ impl<W: Write> Converter<W> {
                 let s = Slice { pid, tid, name, cat: "transfer", start_ns: start, end_ns: end, args };
                 self.emit(&s.to_json())?;
             }
+            EventKind::HostStep { block, queued_ms, waited_ms, ran_ms } => {
+                // Published as the step ended: it ran just before, and waited before that. A
+                // hostile or damaged duration (negative, NaN, huge) clamps to the run's start.
+                let ns = |ms: f64| if ms.is_finite() && ms > 0.0 { (ms * 1e6) as u64 } else { 0 };
+                let ran_from = e.t_ns.saturating_sub(ns(*ran_ms));
+                let waited_from = ran_from.saturating_sub(ns(*waited_ms));
+                let tid = HOST_TID + self.tracks(pid).host.place(waited_from, e.t_ns);
+                let args = json!({ "block": block.0, "queued_ms": queued_ms, "waited_ms": waited_ms, "ran_ms": ran_ms });
+                if waited_from < ran_from {
+                    let s = Slice { pid, tid, name: format!("#{block} waits for its copies"), cat: "host_optimizer", start_ns: waited_from, end_ns: ran_from, args: args.clone() };
+                    self.emit(&s.to_json())?;
+                }
+                let s = Slice { pid, tid, name: format!("#{block} step"), cat: "host_optimizer", start_ns: ran_from, end_ns: e.t_ns, args };
+                self.emit(&s.to_json())?;
+            }
             EventKind::VramSample { allocated_bytes, reserved_bytes, peak_allocated_bytes } => self.counter(
                 pid,
                 "VRAM",
@@ -440,6 +460,9 @@ impl<W: Write> Converter<W> {
             }
             for lane in 0..tr.collective.ends.len() as u64 {
                 tracks.push((COLLECTIVE_TID + lane, lane_name("collective", lane)));
+            }
+            for lane in 0..tr.host.ends.len() as u64 {
+                tracks.push((HOST_TID + lane, lane_name("host optimizer", lane)));
             }
             for (tid, name) in tracks {
                 self.emit(&json!({ "ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": { "name": name } }))?;

@@ -118,6 +118,34 @@ fn new_event_kinds_become_counters_and_instants() {
 }
 
 #[test]
+fn host_steps_are_slices_on_the_host_optimizers_track_after_their_waits() {
+    let ms = 1_000_000;
+    let es = vec![
+        // Waited 2 ms for its copies, then ran 5 ms, ending at 10 ms.
+        ev(1, 10 * ms, 1, EventKind::HostStep { block: BlockId(4), queued_ms: 0.5, waited_ms: 2.0, ran_ms: 5.0 }),
+        // Ran 3 ms without waiting.
+        ev(2, 14 * ms, 1, EventKind::HostStep { block: BlockId(3), queued_ms: 6.0, waited_ms: 0.0, ran_ms: 3.0 }),
+        // Hostile durations clamp to the run's start instead of wrapping.
+        ev(3, 15 * ms, 1, EventKind::HostStep { block: BlockId(2), queued_ms: -5.0, waited_ms: 1e300, ran_ms: -1.0 }),
+    ];
+    let t = to_chrome_trace(&es);
+    validate(&t).expect("valid");
+    let evs = t["traceEvents"].as_array().expect("array");
+    let by_name = |n: &str| evs.iter().find(|e| e["name"] == n).unwrap_or_else(|| panic!("no {n}"));
+    let wait = by_name("#4 waits for its copies");
+    let step = by_name("#4 step");
+    assert_eq!((wait["ts"].as_f64(), wait["dur"].as_f64()), (Some(3_000.0), Some(2_000.0)));
+    assert_eq!((step["ts"].as_f64(), step["dur"].as_f64()), (Some(5_000.0), Some(5_000.0)));
+    assert_eq!(step["tid"], HOST_TID);
+    assert_eq!(step["args"]["queued_ms"], 0.5);
+    assert_eq!(by_name("#3 step")["ts"].as_f64(), Some(11_000.0));
+    assert!(evs.iter().all(|e| e["name"] != "#3 waits for its copies"), "no wait, no slice");
+    assert_eq!(by_name("#2 step")["dur"].as_f64(), Some(0.0));
+    let track = evs.iter().find(|e| e["name"] == "thread_name" && e["tid"] == HOST_TID).expect("named track");
+    assert_eq!(track["args"]["name"], "host optimizer");
+}
+
+#[test]
 fn a_file_without_events_is_an_error_not_an_empty_trace() {
     let mut out = Vec::new();
     let err = convert(&b"not json\n\n{\"v\":1}\n"[..], &mut out).expect_err("nothing to convert");

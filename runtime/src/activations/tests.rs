@@ -4,22 +4,13 @@
 use super::*;
 use crate::error::Error;
 use crate::device::Device;
-use crate::events::{Bus, Event, EventKind, EventSink, Hub, KeepReason, PackDecision};
+use crate::events::{Bus, Event, EventKind, Hub, KeepReason, PackDecision};
+use crate::test_support::Collect;
 use crate::torch::SavedTensorStore;
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
 const N: u64 = 64 << 10; // bytes of one test tensor
-
-struct Collect(Arc<Mutex<Vec<Event>>>);
-
-impl EventSink for Collect {
-    fn on_event(&mut self, e: &Event) {
-        if let Ok(mut v) = self.0.lock() {
-            v.push(e.clone());
-        }
-    }
-}
 
 fn setup(cfg: ActivationConfig) -> (ActivationRuntime, Bus, Arc<Mutex<Vec<Event>>>) {
     let hub = Arc::new(Hub::new());

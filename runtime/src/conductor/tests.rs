@@ -3,20 +3,10 @@
 
 use super::*;
 use crate::events::model::{Event, ReservationMode};
-use crate::events::EventSink;
+use crate::test_support::Collect;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const MIB: u64 = 1 << 20;
-
-/// Collects every event the bus delivers.
-#[derive(Clone, Default)]
-struct Collect(Arc<Mutex<Vec<Event>>>);
-
-impl EventSink for Collect {
-    fn on_event(&mut self, event: &Event) {
-        self.0.lock().expect("collector lock").push(event.clone());
-    }
-}
 
 struct Rig {
     bus: Bus,

@@ -332,10 +332,14 @@ pub(crate) struct BlockJob {
 }
 
 impl Job for BlockJob {
-    fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()> {
+    fn wait_ready(&mut self) -> Result<()> {
         for e in &self.ready {
             e.synchronize()?;
         }
+        Ok(())
+    }
+
+    fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()> {
         self.state
             .lock()
             .unwrap_or_else(|p| p.into_inner())

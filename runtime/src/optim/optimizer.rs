@@ -190,7 +190,7 @@ impl Optimizer {
         let origin = rt.origin();
         // tch makes a group for every group number its variables use when the optimizer is built.
         let count = origin.as_ref().map_or(1, |o| trainable(o).iter().map(|t| t.group + 1).max().unwrap_or(1));
-        let stepper = Arc::new(Stepper::new()?);
+        let stepper = Arc::new(Stepper::new(rt.bus().clone())?);
         rt.lock().attach_stepper(stepper.clone())?;
         Ok(Optimizer {
             host: Arc::new(HashMap::new()),

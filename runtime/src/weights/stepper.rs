@@ -16,7 +16,7 @@
 //! thread that waits for a core leaves the GPU idle.
 
 use crate::error::{Error, Result};
-use crate::events::BlockId;
+use crate::events::{BlockId, Bus, EventKind};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -25,17 +25,26 @@ use std::time::{Duration, Instant};
 /// One block's optimizer step; `pool` is the worker's thread pool for kernels of Stagehand's
 /// own (`None`: rayon's global pool, one thread per core).
 pub(crate) trait Job: Send {
+    /// The step itself, once [`wait_ready`](Self::wait_ready) has returned.
     fn run(&mut self, pool: Option<&rayon::ThreadPool>) -> Result<()>;
 
-    /// Whether the copies `run` would wait for have completed (never blocks).
+    /// Waits for the copies the step reads or must not overlap (its gradients landing, a load
+    /// still reading the block).
+    fn wait_ready(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether those copies have completed (never blocks).
     fn is_ready(&self) -> bool {
         true
     }
 }
 
-/// A queued job and when it was queued (the order its copies were issued in).
+/// A queued job, where it comes in the order of submission (the order its copies were issued
+/// in), and when it was queued.
 struct Queued {
     seq: u64,
+    at: Instant,
     job: Box<dyn Job>,
 }
 
@@ -62,17 +71,19 @@ struct State {
 
 impl State {
     /// Takes the next job to run: the most urgent ready one, else the oldest.
-    fn next(&mut self) -> Option<(u32, Box<dyn Job>)> {
+    fn next(&mut self) -> Option<(u32, Queued)> {
         let key = match self.queue.iter().find(|(_, q)| q.job.is_ready()) {
             Some((k, _)) => *k,
             None => *self.queue.iter().min_by_key(|(_, q)| q.seq)?.0,
         };
-        self.queue.remove(&key).map(|q| (key.1, q.job))
+        self.queue.remove(&key).map(|q| (key.1, q))
     }
 }
 
 struct Shared {
     state: Mutex<State>,
+    /// Where each step is reported (`host_step`).
+    bus: Bus,
     /// Signalled when a job is queued, a job finishes, or the worker stops.
     cv: Condvar,
 }
@@ -100,10 +111,11 @@ impl std::fmt::Debug for Stepper {
 }
 
 impl Stepper {
-    /// Starts the worker thread.
-    pub(crate) fn new() -> Result<Stepper> {
+    /// Starts the worker thread; each step it runs is reported on `bus`.
+    pub(crate) fn new(bus: Bus) -> Result<Stepper> {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
+            bus,
             cv: Condvar::new(),
         });
         let s = shared.clone();
@@ -123,7 +135,7 @@ impl Stepper {
         st.pending.insert(block);
         let seq = st.seq;
         st.seq += 1;
-        st.queue.insert((priority, block.0), Queued { seq, job });
+        st.queue.insert((priority, block.0), Queued { seq, at: Instant::now(), job });
         drop(st);
         self.shared.cv.notify_all();
     }
@@ -188,7 +200,7 @@ fn work(shared: &Shared) {
         if st.shutdown {
             return;
         }
-        let Some((block, mut job)) = st.next() else {
+        let Some((block, mut queued)) = st.next() else {
             st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
             continue;
         };
@@ -206,8 +218,22 @@ fn work(shared: &Shared) {
             applied = threads;
         }
         let t0 = Instant::now();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run(pool.as_ref())));
+        let mut ready_at = t0;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            queued.job.wait_ready()?;
+            ready_at = Instant::now();
+            queued.job.run(pool.as_ref())
+        }));
         let took = t0.elapsed();
+        if matches!(result, Ok(Ok(()))) {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            shared.bus.publish(EventKind::HostStep {
+                block: BlockId(block),
+                queued_ms: ms(t0.duration_since(queued.at)),
+                waited_ms: ms(ready_at.duration_since(t0)),
+                ran_ms: ms(ready_at.elapsed()),
+            });
+        }
         st = shared.lock();
         st.busy += took;
         match result {
@@ -250,7 +276,7 @@ mod tests {
 
     #[test]
     fn jobs_run_in_priority_order_and_waits_return_when_done() {
-        let s = Stepper::new().expect("thread");
+        let s = Stepper::new(Bus::disabled()).expect("thread");
         let log = Arc::new(Mutex::new(Vec::new()));
         let go = Arc::new(AtomicU32::new(0));
         // The first job starts at once (and holds); the rest queue up and run by priority.
@@ -270,11 +296,14 @@ mod tests {
     /// ready as the flag says.
     struct Gated(Arc<Mutex<Vec<u32>>>, u32, Arc<AtomicU32>);
     impl Job for Gated {
-        fn run(&mut self, _: Option<&rayon::ThreadPool>) -> Result<()> {
+        fn wait_ready(&mut self) -> Result<()> {
             self.0.lock().expect("log").push(self.1);
             while !self.is_ready() {
                 std::thread::yield_now();
             }
+            Ok(())
+        }
+        fn run(&mut self, _: Option<&rayon::ThreadPool>) -> Result<()> {
             Ok(())
         }
         fn is_ready(&self) -> bool {
@@ -284,7 +313,7 @@ mod tests {
 
     #[test]
     fn a_job_whose_copies_are_in_flight_never_holds_up_one_that_can_run() {
-        let s = Stepper::new().expect("thread");
+        let s = Stepper::new(Bus::disabled()).expect("thread");
         let log = Arc::new(Mutex::new(Vec::new()));
         let go = Arc::new(AtomicU32::new(0));
         let (yes, no) = (Arc::new(AtomicU32::new(1)), Arc::new(AtomicU32::new(0)));
@@ -315,7 +344,7 @@ mod tests {
 
     #[test]
     fn where_no_job_can_run_yet_the_oldest_runs_first() {
-        let s = Stepper::new().expect("thread");
+        let s = Stepper::new(Bus::disabled()).expect("thread");
         let log = Arc::new(Mutex::new(Vec::new()));
         let go = Arc::new(AtomicU32::new(0));
         let no = Arc::new(AtomicU32::new(0));
@@ -331,6 +360,47 @@ mod tests {
         no.store(1, Ordering::SeqCst);
         s.wait_all().expect("all");
         assert_eq!(*log.lock().expect("log"), [9, 3, 1, 2]);
+    }
+
+    #[test]
+    fn every_step_is_reported_with_its_wait_and_its_run() {
+        /// Waits `.0` for its copies, then runs `.1`.
+        struct Timed(Duration, Duration);
+        impl Job for Timed {
+            fn wait_ready(&mut self) -> Result<()> {
+                std::thread::sleep(self.0);
+                Ok(())
+            }
+            fn run(&mut self, _: Option<&rayon::ThreadPool>) -> Result<()> {
+                std::thread::sleep(self.1);
+                Ok(())
+            }
+        }
+        let hub = Arc::new(crate::events::Hub::new());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        hub.add_sink(Box::new(crate::test_support::Collect(log.clone())));
+        let bus = Bus::with_hub(hub, 64);
+        let s = Stepper::new(bus.clone()).expect("thread");
+        let ms = Duration::from_millis;
+        s.submit(BlockId(4), 0, Box::new(Timed(ms(30), ms(10))));
+        s.submit(BlockId(2), 1, Box::new(Timed(ms(0), ms(20))));
+        s.wait_all().expect("all");
+        bus.flush();
+        let steps: Vec<_> = log
+            .lock()
+            .expect("log")
+            .iter()
+            .filter_map(|e| match e.kind {
+                EventKind::HostStep { block, queued_ms, waited_ms, ran_ms } => Some((block.0, queued_ms, waited_ms, ran_ms)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(steps.iter().map(|s| s.0).collect::<Vec<_>>(), [4, 2]);
+        let (_, _, waited, ran) = steps[0];
+        assert!(waited >= 30.0 && ran >= 10.0 && ran < waited, "{steps:?}");
+        // The second was queued while the first waited and ran.
+        let (_, queued, waited, ran) = steps[1];
+        assert!(queued >= 40.0 && waited < ran && ran >= 20.0, "{steps:?}");
     }
 
     /// Reports the intra-op thread count its step would use.
@@ -349,7 +419,7 @@ mod tests {
     #[test]
     fn the_thread_count_applies_to_the_workers_steps_alone() {
         let before = tch::get_num_threads();
-        let s = Stepper::new().expect("thread");
+        let s = Stepper::new(Bus::disabled()).expect("thread");
         let seen = Arc::new(Mutex::new(Vec::new()));
         for (b, n) in [(1, Some(1)), (2, Some(3)), (3, Some(1)), (4, None)] {
             s.set_threads(n);
@@ -372,7 +442,7 @@ mod tests {
                 Err(Error::internal("boom"))
             }
         }
-        let s = Stepper::new().expect("thread");
+        let s = Stepper::new(Bus::disabled()).expect("thread");
         s.submit(BlockId(4), 0, Box::new(Fail));
         let e = s.wait_all().expect_err("failure reported");
         assert!(e.to_string().contains("block 4: internal error: boom"), "{e}");

@@ -51,6 +51,10 @@ impl Job for Counted {
         }
     }
 
+    fn wait_ready(&mut self) -> Result<()> {
+        self.job.wait_ready()
+    }
+
     fn is_ready(&self) -> bool {
         self.job.is_ready()
     }
