@@ -27,8 +27,9 @@
 //! demo's rule, on in 16-bit precisions), `MJ_MICRO` (the step's batch split into that many
 //! micro-batches, gradient accumulation, in both runs; with `MJ_GPUS=N`, each GPU takes
 //! `MJ_MICRO / N` of them: a multiple of N, or fewer than N, each GPU then one).
-//! Telemetry goes to `$OUT/main_job.jsonl` (or a temporary file) at the full level, every event,
-//! with the Prometheus exporter attached; `MJ_COMPARE_DISABLED=1` trains a third time with the
+//! Telemetry goes to `$OUT/main_job-<pid>.jsonl` (or a temporary file) at the full level, every
+//! event, with the Prometheus exporter attached (a data-parallel run's, every GPU on its lane, to
+//! `main_job-group-<pid>.jsonl`, with the same sinks); `MJ_COMPARE_DISABLED=1` trains a third time with the
 //! event bus disabled and prints what the telemetry costs the step.
 //!
 //! `MJ_GPUS=N` (N > 1) then trains the same model data parallel on N GPUs (on the host device,
@@ -204,12 +205,7 @@ fn main() -> anyhow::Result<()> {
     let (rss_before, _) = host_memory();
 
     // ---- Stagehand, with telemetry written and exported ------------------------------------
-    let hub = Arc::new(Hub::new());
-    let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    let file = out_dir.join(format!("main_job-{}.jsonl", std::process::id()));
-    hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
-    let metrics = stagehand_exporter::Metrics::new();
-    hub.add_snapshot_sink(Box::new(metrics.clone()));
+    let (hub, file, metrics) = telemetry("main_job")?;
     let spill_copies = Arc::new(std::sync::Mutex::new(stagehand::events::CopyStats::default()));
     hub.add_sink(Box::new(SpillCopySink(spill_copies.clone())));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
@@ -445,6 +441,18 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every sink the bench attaches: a full-level JSONL file `$OUT/<name>-<pid>.jsonl` (or in the
+/// temporary directory) and the Prometheus metrics, on a new hub.
+fn telemetry(name: &str) -> anyhow::Result<(Arc<Hub>, std::path::PathBuf, stagehand_exporter::Metrics)> {
+    let hub = Arc::new(Hub::new());
+    let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let file = out_dir.join(format!("{name}-{}.jsonl", std::process::id()));
+    hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
+    let metrics = stagehand_exporter::Metrics::new();
+    hub.add_snapshot_sink(Box::new(metrics.clone()));
+    Ok((hub, file, metrics))
+}
+
 /// `MJ_GPUS`: the same model data parallel on `gpus` GPUs at the same global batch, against the
 /// one-GPU run `one` (its host memory: peak growth over what was there before, and that base).
 fn data_parallel(
@@ -478,10 +486,22 @@ fn data_parallel(
     reset_host_memory();
     let (before, _) = host_memory();
     let t0 = Instant::now();
-    let ranks = train_group(cfg, devices, &Bus::disabled(), |_, _, _, _| {}, Default::default(), customize)?;
+    // Every sink attached, as for one GPU: each GPU's events in the one file, on its lane.
+    let (hub, file, metrics) = telemetry("main_job-group")?;
+    let bus = Bus::with_hub(hub.clone(), 1 << 20);
+    let ranks = train_group(cfg, devices, &bus, |_, _, _, _| {}, Default::default(), customize)?;
     let (_, hwm) = host_memory();
     let group_host = hwm.saturating_sub(before);
-    println!("  {:.1} s in all", t0.elapsed().as_secs_f64());
+    bus.flush();
+    let snap = hub.snapshot();
+    let _ = metrics.render();
+    println!(
+        "  {:.1} s in all, telemetry {} ({} events, {} dropped)",
+        t0.elapsed().as_secs_f64(),
+        file.display(),
+        snap.events_applied,
+        snap.dropped_events
+    );
     let one_s = mean(steady(&one.step_times));
     // The group's step ends when its slowest rank's does.
     let steps = ranks.iter().map(|r| r.summary.step_times.len()).min().unwrap_or(0);
