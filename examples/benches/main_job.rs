@@ -354,9 +354,11 @@ fn main() -> anyhow::Result<()> {
         "training-thread time in Stagehand's hooks per step: weights {host_w:.1} ms, saved tensors {host_a:.1} ms (a weight unpack counts in both)"
     );
     println!(
-        "host optimizer busy per step: {:.1} ms (steady mean; overlapping the step), against {:.1} ms alone",
+        "host optimizer busy per step: {:.1} ms (steady mean; overlapping the step), against {:.1} ms alone; {:.1} of its {:.1} blocks a step given to it while backward ran",
         mean(steady(&s.host_optimizer_ms)),
-        opt_s * 1e3
+        opt_s * 1e3,
+        sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_steps_overlapped as f64)),
+        sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_steps as f64)),
     );
     let first = s.step_peaks.first().copied().unwrap_or(0);
     let later = steady(&s.step_peaks).iter().copied().max().unwrap_or(0);
@@ -513,7 +515,7 @@ fn data_parallel(
         let w = steady(&r.weights);
         let wavg = |f: &dyn Fn(&stagehand::events::WeightStepMetrics) -> f64| w.iter().map(f).sum::<f64>() / w.len().max(1) as f64;
         println!(
-            "  GPU {}: {:.1} ms/step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, stalls {:.1}, optimizer {:.1}, other {:.1}; collectives {:.2} ms on the device ({:.1} MiB reduced); H2D {:.1} MiB, D2H {:.1} MiB; host optimizer {:.1} ms; peak {:.0} MiB of {:.0} MiB",
+            "  GPU {}: {:.1} ms/step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, stalls {:.1}, optimizer {:.1}, other {:.1}; collectives {:.2} ms on the device ({:.1} MiB reduced); H2D {:.1} MiB, D2H {:.1} MiB; host optimizer {:.1} ms ({:.1} of {:.1} blocks given while backward ran); peak {:.0} MiB of {:.0} MiB",
             r.device,
             mean(steady(&r.summary.step_times)) * 1e3,
             avg(|b| b.compute_ms),
@@ -527,6 +529,8 @@ fn data_parallel(
             wavg(&|w| w.h2d_bytes as f64) / MIB,
             wavg(&|w| w.d2h_bytes as f64) / MIB,
             mean(steady(&r.summary.host_optimizer_ms)),
+            wavg(&|w| w.host_steps_overlapped as f64),
+            wavg(&|w| w.host_steps as f64),
             r.summary.peak_bytes as f64 / MIB,
             budget as f64 / MIB
         );

@@ -59,6 +59,13 @@ pub struct WeightStepMetrics {
     /// when nothing accumulated.
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub grad_sum_h2d_bytes: u64,
+    /// Streamed blocks the host optimizer was given to step, and how many of them it was given
+    /// while backward still ran (each as backward left its block, overlapping the rest of it);
+    /// the others were given at the optimizer's call, after backward. Absent when none.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub host_steps: u64,
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub host_steps_overlapped: u64,
 }
 
 impl WeightStepMetrics {

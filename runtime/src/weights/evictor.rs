@@ -55,6 +55,20 @@ pub fn min_loads(itinerary: &Itinerary, slots: usize, updated: &[BlockId], steps
     if n == 0 || slots == 0 {
         return Vec::new();
     }
+    // Each block's positions along the itinerary, for its next use in a search of them (a step
+    // of many micro-batches is a long itinerary).
+    let mut uses: std::collections::HashMap<BlockId, Vec<usize>> = std::collections::HashMap::new();
+    for p in 0..n {
+        uses.entry(itinerary.at(p)).or_default().push(p);
+    }
+    let distance = |from: usize, b: &BlockId| -> usize {
+        let Some(ps) = uses.get(b) else { return usize::MAX };
+        let r = from % n;
+        match ps.partition_point(|&p| p < r) {
+            i if i < ps.len() => ps[i] - r,
+            _ => ps[0] + n - r,
+        }
+    };
     let mut held: Vec<BlockId> = Vec::with_capacity(slots);
     let mut loads = Vec::new();
     for pos in 0..(1 + steps) * n {
@@ -70,7 +84,7 @@ pub fn min_loads(itinerary: &Itinerary, slots: usize, updated: &[BlockId], steps
         }
         if held.len() == slots {
             // Evict the block used farthest in the future (never again counts as farthest).
-            let far = |x: &BlockId| itinerary.distance(pos + 1, *x).unwrap_or(usize::MAX);
+            let far = |x: &BlockId| distance(pos + 1, x);
             if let Some(i) = (0..held.len()).max_by_key(|&i| far(&held[i])) {
                 held.swap_remove(i);
             }

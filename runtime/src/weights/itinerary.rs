@@ -4,7 +4,9 @@
 //!
 //! A [`Trace`] records the blocks entered during a step; at the step's end it becomes the
 //! itinerary, or is compared with it: a step that ran another order replaces the itinerary and
-//! the difference is reported.
+//! the difference is reported. A step of micro-batches goes over the model once for each: where
+//! every pass ran the same order, the itinerary is one pass, which the step follows as many
+//! times (positions wrap into the next pass as into the next step).
 
 use crate::events::BlockId;
 
@@ -95,9 +97,16 @@ impl Itinerary {
 }
 
 /// The blocks entered during one step, in order, each direction apart; consecutive uses of the
-/// same block count once.
+/// same block count once. A forward use after backward ones starts another pass (the step's next
+/// micro-batch).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Trace {
+    passes: Vec<Pass>,
+}
+
+/// One forward and backward over the model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Pass {
     forward: Vec<BlockId>,
     backward: Vec<BlockId>,
 }
@@ -115,26 +124,54 @@ pub struct Difference {
 impl Trace {
     /// Records a use of `block` in the given direction.
     pub fn record(&mut self, block: BlockId, backward: bool) {
-        let v = if backward { &mut self.backward } else { &mut self.forward };
-        if v.last() != Some(&block) {
-            v.push(block);
+        let next_pass = self.passes.last().is_none_or(|p| !backward && !p.backward.is_empty());
+        if next_pass {
+            self.passes.push(Pass::default());
+        }
+        if let Some(p) = self.passes.last_mut() {
+            let v = if backward { &mut p.backward } else { &mut p.forward };
+            if v.last() != Some(&block) {
+                v.push(block);
+            }
         }
     }
 
     /// Whether nothing was recorded.
     pub fn is_empty(&self) -> bool {
-        self.forward.is_empty() && self.backward.is_empty()
+        self.passes.is_empty()
     }
 
     /// Starts over.
     pub fn clear(&mut self) {
-        self.forward.clear();
-        self.backward.clear();
+        self.passes.clear();
     }
 
-    /// The itinerary this trace describes.
+    /// How many times the step went over the model in one order: its passes where each ran the
+    /// same order (micro-batches), else 1 (the itinerary is then the whole step).
+    pub fn passes(&self) -> usize {
+        if self.uniform() {
+            self.passes.len().max(1)
+        } else {
+            1
+        }
+    }
+
+    fn uniform(&self) -> bool {
+        self.passes.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// The itinerary this trace describes: one pass where every pass ran the same order;
+    /// otherwise every forward use, then every backward use (an order no pass of the step
+    /// follows throughout: the route leaves it where the step does).
     pub fn itinerary(&self) -> Itinerary {
-        Itinerary::new(self.forward.clone(), self.backward.clone())
+        match self.passes.as_slice() {
+            [] => Itinerary::new(Vec::new(), Vec::new()),
+            [first, ..] if self.uniform() => Itinerary::new(first.forward.clone(), first.backward.clone()),
+            all => Itinerary::new(
+                all.iter().flat_map(|p| p.forward.iter().copied()).collect(),
+                all.iter().flat_map(|p| p.backward.iter().copied()).collect(),
+            ),
+        }
     }
 
     /// How this trace differs from `it`; `None` when it followed it exactly.
@@ -226,5 +263,35 @@ mod tests {
         }
         let d = other.difference(&it).expect("differs");
         assert_eq!((d.first_difference, d.added, d.removed), (1, ids(&[3]), ids(&[1])));
+    }
+
+    fn passes(t: &mut Trace, passes: &[(&[u32], &[u32])]) {
+        t.clear();
+        for (f, b) in passes {
+            for &x in *f {
+                t.record(BlockId(x), false);
+            }
+            for &x in *b {
+                t.record(BlockId(x), true);
+            }
+        }
+    }
+
+    #[test]
+    fn micro_batches_that_repeat_one_order_are_one_pass_taken_as_many_times() {
+        let mut t = Trace::default();
+        // Three micro-batches over a model of one block and two: a repeat of the block across
+        // a pass's end is another pass, not a repeat.
+        passes(&mut t, &[(&[0], &[0]), (&[0], &[0]), (&[0], &[0])]);
+        assert_eq!((t.itinerary(), t.passes()), (Itinerary::new(ids(&[0]), ids(&[0])), 3));
+        passes(&mut t, &[(&[0, 1, 2], &[2, 1]), (&[0, 1, 2], &[2, 1])]);
+        assert_eq!((t.itinerary(), t.passes()), (Itinerary::new(ids(&[0, 1, 2]), ids(&[2, 1])), 2));
+        assert_eq!(t.difference(&Itinerary::new(ids(&[0, 1, 2]), ids(&[2, 1]))), None, "one step's pass");
+        // Passes that differ: every forward use, then every backward use, as one step.
+        passes(&mut t, &[(&[0, 1], &[1]), (&[0, 2], &[2])]);
+        assert_eq!((t.itinerary(), t.passes()), (Itinerary::new(ids(&[0, 1, 0, 2]), ids(&[1, 2])), 1));
+        // A forward alone (evaluation, a frozen model) is one pass.
+        passes(&mut t, &[(&[0, 1], &[])]);
+        assert_eq!(t.passes(), 1);
     }
 }

@@ -25,6 +25,8 @@ pub(crate) struct Route {
     current: Option<BlockId>,
     /// The step left the itinerary: a block came that was not the next one on it.
     diverged: bool,
+    /// Times the last step ended went over the itinerary (its micro-batches).
+    passes: usize,
 }
 
 impl Route {
@@ -126,9 +128,16 @@ impl Route {
         }
     }
 
+    /// How many times the last step that ended went over the itinerary (its micro-batches; 1
+    /// for a step that used no block).
+    pub(crate) fn passes(&self) -> usize {
+        self.passes.max(1)
+    }
+
     /// Ends the step: learns the itinerary from its trace, or replaces it when the step ran
     /// another order.
     pub(crate) fn end(&mut self) -> Learned {
+        self.passes = self.trace.passes();
         if self.trace.is_empty() {
             return Learned::Same;
         }

@@ -719,11 +719,14 @@ impl Scheduler {
 
     /// The Belady minimum of bytes a steady-state step of the itinerary just traced needs to
     /// copy in: the long-run average (see [`super::evictor::min_loads`]), computed again only
-    /// when the itinerary, the room or the trained blocks change.
+    /// when the itinerary, the room, the trained blocks or the step's passes change. A step of
+    /// micro-batches goes over the itinerary once for each; its trained blocks change (and must
+    /// be loaded again) only at its end.
     fn min_h2d_bytes(&mut self) -> (u64, Vec<u64>) {
-        let (Some(streamed), Some(slots)) = (self.streamed_order(), &self.slots) else {
+        let (Some(pass), Some(slots)) = (self.streamed_order(), &self.slots) else {
             return (0, vec![0; self.models.len()]);
         };
+        let streamed = pass.repeat(self.route.passes());
         let updated: Vec<BlockId> = if self.stepper.is_some() {
             self.blocks.iter().filter(|b| !b.grads.is_empty() && !b.resident).map(|b| b.spec.id).collect()
         } else {
@@ -735,18 +738,20 @@ impl Scheduler {
                 return (*bytes, models.clone());
             }
         }
-        const STEPS: usize = 60;
+        // About 60 passes simulated, 4 steps at the least: a step of many micro-batches is a long
+        // cycle of its own.
+        let steps = (60 / self.route.passes()).max(4);
         let it = Itinerary::new(key.0.clone(), Vec::new());
         // A quantized block moves its payload: the minimum counts the bytes each load copies.
         let mut models = vec![0u64; self.models.len()];
-        for b in super::evictor::min_loads(&it, key.1, &key.2, STEPS) {
+        for b in super::evictor::min_loads(&it, key.1, &key.2, steps) {
             let b = &self.blocks[b.0 as usize];
             if let Some(m) = models.get_mut(b.model as usize) {
                 *m += b.spec.transfer_bytes() as u64;
             }
         }
-        let bytes = models.iter().sum::<u64>() / STEPS as u64;
-        let models: Vec<u64> = models.iter().map(|m| m / STEPS as u64).collect();
+        let bytes = models.iter().sum::<u64>() / steps as u64;
+        let models: Vec<u64> = models.iter().map(|m| m / steps as u64).collect();
         self.min_bytes = Some((key, bytes, models.clone()));
         (bytes, models)
     }

@@ -228,6 +228,7 @@ impl Scheduler {
             let j = job(id, &received, ready)?;
             self.submit_job(&stepper, id, priority as u64, j);
             self.submitted.insert(id);
+            self.metrics.host_steps += 1;
         }
         self.update_expected = false;
         self.eager = None;
@@ -287,6 +288,8 @@ impl Scheduler {
         };
         self.submit_job(&stepper, id, priority, job);
         self.submitted.insert(id);
+        self.metrics.host_steps += 1;
+        self.metrics.host_steps_overlapped += 1;
         Ok(())
     }
 
