@@ -1,7 +1,9 @@
 //! Gradient accumulation through the handle: `train_step_micro` over two micro-batches trains as
 //! plain tch does accumulating `loss / 2` of each before one optimizer step (bit-identical on the
 //! host device), with the streamed blocks' gradients summed on the device: the second
-//! micro-batch's gradients take in the first's, brought back from their host buffers.
+//! micro-batch's gradients take in the first's, brought back from their host buffers. Each
+//! micro-batch follows the itinerary: the host steps start during the last one's backward, and a
+//! micro-batch's first blocks are prefetched across the end of the one before.
 
 use stagehand::device::Device;
 use stagehand::events::{Bus, Direction, EventKind, Hub, Owner};
@@ -126,4 +128,40 @@ fn two_micro_batches_equal_plain_accumulation() {
         })
         .sum();
     assert_eq!(steps, copies, "weight_step h2d_bytes against the weights' H2D transfers");
+}
+
+/// Four micro-batches through a room of two slots: the first block (whose weights backward
+/// never reads, its input needing no gradient) leaves the device in every backward, and each
+/// later micro-batch needs it first.
+#[test]
+fn a_micro_batch_finds_its_first_blocks_prefetched_across_the_last_ones_end() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let cuda = device.is_cuda();
+    let budget = (40 << 10) + if cuda { device.memory().allocated } else { 0 };
+    let sh = Stagehand::builder()
+        .budget_bytes(budget)
+        .device(if cuda { device.clone() } else { Device::host(budget) })
+        .build()
+        .expect("handle");
+    let model = {
+        let _g = rng();
+        tch::manual_seed(5);
+        net(|i| Box::new(snn::linear(sh.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
+    };
+    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
+    for s in 0..4 {
+        sh.train_step_micro(&mut opt, 4, |i| loss(&model, &micro(s, i, dev))).expect("step");
+        let m = sh.weights().last_step_metrics();
+        // After the traced step, and the step that settles the room, every block is loaded
+        // ahead of its use: the weights change only after the step's last micro-batch.
+        if s > 1 {
+            assert_eq!(m.prefetch_misses, 0, "step {s}: {m:?}");
+            if !cuda {
+                assert_eq!(m.load_bytes(), m.min_h2d_bytes, "step {s}: {m:?}");
+            }
+        }
+    }
+    let plan = sh.plan().expect("plan");
+    assert_eq!(plan.slots, 2, "{:?}", plan.reasons);
 }

@@ -181,6 +181,9 @@ impl Stagehand {
         for i in 0..micro_batches {
             let last = i + 1 == micro_batches;
             self.enter(&conductor, step, Phase::Forward)?;
+            if micro_batches > 1 {
+                weights.begin_pass(last)?;
+            }
             if i == 0 {
                 // The plan's resident blocks take their memory before the forward's activations
                 // can.

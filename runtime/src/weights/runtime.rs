@@ -266,6 +266,14 @@ impl WeightRuntime {
         self.lock().begin_step()
     }
 
+    /// Starts one of a step's passes over the model (a micro-batch), saying whether the
+    /// optimizer steps after it. Before the last pass the weights do not change at the pass's
+    /// end, so the blocks the next pass starts with are prefetched across it like any others.
+    /// Without this call every pass is taken as the step's last.
+    pub fn begin_pass(&self, last: bool) -> Result<()> {
+        self.lock().begin_pass(last)
+    }
+
     /// The block that [`before_block`](Self::before_block) last failed to make resident in this
     /// step, if any: what the runtime was about to do when an allocation failed.
     pub fn failed_block(&self) -> Option<BlockId> {

@@ -617,7 +617,7 @@ impl Scheduler {
         };
         self.route.begin();
         self.first_entered = None;
-        self.update_expected = self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty());
+        self.update_expected = self.expects_updates();
         self.submitted.clear();
         self.after_leave = None;
         if self.auto_step {
@@ -649,6 +649,22 @@ impl Scheduler {
                 self.load(id, Load::Demand, None).and_then(|_| self.finalize(id, true)).map_err(|e| (Some(id), e))?;
             }
         }
+        Ok(())
+    }
+
+    /// Whether a host optimizer steps trained streamed blocks at the end of this step.
+    fn expects_updates(&self) -> bool {
+        self.stepper.is_some() && self.blocks.iter().any(|b| !b.grads.is_empty())
+    }
+
+    /// Starts a pass of the open step (see [`crate::weights::WeightRuntime::begin_pass`]): the
+    /// host copies change at its end only when it is the step's last.
+    pub(crate) fn begin_pass(&mut self, last: bool) -> Result<()> {
+        self.check_live()?;
+        if !matches!(self.state, StepState::Open { .. }) {
+            return Err(Error::misuse("begin_pass", "begin a step first"));
+        }
+        self.update_expected = last && self.expects_updates();
         Ok(())
     }
 
