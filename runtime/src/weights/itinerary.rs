@@ -122,8 +122,9 @@ pub struct Difference {
 }
 
 impl Trace {
-    /// Records a use of `block` in the given direction.
-    pub fn record(&mut self, block: BlockId, backward: bool) {
+    /// Records a use of `block` in the given direction; true when it starts the step's second
+    /// pass (its first is then complete).
+    pub fn record(&mut self, block: BlockId, backward: bool) -> bool {
         let next_pass = self.passes.last().is_none_or(|p| !backward && !p.backward.is_empty());
         if next_pass {
             self.passes.push(Pass::default());
@@ -133,6 +134,15 @@ impl Trace {
             if v.last() != Some(&block) {
                 v.push(block);
             }
+        }
+        next_pass && self.passes.len() == 2
+    }
+
+    /// The itinerary of the step's first pass, once a second has started.
+    pub fn first_pass(&self) -> Option<Itinerary> {
+        match self.passes.as_slice() {
+            [first, _, ..] => Some(Itinerary::new(first.forward.clone(), first.backward.clone())),
+            _ => None,
         }
     }
 

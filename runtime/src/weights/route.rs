@@ -27,6 +27,9 @@ pub(crate) struct Route {
     diverged: bool,
     /// Times the last step ended went over the itinerary (its micro-batches).
     passes: usize,
+    /// The itinerary is the first step's first pass, followed by that step's later passes until
+    /// the step's end learns one.
+    provisional: bool,
 }
 
 impl Route {
@@ -77,7 +80,14 @@ impl Route {
     /// Enters `block` in the given direction; returns the block left behind when this is a
     /// different block than the last one (in the same direction or across the turn).
     pub(crate) fn enter(&mut self, block: BlockId, backward: bool) -> Option<BlockId> {
-        self.trace.record(block, backward);
+        if self.trace.record(block, backward) && self.itinerary.is_none() {
+            // The first step's first micro-batch is over: the ones after it follow its order,
+            // as later steps will (and leave it where they do not).
+            self.itinerary = self.trace.first_pass();
+            self.provisional = true;
+            self.pos = None;
+            self.diverged = false;
+        }
         let left = self.current.filter(|&c| c != block);
         let moved = left.is_some() || backward != self.backward || self.current.is_none();
         self.backward = backward;
@@ -138,6 +148,9 @@ impl Route {
     /// another order.
     pub(crate) fn end(&mut self) -> Learned {
         self.passes = self.trace.passes();
+        if std::mem::take(&mut self.provisional) {
+            self.itinerary = None;
+        }
         if self.trace.is_empty() {
             return Learned::Same;
         }
@@ -190,6 +203,39 @@ mod tests {
             }
             other => panic!("expected a change, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_first_steps_later_micro_batches_follow_its_first_and_the_end_learns_one_pass() {
+        let mut r = Route::default();
+        r.begin();
+        for (f, b) in [([0, 1, 2], [2, 1]), ([0, 1, 2], [2, 1])] {
+            for x in f {
+                r.enter(BlockId(x), false);
+            }
+            for x in b {
+                r.enter(BlockId(x), true);
+            }
+        }
+        assert!(r.following(), "the second micro-batch followed the first");
+        assert_eq!(r.pos(), Some(4));
+        assert!(matches!(r.end(), Learned::First(o) if o == [0, 1, 2, 2, 1].map(BlockId)));
+        assert_eq!(r.passes(), 2);
+        // A first step whose micro-batches differ leaves the first one's order where they do,
+        // and learns every use, as one pass.
+        let mut r = Route::default();
+        r.begin();
+        for (f, b) in [(&[0, 1][..], &[1][..]), (&[0, 2][..], &[2][..])] {
+            for &x in f {
+                r.enter(BlockId(x), false);
+            }
+            for &x in b {
+                r.enter(BlockId(x), true);
+            }
+        }
+        assert!(!r.following());
+        assert!(matches!(r.end(), Learned::First(o) if o.len() == 6));
+        assert_eq!(r.passes(), 1);
     }
 
     #[test]
