@@ -354,6 +354,21 @@ fn extreme_numbers_from_a_server_draw_without_panicking() {
 }
 
 #[test]
+fn the_step_time_says_how_much_of_the_host_optimizer_overlapped_backward() {
+    use stagehand_events::{Event, EventKind, Phase, StepTimeBreakdown, WeightStepMetrics};
+    let mut state = State::new();
+    let at = |seq: u64, kind: EventKind| Event::new(seq, seq, 2, Phase::StepEnd, kind);
+    state.snapshot.apply(&at(1, EventKind::WeightStep(WeightStepMetrics { host_steps: 27, host_steps_overlapped: 24, ..Default::default() })));
+    state.snapshot.apply(&at(2, EventKind::StepTime(StepTimeBreakdown { step_ms: 300.0, compute_ms: 100.0, optimizer_ms: 200.0, ..Default::default() })));
+    let theme = Theme::default();
+    let s = screen(&draw_at(&state, &view(View::Time), &theme, LARGE));
+    assert!(s.contains("host optimizer: 24 of 27 blocks given to it while backward ran"), "{s}");
+    // A step without host steps says nothing of them.
+    let (one, _) = replayed(RUN, &[Control::ToEnd]);
+    assert!(!screen(&draw_at(&one, &view(View::Time), &theme, LARGE)).contains("host optimizer:"));
+}
+
+#[test]
 fn a_data_parallel_run_shows_a_row_per_gpu_on_the_overview() {
     use stagehand_events::{Event, EventKind, Phase, StepTimeBreakdown, WeightStepMetrics};
     let mut state = State::new();

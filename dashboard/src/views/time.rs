@@ -18,9 +18,10 @@ use stagehand_events::snapshot::StepRecord;
 
 pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState, theme: &Theme) {
     let w = area.width.saturating_sub(2) as usize;
-    let last = state.snapshot.steps.iter().rev().find_map(|r| r.time.map(|t| (r.step, t)));
+    let last = state.snapshot.steps.iter().rev().find_map(|r| r.time.map(|t| (r, t)));
     let (title, lines) = match last {
-        Some((step, t)) => {
+        Some((r, t)) => {
+            let step = r.step;
             let parts = time_parts(&t, theme);
             let mut lines = vec![Line::from(stacked(&parts, t.step_ms, w, theme))];
             let cells = parts
@@ -29,6 +30,17 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
                 .map(|(sw, v)| (*sw, format!("{} {} {}", sw.name, ms(*v), percent(*v, t.step_ms))))
                 .collect();
             lines.extend(legend(cells, w));
+            // Whether the host optimizer overlapped backward: the blocks it was given while
+            // backward ran, of all it stepped (the rest wait for the optimizer's call).
+            if let Some(wm) = r.weights.as_ref().filter(|wm| wm.host_steps > 0) {
+                lines.push(Line::styled(
+                    format!(
+                        "host optimizer: {} of {} blocks given to it while backward ran",
+                        wm.host_steps_overlapped, wm.host_steps
+                    ),
+                    theme.dim(),
+                ));
+            }
             (format!(" Step {step} took {}: where the time went ", ms(t.step_ms)), lines)
         }
         None => (
