@@ -280,8 +280,13 @@ fn main() -> anyhow::Result<()> {
     // room, in the same command: choosing one chooses that stream too (`SH_VARIANTS=int8` runs
     // them all).
     let quantized_units: Vec<Units> = variants.iter().filter(|v| quantized(v.0).is_some() && picked(v.0)).map(|v| v.4).collect();
+    // The streams a quantized variant is compared with: full width, fwd+bwd, telemetry on, not
+    // checkpointed (one of each units).
+    let full_width_stream = |name: &str, inference: bool, checkpoint: bool| {
+        quantized(name).is_none() && !inference && !checkpoint && name.contains("telemetry on")
+    };
     let counterpart = |name: &str, inference: bool, checkpoint: bool, units: Units| {
-        quantized(name).is_none() && !inference && !checkpoint && name.contains("telemetry on") && quantized_units.contains(&units)
+        full_width_stream(name, inference, checkpoint) && quantized_units.contains(&units)
     };
     let mut results = Vec::new();
     for (i, (name, inference, telemetry, checkpoint, units, pins)) in variants.into_iter().enumerate() {
@@ -339,7 +344,7 @@ fn main() -> anyhow::Result<()> {
             r.metrics.prefetch_misses,
             r.peak as f64 / 1e9
         );
-        results.push((name, inference, mode.quant, units, r));
+        results.push((name, inference, checkpoint, mode.quant, units, r));
     }
     let (bw_after, _) = common::pinned_bandwidth(&probe, bw_bytes)?;
     let bw = bw_before.max(bw_after);
@@ -366,7 +371,7 @@ fn main() -> anyhow::Result<()> {
     // The quantized variants' resident term: every block's payload on the device, dequantized
     // into full-width buffers before its forward, then forward and backward.
     let mut resident_dequant: Vec<(QuantFormat, f64)> = Vec::new();
-    for format in results.iter().filter_map(|r| r.2) {
+    for format in results.iter().filter_map(|r| r.3) {
         if resident_dequant.iter().any(|(f, _)| *f == format) {
             continue;
         }
@@ -407,18 +412,17 @@ fn main() -> anyhow::Result<()> {
         println!("resident step with {format} dequantization: {best:.4} s (fwd+bwd, each block dequantized once before its forward)");
         resident_dequant.push((format, best));
     }
-    // A quantized variant's full-width counterpart: the fwd+bwd stream of the same units with
-    // telemetry on, not checkpointed (chosen with it, so it ran).
+    // A quantized variant's full-width counterpart of the same units (chosen with it, so it ran).
     let full_width = |units: Units| {
         results
             .iter()
-            .find(|r| r.2.is_none() && !r.1 && r.3 == units && r.0.contains("telemetry on") && !r.0.contains("checkpointed"))
-            .map(|r| (r.0, r.4.step_s))
+            .find(|r| full_width_stream(r.0, r.1, r.2) && r.4 == units)
+            .map(|r| (r.0, r.5.step_s))
     };
     // What no unit size can beat: every byte beyond the room moved once per pass (twice with
     // backward), as if units were infinitely fine.
     let beyond_room = (blocks as u64 * block_bytes as u64).saturating_sub(budget_blocks * block_bytes as u64);
-    for (name, inference, quant, units, r) in &results {
+    for (name, inference, _, quant, units, r) in &results {
         let base = match quant {
             Some(f) => resident_dequant.iter().find(|(g, _)| g == f).map_or(resident, |(_, s)| *s),
             None if *inference => resident_fwd,
