@@ -28,6 +28,21 @@ fn loss(model: &[Box<dyn Module>], x: &Tensor) -> Tensor {
     model.iter().fold(x.shallow_clone(), |h, l| l.forward(&h).tanh()).square().mean(Kind::Float)
 }
 
+/// A handle with `above` bytes of budget beyond what the device holds already (on CUDA,
+/// libtorch's own), on `device` (the host device: one of that budget's own).
+fn handle(device: &Device, above: u64) -> stagehand::StagehandBuilder {
+    let cuda = device.is_cuda();
+    let budget = above + if cuda { device.memory().allocated } else { 0 };
+    Stagehand::builder().budget_bytes(budget).device(if cuda { device.clone() } else { Device::host(budget) })
+}
+
+/// The test's net on the handle's root, drawn from `seed`.
+fn streamed(sh: &Stagehand, seed: i64) -> Vec<Box<dyn Module>> {
+    let _g = rng();
+    tch::manual_seed(seed);
+    net(|i| Box::new(snn::linear(sh.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
+}
+
 fn micro(step: i64, i: usize, dev: tch::Device) -> Tensor {
     let _g = rng();
     tch::manual_seed(1000 + step * 10 + i as i64);
@@ -58,21 +73,10 @@ fn two_micro_batches_equal_plain_accumulation() {
     }
 
     let cuda = device.is_cuda();
-    let budget = (96 << 10) + if cuda { device.memory().allocated } else { 0 };
     let bus = Bus::with_hub(Arc::new(Hub::new()), 1 << 16);
     let events = common::Collected::on(&bus);
-    let sh = Stagehand::builder()
-        .budget_bytes(budget)
-        .device(if cuda { device.clone() } else { Device::host(budget) })
-        .bus(bus.clone())
-        .kernel(Kernel::Exact)
-        .build()
-        .expect("handle");
-    let model = {
-        let _g = rng();
-        tch::manual_seed(3);
-        net(|i| Box::new(snn::linear(sh.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
-    };
+    let sh = handle(&device, 96 << 10).bus(bus.clone()).kernel(Kernel::Exact).build().expect("handle");
+    let model = streamed(&sh, 3);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let mut got = Vec::new();
     for s in 0..steps {
@@ -129,7 +133,7 @@ fn two_micro_batches_equal_plain_accumulation() {
     assert_eq!(steps, copies, "weight_step h2d_bytes against the weights' H2D transfers");
 }
 
-/// Four micro-batches through a room of two slots: the first block (whose weights backward
+/// Eight micro-batches through a room of two slots: the first block (whose weights backward
 /// never reads, its input needing no gradient) leaves the device in every backward, and each
 /// later micro-batch needs it first.
 #[test]
@@ -138,17 +142,8 @@ fn a_micro_batch_finds_its_first_blocks_prefetched_across_the_last_ones_end() {
     let device = common::device();
     let dev = device.tch_device();
     let cuda = device.is_cuda();
-    let budget = (40 << 10) + if cuda { device.memory().allocated } else { 0 };
-    let sh = Stagehand::builder()
-        .budget_bytes(budget)
-        .device(if cuda { device.clone() } else { Device::host(budget) })
-        .build()
-        .expect("handle");
-    let model = {
-        let _g = rng();
-        tch::manual_seed(5);
-        net(|i| Box::new(snn::linear(sh.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
-    };
+    let sh = handle(&device, 40 << 10).build().expect("handle");
+    let model = streamed(&sh, 5);
     let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
     for s in 0..4 {
         sh.train_step_micro(&mut opt, MICRO, |i| loss(&model, &micro(s, i, dev))).expect("step");
