@@ -146,6 +146,7 @@ catalog! {
     StallDuration => "stall.duration", Histogram(STALL_BUCKETS), Seconds, ["source"], "Time the compute stream waited for a block (weights) or a restore (activations).";
     PrefetchHits => "prefetch.hits", Counter, Count("{block}"), [], "Blocks that were on the device when needed.";
     PrefetchMisses => "prefetch.misses", Counter, Count("{block}"), [], "Blocks that were not ready when needed.";
+    HostSteps => "host_optimizer.steps", Counter, Count("{block}"), ["during_backward"], "Blocks the host optimizer stepped, by whether they were given to it while backward ran (true) or at the optimizer's call (false).";
     Evictions => "evictions", Counter, Count("{block}"), ["reason"], "Blocks evicted, by reason.";
     ResidencyBlocks => "residency.blocks", Gauge, Count("{block}"), ["state"], "Weight blocks in each residency state.";
     PoolCapacity => "pool.capacity", Gauge, Bytes, ["pool", "class", "slab_bytes"], "Bytes a pinned pool holds, by size class.";

@@ -115,6 +115,8 @@ pub fn initial() -> Vec<Observation> {
         obs(StepDuration, &[], Value::Touch),
         obs(PrefetchHits, &[], Value::Touch),
         obs(PrefetchMisses, &[], Value::Touch),
+        obs(HostSteps, &["true"], Value::Touch),
+        obs(HostSteps, &["false"], Value::Touch),
         obs(ActivationSpill, &[], Value::Touch),
         obs(ActivationRestore, &[], Value::Touch),
         obs(ConductorReserved, &[], Value::Set(0.0)),
@@ -285,6 +287,8 @@ impl Mapper {
             let w = &t.weights.last;
             add(out, PrefetchHits, &[], w.prefetch_hits);
             add(out, PrefetchMisses, &[], w.prefetch_misses);
+            add(out, HostSteps, &["true"], w.host_steps_overlapped);
+            add(out, HostSteps, &["false"], w.host_steps.saturating_sub(w.host_steps_overlapped));
         }
         if t.activations.commits != self.seen.activations {
             self.seen.activations = t.activations.commits;

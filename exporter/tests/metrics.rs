@@ -147,6 +147,25 @@ fn metrics_parse_back_with_prometheus_names_types_and_values() {
 }
 
 #[test]
+fn host_optimizer_steps_count_the_blocks_given_during_backward() {
+    let mut events = synthetic::events(SyntheticRun::finished(4));
+    let mut steps = 0;
+    for e in &mut events {
+        if let stagehand_events::EventKind::WeightStep(w) = &mut e.kind {
+            // The last step's figures claim more overlapped than stepped: counted as stepped.
+            steps += 1;
+            (w.host_steps, w.host_steps_overlapped) = if steps < 4 { (27, 24) } else { (27, 30) };
+        }
+    }
+    assert_eq!(steps, 4);
+    let mut sink = Metrics::new();
+    feed(&mut sink, &events);
+    let s = scrape(&sink.render().expect("renders"));
+    assert_eq!(value(&s, "stagehand_host_optimizer_steps_total", &[("during_backward", "true")]), (3 * 24 + 27) as f64);
+    assert_eq!(value(&s, "stagehand_host_optimizer_steps_total", &[("during_backward", "false")]), (3 * 3) as f64);
+}
+
+#[test]
 fn labels_fixed_at_construction_win_over_the_run() {
     let mut m = Metrics::with_labels(DeviceLabels::new(3, "NVIDIA H200")).expect("builds");
     feed(&mut m, synthetic::events(SyntheticRun::finished(1)));

@@ -126,6 +126,9 @@
         h("td", { "data-testid": "time-" + p.key, "data-value": f ? String(f.ms) : "" }, f ? ms(f.ms) : "-"),
         h("td", { class: "muted" }, f ? f.share.toFixed(1) + "%" : ""));
     }));
+    const o = n && n.host_optimizer;
+    set("host-steps", o ? o.during_backward : null,
+      o ? `host optimizer: ${o.during_backward} of ${o.stepped} blocks given to it while backward ran` : "");
   }
   function owners(o) {
     set("owners-step", o.step, o.step == null ? "-" : String(o.step));

@@ -30,6 +30,10 @@ fn run_events(steps: u64) -> Vec<Event> {
         if let EventKind::RunStarted { config, .. } = &mut e.kind {
             *config = json!({ "weights": { "prefetch_window": 2, "room": { "mib": 640 } }, "activations": { "spill": true } });
         }
+        // A trained run's host optimizer, which the synthetic run leaves out.
+        if let EventKind::WeightStep(w) = &mut e.kind {
+            (w.host_steps, w.host_steps_overlapped) = (4, 3);
+        }
     }
     events
 }
@@ -97,6 +101,11 @@ fn assert_page_matches(driver: &Driver, f: &HashMap<String, String>, api: &Snaps
                       ("optimizer", t.optimizer_ms), ("other", t.other_ms)] {
         close(&f[&format!("time-{key}")], ms, key);
     }
+    let host = api.step_record(step).and_then(|r| r.weights.as_ref()).expect("the step's weights");
+    assert_eq!(f["host-steps"], host.host_steps_overlapped.to_string(), "host steps given during backward");
+    let said = driver.script("return document.querySelector('[data-testid=host-steps]').textContent;");
+    let want = format!("host optimizer: {} of {} blocks given to it while backward ran", host.host_steps_overlapped, host.host_steps);
+    assert_eq!(said.as_str(), Some(want.as_str()));
     let bars = driver.script("return document.querySelectorAll('[data-testid=step-time-chart] .tbar').length;");
     let timed = api.steps.iter().filter(|r| r.time.is_some()).count().min(60);
     assert_eq!(bars.as_u64(), Some(timed as u64), "a bar per recent step");

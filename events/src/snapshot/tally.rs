@@ -109,6 +109,13 @@ pub struct WeightCounts {
     pub evictions: u64,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
+    /// Blocks the host optimizer stepped, and those of them it was given while backward ran:
+    /// from the steps' aggregates only (a `host_step` event does not say when it was queued
+    /// relative to backward).
+    #[serde(default)]
+    pub host_steps: u64,
+    #[serde(default)]
+    pub host_steps_overlapped: u64,
 }
 
 impl StepSum for WeightCounts {
@@ -120,6 +127,8 @@ impl StepSum for WeightCounts {
         self.evictions = self.evictions.saturating_add(o.evictions);
         self.h2d_bytes = self.h2d_bytes.saturating_add(o.h2d_bytes);
         self.d2h_bytes = self.d2h_bytes.saturating_add(o.d2h_bytes);
+        self.host_steps = self.host_steps.saturating_add(o.host_steps);
+        self.host_steps_overlapped = self.host_steps_overlapped.saturating_add(o.host_steps_overlapped);
     }
 }
 
@@ -133,6 +142,9 @@ impl From<&WeightStepMetrics> for WeightCounts {
             evictions: m.evictions,
             h2d_bytes: m.h2d_bytes,
             d2h_bytes: m.d2h_bytes,
+            host_steps: m.host_steps,
+            // A file from elsewhere may claim more overlapped than stepped.
+            host_steps_overlapped: m.host_steps_overlapped.min(m.host_steps),
         }
     }
 }

@@ -74,6 +74,16 @@ pub struct NewestStep {
     pub step: u64,
     pub step_ms: f64,
     pub parts: Vec<PartFigure>,
+    /// Whether the host optimizer overlapped backward, where it stepped blocks this step.
+    pub host_optimizer: Option<HostSteps>,
+}
+
+/// The blocks the host optimizer stepped in a step, and how many of them it was given while
+/// backward ran (the rest waited for the optimizer's call, after backward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct HostSteps {
+    pub stepped: u64,
+    pub during_backward: u64,
 }
 
 /// Where each recent step's time went: a stacked bar per step.
@@ -107,6 +117,12 @@ pub(crate) fn step_time(s: &Snapshot) -> StepTimePanel {
                 share: if t.step_ms > 0.0 { super::figures::round(100.0 * get(t) / t.step_ms, 1) } else { 0.0 },
             })
             .collect(),
+        host_optimizer: s
+            .step_record(*step)
+            .and_then(|r| r.weights.as_ref())
+            .filter(|w| w.host_steps > 0)
+            // A file from elsewhere may claim more overlapped than stepped.
+            .map(|w| HostSteps { stepped: w.host_steps, during_backward: w.host_steps_overlapped.min(w.host_steps) }),
     });
     let top = recent.iter().map(|(_, t)| t.step_ms).fold(0.0, f64::max);
     StepTimePanel {
@@ -233,5 +249,21 @@ mod tests {
         assert_eq!(peak.parts[0].bytes, want.weights_bytes);
         assert_eq!(peak.parts[4].bytes, want.other_bytes);
         assert_eq!(findings(&s).len(), insight::findings(&s).len());
+    }
+
+    #[test]
+    fn the_newest_step_says_how_the_host_optimizer_overlapped_backward() {
+        let mut events = synthetic::events(SyntheticRun::finished(3));
+        assert_eq!(step_time(&Snapshot::from_events(&events)).newest.and_then(|n| n.host_optimizer), None, "no host optimizer ran");
+        for (stepped, overlapped, said) in [(27, 24, 24), (4, 9, 4)] {
+            for e in &mut events {
+                if let stagehand_events::EventKind::WeightStep(w) = &mut e.kind {
+                    (w.host_steps, w.host_steps_overlapped) = (stepped, overlapped);
+                }
+            }
+            let got = step_time(&Snapshot::from_events(&events)).newest.and_then(|n| n.host_optimizer);
+            // A file claiming more blocks overlapped than stepped shows no more than stepped.
+            assert_eq!(got, Some(HostSteps { stepped, during_backward: said }));
+        }
     }
 }
