@@ -13,7 +13,8 @@
 //!
 //! Where the kernel cannot run (a device whose driver refuses the module, an unsupported dtype,
 //! a group that is not a power of two), [`dequantize_int8`] says so and the caller uses
-//! libtorch's kernels: the values are the same, only slower.
+//! libtorch's kernels: the values are the same, only slower. A refused module is reported once
+//! a device, as a warning on the bus ([`unreported_refusal`]).
 
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys, CudaContext};
@@ -184,11 +185,38 @@ impl Loaded {
 /// A device's module, or why the driver would not load it.
 type Loading = std::result::Result<Arc<Loaded>, String>;
 
+/// A device's module as first loaded, and whether a refusal was reported.
+struct Entry {
+    loading: Loading,
+    reported: bool,
+}
+
 /// Each device's module (loaded once a device, and not tried again after a refusal).
+fn modules() -> std::sync::MutexGuard<'static, HashMap<usize, Entry>> {
+    static MODULES: OnceLock<Mutex<HashMap<usize, Entry>>> = OnceLock::new();
+    MODULES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn loaded(ordinal: usize) -> Loading {
-    static MODULES: OnceLock<Mutex<HashMap<usize, Loading>>> = OnceLock::new();
-    let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    modules.entry(ordinal).or_insert_with(|| Loaded::load(ordinal).map(Arc::new)).clone()
+    modules()
+        .entry(ordinal)
+        .or_insert_with(|| Entry { loading: Loaded::load(ordinal).map(Arc::new), reported: false })
+        .loading
+        .clone()
+}
+
+/// Why the driver refused the kernel's module on device `ordinal`, the first time it is asked
+/// after a refusal (then `None`): the caller reports the slower path once.
+pub(crate) fn unreported_refusal(ordinal: usize) -> Option<String> {
+    let mut modules = modules();
+    let entry = modules.get_mut(&ordinal)?;
+    match &entry.loading {
+        Err(why) if !entry.reported => {
+            entry.reported = true;
+            Some(why.clone())
+        }
+        _ => None,
+    }
 }
 
 /// A launch's arguments, in the entries' parameter order.
@@ -335,6 +363,16 @@ mod tests {
                 assert!(bool::try_from(untouched.eq(0).all()).expect("bool"), "nothing written before the output");
             }
         }
+    }
+
+    #[test]
+    fn a_refused_module_is_reported_once() {
+        // An ordinal no machine has, so no test loads a real module under it.
+        let ordinal = 4096;
+        assert_eq!(unreported_refusal(ordinal), None, "nothing was tried");
+        modules().insert(ordinal, Entry { loading: Err("loading the module: refused".into()), reported: false });
+        assert_eq!(unreported_refusal(ordinal).as_deref(), Some("loading the module: refused"));
+        assert_eq!(unreported_refusal(ordinal), None, "reported already");
     }
 
     #[test]

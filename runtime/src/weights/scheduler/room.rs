@@ -507,6 +507,16 @@ impl Scheduler {
         };
         if quantized {
             super::super::quant::dequantize_block(&view, &self.blocks[id.0 as usize].spec)?;
+            if let tch::Device::Cuda(o) = view.device() {
+                if let Some(why) = crate::device::dequant::unreported_refusal(o) {
+                    self.bus.publish(EventKind::Warning {
+                        source: Owner::Weights,
+                        message: format!(
+                            "Stagehand's INT8 dequantization kernel could not load on cuda:{o} ({why}): quantized blocks dequantize with libtorch's kernels, to the same values, more slowly"
+                        ),
+                    });
+                }
+            }
         }
         let b = &mut self.blocks[id.0 as usize];
         b.point_at(&view)?;
