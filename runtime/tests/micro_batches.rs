@@ -49,28 +49,57 @@ fn micro(step: i64, i: usize, dev: tch::Device) -> Tensor {
     Tensor::randn([8, D], (Kind::Float, dev))
 }
 
+/// Plain tch from seed 3: step `s` accumulates `loss / n` over `counts[s]` micro-batches before
+/// one AdamW step. The trained VarStore and each step's mean loss.
+fn plain_accumulation(counts: &[usize], lr: f64, dev: tch::Device) -> (nn::VarStore, Vec<f64>) {
+    let (vs, plain) = common::seeded_on_cpu(3, dev, |vs| {
+        net(|i| Box::new(nn::linear(vs.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
+    });
+    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
+    let mut losses = Vec::new();
+    for (s, &n) in counts.iter().enumerate() {
+        opt.zero_grad();
+        let mut total = 0.0;
+        for i in 0..n {
+            let l = loss(&plain, &micro(s as i64, i, dev));
+            (&l / n as f64).backward();
+            total += l.double_value(&[]);
+        }
+        opt.step();
+        losses.push(total / n as f64);
+    }
+    (vs, losses)
+}
+
+/// The handle's losses and trained variables against plain tch's (bit-identical on the host
+/// device).
+fn assert_trains_as(sh: &Stagehand, got: &[f64], want: &[f64], vs: &nn::VarStore) {
+    let cuda = vs.device().is_cuda();
+    if cuda {
+        for (a, b) in got.iter().zip(want) {
+            assert!((a - b).abs() < 1e-4 * b.abs().max(1e-3), "{got:?} vs {want:?}");
+        }
+    } else {
+        assert_eq!(got, want);
+    }
+    let snap = sh.var_store().expect("snapshot").variables();
+    for (n, t) in vs.variables() {
+        let t = t.to_device(tch::Device::Cpu);
+        let g = snap[&n].to_device(tch::Device::Cpu);
+        if cuda {
+            assert!(g.allclose(&t, 1e-4, 1e-5, false), "{n}");
+        } else {
+            assert!(g.equal(&t), "{n}: parameters differ");
+        }
+    }
+}
+
 #[test]
 fn two_micro_batches_equal_plain_accumulation() {
     let device = common::device();
     let dev = device.tch_device();
     let (steps, lr) = (4, 1e-2);
-
-    let (vs, plain) = common::seeded_on_cpu(3, dev, |vs| {
-        net(|i| Box::new(nn::linear(vs.root() / "blocks" / i / "fc", D, D, Default::default())) as Box<dyn Module>)
-    });
-    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
-    let mut want = Vec::new();
-    for s in 0..steps {
-        opt.zero_grad();
-        let mut total = 0.0;
-        for i in 0..2 {
-            let l = loss(&plain, &micro(s, i, dev));
-            (&l / 2.0).backward();
-            total += l.double_value(&[]);
-        }
-        opt.step();
-        want.push(total / 2.0);
-    }
+    let (vs, want) = plain_accumulation(&[2; 4], lr, dev);
 
     let cuda = device.is_cuda();
     let bus = Bus::with_hub(Arc::new(Hub::new()), 1 << 16);
@@ -97,24 +126,8 @@ fn two_micro_batches_equal_plain_accumulation() {
         }
     }
     assert!(sh.plan().expect("plan").streams(), "blocks stream");
-    if cuda {
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() < 1e-4 * b.abs().max(1e-3), "{got:?} vs {want:?}");
-        }
-    } else {
-        assert_eq!(got, want);
-    }
     opt.wait().expect("host steps");
-    let snap = sh.var_store().expect("snapshot").variables();
-    for (n, t) in vs.variables() {
-        let t = t.to_device(tch::Device::Cpu);
-        let g = snap[&n].to_device(tch::Device::Cpu);
-        if cuda {
-            assert!(g.allclose(&t, 1e-4, 1e-5, false), "{n}");
-        } else {
-            assert!(g.equal(&t), "{n}: parameters differ");
-        }
-    }
+    assert_trains_as(&sh, &got, &want, &vs);
     let e = sh.train_step_micro(&mut opt, 0, |i| loss(&model, &micro(9, i, dev))).expect_err("no micro-batches");
     assert!(e.to_string().contains("micro_batches = 0"), "{e}");
     // One figure: the weight runtime's copies in, as its steps count them and as its transfer
@@ -131,6 +144,27 @@ fn two_micro_batches_equal_plain_accumulation() {
         })
         .sum();
     assert_eq!(steps, copies, "weight_step h2d_bytes against the weights' H2D transfers");
+}
+
+/// Steps of different micro-batch counts, one of them a single pass: the itinerary learned
+/// from a step of two passes must not queue a block's host step before a longer step's last
+/// micro-batch has added its gradients, nor wait for passes a shorter step never runs.
+#[test]
+fn steps_of_different_micro_batch_counts_equal_plain_accumulation() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let (counts, lr) = ([2, 3, 1, 4, 2, 1, 3], 1e-2);
+    let (vs, want) = plain_accumulation(&counts, lr, dev);
+    let sh = handle(&device, 96 << 10).kernel(Kernel::Exact).build().expect("handle");
+    let model = streamed(&sh, 3);
+    let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
+    let mut got = Vec::new();
+    for (s, &n) in counts.iter().enumerate() {
+        got.push(sh.train_step_micro(&mut opt, n, |i| loss(&model, &micro(s as i64, i, dev))).expect("step").loss);
+    }
+    assert!(sh.plan().expect("plan").streams(), "blocks stream");
+    opt.wait().expect("host steps");
+    assert_trains_as(&sh, &got, &want, &vs);
 }
 
 /// Eight micro-batches through a room of two slots: the first block (whose weights backward
