@@ -36,7 +36,8 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, vs: &ViewState,
                 lines.push(Line::styled(
                     format!(
                         "host optimizer: {} of {} blocks given to it while backward ran",
-                        wm.host_steps_overlapped, wm.host_steps
+                        wm.host_steps_during_backward(),
+                        wm.host_steps
                     ),
                     theme.dim(),
                 ));

@@ -74,6 +74,12 @@ impl WeightStepMetrics {
         self.h2d_bytes.saturating_sub(self.grad_sum_h2d_bytes)
     }
 
+    /// Of `host_steps`, those given while backward ran: never more than were stepped, whatever
+    /// a file from elsewhere claims.
+    pub fn host_steps_during_backward(&self) -> u64 {
+        self.host_steps_overlapped.min(self.host_steps)
+    }
+
     /// Counts `bytes` of gradient sums brought back to the device.
     pub fn count_grad_sums(&mut self, bytes: u64) {
         self.h2d_bytes = self.h2d_bytes.saturating_add(bytes);

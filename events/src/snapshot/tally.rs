@@ -143,8 +143,7 @@ impl From<&WeightStepMetrics> for WeightCounts {
             h2d_bytes: m.h2d_bytes,
             d2h_bytes: m.d2h_bytes,
             host_steps: m.host_steps,
-            // A file from elsewhere may claim more overlapped than stepped.
-            host_steps_overlapped: m.host_steps_overlapped.min(m.host_steps),
+            host_steps_overlapped: m.host_steps_during_backward(),
         }
     }
 }

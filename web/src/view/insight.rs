@@ -121,8 +121,7 @@ pub(crate) fn step_time(s: &Snapshot) -> StepTimePanel {
             .step_record(*step)
             .and_then(|r| r.weights.as_ref())
             .filter(|w| w.host_steps > 0)
-            // A file from elsewhere may claim more overlapped than stepped.
-            .map(|w| HostSteps { stepped: w.host_steps, during_backward: w.host_steps_overlapped.min(w.host_steps) }),
+            .map(|w| HostSteps { stepped: w.host_steps, during_backward: w.host_steps_during_backward() }),
     });
     let top = recent.iter().map(|(_, t)| t.step_ms).fold(0.0, f64::max);
     StepTimePanel {
