@@ -6,8 +6,9 @@
 //!
 //! The work is split into chunks of [`CHUNK`] elements over a thread pool; inside a chunk,
 //! every [`QUANT_BLOCK`] elements are converted to float32 scratch, updated there, and written
-//! back, so the update itself is a plain float32 loop the compiler vectorizes (with AVX2 and
-//! FMA where the CPU has them, chosen at run time).
+//! back, so the update itself is a plain float32 loop the compiler vectorizes: for AVX2, and
+//! for compressed moments AVX-512 where the CPU has it, chosen at run time. Every path
+//! computes the same bits (a test runs each one this CPU has against the portable one).
 //!
 //! The arithmetic follows libtorch's fused CPU Adam: weight decay (decoupled for AdamW, added
 //! to the gradient for Adam), `m = m + (1 - beta1)(g - m)`, `v = beta2 v + (1 - beta2) g^2`,
@@ -143,8 +144,10 @@ fn encode_magnitude(x: f32, emax: u32, r: u32) -> u32 {
     let bits = x.clamp(0.0, 1.0).to_bits();
     // Normal codes: the 20 dropped mantissa bits against 20 random ones. A carry out of the
     // mantissa lands in the exponent: the next power of two, as it should.
-    let t = (bits + (r >> 12)) >> 20;
-    let normal = ((127 - (t >> 3)) << 3) | (t & 7);
+    // (Wrapping: a NaN, which no clamp removes, has bits past 1.0's. Its code is meaningless
+    // but must not panic; the parameter it belongs to is NaN already.)
+    let t = bits.wrapping_add(r >> 12) >> 20;
+    let normal = (127u32.wrapping_sub(t >> 3) << 3) | (t & 7);
     // The subnormal row: multiples of 2^-(emax-1) / 8; rounding up past 7 is the smallest
     // normal code.
     // floor(scaled + u) without a float-to-integer conversion (which does not vectorize on x86
@@ -352,8 +355,65 @@ const SALT: u32 = 0x6D6F_3121;
 const O_BF16: u8 = 1;
 const O_F16: u8 = 2;
 
+/// The instructions a chunk's loops are compiled for. Each path computes the same bits (IEEE
+/// operations element by element, no fused multiply-adds the source does not write), only at
+/// another width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    /// AVX-512 (foundation, byte and word, vector lengths): 16 lanes, and the float-integer
+    /// conversions and masks the 8-bit moments' codes use.
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl Isa {
+    /// The widest this CPU has (every feature its functions enable).
+    fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            if avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                return Isa::Avx512;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every path this CPU can run, widest first.
+    #[cfg(test)]
+    fn available() -> Vec<Isa> {
+        let best = Isa::best();
+        [Isa::Avx512, Isa::Avx2, Isa::Portable].into_iter().skip_while(|&i| i != best).collect()
+    }
+}
+
 /// One Adam(W) step over one parameter. `pool`: the threads to use (`None`: rayon's global pool).
 pub fn adam(
+    param: &mut [f32],
+    grad: Grad<'_>,
+    moments: Moments<'_>,
+    out: Copy16<'_>,
+    h: &AdamHyper,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<(), KernelError> {
+    // Float32 moments are bound by memory: the 16-lane path bought them at most 7% on one
+    // thread and nothing on two (development machine), and is not measured on the GPU hosts'
+    // CPUs, where wide instructions may lower the clock the training thread shares. The
+    // compressed moments' codes are bound by arithmetic and take it (1.3x there).
+    let isa = match (&moments, Isa::best()) {
+        (Moments::F32 { .. }, Isa::Avx512) => Isa::Avx2,
+        (_, best) => best,
+    };
+    adam_on(isa, param, grad, moments, out, h, pool)
+}
+
+fn adam_on(
+    isa: Isa,
     param: &mut [f32],
     grad: Grad<'_>,
     moments: Moments<'_>,
@@ -415,8 +475,9 @@ pub fn adam(
         (0..chunks).into_par_iter().for_each(|c| {
             let start = c * CHUNK;
             let end = (start + CHUNK).min(views.n);
-            // SAFETY: `start..end` is this task's own range (see `Views`).
-            unsafe { chunk(&views, start, end, s) }
+            // SAFETY: `start..end` is this task's own range (see `Views`); `isa` is one this
+            // CPU has (`Isa::best`, or in tests one of `Isa::available`).
+            unsafe { chunk(isa, &views, start, end, s) }
         })
     };
     match pool {
@@ -426,26 +487,33 @@ pub fn adam(
     Ok(())
 }
 
-/// Updates elements `start..end` (block-aligned start), with AVX2 and FMA where present.
+/// Updates elements `start..end` (block-aligned start), compiled for `isa`.
 ///
 /// # Safety
-/// `start..end` lies within the views and no other thread touches it.
-unsafe fn chunk(v: &Views, start: usize, end: usize, s: Scalars) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has the features; the caller's guarantee passes on.
-            unsafe { chunk_avx2(v, start, end, s) };
-            return;
-        }
+/// `start..end` lies within the views and no other thread touches it; the CPU has `isa`.
+unsafe fn chunk(isa: Isa, v: &Views, start: usize, end: usize, s: Scalars) {
+    match isa {
+        // SAFETY: the CPU has the features; the caller's guarantee passes on.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { chunk_avx512(v, start, end, s) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { chunk_avx2(v, start, end, s) },
+        // SAFETY: the caller's guarantee passes on.
+        _ => unsafe { chunk_body(v, start, end, s) },
     }
-    // SAFETY: the caller's guarantee passes on.
-    unsafe { chunk_body(v, start, end, s) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn chunk_avx2(v: &Views, start: usize, end: usize, s: Scalars) {
+    // SAFETY: as `chunk`'s; inlined here, so compiled with the features above.
+    unsafe { chunk_body(v, start, end, s) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn chunk_avx512(v: &Views, start: usize, end: usize, s: Scalars) {
     // SAFETY: as `chunk`'s; inlined here, so compiled with the features above.
     unsafe { chunk_body(v, start, end, s) }
 }
@@ -758,6 +826,55 @@ mod tests {
             let l = loss(p);
             // Measured: bf16 within 0.1%, int8 within 1.5% of fp32 state's final loss.
             assert!((l - exact).abs() <= 0.05 * exact, "{name} state: loss {l} against fp32 state's {exact} (start {first})");
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_computes_the_same_bits() {
+        // Hostile values among ordinary ones: infinities, NaNs, subnormals, zeros of both signs,
+        // moments' scales of 0; every storage, every gradient and copy dtype, a ragged end.
+        let n = 2 * CHUNK + 3 * QUANT_BLOCK + 7;
+        let (p0, grads) = data(n, 3);
+        let special = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-40, -0.0, 0.0, f32::MAX, -1e-30];
+        let spiked = |v: &[f32], every: usize| -> Vec<f32> {
+            v.iter().enumerate().map(|(i, &x)| if i % every == 0 { special[(i / every) % special.len()] } else { x }).collect()
+        };
+        let p0 = spiked(&p0, 997);
+        let paths = Isa::available();
+        assert!(paths.contains(&Isa::Portable));
+        type Run = (Vec<u32>, Vec<u8>, Vec<u16>);
+        let run = |isa: Isa, storage: &str, grad16: bool| -> Run {
+            let blocks = n.div_ceil(QUANT_BLOCK);
+            let mut p = p0.clone();
+            let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+            let (mut hm, mut hv) = (vec![0u16; n], vec![0u16; n]);
+            let (mut qm, mut qv) = (vec![0u8; n], vec![0u8; n]);
+            let (mut ms, mut vs) = (vec![0f32; blocks], vec![0f32; blocks]);
+            let mut copy = vec![0u16; n];
+            for (t, g) in grads.iter().enumerate() {
+                let g = spiked(g, 1009 + t);
+                let g16: Vec<u16> = g.iter().map(|&x| f32_to_f16(x)).collect();
+                let grad = if grad16 { Grad::F16(&g16) } else { Grad::F32(&g) };
+                let moments = match storage {
+                    "fp32" => Moments::F32 { m: &mut m, v: &mut v },
+                    "bf16" => Moments::Bf16 { m: &mut hm, v: &mut hv },
+                    _ => Moments::Int8 { m: &mut qm, v: &mut qv, m_scale: &mut ms, v_scale: &mut vs },
+                };
+                let out = if grad16 { Copy16::F16(&mut copy) } else { Copy16::Bf16(&mut copy) };
+                adam_on(isa, &mut p, grad, moments, out, &hyper(t as u64 + 1, t % 2 == 0), None).expect("step");
+            }
+            let mut state: Vec<u8> = m.iter().chain(&v).chain(&ms).chain(&vs).flat_map(|x| x.to_bits().to_le_bytes()).collect();
+            state.extend(hm.iter().chain(&hv).flat_map(|x| x.to_le_bytes()));
+            state.extend(qm.iter().chain(&qv));
+            (p.iter().map(|x| x.to_bits()).collect(), state, copy)
+        };
+        for storage in ["fp32", "bf16", "int8"] {
+            for grad16 in [false, true] {
+                let want = run(Isa::Portable, storage, grad16);
+                for &isa in &paths {
+                    assert!(run(isa, storage, grad16) == want, "{isa:?}, {storage} moments, 16-bit gradients {grad16}: other bits than the portable path's");
+                }
+            }
         }
     }
 
