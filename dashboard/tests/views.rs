@@ -376,7 +376,9 @@ fn a_data_parallel_run_shows_a_row_per_gpu_on_the_overview() {
     for (i, d) in [0u32, 1].into_iter().enumerate() {
         let seq = 10 * i as u64;
         state.snapshot.apply(&on(d, seq + 1, EventKind::StepTime(StepTimeBreakdown { step_ms: 120.0 + d as f64, compute_ms: 100.0, ..Default::default() })));
-        state.snapshot.apply(&on(d, seq + 2, EventKind::WeightStep(WeightStepMetrics { collective_ms: 4.5, collective_bytes: 64 << 20, ..Default::default() })));
+        let host = if d == 0 { (27, 24) } else { (0, 0) };
+        let w = WeightStepMetrics { collective_ms: 4.5, collective_bytes: 64 << 20, host_steps: host.0, host_steps_overlapped: host.1, ..Default::default() };
+        state.snapshot.apply(&on(d, seq + 2, EventKind::WeightStep(w)));
     }
     let theme = Theme::default();
     for size in [SMALL, LARGE] {
@@ -386,6 +388,9 @@ fn a_data_parallel_run_shows_a_row_per_gpu_on_the_overview() {
     }
     let s = screen(&draw_at(&state, &view(View::Overview), &theme, LARGE));
     assert!(s.contains("121 ms") && s.contains("4.50 ms"), "each GPU's step and collectives:\n{s}");
+    // The host steps given during backward, of those stepped; none stepped shows a dash.
+    let row = |gpu: &str| s.lines().find(|l| l.contains(&format!("│{gpu} "))).unwrap_or_default().to_owned();
+    assert!(row("GPU 0").contains("24/27") && row("GPU 1").contains("GPU 1") && !row("GPU 1").contains('/'), "host steps in backward:\n{s}");
     // A run on one device has no such box.
     let (one, _) = replayed(RUN, &[Control::ToEnd]);
     assert!(!screen(&draw(&one, &view(View::Overview), &theme)).contains("GPUs"));

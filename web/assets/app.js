@@ -251,6 +251,8 @@
       h("td", {}, ms(g.step_ms)), h("td", {}, ms(g.compute_ms)), h("td", {}, ms(g.h2d_wait_ms)), h("td", {}, ms(g.optimizer_ms)),
       h("td", { "data-testid": "gpu-collective-ms", "data-value": g.collective_ms == null ? "" : String(g.collective_ms) }, ms(g.collective_ms)),
       h("td", { "data-testid": "gpu-collective-bytes", "data-value": String(g.collective_bytes) }, bytes(g.collective_bytes)),
+      h("td", { "data-testid": "gpu-host-steps", "data-value": String(g.host_steps_during_backward) },
+        g.host_steps ? `${g.host_steps_during_backward} of ${g.host_steps}` : "-"),
       h("td", {}, bytes(g.h2d_bytes)), h("td", {}, bytes(g.d2h_bytes)),
       h("td", {}, bytes(g.allocated_bytes)), h("td", {}, bytes(g.peak_bytes)), h("td", {}, bytes(g.budget_bytes)))));
   }

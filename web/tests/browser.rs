@@ -285,11 +285,18 @@ fn a_data_parallel_run_shows_each_gpu() {
     let total = api.events_applied.to_string();
     driver.wait_for("the finished run", |f| f.get("events-applied") == Some(&total));
     let rows = driver.script(
-        "return Array.from(document.querySelectorAll('[data-testid=gpu]')).map(r => [r.dataset.device, r.querySelector('[data-testid=gpu-step]').dataset.value]);",
+        "return Array.from(document.querySelectorAll('[data-testid=gpu]')).map(r => [r.dataset.device, r.querySelector('[data-testid=gpu-step]').dataset.value, r.querySelector('[data-testid=gpu-host-steps]').textContent]);",
     );
-    let want: Vec<Value> = api.lanes.values().map(|l| json!([l.device.to_string(), l.step.to_string()])).collect();
+    let want: Vec<Value> = api
+        .lanes
+        .values()
+        .map(|l| {
+            let w = l.last_weights.as_ref().expect("the lane's weight step");
+            json!([l.device.to_string(), l.step.to_string(), format!("{} of {}", w.host_steps_during_backward(), w.host_steps)])
+        })
+        .collect();
     assert_eq!(api.lanes.len(), 2);
-    assert_eq!(rows, Value::Array(want), "a row per GPU, at its step");
+    assert_eq!(rows, Value::Array(want), "a row per GPU, at its step, with its host steps given during backward");
     assert_eq!(driver.script("return document.querySelector('[data-testid=gpus]').offsetParent !== null;"), json!(true), "the GPUs card shows");
     save("web-dashboard-gpus.png", &driver.full_page_screenshot());
     drop(driver);

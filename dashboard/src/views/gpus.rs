@@ -1,6 +1,7 @@
 //! A data-parallel run's GPUs, one row per device (its lane): its step and phase, its last
-//! step's time with the collectives' share, what it copied and reduced, and its memory against
-//! its budget. Shown on the overview when the run has more than one device; the other views
+//! step's time with the collectives' share, what it reduced, how many of the blocks its host
+//! optimizer stepped it was given while backward ran ("in bwd", of those stepped), and its
+//! memory against its budget. Shown on the overview when the run has more than one device; the other views
 //! follow the first GPU.
 
 use super::boxed;
@@ -13,8 +14,8 @@ use ratatui::widgets::{Row, Table};
 use ratatui::Frame;
 
 /// Columns: (width, priority); the least important give way on narrow terminals.
-const COLS: [(u16, u8); 9] = [(6, 0), (6, 0), (10, 1), (9, 0), (9, 1), (9, 2), (9, 0), (10, 2), (19, 1)];
-const TITLES: [&str; 9] = ["GPU", "step", "phase", "step time", "compute", "H2D wait", "collect.", "reduced", "memory / budget"];
+const COLS: [(u16, u8); 10] = [(6, 0), (6, 0), (10, 1), (9, 0), (9, 1), (9, 2), (9, 0), (10, 2), (7, 2), (19, 1)];
+const TITLES: [&str; 10] = ["GPU", "step", "phase", "step time", "compute", "H2D wait", "collect.", "reduced", "in bwd", "memory / budget"];
 
 /// Rows the box takes (0 without lanes): the border, the header, a row per GPU.
 pub(super) fn height(state: &State) -> u16 {
@@ -50,6 +51,7 @@ pub(super) fn draw(f: &mut Frame<'_>, area: Rect, state: &State, theme: &Theme) 
                 or_dash(t.map(|t| t.h2d_wait_ms)),
                 or_dash(w.map(|w| w.collective_ms)),
                 bytes(w.map_or(0, |w| w.collective_bytes)),
+                w.filter(|w| w.host_steps > 0).map_or("-".to_owned(), |w| format!("{}/{}", w.host_steps_during_backward(), w.host_steps)),
                 mem,
             ];
             Row::new(kept.iter().map(|i| cells[*i].clone()).collect::<Vec<_>>())

@@ -496,6 +496,10 @@ pub struct GpuPanel {
     /// The last step's copies.
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
+    /// The blocks its host optimizer stepped in the last step, and how many of them it was
+    /// given while backward ran (0 and 0 where it stepped none).
+    pub host_steps: u64,
+    pub host_steps_during_backward: u64,
     pub allocated_bytes: Option<u64>,
     pub peak_bytes: Option<u64>,
     pub budget_bytes: Option<u64>,
@@ -521,6 +525,8 @@ pub(crate) fn gpus(s: &Snapshot) -> Vec<GpuPanel> {
                 collective_bytes: w.map_or(0, |w| w.collective_bytes),
                 h2d_bytes: w.map_or(0, |w| w.h2d_bytes),
                 d2h_bytes: w.map_or(0, |w| w.d2h_bytes),
+                host_steps: w.map_or(0, |w| w.host_steps),
+                host_steps_during_backward: w.map_or(0, |w| w.host_steps_during_backward()),
                 allocated_bytes: l.vram.map(|v| v.allocated_bytes),
                 peak_bytes: l.vram.map(|v| v.peak_allocated_bytes),
                 budget_bytes: l.budget_bytes,
@@ -540,12 +546,14 @@ mod gpu_tests {
         let events = [
             on(0, 1, EventKind::TrainStep(TrainStepMetrics { loss: 2.5, ..Default::default() })),
             on(1, 2, EventKind::StepTime(StepTimeBreakdown { step_ms: 40.0, ..Default::default() })),
-            on(1, 3, EventKind::WeightStep(WeightStepMetrics { collective_ms: 1.25, collective_bytes: 4096, ..Default::default() })),
+            on(1, 3, EventKind::WeightStep(WeightStepMetrics { collective_ms: 1.25, collective_bytes: 4096, host_steps: 27, host_steps_overlapped: 30, ..Default::default() })),
         ];
         let g = gpus(&Snapshot::from_events(&events));
         assert_eq!(g.iter().map(|g| g.device).collect::<Vec<_>>(), [0, 1]);
         assert_eq!(g[0].loss, Some(2.5));
         assert_eq!((g[1].step_ms, g[1].collective_ms, g[1].collective_bytes), (Some(40.0), Some(1.25), 4096));
+        // A lane claiming more blocks given during backward than stepped shows no more than stepped.
+        assert_eq!((g[1].host_steps, g[1].host_steps_during_backward, g[0].host_steps), (27, 27, 0));
         let one = [Event::new(1, 1, 1, Phase::Forward, EventKind::TrainStep(TrainStepMetrics::default()))];
         assert!(gpus(&Snapshot::from_events(&one)).is_empty());
     }
