@@ -36,7 +36,8 @@
 //! N simulated ones) at the same global batch (each GPU its `MJ_BATCH / N` sequences), from the
 //! same initial weights and batches, and prints each GPU's step breakdown (compute, waits, the
 //! optimizer, its gradient reductions' time on the device, the H2D and D2H bytes, its host
-//! optimizer's time), the tokens a second against the one-GPU run's (the scaling), both loss
+//! optimizer's time, and with micro-batches its last backward against the others', which the
+//! host optimizer's pass overlaps), the tokens a second against the one-GPU run's (the scaling), both loss
 //! curves, and the host memory each run took (peak resident set over what was there before, and
 //! what the plans count) with its ratio, and each GPU's own pinned staging (its activation pool)
 //! against the bound 1.1x one GPU's host memory plus the staging beyond one GPU's. Two GPUs:
@@ -81,6 +82,43 @@ impl stagehand::events::EventSink for SpillCopySink {
                 c.record(*bytes, *duration_ms);
             }
         }
+    }
+}
+
+/// Each device's backward passes, step by step, in order (ms): whether the last micro-batch's
+/// backward, which the host optimizer's pass overlaps, takes longer than the others.
+#[derive(Clone, Default)]
+struct Backwards(Arc<std::sync::Mutex<std::collections::BTreeMap<(u32, u64), Vec<f64>>>>);
+
+impl stagehand::events::EventSink for Backwards {
+    fn on_event(&mut self, e: &stagehand::events::Event) {
+        use stagehand::events::{EventKind, Phase};
+        if let EventKind::PhaseChanged { from: Phase::Backward, duration_s, .. } = &e.kind {
+            if let Ok(mut m) = self.0.lock() {
+                m.entry((e.device.unwrap_or(0), e.step)).or_default().push(duration_s * 1e3);
+            }
+        }
+    }
+}
+
+impl Backwards {
+    /// Over device `dev`'s steady steps of more than one micro-batch: the last backward's mean
+    /// and the others' mean, ms.
+    fn tail(&self, dev: u32) -> Option<(f64, f64)> {
+        let m = self.0.lock().ok()?;
+        let (mut last, mut others) = (Vec::new(), Vec::new());
+        for (_, passes) in m.range((dev, 2)..=(dev, u64::MAX)).filter(|(_, p)| p.len() > 1) {
+            let (l, o) = passes.split_last()?;
+            last.push(*l);
+            others.extend_from_slice(o);
+        }
+        (!last.is_empty()).then(|| (mean(&last), mean(&others)))
+    }
+
+    /// The line the summaries print, where there is one.
+    fn line(&self, dev: u32) -> Option<String> {
+        self.tail(dev)
+            .map(|(last, others)| format!("the last micro-batch's backward {last:.1} ms, the others' {others:.1} ms on average (steady steps)"))
     }
 }
 
@@ -208,6 +246,8 @@ fn main() -> anyhow::Result<()> {
     let (hub, file, metrics) = telemetry("main_job")?;
     let spill_copies = Arc::new(std::sync::Mutex::new(stagehand::events::CopyStats::default()));
     hub.add_sink(Box::new(SpillCopySink(spill_copies.clone())));
+    let backwards = Backwards::default();
+    hub.add_sink(Box::new(backwards.clone()));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let t_all = Instant::now();
     let opt_threads = std::env::var("MJ_OPT_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
@@ -383,6 +423,9 @@ fn main() -> anyhow::Result<()> {
         avg(|b| b.optimizer_ms),
         avg(|b| b.other_ms)
     );
+    if let Some(line) = backwards.line(0) {
+        println!("backward: {line}");
+    }
     // Step by step: where a step that is slower than the others (warming up, a busy host) loses.
     for (i, b) in s.breakdowns.iter().enumerate() {
         let rec = snap.steps.iter().find(|r| r.step == i as u64 + 1);
@@ -490,6 +533,8 @@ fn data_parallel(
     let t0 = Instant::now();
     // Every sink attached, as for one GPU: each GPU's events in the one file, on its lane.
     let (hub, file, metrics) = telemetry("main_job-group")?;
+    let backwards = Backwards::default();
+    hub.add_sink(Box::new(backwards.clone()));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let ranks = train_group(cfg, devices, &bus, |_, _, _, _| {}, Default::default(), customize)?;
     let (_, hwm) = host_memory();
@@ -534,6 +579,9 @@ fn data_parallel(
             r.summary.peak_bytes as f64 / MIB,
             budget as f64 / MIB
         );
+        if let Some(line) = backwards.line(r.device) {
+            println!("    GPU {}: {line}", r.device);
+        }
         let over: Vec<u64> = r.summary.step_peaks.iter().copied().filter(|&p| p > budget).collect();
         if !over.is_empty() {
             println!("    GPU {} went OVER its budget in {} step(s): {:?} MiB", r.device, over.len(), over.iter().map(|b| b >> 20).collect::<Vec<_>>());
