@@ -88,7 +88,10 @@ impl stagehand::events::EventSink for SpillCopySink {
 /// Each device's backward passes, step by step, in order (ms): whether the last micro-batch's
 /// backward, which the host optimizer's pass overlaps, takes longer than the others.
 #[derive(Clone, Default)]
-struct Backwards(Arc<std::sync::Mutex<std::collections::BTreeMap<(u32, u64), Vec<f64>>>>);
+struct Backwards(Arc<std::sync::Mutex<BackwardsByStep>>);
+
+/// (device, step) -> that step's backward passes, ms.
+type BackwardsByStep = std::collections::BTreeMap<(u32, u64), Vec<f64>>;
 
 impl stagehand::events::EventSink for Backwards {
     fn on_event(&mut self, e: &stagehand::events::Event) {
