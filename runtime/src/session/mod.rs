@@ -70,12 +70,6 @@ pub type Attachment = Box<dyn Any + Send>;
 
 type Attach = Box<dyn FnOnce(&Arc<Hub>) -> Result<Attachment> + Send>;
 
-/// A rank's host optimizer threads in a group of `world` on `cores`: its share of the cores
-/// less the one its training thread takes.
-fn rank_optimizer_threads(cores: usize, world: usize) -> usize {
-    (cores.saturating_sub(world) / world.max(1)).max(1)
-}
-
 /// Builds a [`Stagehand`].
 pub struct StagehandBuilder {
     budget: Option<u64>,
@@ -218,9 +212,8 @@ impl StagehandBuilder {
         self
     }
 
-    /// Threads the host optimizer's steps use (default: every core; in a data-parallel group,
-    /// each rank's share of the cores less one for its training thread). The steps run while
-    /// the training thread launches the GPU's work; a core left to it keeps a busy host from
+    /// Threads the host optimizer's steps use (default: every core). The steps run while the
+    /// training thread launches the GPU's work; a core left to it keeps a busy host from
     /// delaying those launches.
     pub fn host_optimizer_threads(mut self, n: usize) -> Self {
         self.optimizer_threads = Some(n.max(1));
@@ -331,12 +324,10 @@ impl StagehandBuilder {
         self.device = Some(device);
         self.bus = Some(bus);
         // Each rank's host optimizer steps its shard on its own threads: a share of the cores,
-        // not every core each (N workers of every core each would contend for them), less one
-        // core a rank for its training thread, which launches the backward the last host steps
-        // overlap (on 4 GPUs of 64 cores, 15 threads a rank took 2.5% off the step against 16).
+        // not every core each (N workers of every core each would contend for them).
         if self.optimizer_threads.is_none() && member.world > 1 {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            self.optimizer_threads = Some(rank_optimizer_threads(cores, member.world));
+            self.optimizer_threads = Some((cores / member.world).max(1));
         }
         self.build_inner(Some((member, model)))
     }
@@ -774,18 +765,5 @@ impl Stagehand {
             r.conductor.shutdown();
         }
         self.weights().shutdown()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn each_rank_leaves_a_core_to_its_training_thread() {
-        use super::rank_optimizer_threads as threads;
-        assert_eq!(threads(64, 4), 15);
-        assert_eq!(threads(32, 2), 15);
-        // Never none, however few the cores.
-        assert_eq!(threads(2, 4), 1);
-        assert_eq!(threads(0, 0), 1);
     }
 }
