@@ -400,7 +400,7 @@ fn main() -> anyhow::Result<()> {
         "host optimizer busy per step: {:.1} ms (steady mean; overlapping the step), against {:.1} ms alone; {:.1} of its {:.1} blocks a step given to it while backward ran",
         mean(steady(&s.host_optimizer_ms)),
         opt_s * 1e3,
-        sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_steps_overlapped as f64)),
+        sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_steps_during_backward() as f64)),
         sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_steps as f64)),
     );
     let first = s.step_peaks.first().copied().unwrap_or(0);
@@ -577,7 +577,7 @@ fn data_parallel(
             wavg(&|w| w.h2d_bytes as f64) / MIB,
             wavg(&|w| w.d2h_bytes as f64) / MIB,
             mean(steady(&r.summary.host_optimizer_ms)),
-            wavg(&|w| w.host_steps_overlapped as f64),
+            wavg(&|w| w.host_steps_during_backward() as f64),
             wavg(&|w| w.host_steps as f64),
             r.summary.peak_bytes as f64 / MIB,
             budget as f64 / MIB
