@@ -21,7 +21,9 @@
 //! resident run trains in the same precision, from the same initial weights), `MJ_STATE` (the
 //! host optimizer's state: fp32, bf16, int8), `MJ_RESIDENT` (`train`, the default: the resident
 //! run trains with its optimizer; `fwdbwd`: its forward and backward alone, for a model whose
-//! optimizer does not fit on the device; `skip`, or `MJ_SKIP_RESIDENT=1`: no resident run, so
+//! optimizer does not fit on the device, in `MJ_RESIDENT_MICRO` micro-batches (default
+//! `MJ_MICRO`) with blocks checkpointed or not as `MJ_RESIDENT_CHECKPOINT` says (default as the
+//! handle's run), so that the floor's resident term is measured in the same command; `skip`, or `MJ_SKIP_RESIDENT=1`: no resident run, so
 //! the floor has no resident term), `MJ_CHECKPOINT` (1: each block checkpointed, one recompute
 //! scope over its input and weights, so only block inputs are stored; 0: not; default: the
 //! demo's rule, on in 16-bit precisions), `MJ_MICRO` (the step's batch split into that many
@@ -41,7 +43,9 @@
 //! curves, and the host memory each run took (peak resident set over what was there before, and
 //! what the plans count) with its ratio, and each GPU's own pinned staging (its activation pool)
 //! against the bound 1.1x one GPU's host memory plus the staging beyond one GPU's. Two GPUs:
-//! `MJ_GPUS=2 cargo bench -p stagehand-examples --bench main_job`.
+//! `MJ_GPUS=2 cargo bench -p stagehand-examples --bench main_job`. `MJ_RANK_OPT_THREADS=16,14`
+//! sets each rank's host optimizer threads (the one-GPU run keeps its own), one data-parallel
+//! run per value listed, each against the same one-GPU run.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench main_job`.
 
@@ -228,10 +232,21 @@ fn main() -> anyhow::Result<()> {
             Some(s)
         }
         "fwdbwd" => {
-            let t = time_forward_backward(&cfg, &device)?;
+            // The same tokens, in the split that fits the device: a model whose optimizer does not
+            // fit may still not fit with the handle's micro-batches unless they are smaller.
+            let mut r = cfg.clone();
+            r.micro_batches = usize::try_from(env("MJ_RESIDENT_MICRO", cfg.micro_batches as i64)).unwrap_or(0);
+            if let Ok(v) = std::env::var("MJ_RESIDENT_CHECKPOINT") {
+                r.model.checkpoint = v != "0";
+            }
+            r.check_split(1)?;
+            let t = time_forward_backward(&r, &device)?;
             let s = mean(steady(&t));
             println!(
-                "resident forward+backward alone (no optimizer): {:.1} ms/step (steady mean), {:.0} TFLOPS at 6 x parameters x tokens",
+                "resident forward+backward alone (no optimizer{}, {} micro-batches of {}): {:.1} ms/step (steady mean), {:.0} TFLOPS at 6 x parameters x tokens",
+                if r.model.checkpoint { ", blocks recomputed" } else { ", nothing recomputed" },
+                r.micro_batches,
+                batch / r.micro_batches as i64,
                 s * 1e3,
                 6.0 * cfg.model.parameters() as f64 * cfg.tokens() as f64 / s / 1e12
             );
@@ -253,6 +268,16 @@ fn main() -> anyhow::Result<()> {
     hub.add_sink(Box::new(backwards.clone()));
     let bus = Bus::with_hub(hub.clone(), 1 << 20);
     let t_all = Instant::now();
+    // Each rank's host optimizer threads with MJ_GPUS, as many variants as listed, each against
+    // the one-GPU run below (default: the trainer's, its thread count over the GPUs).
+    let rank_threads: Vec<Option<usize>> = match std::env::var("MJ_RANK_OPT_THREADS") {
+        Ok(v) => v
+            .split(',')
+            .map(|t| t.trim().parse::<usize>().ok().filter(|&n| n > 0).map(Some))
+            .collect::<Option<_>>()
+            .ok_or_else(|| anyhow::anyhow!("MJ_RANK_OPT_THREADS={v}: thread counts over 0, separated by commas"))?,
+        Err(_) => vec![None],
+    };
     let opt_threads = std::env::var("MJ_OPT_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
     if let Some(n) = opt_threads {
         println!("host optimizer threads: {n}");
@@ -471,7 +496,17 @@ fn main() -> anyhow::Result<()> {
     let _ = metrics.render();
     let gpus = env("MJ_GPUS", 1).max(1) as usize;
     if gpus > 1 {
-        data_parallel(&cfg, gpus, cuda, budget, &s, customize, (hwm.saturating_sub(rss_before), rss_before))?;
+        for threads in rank_threads {
+            let customize = move |b| match threads {
+                Some(n) => customize(b).host_optimizer_threads(n),
+                None => customize(b),
+            };
+            if let Some(n) = threads {
+                println!();
+                println!("each rank's host optimizer threads: {n}");
+            }
+            data_parallel(&cfg, gpus, cuda, budget, &s, customize, (hwm.saturating_sub(rss_before), rss_before))?;
+        }
     }
     if std::env::var_os("MJ_COMPARE_DISABLED").is_some() {
         // The same run with no event bus: what every sink together (the full-level file and
@@ -490,11 +525,17 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Every sink the bench attaches: a full-level JSONL file `$OUT/<name>-<pid>.jsonl` (or in the
-/// temporary directory) and the Prometheus metrics, on a new hub.
+/// temporary directory; `-2`, `-3`, ... after the pid for a name used again) and the Prometheus metrics, on a new hub.
 fn telemetry(name: &str) -> anyhow::Result<(Arc<Hub>, std::path::PathBuf, stagehand_exporter::Metrics)> {
     let hub = Arc::new(Hub::new());
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    let file = out_dir.join(format!("{name}-{}.jsonl", std::process::id()));
+    // A name used again (one data-parallel run per `MJ_RANK_OPT_THREADS` value) gets a number.
+    static OPENED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+    let again = opened.iter().filter(|n| *n == name).count();
+    opened.push(name.to_owned());
+    let suffix = if again == 0 { String::new() } else { format!("-{}", again + 1) };
+    let file = out_dir.join(format!("{name}-{}{suffix}.jsonl", std::process::id()));
     hub.add_sink(Box::new(stagehand::events::JsonlSink::open(&file, stagehand::events::OpenMode::CreateNew)?));
     let metrics = stagehand_exporter::Metrics::new();
     hub.add_snapshot_sink(Box::new(metrics.clone()));

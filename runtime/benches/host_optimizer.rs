@@ -1,6 +1,7 @@
 //! The host optimizer's step alone, per parameter storage: libtorch's fused AdamW over float32
 //! tensors (the fp32 path), and Stagehand's mixed kernel with bf16 gradients in, float32
-//! masters, moments in fp32, bf16 and int8, and the bf16 copy out (the bf16 path). Prints each
+//! masters, moments in fp32, bf16 and int8, and the bf16 copy out (the bf16 path), on each
+//! vector instruction set the CPU has (AVX2, AVX-512). Prints each
 //! one's time, its bytes moved through host memory (every array read once and written once,
 //! in place) and that rate, beside a plain copy's rate measured in the same run: the host's
 //! memory bandwidth is what bounds this step.
@@ -10,7 +11,7 @@
 //!
 //! Run: `cargo bench -p stagehand-runtime --bench host_optimizer`.
 
-use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad};
+use stagehand::optim::kernel::{self, AdamHyper, Copy16, Grad, Isa};
 use stagehand::optim::moments::StoredMoments;
 use stagehand::StateStorage;
 use stagehand::precision::QUANT_BLOCK;
@@ -51,12 +52,12 @@ fn main() {
         dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
     });
     let copy_gbps = 8.0 * n as f64 / copy_s / 1e9;
-    println!("  copy (8 B an element)                  {:8.1} ms  {copy_gbps:6.1} GB/s", copy_s * 1e3);
+    println!("  copy (8 B an element)                          {:8.1} ms  {copy_gbps:6.1} GB/s", copy_s * 1e3);
     drop((src, dst));
 
     let report = |name: &str, s: f64, bytes: f64| {
         println!(
-            "  {name:38} {:8.1} ms  {:6.1} GB/s  ({bytes} B an element, {:.2}x the copy's rate)",
+            "  {name:46} {:8.1} ms  {:6.1} GB/s  ({bytes} B an element, {:.2}x the copy's rate)",
             s * 1e3,
             bytes * n as f64 / s / 1e9,
             bytes * n as f64 / s / 1e9 / copy_gbps
@@ -74,25 +75,29 @@ fn main() {
         report("fp32: libtorch fused AdamW", s, 28.0);
     }
 
-    // bf16: the mixed kernel, each moment storage.
+    // bf16: the mixed kernel, each moment storage, on each instruction set this CPU has (the
+    // handle takes AVX2 for float32 moments and the widest for the others: `kernel::adam`).
     let g: Vec<Vec<u16>> = (0..chunks).map(|_| vec![kernel::f32_to_bf16(0.01); per]).collect();
     for storage in [StateStorage::Fp32, StateStorage::Bf16, StateStorage::Int8] {
-        let mut p: Vec<Vec<f32>> = (0..chunks).map(|_| vec![0.1; per]).collect();
-        let mut copy: Vec<Vec<u16>> = (0..chunks).map(|_| vec![0; per]).collect();
-        let mut moments: Vec<StoredMoments> = (0..chunks).map(|_| StoredMoments::zeros(storage, per)).collect();
-        let s = best(rounds, |step| {
-            let h = AdamHyper { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8, decoupled: true, step, grad_scale: 1.0 };
-            for c in 0..chunks {
-                kernel::adam(&mut p[c], Grad::Bf16(&g[c]), moments[c].moments(), Copy16::Bf16(&mut copy[c]), &h, None).expect("mixed kernel");
-            }
-        });
-        // Master read and written (8), gradient read (2), copy written (2), moments read and
-        // written in their storage.
-        let moments = match storage {
-            StateStorage::Fp32 => 16.0,
-            StateStorage::Bf16 => 8.0,
-            StateStorage::Int8 => 4.0 + 16.0 / QUANT_BLOCK as f64,
-        };
-        report(&format!("bf16: mixed kernel, {storage} moments"), s, 12.0 + moments);
+        for isa in Isa::available().into_iter().filter(|&i| i != Isa::Portable) {
+            let mut p: Vec<Vec<f32>> = (0..chunks).map(|_| vec![0.1; per]).collect();
+            let mut copy: Vec<Vec<u16>> = (0..chunks).map(|_| vec![0; per]).collect();
+            let mut moments: Vec<StoredMoments> = (0..chunks).map(|_| StoredMoments::zeros(storage, per)).collect();
+            let s = best(rounds, |step| {
+                let h = AdamHyper { lr: 1e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8, decoupled: true, step, grad_scale: 1.0 };
+                for c in 0..chunks {
+                    kernel::adam_on(isa, &mut p[c], Grad::Bf16(&g[c]), moments[c].moments(), Copy16::Bf16(&mut copy[c]), &h, None)
+                        .expect("mixed kernel");
+                }
+            });
+            // Master read and written (8), gradient read (2), copy written (2), moments read and
+            // written in their storage.
+            let moments = match storage {
+                StateStorage::Fp32 => 16.0,
+                StateStorage::Bf16 => 8.0,
+                StateStorage::Int8 => 4.0 + 16.0 / QUANT_BLOCK as f64,
+            };
+            report(&format!("bf16: mixed kernel, {storage} moments, {isa:?}"), s, 12.0 + moments);
+        }
     }
 }

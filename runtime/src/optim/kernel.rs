@@ -359,7 +359,7 @@ const O_F16: u8 = 2;
 /// operations element by element, no fused multiply-adds the source does not write), only at
 /// another width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Isa {
+pub enum Isa {
     /// AVX-512 (foundation, byte and word, vector lengths): 16 lanes, and the float-integer
     /// conversions and masks the 8-bit moments' codes use.
     Avx512,
@@ -369,7 +369,7 @@ enum Isa {
 
 impl Isa {
     /// The widest this CPU has (every feature its functions enable).
-    fn best() -> Isa {
+    pub fn best() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             use std::is_x86_feature_detected as has;
@@ -384,11 +384,20 @@ impl Isa {
         Isa::Portable
     }
 
-    /// Every path this CPU can run, widest first.
-    #[cfg(test)]
-    fn available() -> Vec<Isa> {
-        let best = Isa::best();
-        [Isa::Avx512, Isa::Avx2, Isa::Portable].into_iter().skip_while(|&i| i != best).collect()
+    /// Every path this CPU can run, widest first (the tests compare them, the host optimizer's
+    /// bench times them).
+    pub fn available() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2, Isa::Portable].into_iter().filter(|i| i.runs_here()).collect()
+    }
+
+    /// Whether this CPU can run this path: every narrower path than its best.
+    pub fn runs_here(self) -> bool {
+        let rank = |i: Isa| match i {
+            Isa::Avx512 => 2,
+            Isa::Avx2 => 1,
+            Isa::Portable => 0,
+        };
+        rank(self) <= rank(Isa::best())
     }
 }
 
@@ -412,7 +421,8 @@ pub fn adam(
     adam_on(isa, param, grad, moments, out, h, pool)
 }
 
-fn adam_on(
+/// [`adam`] on the path `isa`, which must be one of [`Isa::available`] (a wider one is refused).
+pub fn adam_on(
     isa: Isa,
     param: &mut [f32],
     grad: Grad<'_>,
@@ -421,6 +431,9 @@ fn adam_on(
     h: &AdamHyper,
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<(), KernelError> {
+    if !isa.runs_here() {
+        return Err(KernelError(format!("this CPU cannot run the {isa:?} path; it has {:?}", Isa::available())));
+    }
     let n = param.len();
     let bad = |what: &str, len: usize| Err(KernelError(format!("{what} has {len} elements, the parameter {n}")));
     if grad.len() != n {
@@ -476,7 +489,7 @@ fn adam_on(
             let start = c * CHUNK;
             let end = (start + CHUNK).min(views.n);
             // SAFETY: `start..end` is this task's own range (see `Views`); `isa` is one this
-            // CPU has (`Isa::best`, or in tests one of `Isa::available`).
+            // CPU has (checked above against `Isa::available`).
             unsafe { chunk(isa, &views, start, end, s) }
         })
     };
