@@ -16,7 +16,8 @@
 //! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
 //! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
 //! handle's `recompute_fraction`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
-//! tensors under a quarter of it, 0: none; the handle's `spill_batches`); `MJ_PRECISION`
+//! tensors under a quarter of it, 0: none; the handle's `spill_batches`), `MJ_POOL_GIB` (the
+//! activation pool's pinned limit, the handle's `activation_pool_limit_bytes`); `MJ_PRECISION`
 //! (fp32, tf32, bf16, fp16; default bf16 where the device computes bf16 fast, else fp32: the
 //! resident run trains in the same precision, from the same initial weights), `MJ_STATE` (the
 //! host optimizer's state: fp32, bf16, int8), `MJ_RESIDENT` (`train`, the default: the resident
@@ -294,7 +295,14 @@ fn main() -> anyhow::Result<()> {
     if let Some(k) = batch_kib {
         println!("spill batches: up to {k} KiB, tensors under {} KiB", k / 4);
     }
+    let pool_gib = std::env::var("MJ_POOL_GIB").ok().and_then(|v| v.parse::<u64>().ok());
+    if let Some(g) = pool_gib {
+        println!("activation pool limit: {g} GiB");
+    }
     let customize = |mut b: stagehand::StagehandBuilder| {
+        if let Some(g) = pool_gib {
+            b = b.activation_pool_limit_bytes(g.saturating_mul(1 << 30));
+        }
         if let Some(k) = batch_kib {
             b = b.spill_batches((k << 10) / 4, k << 10);
         }

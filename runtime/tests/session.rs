@@ -396,3 +396,37 @@ fn budgets_that_cannot_work_are_refused_with_the_reason() {
     let e = sh.prepare().expect_err("4 KiB holds no 16 KiB block");
     assert!(e.to_string().contains("budget"), "{e}");
 }
+
+/// The activation pool's pinned limit set on the builder replaces the plan's and says so; one
+/// over the host memory the model leaves, or of 0 bytes, is refused before anything trains.
+#[test]
+fn an_activation_pool_limit_replaces_the_plans_within_the_host_memory() {
+    let model = |limit: u64| {
+        let sh = Stagehand::builder()
+            .budget_mib(1)
+            .device(Device::host(1 << 20))
+            .activation_pool_limit_bytes(limit)
+            .build()
+            .expect("build");
+        let r = sh.root();
+        let g = rng();
+        let _l = snn::linear(&r / "blocks" / 0 / "fc", 64, 64, Default::default());
+        let _m = snn::linear(&r / "blocks" / 1 / "fc", 64, 64, Default::default());
+        drop(g);
+        drop(r);
+        sh
+    };
+    let sh = model(3 << 20);
+    let plan = sh.prepare().expect("plan");
+    assert_eq!(plan.pool_limit_bytes, 3 << 20);
+    assert!(plan.reasons.iter().any(|r| r.contains("activation_pool_limit 3.0 MiB (the plan's")), "{:?}", plan.reasons);
+    assert!(plan.host_left_bytes > 3 << 20, "{plan:?}");
+    sh.shutdown().expect("shutdown");
+
+    let sh = model(u64::MAX);
+    let e = sh.prepare().expect_err("more than the host has");
+    assert!(e.to_string().contains("activation_pool_limit") && e.to_string().contains("host memory"), "{e}");
+
+    let e = Stagehand::builder().budget_mib(1).activation_pool_limit_bytes(0).build().expect_err("0 bytes");
+    assert!(e.to_string().contains("activation_pool_limit"), "{e}");
+}

@@ -136,6 +136,11 @@ struct Args {
     /// default: what the traced first step held at once).
     #[arg(long, value_name = "SLABS")]
     slabs_per_class: Option<u32>,
+    /// The most pinned host memory the activation pool may take, in MiB
+    /// (`activation_pool_limit`; default: half the host memory the model leaves, rounded down
+    /// to a power of two; more than the model leaves is refused).
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    activation_pool_limit: Option<u64>,
 }
 
 /// The handle's settings the flags above give, applied to its builder.
@@ -154,6 +159,9 @@ fn knobs(args: &Args, mut b: stagehand::StagehandBuilder) -> stagehand::Stagehan
     }
     if let Some(n) = args.slabs_per_class {
         b = b.slabs_per_class(n);
+    }
+    if let Some(mib) = args.activation_pool_limit {
+        b = b.activation_pool_limit_bytes(mib.saturating_mul(1 << 20));
     }
     b
 }
@@ -285,7 +293,7 @@ fn main() -> Result<()> {
         "knobs": {
             "prefetch_window": args.prefetch_window, "max_inflight_h2d": args.max_inflight_h2d,
             "max_inflight_d2h": args.max_inflight_d2h, "restore_lookahead": args.restore_lookahead,
-            "slabs_per_class": args.slabs_per_class,
+            "slabs_per_class": args.slabs_per_class, "activation_pool_limit_mib": args.activation_pool_limit,
         },
     });
 

@@ -178,6 +178,10 @@ pub struct Plan {
     /// Host bytes the plan pins (weights, their gradients) and the most the activation pool may.
     pub pinned_bytes: u64,
     pub pool_limit_bytes: u64,
+    /// Host memory available when the plan was made, less what the plan's own allocations
+    /// still take (0: not known). A pool limit set on the builder must stay within it.
+    #[serde(default)]
+    pub host_left_bytes: u64,
     /// Host bytes of optimizer state (pageable).
     pub optimizer_state_bytes: u64,
     /// Host bytes of float32 masters (pageable; mixed precision).
@@ -198,7 +202,7 @@ pub struct Plan {
 }
 
 /// Bytes in MiB, or in KiB under one MiB (small models' plans say something then).
-fn mib(b: u64) -> String {
+pub(super) fn mib(b: u64) -> String {
     if b < MIB {
         format!("{:.1} KiB", b as f64 / 1024.0)
     } else {
@@ -521,6 +525,7 @@ impl Plan {
         // half the host memory left (or, where that cannot be read, 8x the device's room),
         // rounded down to a power of two: the memory a host has free moves a little from run to
         // run, and the plan should not.
+        p.host_left_bytes = host_left;
         p.pool_limit_bytes = if machine.host_available_bytes > 0 {
             let half = (host_left / 2).max(1);
             1u64 << (63 - half.leading_zeros())

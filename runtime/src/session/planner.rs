@@ -174,7 +174,7 @@ impl Planner {
         }
         let (facts, machine) = self.facts()?;
         let mut plan = Plan::derive(self.budget, &facts, machine, self.prefetch_window)?;
-        self.knobs.apply(&mut plan);
+        self.knobs.apply(&mut plan)?;
         self.table.close_registration();
         let dev = self.device.tch_device();
         let managed = self.table.managed_names();
