@@ -370,3 +370,33 @@ fn every_knob_a_finding_names_is_a_flag_and_micro_batches_are_checked() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("multiple of 3"), "{err}");
 }
+
+/// `--gpus 4` trains data parallel on four devices (simulated on the host here, as CI has no
+/// GPU): the summary has each GPU's line, and every GPU's steps are in the telemetry file on its
+/// own lane.
+#[test]
+fn four_gpus_train_and_each_one_is_in_the_summary_and_the_telemetry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let o = Command::new(DEMO)
+        .args(["--gpus", "4", "--steps", "3", "--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "4"])
+        .args(["--budget-mib", "4", "--cpu", "--no-serve", "--out", "run.jsonl"])
+        .current_dir(dir.path())
+        .output()
+        .expect("the demo runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    for g in 0..4 {
+        assert!(out.lines().any(|l| l.trim_start().starts_with(&format!("GPU {g} ")) && l.contains("collectives")), "GPU {g}: {out}");
+    }
+    let text = std::fs::read_to_string(dir.path().join("run.jsonl")).expect("the telemetry file");
+    let mut steps = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        let e: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        if e["kind"] == "step_time" {
+            // Device 0's events leave the lane out.
+            steps.insert((e["dev"].as_u64().unwrap_or(0), e["step"].as_u64().expect("a step")));
+        }
+    }
+    let want: std::collections::BTreeSet<_> = (0..4).flat_map(|d| (1..=3).map(move |s| (d, s))).collect();
+    assert_eq!(steps, want, "every GPU's three steps");
+}
