@@ -24,8 +24,8 @@
 //! run trains with its optimizer; `fwdbwd`: its forward and backward alone, for a model whose
 //! optimizer does not fit on the device, in `MJ_RESIDENT_MICRO` micro-batches (default
 //! `MJ_MICRO`) with blocks checkpointed or not as `MJ_RESIDENT_CHECKPOINT` says (default as the
-//! handle's run), so that the floor's resident term is measured in the same command; `skip`, or `MJ_SKIP_RESIDENT=1`: no resident run, so
-//! the floor has no resident term), `MJ_CHECKPOINT` (1: each block checkpointed, one recompute
+//! handle's run), so that the floor's resident term is measured in the same command; `skip`, or
+//! `MJ_SKIP_RESIDENT=1`: no resident run, so the floor has no resident term), `MJ_CHECKPOINT` (1: each block checkpointed, one recompute
 //! scope over its input and weights, so only block inputs are stored; 0: not; default: the
 //! demo's rule, on in 16-bit precisions), `MJ_MICRO` (the step's batch split into that many
 //! micro-batches, gradient accumulation, in both runs; with `MJ_GPUS=N`, each GPU takes
@@ -533,7 +533,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Every sink the bench attaches: a full-level JSONL file `$OUT/<name>-<pid>.jsonl` (or in the
-/// temporary directory; `-2`, `-3`, ... after the pid for a name used again) and the Prometheus metrics, on a new hub.
+/// temporary directory; `-2`, `-3`, ... after the pid for a name used again) and the Prometheus
+/// metrics, on a new hub.
 fn telemetry(name: &str) -> anyhow::Result<(Arc<Hub>, std::path::PathBuf, stagehand_exporter::Metrics)> {
     let hub = Arc::new(Hub::new());
     let out_dir = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
