@@ -386,13 +386,7 @@ fn budgets_that_cannot_work_are_refused_with_the_reason() {
         .device(Device::host(4 << 10))
         .build()
         .expect("the budget is only checked against the model");
-    let r = sh.root();
-    // Layer initialisation draws from libtorch's global generator: hold it, as the other test does.
-    let g = rng();
-    let _l = snn::linear(&r / "blocks" / 0 / "fc", 64, 64, Default::default());
-    let _m = snn::linear(&r / "blocks" / 1 / "fc", 64, 64, Default::default());
-    drop(g);
-    drop(r);
+    two_blocks(&sh);
     let e = sh.prepare().expect_err("4 KiB holds no 16 KiB block");
     assert!(e.to_string().contains("budget"), "{e}");
 }
@@ -408,12 +402,7 @@ fn an_activation_pool_limit_replaces_the_plans_within_the_host_memory() {
             .activation_pool_limit_bytes(limit)
             .build()
             .expect("build");
-        let r = sh.root();
-        let g = rng();
-        let _l = snn::linear(&r / "blocks" / 0 / "fc", 64, 64, Default::default());
-        let _m = snn::linear(&r / "blocks" / 1 / "fc", 64, 64, Default::default());
-        drop(g);
-        drop(r);
+        two_blocks(&sh);
         sh
     };
     let sh = model(3 << 20);
@@ -429,4 +418,13 @@ fn an_activation_pool_limit_replaces_the_plans_within_the_host_memory() {
 
     let e = Stagehand::builder().budget_mib(1).activation_pool_limit_bytes(0).build().expect_err("0 bytes");
     assert!(e.to_string().contains("activation_pool_limit"), "{e}");
+}
+
+/// Two 64 x 64 linear blocks (16 KiB of weights each) on the handle's root.
+fn two_blocks(sh: &Stagehand) {
+    let r = sh.root();
+    // Layer initialisation draws from libtorch's global generator: hold it, as the other test does.
+    let _g = rng();
+    let _l = snn::linear(&r / "blocks" / 0 / "fc", 64, 64, Default::default());
+    let _m = snn::linear(&r / "blocks" / 1 / "fc", 64, 64, Default::default());
 }
