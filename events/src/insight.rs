@@ -62,6 +62,11 @@ pub const KNOBS: &[Knob] = &[
     Knob { name: "max_inflight_d2h", code: "Stagehand::builder().max_inflight_d2h(copies)", flag: "--max-inflight-d2h" },
     Knob { name: "restore_lookahead", code: "Stagehand::builder().restore_lookahead(tensors)", flag: "--restore-lookahead" },
     Knob { name: "slabs_per_class", code: "Stagehand::builder().slabs_per_class(slabs)", flag: "--slabs-per-class" },
+    Knob {
+        name: "activation_pool_limit",
+        code: "Stagehand::builder().activation_pool_limit_bytes(bytes)",
+        flag: "--activation-pool-limit",
+    },
     Knob { name: "learning_rate", code: "sh.optimizer(config, learning_rate)", flag: "--learning-rate" },
     Knob { name: "optimizer_state", code: "Stagehand::builder().optimizer_state(StateStorage::Bf16)", flag: "--optimizer-state" },
     Knob {
@@ -335,7 +340,13 @@ fn activations(r: &StepRecord, out: &mut Vec<Finding>) {
                 "step {}: {} spills found no free pinned slab and went to pageable memory (slower copies)",
                 r.step, a.pool_misses
             ),
-            &knob(&["slabs_per_class"], "more pinned slabs in each size class of the activation pool"),
+            // The pool is cut from what the traced step held, within its pinned limit: slabs
+            // are missing either because the step spilled more than the trace, or because the
+            // limit kept the pool from growing to it.
+            &knob(
+                &["slabs_per_class", "activation_pool_limit"],
+                "more pinned slabs in each size class of the activation pool, or a higher limit on its pinned memory",
+            ),
         ));
     }
 }
@@ -498,7 +509,7 @@ mod tests {
         let f = findings(&s);
         assert_eq!(f[0].id, "telemetry_lost");
         assert_eq!(f[0].severity, Severity::Error);
-        assert!(f.iter().any(|f| f.id == "pool_too_small" && f.knob.contains("slabs_per_class")));
+        assert!(f.iter().any(|f| f.id == "pool_too_small" && f.knob.contains("slabs_per_class") && f.knob.contains("activation_pool_limit")));
     }
 
     #[test]
