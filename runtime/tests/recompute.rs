@@ -101,6 +101,40 @@ fn a_fraction_of_the_scopes_recompute_and_the_others_are_stored() {
     }
 }
 
+/// The recomputation is the model's forward run again inside an unpack: reported as
+/// `recompute_ms`, and left out of `host_ms`, the hooks' own cost, so the two add up.
+#[test]
+fn the_hooks_time_leaves_out_the_recomputed_forward() {
+    let _rng = rng();
+    let nap = std::time::Duration::from_millis(60);
+    let rt = ActivationRuntime::new(device(), spill_all_builder().build().expect("config"), Bus::disabled(), None)
+        .expect("runtime");
+    let dev = device().tch_device();
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(dev);
+    let w = vs.root().randn("w", &[16, 16], 0.0, 0.2);
+    let x = Tensor::randn([8, 16], (Kind::Float, dev));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let (_, metrics) = sgd_steps(Some(&rt), &vs, || {
+        let c = c.clone();
+        let h = recompute(&[&x.matmul(&w)], move |s| {
+            // A slow function: its time is the model's, whether in forward or in backward.
+            c.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(nap);
+            s[0].tanh()
+        });
+        h.square().mean(Kind::Float)
+    });
+    assert_eq!(calls.load(Ordering::SeqCst), 6, "three steps, each computing the scope twice");
+    for m in &metrics {
+        assert!(m.activations_recomputed > 0, "{m:?}");
+        assert!(m.recompute_ms >= nap.as_secs_f64() * 1e3, "the recomputation's time: {m:?}");
+        // A handful of small tensors packed and unpacked: far below the function's sleep.
+        assert!(m.host_ms < nap.as_secs_f64() * 1e3 / 2.0, "the hooks' own time holds no recomputation: {m:?}");
+    }
+}
+
 #[test]
 fn without_a_runtime_recompute_is_the_function() {
     let _rng = rng();

@@ -145,7 +145,9 @@ pub struct ActivationStepMetrics {
     #[serde(default)]
     pub pageable_bytes: u64,
     /// Milliseconds the training thread spent in the saved-tensor hooks (pack, unpack,
-    /// release), less their waits for spills to land.
+    /// release), less their waits for spills to land and the work done in them for others: the
+    /// recomputation of checkpointed scopes (`recompute_ms`) and the weight runtime's backward
+    /// uses (in the weights' `host_ms`). What the activation runtime itself costs the thread.
     #[serde(default)]
     pub host_ms: f64,
     /// Saved tensors not stored because a recompute scope computes them again in backward.
@@ -154,8 +156,8 @@ pub struct ActivationStepMetrics {
     /// Their bytes: what neither stays on the device nor crosses PCIe.
     #[serde(default)]
     pub recompute_bytes: u64,
-    /// Milliseconds of host time spent recomputing in backward (the kernels it queues run on
-    /// the compute stream).
+    /// Milliseconds of host time spent recomputing in backward: the scopes' forward run again
+    /// inside an unpack, queueing kernels that run on the compute stream (not in `host_ms`).
     #[serde(default)]
     pub recompute_ms: f64,
     /// Milliseconds spent pinning host memory for spills: buffers pinned on the spot for spills

@@ -73,6 +73,10 @@ pub(super) struct State {
     refusals_warned: HashSet<KeepReason>,
     /// This step's recompute scopes.
     scopes: Scopes,
+    /// Hook time spent in work that is not this runtime's: recomputing scopes (the model's
+    /// forward run again, reported as `recompute_ms`) and the weight runtime's backward uses
+    /// (in its own `host_ms`). Left out of the hooks' `host_ms`, so that the figures add up.
+    foreign_ms: f64,
 }
 
 /// A tensor being packed to spill, with what is known of it.
@@ -115,6 +119,7 @@ impl State {
             d2h_waits: Default::default(),
             refusals_warned: Default::default(),
             scopes: Default::default(),
+            foreign_ms: 0.0,
         }
     }
 
@@ -147,6 +152,7 @@ impl State {
         self.sizes.clear_step();
         self.auto_region = None;
         self.refusals_warned.clear();
+        self.foreign_ms = 0.0;
     }
 
     /// Opens region `name` (nested in those open); a top-level one of the forward opens a group.
@@ -783,7 +789,10 @@ impl Shared {
                     .resolver
                     .as_ref()
                     .ok_or_else(|| Error::internal("a weight handle without a weight resolver"))?;
-                resolver.materialize(&save).map_err(Error::Saved)
+                let t0 = Instant::now();
+                let t = resolver.materialize(&save).map_err(Error::Saved);
+                self.lock().foreign_ms += t0.elapsed().as_secs_f64() * 1e3;
+                t
             }
             None => Err(Error::internal(format!("kept tensor of handle {handle} is missing"))),
         }
@@ -990,6 +999,7 @@ impl Shared {
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mut g = self.lock();
         g.metrics.recompute_ms += ms;
+        g.foreign_ms += ms;
         g.scopes.store(&member, output, saved)
     }
 
@@ -1011,8 +1021,9 @@ impl Shared {
     /// Ends the step's copies and learning; returns the step's metrics, the weight saves to
     /// release, and the first error met.
     pub(super) fn end_step(&self, g: &mut State) -> (ActivationStepMetrics, Vec<WeightSave>, Result<()>) {
-        // Hook time less the hooks' own waits for copies: what the hooks cost the thread.
-        g.metrics.host_ms = (g.metrics.host_ms - g.d2h_waits.host_ms()).max(0.0);
+        // Hook time less the hooks' own waits for copies and the work done in them for others
+        // (recomputation, the weights' backward uses): what the hooks cost the thread.
+        g.metrics.host_ms = (g.metrics.host_ms - g.d2h_waits.host_ms() - g.foreign_ms).max(0.0);
         let ctx = self.ctx(g);
         let mut result = {
             let State { records, spills, d2h_waits, .. } = &mut *g;
