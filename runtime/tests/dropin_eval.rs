@@ -17,7 +17,7 @@ use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{IndexOp, Kind, Tensor};
 
 mod common;
-use common::dropin::{assert_losses, assert_same, cpu, values};
+use common::dropin::{Tied, assert_losses, assert_same, cpu, values};
 use common::rng;
 
 const V: i64 = 32;
@@ -31,30 +31,6 @@ const EVAL_EVERY: i64 = 2;
 const SAMPLES: usize = 6;
 const DROPOUT: f64 = 0.1;
 const BUDGET: u64 = 512 << 10;
-
-/// The token embedding, also the head's weight.
-trait Tied: std::fmt::Debug + Send {
-    fn embed(&self, ids: &Tensor) -> Tensor;
-    fn logits(&self, x: &Tensor) -> Tensor;
-}
-
-impl Tied for nn::Embedding {
-    fn embed(&self, ids: &Tensor) -> Tensor {
-        self.forward(ids)
-    }
-    fn logits(&self, x: &Tensor) -> Tensor {
-        x.matmul(&self.ws.tr())
-    }
-}
-
-impl Tied for snn::Embedding {
-    fn embed(&self, ids: &Tensor) -> Tensor {
-        self.forward(ids)
-    }
-    fn logits(&self, x: &Tensor) -> Tensor {
-        self.run(|e| x.matmul(&e.ws.tr())).expect("tied head")
-    }
-}
 
 #[derive(Debug)]
 struct Block {

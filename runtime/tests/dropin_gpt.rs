@@ -17,7 +17,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
-use common::dropin::{assert_all_changed, assert_losses, assert_same, cpu, handle, values};
+use common::dropin::{Tied, assert_all_changed, assert_losses, assert_same, cpu, handle, values};
 use common::rng;
 
 const V: i64 = 64;
@@ -45,31 +45,6 @@ fn linear(p: nn::Path<'_>, in_dim: i64, out_dim: i64) -> nn::Linear {
 /// The port of `linear`: the same constructor, its variables one managed block.
 fn managed_linear(p: &snn::Path<'_>, in_dim: i64, out_dim: i64) -> snn::Managed<nn::Linear> {
     p.manage(|p| linear(p.clone(), in_dim, out_dim)).expect("a custom layer is managed")
-}
-
-/// The token embedding, also the head's weight.
-trait Tied {
-    fn embed(&self, ids: &Tensor) -> Tensor;
-    fn logits(&self, x: &Tensor) -> Tensor;
-}
-
-impl Tied for nn::Embedding {
-    fn embed(&self, ids: &Tensor) -> Tensor {
-        self.forward(ids)
-    }
-    fn logits(&self, x: &Tensor) -> Tensor {
-        x.matmul(&self.ws.tr())
-    }
-}
-
-impl Tied for snn::Embedding {
-    fn embed(&self, ids: &Tensor) -> Tensor {
-        self.forward(ids)
-    }
-    fn logits(&self, x: &Tensor) -> Tensor {
-        // The tied weight is used with its block resident.
-        self.run(|e| x.matmul(&e.ws.tr())).expect("tied head")
-    }
 }
 
 struct Block {

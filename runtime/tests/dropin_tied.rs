@@ -14,7 +14,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
-use common::dropin::{assert_all_changed, assert_losses, assert_same, cpu, handle, values};
+use common::dropin::{Tied, assert_all_changed, assert_losses, assert_same, cpu, handle, values};
 use common::rng;
 
 const V: i64 = 24;
@@ -38,30 +38,6 @@ struct Block {
     ln: Box<dyn Module>,
     fc: Box<dyn Module>,
     out: Box<dyn Module>,
-}
-
-/// The tied embedding: its forward, and the head that multiplies by its weight.
-trait Tied {
-    fn embed(&self, ids: &Tensor) -> Tensor;
-    fn logits(&self, x: &Tensor) -> Tensor;
-}
-
-impl Tied for nn::Embedding {
-    fn embed(&self, ids: &Tensor) -> Tensor {
-        self.forward(ids)
-    }
-    fn logits(&self, x: &Tensor) -> Tensor {
-        x.matmul(&self.ws.tr())
-    }
-}
-
-impl Tied for snn::Embedding {
-    fn embed(&self, ids: &Tensor) -> Tensor {
-        self.forward(ids)
-    }
-    fn logits(&self, x: &Tensor) -> Tensor {
-        self.run(|e| x.matmul(&e.ws.tr())).expect("tied head")
-    }
 }
 
 struct Gpt {

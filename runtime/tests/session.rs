@@ -6,13 +6,13 @@
 use stagehand::device::Device;
 use stagehand::events::{Bus, Direction, EventKind, Hub, Owner, Phase};
 use stagehand::nn as snn;
-use stagehand::optim::Kernel;
 use stagehand::Stagehand;
 use std::sync::{Arc, Mutex};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 mod common;
+use common::dropin::{assert_losses, assert_same, cpu, handle_with, values};
 use common::rng;
 
 const V: i64 = 50;
@@ -112,6 +112,19 @@ impl stagehand::events::EventSink for Collect {
     }
 }
 
+/// `steps` steps of plain tch's AdamW on `net` from batch `first` on; the losses.
+fn plain_losses(vs: &nn::VarStore, net: &Net, lr: f64, first: i64, steps: i64) -> Vec<f64> {
+    let mut opt = nn::AdamW::default().build(vs, lr).expect("adamw");
+    (first..first + steps)
+        .map(|s| {
+            let (ids, targets) = batch(s, vs.device());
+            let loss = net.loss(&ids, &targets);
+            opt.backward_step(&loss);
+            loss.double_value(&[])
+        })
+        .collect()
+}
+
 #[test]
 fn training_through_the_handle_equals_plain_tch() {
     let device = common::device();
@@ -122,15 +135,8 @@ fn training_through_the_handle_equals_plain_tch() {
 
     // Plain tch, everything on the device.
     let (vs, net) = plain_seeded(5, dev);
-    let initial: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu).copy())).collect();
-    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
-    let mut want = Vec::new();
-    for s in 0..steps {
-        let (ids, targets) = batch(100 + s, dev);
-        let loss = net.loss(&ids, &targets);
-        opt.backward_step(&loss);
-        want.push(loss.double_value(&[]));
-    }
+    let initial = values(&vs);
+    let want = plain_losses(&vs, &net, lr, 100, steps);
 
     // The same model through the handle: a budget that makes blocks stream and activations
     // spill, every spill checksummed and verified before its restore.
@@ -140,15 +146,7 @@ fn training_through_the_handle_equals_plain_tch() {
     let bus = Bus::with_hub(hub, 1 << 20);
     // On CUDA the budget counts what the device already holds (the plain model, cuBLAS's
     // workspace): the handle gets the same 400 KiB on top of it.
-    let budget = (400 << 10) + if cuda { device.memory().allocated } else { 0 };
-    let sh = Stagehand::builder()
-        .budget_bytes(budget)
-        .device(if cuda { device.clone() } else { Device::host(budget) })
-        .bus(bus.clone())
-        .kernel(Kernel::Exact)
-        .checksums(true)
-        .build()
-        .expect("handle");
+    let (sh, budget) = handle_with(&device, 400 << 10, |b| b.bus(bus.clone()).checksums(true));
     let net = managed_seeded(&sh, 5);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let mut got = Vec::new();
@@ -172,13 +170,7 @@ fn training_through_the_handle_equals_plain_tch() {
         let parts = t.compute_ms + t.h2d_wait_ms + t.d2h_wait_ms + t.weight_stall_ms + t.restore_stall_ms + t.optimizer_ms + t.other_ms;
         assert!(parts >= t.step_ms * 0.999, "step {s}: the parts cover the step: {t:?}");
     }
-    if cuda {
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "losses {got:?} vs {want:?}");
-        }
-    } else {
-        assert_eq!(got, want, "losses step for step");
-    }
+    assert_losses(&got, &want, cuda);
     let plan = sh.plan().expect("planned");
     assert!(plan.streams(), "the budget makes blocks stream: {plan:?}");
     let wm = sh.weights().last_step_metrics();
@@ -192,23 +184,13 @@ fn training_through_the_handle_equals_plain_tch() {
 
     // Every parameter equals plain tch's, and every one of them was trained.
     opt.wait().expect("host steps done");
-    let ln = sh.var_store().expect("snapshot").variables();
+    let trained = cpu(sh.var_store().expect("snapshot").variables());
     sh.shutdown().expect("shutdown");
-    let want_vars = vs.variables();
-    let init: std::collections::HashMap<_, _> = initial.into_iter().collect();
-    let mut checked = 0;
-    for (name, t) in ln {
-        let got = t.to_device(tch::Device::Cpu);
-        let w = want_vars[&name].to_device(tch::Device::Cpu);
-        if cuda {
-            assert!(got.allclose(&w, 1e-4, 1e-5, false), "{name} differs");
-        } else {
-            assert!(got.equal(&w), "{name}: parameters differ");
-        }
-        assert!(!got.equal(&init[&name]), "{name} was never trained");
-        checked += 1;
+    assert_same(&trained, &values(&vs), cuda, "parameters");
+    for (name, t) in &trained {
+        assert!(!t.equal(&initial[name]), "{name} was never trained");
     }
-    assert_eq!(checked, 2 + 2 * 2 * LAYERS + 1 + 2, "every variable compared");
+    assert_eq!(trained.len(), 2 + 2 * 2 * LAYERS + 1 + 2, "every variable compared");
 
     bus.flush();
     let tagged = seen.lock().expect("events").clone();
@@ -253,24 +235,9 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
     let cuda = device.is_cuda();
     let (steps, lr) = (4, 1e-2);
     let (vs, net) = plain_seeded(7, dev);
-    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
-    let want: Vec<f64> = (0..steps)
-        .map(|s| {
-            let (ids, targets) = batch(200 + s, dev);
-            let loss = net.loss(&ids, &targets);
-            opt.backward_step(&loss);
-            loss.double_value(&[])
-        })
-        .collect();
+    let want = plain_losses(&vs, &net, lr, 200, steps);
 
-    let budget = (400 << 10) + if cuda { device.memory().allocated } else { 0 };
-    let sh = Stagehand::builder()
-        .budget_bytes(budget)
-        .device(if cuda { device.clone() } else { Device::host(budget) })
-        .kernel(Kernel::Exact)
-        .grouping(snn::Grouping::Parts(2))
-        .build()
-        .expect("handle");
+    let (sh, _) = handle_with(&device, 400 << 10, |b| b.grouping(snn::Grouping::Parts(2)));
     let net = managed_seeded(&sh, 7);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let got: Vec<f64> = (0..steps)
@@ -279,13 +246,7 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
             sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step").loss
         })
         .collect();
-    if cuda {
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "losses {got:?} vs {want:?}");
-        }
-    } else {
-        assert_eq!(got, want, "losses step for step");
-    }
+    assert_losses(&got, &want, cuda);
     // Each block's two linears are its two parts, streamed as units, the window counting parts.
     for i in 0..LAYERS {
         for part in 0..2 {
@@ -298,17 +259,9 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
     assert_eq!(plan.prefetch_window, 2 * stagehand::session::plan::DEFAULT_PREFETCH_WINDOW);
     assert!(sh.weights().last_step_metrics().evictions > 0);
     opt.wait().expect("host steps done");
-    let trained = sh.var_store().expect("snapshot").variables();
+    let trained = cpu(sh.var_store().expect("snapshot").variables());
     sh.shutdown().expect("shutdown");
-    let plain_vars = vs.variables();
-    for (name, t) in trained {
-        let (got, w) = (t.to_device(tch::Device::Cpu), plain_vars[&name].to_device(tch::Device::Cpu));
-        if cuda {
-            assert!(got.allclose(&w, 1e-4, 1e-5, false), "{name} differs");
-        } else {
-            assert!(got.equal(&w), "{name}: parameters differ");
-        }
-    }
+    assert_same(&trained, &values(&vs), cuda, "parameters");
 }
 
 #[test]
@@ -318,24 +271,9 @@ fn a_prefetch_window_of_zero_loads_every_block_on_demand_and_trains_the_same() {
     let cuda = device.is_cuda();
     let (steps, lr) = (3, 1e-2);
     let (vs, net) = plain_seeded(9, dev);
-    let mut opt = nn::AdamW::default().build(&vs, lr).expect("adamw");
-    let want: Vec<f64> = (0..steps)
-        .map(|s| {
-            let (ids, targets) = batch(300 + s, dev);
-            let loss = net.loss(&ids, &targets);
-            opt.backward_step(&loss);
-            loss.double_value(&[])
-        })
-        .collect();
+    let want = plain_losses(&vs, &net, lr, 300, steps);
 
-    let budget = (400 << 10) + if cuda { device.memory().allocated } else { 0 };
-    let sh = Stagehand::builder()
-        .budget_bytes(budget)
-        .device(if cuda { device.clone() } else { Device::host(budget) })
-        .kernel(Kernel::Exact)
-        .prefetch_window(0)
-        .build()
-        .expect("handle");
+    let (sh, _) = handle_with(&device, 400 << 10, |b| b.prefetch_window(0));
     let net = managed_seeded(&sh, 9);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let got: Vec<f64> = (0..steps)
@@ -344,13 +282,7 @@ fn a_prefetch_window_of_zero_loads_every_block_on_demand_and_trains_the_same() {
             sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step").loss
         })
         .collect();
-    if cuda {
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "losses {got:?} vs {want:?}");
-        }
-    } else {
-        assert_eq!(got, want, "losses step for step");
-    }
+    assert_losses(&got, &want, cuda);
     // The window asked for is the window used: nothing loads ahead, so every trained streamed
     // block (the host optimizer changed it) is a demand load at its first use of the step.
     let plan = sh.plan().expect("planned");

@@ -219,14 +219,22 @@ pub mod dropin {
     /// already (reference models, library workspaces), else the host device with that budget.
     /// The exact host kernel, so the host device is bit-identical with plain tch.
     pub fn handle(device: &Device, budget: u64) -> Stagehand {
+        handle_with(device, budget, |b| b).0
+    }
+
+    /// [`handle`] with what `more` sets on the builder besides; the handle and its whole budget.
+    pub fn handle_with(
+        device: &Device,
+        budget: u64,
+        more: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
+    ) -> (Stagehand, u64) {
         let cuda = device.is_cuda();
         let budget = budget + if cuda { device.memory().allocated } else { 0 };
-        Stagehand::builder()
+        let builder = Stagehand::builder()
             .budget_bytes(budget)
             .device(if cuda { device.clone() } else { Device::host(budget) })
-            .kernel(Kernel::Exact)
-            .build()
-            .expect("handle")
+            .kernel(Kernel::Exact);
+        (more(builder).build().expect("handle"), budget)
     }
 
     /// A handle whose budget is `budget` bytes in all (a size a plan stated: on CUDA it counts
@@ -238,6 +246,31 @@ pub mod dropin {
             .kernel(Kernel::Exact)
             .build()
             .expect("handle")
+    }
+
+    /// A tied token embedding: its forward, and the output head that multiplies by its weight
+    /// (on the handle, with the weight's block resident for the product).
+    pub trait Tied: std::fmt::Debug + Send {
+        fn embed(&self, ids: &Tensor) -> Tensor;
+        fn logits(&self, x: &Tensor) -> Tensor;
+    }
+
+    impl Tied for tch::nn::Embedding {
+        fn embed(&self, ids: &Tensor) -> Tensor {
+            tch::nn::Module::forward(self, ids)
+        }
+        fn logits(&self, x: &Tensor) -> Tensor {
+            x.matmul(&self.ws.tr())
+        }
+    }
+
+    impl Tied for stagehand::nn::Embedding {
+        fn embed(&self, ids: &Tensor) -> Tensor {
+            tch::nn::Module::forward(self, ids)
+        }
+        fn logits(&self, x: &Tensor) -> Tensor {
+            self.run(|e| x.matmul(&e.ws.tr())).expect("tied head")
+        }
     }
 
     /// CPU copies of every variable of `vs`.
