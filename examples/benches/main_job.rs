@@ -198,7 +198,7 @@ fn main() -> anyhow::Result<()> {
     cfg.optimizer_state = storage;
     // 0 or less is refused by the split's check, not taken as 1.
     cfg.micro_batches = usize::try_from(env("MJ_MICRO", 1)).unwrap_or(0);
-    cfg.check_split(1)?;
+    cfg.check(1)?;
     // Checkpointed blocks (each block one recompute scope; the resident run computes the same):
     // the demo's rule (on in 16-bit precisions) unless MJ_CHECKPOINT says.
     if let Ok(v) = std::env::var("MJ_CHECKPOINT") {
@@ -240,7 +240,7 @@ fn main() -> anyhow::Result<()> {
             if let Ok(v) = std::env::var("MJ_RESIDENT_CHECKPOINT") {
                 r.model.checkpoint = v != "0";
             }
-            r.check_split(1)?;
+            r.check(1)?;
             let t = time_forward_backward(&r, &device)?;
             let s = mean(steady(&t));
             println!(

@@ -151,6 +151,30 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// Checks the shape before anything is built: sizes above 0 (no blocks is a model too), a
+    /// width its attention heads divide, and sizes within bounds far beyond any model a host
+    /// holds, so that counting the parameters cannot overflow.
+    pub fn check(&self) -> Result<(), String> {
+        for (what, v, least, most) in [
+            ("vocabulary", self.vocab, 1, 1 << 24),
+            ("sequence length", self.block_size, 1, 1 << 24),
+            ("blocks", self.n_layer, 0, 1 << 16),
+            ("width", self.n_embd, 1, 1 << 16),
+            ("attention heads", self.n_head, 1, 1 << 16),
+        ] {
+            if !(least..=most).contains(&v) {
+                return Err(format!("{what} {v}: from {least} to {most}"));
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            return Err(format!(
+                "width {}: a multiple of its {} attention heads (16-bit precisions use heads of 128, at least 4)",
+                self.n_embd, self.n_head
+            ));
+        }
+        Ok(())
+    }
+
     /// Parameters of the model (embeddings, blocks, head).
     pub fn parameters(&self) -> i64 {
         let d = self.n_embd;

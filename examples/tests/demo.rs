@@ -371,6 +371,33 @@ fn every_knob_a_finding_names_is_a_flag_and_micro_batches_are_checked() {
     assert!(!o.status.success() && err.contains("multiple of 3"), "{err}");
 }
 
+/// Model and batch sizes the host cannot build, or that make no model, are refused with the
+/// reason before anything is allocated, never a panic: a width the heads do not divide, sizes
+/// of 0, a model or a batch larger than the host's memory, sizes whose product would overflow.
+#[test]
+fn sizes_that_make_no_model_or_do_not_fit_the_host_are_refused_before_anything_is_built() {
+    for (args, says) in [
+        (&["--d-model", "130"][..], "width 130: a multiple of its 4 attention heads"),
+        (&["--d-model", "0"], "width 0: from 1 to 65536"),
+        (&["--seq", "0"], "sequence length 0: from 1 to 16777216"),
+        (&["--batch", "0"], "a batch of 0 sequences: at least 1"),
+        (&["--layers=-1"], "blocks -1: from 0 to 65536"),
+        (&["--d-model", "9223372036854775807"], "width 9223372036854775807: from 1 to 65536"),
+        (&["--d-model", "65536", "--layers", "4096"], "of host memory to build"),
+        (&["--batch", "1000000000"], "for its inputs alone"),
+    ] {
+        let o = Command::new(DEMO)
+            .args(["--steps", "1", "--cpu", "--no-serve", "--telemetry-level", "off"])
+            .args(args)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("the demo runs");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?} exits with an error, not a panic: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
 /// `--gpus 4` trains data parallel on four devices (simulated on the host here, as CI has no
 /// GPU): the summary has each GPU's line, and every GPU's steps are in the telemetry file on its
 /// own lane.

@@ -270,7 +270,7 @@ fn main() -> Result<()> {
     let mut cfg = TrainConfig::demo(args.steps, args.layers, args.d_model, args.seq, args.batch, budget).with_precision(precision);
     cfg.optimizer_state = args.optimizer_state;
     cfg.micro_batches = args.micro_batches as usize;
-    cfg.check_split(gpus.max(1))?;
+    cfg.check(gpus.max(1))?;
     match args.checkpoint.as_str() {
         "on" => cfg.model.checkpoint = true,
         "off" => cfg.model.checkpoint = false,

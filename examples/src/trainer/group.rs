@@ -67,7 +67,7 @@ pub fn train_group(
 ) -> Result<Vec<RankSummary>> {
     let world = devices.len();
     anyhow::ensure!(world > 0, "a group of no devices");
-    cfg.check_split(world)?;
+    cfg.check(world)?;
     tch::set_num_threads(cfg.thread_count() as i32);
     let group = customize(cfg.builder(bus, (cfg.thread_count() / world).max(1)).devices(devices)).build_group()?;
     let batches = SharedBatches {

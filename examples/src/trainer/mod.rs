@@ -229,20 +229,48 @@ impl TrainConfig {
 
     /// Tokens one step processes.
     pub fn tokens(&self) -> u64 {
-        (self.batch * self.model.block_size) as u64
+        (self.batch.max(0) as u64).saturating_mul(self.model.block_size.max(0) as u64)
     }
 
-    /// Checks that the batch splits evenly over `world` devices and each device's share over
-    /// the micro-batches.
-    pub fn check_split(&self, world: usize) -> Result<()> {
+    /// Checks the run before anything is built: the model's shape, a batch that splits evenly
+    /// over `world` devices and each device's share over the micro-batches, and a model and
+    /// batch the host's memory can hold while they are made (the plan then checks the whole
+    /// host state, with its numbers, before the first step).
+    pub fn check(&self, world: usize) -> Result<()> {
+        self.model.check().map_err(|e| anyhow::anyhow!("the model's {e}"))?;
         let parts = (world.max(1) * self.micro_batches) as i64;
         anyhow::ensure!(self.micro_batches > 0, "micro-batches: at least 1");
+        anyhow::ensure!(self.batch > 0, "a batch of {} sequences: at least 1", self.batch);
         anyhow::ensure!(
-            self.batch > 0 && self.batch % parts == 0,
+            self.batch % parts == 0,
             "a batch of {} sequences over {world} device(s) in {} micro-batch(es): a multiple of {parts}",
             self.batch,
             self.micro_batches
         );
+        let available = stagehand::session::plan::host_available_bytes();
+        if available > 0 {
+            let gib = |b: f64| b / (1u64 << 30) as f64;
+            // The float32 values the store makes and the pinned copy they move into.
+            let model = self.model.parameters() as f64 * 8.0;
+            anyhow::ensure!(
+                model <= available as f64,
+                "the model's {:.1}M parameters take {:.1} GiB of host memory to build (float32 values and their pinned copy), more than the {:.1} GiB available",
+                self.model.parameters() as f64 / 1e6,
+                gib(model),
+                gib(available as f64)
+            );
+            // A step's token ids and targets (int64) and the temporaries that draw them.
+            let inputs = self.tokens() as f64 * 32.0;
+            anyhow::ensure!(
+                inputs <= available as f64,
+                "a step of {} tokens ({} sequences of {}) takes {:.1} GiB of host memory for its inputs alone, more than the {:.1} GiB available",
+                self.tokens(),
+                self.batch,
+                self.model.block_size,
+                gib(inputs),
+                gib(available as f64)
+            );
+        }
         Ok(())
     }
 }
@@ -445,7 +473,7 @@ pub fn train_with(
     hooks: Hooks<'_>,
     customize: impl FnOnce(stagehand::StagehandBuilder) -> stagehand::StagehandBuilder,
 ) -> Result<Summary> {
-    cfg.check_split(1)?;
+    cfg.check(1)?;
     // The training thread's intra-op threads, the same in both modes; the handle's host
     // optimizer takes the same count.
     tch::set_num_threads(cfg.thread_count() as i32);

@@ -186,7 +186,7 @@ impl ResidentOptimizer {
 /// does not fit on the device beside it): each step's wall time, the device synchronized at its
 /// end. The model is in `cfg.precision`'s compute dtype under its autocast.
 pub fn time_forward_backward(cfg: &TrainConfig, device: &Device) -> Result<Vec<f64>> {
-    cfg.check_split(1)?;
+    cfg.check(1)?;
     tch::manual_seed(cfg.seed);
     let vs = nn::VarStore::new(device.tch_device());
     let model = Gpt::new(&TchLayers(vs.root()), cfg.model);
