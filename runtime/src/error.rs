@@ -3,16 +3,17 @@
 
 use crate::events::BlockState;
 
-/// Everything that can go wrong in the runtime.
 /// What a saved-tensor store or a weight resolver reports when it cannot do its part, with its
 /// sources. The hook engine turns it into the message libtorch raises from the autograd call
 /// (the only form that crosses into C++).
 pub type HookError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// Everything that can go wrong in the runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A libtorch call failed.
-    #[error("libtorch: {0}")]
+    /// A libtorch call failed. Shown without the C++ stack libtorch appends (addresses in its
+    /// libraries, kept in `Debug`).
+    #[error("libtorch: {}", without_cpp_stack(&.0.to_string()))]
     Torch(#[from] tch::TchError),
     /// A CUDA driver call failed.
     #[error("cuda: {what}: {source}")]
@@ -164,9 +165,43 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The message a panic carried: `panic!` with a literal (`&str`) or with a formatted message
 /// (`String`); `None` for any other payload.
+/// libtorch's message without the C++ stack it appends ("Exception raised from ...", "frame #0:
+/// ..."), also where the message arrived quoted in a panic's text (escaped newlines), and
+/// without the `unwrap` wording of a panic around it.
+pub(crate) fn without_cpp_stack(text: &str) -> String {
+    let unwrapped = text.split_once("called `Result::unwrap()` on an `Err` value: Torch(\"").map(|(a, b)| format!("{a}{b}"));
+    let text = unwrapped.as_deref().unwrap_or(text);
+    let cut = ["\nException raised from", "\\nException raised from", "\nframe #0", "\\nframe #0"]
+        .iter()
+        .filter_map(|m| text.find(m))
+        .min()
+        .unwrap_or(text.len());
+    text[..cut].trim_end().to_owned()
+}
+
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
     payload
         .downcast_ref::<String>()
         .cloned()
         .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtorch_messages_are_shown_without_their_cpp_stack() {
+        let raised = "shape '[16, 64, 3, 4, 32]' is invalid for input of size 399360\nException raised from infer_size_impl at /pytorch/aten/src/ATen/InferSize.h:99 (most recent call first):\nframe #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7fad in libc10.so)";
+        let e = Error::Torch(tch::TchError::Torch(raised.into()));
+        assert_eq!(e.to_string(), "libtorch: Internal torch error: shape '[16, 64, 3, 4, 32]' is invalid for input of size 399360");
+        assert!(format!("{e:?}").contains("frame #0"), "Debug keeps the stack");
+        // As a panic's text: the error quoted, its newlines escaped.
+        let panicked = "called `Result::unwrap()` on an `Err` value: Torch(\"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000 bytes. Error code 12 (Cannot allocate memory)\\nframe #0: c10::ThrowEnforceNotMet(char const*) + 0x6a\")";
+        assert_eq!(
+            without_cpp_stack(panicked),
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000 bytes. Error code 12 (Cannot allocate memory)"
+        );
+        assert_eq!(without_cpp_stack("a plain message"), "a plain message");
+    }
 }

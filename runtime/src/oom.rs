@@ -39,7 +39,9 @@ impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.owners;
         let h = &self.held;
-        write!(f, "out of device memory in the {} of step {} while {}", self.phase, self.step, self.doing)?;
+        // libtorch's CPU allocator failing is host memory (on the host device, its "VRAM").
+        let memory = if self.doing.starts_with("allocating host memory") { "host" } else { "device" };
+        write!(f, "out of {memory} memory in the {} of step {} while {}", self.phase, self.step, self.doing)?;
         if self.requested_bytes > 0 {
             write!(f, " ({} requested)", bytes(self.requested_bytes))?;
         }

@@ -360,3 +360,92 @@ fn two_blocks(sh: &Stagehand) {
     let _l = snn::linear(&r / "blocks" / 0 / "fc", 64, 64, Default::default());
     let _m = snn::linear(&r / "blocks" / 1 / "fc", 64, 64, Default::default());
 }
+
+/// `net`'s loss, failing as `how` says on the step it is told to: in the forward, with an
+/// allocation no host can make (an out-of-memory), or in backward, from a scope after the
+/// embedding whose function computes something else when backward runs it again (reached after
+/// every block, once their host steps are queued).
+fn loss_that_fails(net: &Net, ids: &Tensor, targets: &Tensor, how: Option<&str>) -> Tensor {
+    let mut h = net.tok.forward(ids);
+    match how {
+        Some("forward") => {
+            let _ = Tensor::zeros([1i64 << 52], (Kind::Float, tch::Device::Cpu));
+        }
+        Some("backward") => {
+            let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            h = stagehand::activations::recompute(&[&h], move |s| {
+                if calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    s[0].tanh()
+                } else {
+                    s[0].narrow(2, 0, D / 2).tanh().repeat([1, 1, 2])
+                }
+            });
+        }
+        _ => {}
+    }
+    for (fc1, fc2) in &net.blocks {
+        h = &h + fc2.forward(&fc1.forward(&h).gelu("none"));
+    }
+    net.head.forward(&net.ln.forward(&h)).view([-1, V]).cross_entropy_for_logits(&targets.view([-1]))
+}
+
+/// A step that fails in its forward changes no value: the next step says which step failed and
+/// why instead of training on from runtimes left mid-step, and `save` writes the values the
+/// steps before it left.
+#[test]
+fn a_step_that_fails_in_its_forward_ends_training_and_saves_the_values_before_it() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
+    let net = managed_seeded(&sh, 11);
+    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
+    for s in 0..2 {
+        let (ids, targets) = batch(500 + s, dev);
+        sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step");
+    }
+    opt.wait().expect("host steps done");
+    let before = cpu(sh.var_store().expect("snapshot").variables());
+    let (ids, targets) = batch(502, dev);
+    let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, Some("forward"))).expect_err("out of memory");
+    assert!(matches!(e, stagehand::Error::OutOfMemory(_)), "{e}");
+    let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect_err("no step after a failed one");
+    let text = e.to_string();
+    assert!(text.starts_with("step 4: step 3 failed (out of host memory in the forward of step 3"), "{text}");
+    assert!(text.contains("a new handle") && !text.contains("frame #0"), "{text}");
+    assert!(text.contains("`save` still writes"), "{text}");
+
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("before.safetensors");
+    sh.save(&path).expect("the values of step 2 are whole");
+    let mut plain_vs = nn::VarStore::new(tch::Device::Cpu);
+    let _plain_net = plain(&plain_vs);
+    plain_vs.load(&path).expect("plain tch reads it");
+    assert_same(&values(&plain_vs), &before, false, "saved after the failed step");
+    sh.shutdown().expect("shutdown");
+}
+
+/// A step that fails while its host steps run leaves some blocks stepped and others not: no
+/// further step, and neither `save` nor `var_store` hands out that model.
+#[test]
+fn a_step_that_fails_while_its_optimizer_steps_refuses_to_save_the_part_stepped_model() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
+    let net = managed_seeded(&sh, 13);
+    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
+    for s in 0..2 {
+        let (ids, targets) = batch(600 + s, dev);
+        sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step");
+    }
+    let (ids, targets) = batch(602, dev);
+    let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, Some("backward"))).expect_err("backward fails");
+    assert!(e.to_string().contains("must compute the same thing"), "{e}");
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("torn.safetensors");
+    let e = sh.save(&path).expect_err("a part-stepped model");
+    assert!(e.to_string().contains("some of the model's values are the next step's"), "{e}");
+    assert!(!path.exists(), "nothing written");
+    assert!(sh.var_store().is_err(), "no copy either");
+    let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect_err("no step after a failed one");
+    assert!(e.to_string().starts_with("step 4: step 3 failed ("), "{e}");
+}

@@ -37,13 +37,17 @@ struct Oom {
 static TRIED: LazyLock<Option<Regex>> =
     LazyLock::new(|| Regex::new(r"(?i)tried to allocate ([0-9.]+) ?(B|bytes|KiB|MiB|GiB|TiB)\b").ok());
 
-/// Reads an out-of-memory from libtorch's text (CUDA, cuBLAS), the only form its errors and
-/// panics take; the runtime's own arrives typed ([`Error::DeviceFull`]).
+/// Reads an out-of-memory from libtorch's text (CUDA, cuBLAS, its CPU allocator), the only form
+/// its errors and panics take; the runtime's own arrives typed ([`Error::DeviceFull`]). The CPU
+/// allocator's is host memory: the device's own on the host device, and on CUDA a tensor the
+/// step made on the host.
 fn classify_text(text: &str) -> Option<Oom> {
     let lower = text.to_ascii_lowercase();
-    let oom = ["out of memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation"]
-        .iter()
-        .any(|p| lower.contains(p));
+    let host = lower.contains("can't allocate memory");
+    let oom = host
+        || ["out of memory", "cublas_status_alloc_failed", "cudaerrormemoryallocation"]
+            .iter()
+            .any(|p| lower.contains(p));
     if !oom {
         return None;
     }
@@ -60,7 +64,7 @@ fn classify_text(text: &str) -> Option<Oom> {
     });
     Some(Oom {
         requested_bytes,
-        what: None,
+        what: host.then(|| "host memory (libtorch's CPU allocator)".to_owned()),
         budget_bytes: None,
     })
 }
@@ -77,7 +81,8 @@ fn classify(e: &Error) -> Option<Oom> {
             what: Some(what.clone()),
             budget_bytes: Some(*budget_bytes),
         }),
-        Error::OutOfMemory(_) => None,
+        // A report already, or a refusal that may quote one.
+        Error::OutOfMemory(_) | Error::Misuse { .. } => None,
         other => classify_text(&other.to_string()),
     }
 }
@@ -276,6 +281,36 @@ mod tests {
         assert_eq!(report.doing, "allocating a scratch buffer", "{err}");
         // The typed error's own words, not a panic message wrapped as libtorch's.
         assert!(report.held.error.starts_with("device out of memory: a scratch buffer needs 4000 bytes"), "{}", report.held.error);
+    }
+
+    #[test]
+    fn host_memory_the_step_cannot_allocate_is_an_out_of_memory_report() {
+        let text = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: \
+                    you tried to allocate 9830400000 bytes. Error code 12 (Cannot allocate memory)";
+        let want = Some(Oom { requested_bytes: 9830400000, what: Some("host memory (libtorch's CPU allocator)".into()), budget_bytes: None });
+        assert_eq!(classify_text(text), want);
+
+        // A forward that asks libtorch for more host memory than any machine has (a batch too
+        // large, say): the step returns the report instead of the panic unwinding out of it.
+        const BUDGET: u64 = 1 << 20;
+        let sh = Stagehand::builder()
+            .budget_bytes(BUDGET)
+            .device(crate::device::Device::host(BUDGET))
+            .build()
+            .expect("handle");
+        let r = sh.root();
+        let fc = crate::nn::linear(&r / "blocks" / 0 / "fc", 4, 4, Default::default());
+        let mut opt = sh.optimizer(tch::nn::Sgd::default(), 1e-2).expect("optimizer");
+        let err = sh
+            .train_step(&mut opt, || {
+                use tch::nn::Module;
+                let y = fc.forward(&Tensor::ones([1, 4], tch::kind::FLOAT_CPU));
+                y.sum(tch::Kind::Float) + Tensor::zeros([1i64 << 52], tch::kind::FLOAT_CPU).sum(tch::Kind::Float)
+            })
+            .expect_err("the step runs out of host memory");
+        let Error::OutOfMemory(report) = &err else { panic!("not an out-of-memory report: {err:?}") };
+        assert_eq!((report.phase, report.requested_bytes), (Phase::Forward, 4 << 52), "{err}");
+        assert_eq!(report.doing, "allocating host memory (libtorch's CPU allocator)", "{err}");
     }
 
     #[test]

@@ -31,6 +31,48 @@ pub(super) struct Run {
     pub skipped: u64,
     /// fp16's dynamic loss scale.
     pub scaler: crate::precision::LossScaler,
+    /// A step that failed once it had begun: the handle trains no more.
+    pub failed: Option<StepFailure>,
+    /// The step in progress got past its checks (a failure from then on is a [`StepFailure`]).
+    pub began: bool,
+}
+
+/// A step that failed once it had begun (an out-of-memory, an error or panic of the forward, a
+/// failed copy). Its runtimes stopped mid-step (blocks held, saved tensors, copies in flight, a
+/// partial itinerary) and it may have stepped some blocks and not others, so the handle refuses
+/// further steps rather than train on from a state no step left; a checkpoint is still written
+/// where the step changed no value.
+#[derive(Debug, Clone)]
+pub(super) struct StepFailure {
+    pub step: u64,
+    pub cause: String,
+    /// A host or device optimizer step had begun: some values may be the next step's.
+    pub model_changed: bool,
+}
+
+impl StepFailure {
+    /// The error in a few hundred characters: an out-of-memory report lists everything the
+    /// device held, which the step's own error already said.
+    fn cause_of(e: &crate::Error) -> String {
+        const MOST: usize = 300;
+        let text = e.to_string();
+        match text.char_indices().nth(MOST) {
+            Some((i, _)) => format!("{}…", &text[..i]),
+            None => text,
+        }
+    }
+
+    /// The error a later step (or a save, where the model changed) gets.
+    pub fn refusal(&self, what: String) -> crate::Error {
+        crate::Error::misuse(
+            format!("{what}: step {} failed ({})", self.step, self.cause),
+            if self.model_changed {
+                "a new handle loaded from the last checkpoint saved before that step: it failed while its optimizer steps ran, so some of the model's values are the next step's and others are not"
+            } else {
+                "a new handle loaded from a checkpoint (this handle's `save` still writes the values of the steps before the failed one, which changed none); after an out-of-memory, a smaller batch or more micro-batches, or a larger budget"
+            },
+        )
+    }
 }
 
 /// What one step did.
@@ -116,7 +158,7 @@ impl Stagehand {
     pub fn train_step(&self, opt: &mut Optimizer, forward: impl FnOnce() -> Tensor) -> Result<StepReport> {
         let mut once = Some(forward);
         let forward = move |_: usize| once.take().map(|f| f());
-        self.step_inner(opt, 1, forward).map_err(|e| self.stop_group(self.explain_failure(e)))
+        self.step_inner(opt, 1, forward)
     }
 
     /// One training step over `micro_batches` micro-batches (gradient accumulation): for each
@@ -134,7 +176,7 @@ impl Stagehand {
                 expected: "at least 1".into(),
             });
         }
-        self.step_inner(opt, micro_batches, |i| Some(forward(i))).map_err(|e| self.stop_group(self.explain_failure(e)))
+        self.step_inner(opt, micro_batches, |i| Some(forward(i)))
     }
 
     /// In a data-parallel group a step that fails on one rank stops every rank (the others
@@ -147,9 +189,34 @@ impl Stagehand {
         e
     }
 
-    fn step_inner(&self, opt: &mut Optimizer, micro_batches: usize, mut forward: impl FnMut(usize) -> Option<Tensor>) -> Result<StepReport> {
+    fn step_inner(&self, opt: &mut Optimizer, micro_batches: usize, forward: impl FnMut(usize) -> Option<Tensor>) -> Result<StepReport> {
+        let updating = std::cell::Cell::new(false);
+        let r = self.step_body(opt, micro_batches, forward, &updating).map_err(|e| self.stop_group(self.explain_failure(e)));
+        if let Err(e) = &r {
+            let mut run = self.run();
+            // A step that never began (a check before it) leaves nothing behind.
+            if run.failed.is_none() && run.began {
+                let model_changed = updating.get() || self.weights().updates_queued();
+                run.failed = Some(StepFailure { step: run.step, cause: StepFailure::cause_of(e), model_changed });
+            }
+        }
+        r
+    }
+
+    /// The step; `updating` is set once its optimizer phase begins.
+    fn step_body(
+        &self,
+        opt: &mut Optimizer,
+        micro_batches: usize,
+        mut forward: impl FnMut(usize) -> Option<Tensor>,
+        updating: &std::cell::Cell<bool>,
+    ) -> Result<StepReport> {
         let (acts, conductor, step, tokens, limits, loss_scale) = {
             let mut run = self.run();
+            run.began = false;
+            if let Some(f) = &run.failed {
+                return Err(f.refusal(format!("step {}", run.step + 1)));
+            }
             self.ensure_ready(&mut run)?;
             // An evaluation since the last step (forwards outside a step) ends before this one.
             self.weights().end_evaluation()?;
@@ -162,6 +229,8 @@ impl Stagehand {
         };
         // The host optimizers and their state are made now, with the plan, not in the step.
         opt.prepare()?;
+        // From here a failure leaves the runtimes mid-step.
+        self.run().began = true;
         let weights = self.weights();
         let t0 = Instant::now();
         self.device.reset_peak();
@@ -292,6 +361,7 @@ impl Stagehand {
                 true
             }
             (None, Some(scale)) => {
+                updating.set(true);
                 self.enter(&conductor, step, Phase::Optimizer)?;
                 weights.collect_grads()?;
                 let overflow = opt.found_inf()?;
@@ -310,6 +380,7 @@ impl Stagehand {
                 overflow
             }
             (None, None) => {
+                updating.set(true);
                 self.enter(&conductor, step, Phase::Optimizer)?;
                 opt.step()?;
                 false

@@ -297,6 +297,12 @@ impl WeightRuntime {
         Ok(Some(SavedTensorHooks::enable(Arc::new(WeightStore::new(resolver)))?))
     }
 
+    /// Whether the open step has queued a host optimizer step: from then on the model's values
+    /// are changing (false between steps).
+    pub fn updates_queued(&self) -> bool {
+        self.lock().updates_queued()
+    }
+
     /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.
     pub fn end_step(&self) -> Result<()> {
         self.lock().end_step()

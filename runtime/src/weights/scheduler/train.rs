@@ -238,6 +238,13 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Whether the open step queued a host step (the optimizer's call, or a block's as backward
+    /// left it): from then on the model's values are changing. False between steps.
+    pub(crate) fn updates_queued(&self) -> bool {
+        matches!(self.state, StepState::Open { stepped: true, .. })
+            || (matches!(self.state, StepState::Open { .. }) && !self.submitted.is_empty())
+    }
+
     /// Arms this step's backward: as it leaves each trained streamed block, that block's host
     /// step is queued at once (made by `maker`), so the host optimizer overlaps the rest of
     /// backward. Disarmed by the next `submit_updates`.
