@@ -369,3 +369,45 @@ fn a_model_built_after_the_plan_was_made_trains_like_tch() {
     let m = sh.weights().last_step_metrics();
     assert_eq!((m.h2d_bytes, m.evictions), (0, 0), "resident, nothing streams: {m:?}");
 }
+
+/// A backward that fails after it queued its later blocks' host steps leaves the model part
+/// stepped (those blocks hold the next step's values, the first does not). A retried step
+/// would train on from it, as a caught out-of-memory is retried in PyTorch, where nothing steps
+/// before `step()`. So every later use refuses it, with the failed step and its cause: the
+/// next forward, the optimizer, and a checkpoint of its values.
+#[test]
+fn a_backward_that_fails_after_host_steps_ran_leaves_a_model_that_refuses_every_use() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let ms = ManagedVarStore::new(
+        nn::VarStore::new(tch::Device::Cpu),
+        LayerOptions { vram_budget: Some(BUDGET), device: Some(device.clone()), ..LayerOptions::default() },
+    )
+    .expect("store");
+    let model: Vec<snn::Linear> =
+        seeded(3, || (0..4).map(|i| snn::linear(ms.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
+    let mut opt = ms.optimizer(nn::Adam::default(), 1e-2).expect("adam");
+    for _ in 0..3 {
+        opt.backward_step(&forward(&model, &x(dev))).expect("step");
+    }
+    // After the first block, an op libtorch has no derivative for: backward fails as it
+    // reaches it, after leaving the three later blocks.
+    let loss = {
+        let h = model[0].forward(&x(dev));
+        let y = h.nextafter(&h.zeros_like());
+        forward(&model[1..], &y)
+    };
+    let e = opt.backward_step(&loss).expect_err("backward fails");
+    assert!(e.to_string().contains("not implemented"), "{e}");
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("torn.safetensors");
+    let e = ms.save(&path).expect_err("a part-stepped model is not saved");
+    let text = e.to_string();
+    assert!(text.contains("step 4 failed (") && text.contains("some of the model's values are the next step's"), "{text}");
+    assert!(!path.exists(), "nothing written");
+    assert!(ms.var_store().is_err(), "no copy either");
+    // The next step's forward: the layer panics with the runtime's error, as layers do.
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| forward(&model, &x(dev)))).expect_err("refused");
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("using the model after step 4 failed"), "{message}");
+}

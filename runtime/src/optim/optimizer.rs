@@ -495,6 +495,17 @@ impl Optimizer {
     pub fn step(&mut self) -> Result<()> {
         self.ensure_built()?;
         self.check_coverage()?;
+        let updating = std::cell::Cell::new(false);
+        let r = self.step_checked(&updating);
+        if let Err(e) = &r {
+            // Once the device's optimizer stepped, or a host step was queued, a failure leaves
+            // the model part stepped.
+            self.rt.fail_step(updating.get(), || e.to_string());
+        }
+        r
+    }
+
+    fn step_checked(&mut self, updating: &std::cell::Cell<bool>) -> Result<()> {
         self.reduce_device_grads()?;
         self.apply_groups()?;
         match self.clip {
@@ -507,6 +518,7 @@ impl Optimizer {
         if self.device.is_some() {
             self.device_params_in()?;
             if let Some(d) = &mut self.device {
+                updating.set(true);
                 d.step()?;
             }
             self.device_params_out()?;
@@ -572,8 +584,10 @@ impl Optimizer {
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
         self.zero_grad()?;
         self.overlap_next_backward()?;
-        loss.f_backward()?;
-        self.rt.after_backward()?;
+        self.failing_step(|o| {
+            loss.f_backward()?;
+            o.rt.after_backward()
+        })?;
         self.step()
     }
 
@@ -581,9 +595,11 @@ impl Optimizer {
     /// `backward_step_clip`).
     pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<()> {
         self.zero_grad()?;
-        loss.f_backward()?;
-        self.rt.after_backward()?;
-        self.clip_grad_value(max)?;
+        self.failing_step(|o| {
+            loss.f_backward()?;
+            o.rt.after_backward()?;
+            o.clip_grad_value(max)
+        })?;
         self.step()
     }
 
@@ -591,10 +607,23 @@ impl Optimizer {
     /// `backward_step_clip_norm`).
     pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<()> {
         self.zero_grad()?;
-        loss.f_backward()?;
-        self.rt.after_backward()?;
-        self.clip_grad_norm(max)?;
+        self.failing_step(|o| {
+            loss.f_backward()?;
+            o.rt.after_backward()?;
+            o.clip_grad_norm(max).map(|_| ())
+        })?;
         self.step()
+    }
+
+    /// Runs part of a step whose backward may already have queued host steps: when it fails
+    /// then, the weight runtime holds the model part stepped and refuses every later use of it,
+    /// instead of a retried step training on from it.
+    fn failing_step(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        let r = f(self);
+        if let Err(e) = &r {
+            self.rt.fail_step(false, || e.to_string());
+        }
+        r
     }
 
     /// Sets the learning rate of every group (and of groups made later).

@@ -17,10 +17,9 @@ impl Stagehand {
     /// rank) while the others wait, and every rank returns whether it was written.
     ///
     /// After a step that failed while its optimizer steps ran, it refuses: some values would be
-    /// the next step's and others not.
+    /// the next step's and others not (the weight runtime refuses to read them).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        self.refuse_a_part_stepped_model(|| format!("saving {}", path.display()))?;
         match self.member() {
             None => self.store().save(path),
             Some(m) => {
@@ -66,16 +65,7 @@ impl Stagehand {
     /// A copy of every variable with its real value in a plain `tch::nn::VarStore` (see
     /// [`crate::nn::ManagedVarStore::var_store`]).
     pub fn var_store(&self) -> Result<VarStoreCopy> {
-        self.refuse_a_part_stepped_model(|| "copying the model's variables".to_owned())?;
         self.store().var_store()
-    }
-
-    /// The error for `what` when a failed step left the model part stepped.
-    fn refuse_a_part_stepped_model(&self, what: impl FnOnce() -> String) -> Result<()> {
-        match &self.run().failed {
-            Some(f) if f.model_changed => Err(f.refusal(what())),
-            _ => Ok(()),
-        }
     }
 }
 

@@ -40,8 +40,10 @@ pub(super) struct Run {
 /// A step that failed once it had begun (an out-of-memory, an error or panic of the forward, a
 /// failed copy). Its runtimes stopped mid-step (blocks held, saved tensors, copies in flight, a
 /// partial itinerary) and it may have stepped some blocks and not others, so the handle refuses
-/// further steps rather than train on from a state no step left; a checkpoint is still written
-/// where the step changed no value.
+/// further steps rather than train on from a state no step left. Where it had begun updating,
+/// the weight runtime refuses every read of the model's values too
+/// ([`WeightRuntime::fail_step`](crate::weights::WeightRuntime::fail_step)); otherwise a
+/// checkpoint still writes the values the earlier steps left.
 #[derive(Debug, Clone)]
 pub(super) struct StepFailure {
     pub step: u64,
@@ -62,7 +64,7 @@ impl StepFailure {
         }
     }
 
-    /// The error a later step (or a save, where the model changed) gets.
+    /// The error a later step gets.
     pub fn refusal(&self, what: String) -> crate::Error {
         crate::Error::misuse(
             format!("{what}: step {} failed ({})", self.step, self.cause),
@@ -196,8 +198,11 @@ impl Stagehand {
             let mut run = self.run();
             // A step that never began (a check before it) leaves nothing behind.
             if run.failed.is_none() && run.began {
-                let model_changed = updating.get() || self.weights().updates_queued();
-                run.failed = Some(StepFailure { step: run.step, cause: StepFailure::cause_of(e), model_changed });
+                let (step, cause) = (run.step, StepFailure::cause_of(e));
+                // Where it had begun updating, the weight runtime refuses every later use of
+                // the model, a checkpoint's read of its values included.
+                let model_changed = self.weights().fail_step(updating.get(), || cause.clone());
+                run.failed = Some(StepFailure { step, cause, model_changed });
             }
         }
         r

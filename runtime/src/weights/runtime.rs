@@ -303,6 +303,16 @@ impl WeightRuntime {
         self.lock().updates_queued()
     }
 
+    /// The open step failed with `cause`. If it had begun updating the model (a host step
+    /// queued, or `or_updating`: the caller's optimizer phase began), the model is part stepped:
+    /// every later use of the runtime, and every read of its values (a checkpoint), is an error
+    /// that says which step failed and how. Returns whether the model is part stepped.
+    pub fn fail_step(&self, or_updating: bool, cause: impl FnOnce() -> String) -> bool {
+        let mut s = self.lock();
+        s.tear_if_updating(or_updating, cause);
+        s.is_torn()
+    }
+
     /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.
     pub fn end_step(&self) -> Result<()> {
         self.lock().end_step()

@@ -125,6 +125,9 @@ pub(crate) struct Scheduler {
     submitted: std::collections::HashSet<BlockId>,
     index: PtrIndex,
     state: StepState,
+    /// A step that failed while its optimizer steps ran: some blocks hold the next step's
+    /// values and others not, so nothing trains on from here or reads the values out.
+    torn: Option<String>,
     auto_step: bool,
     /// The first block entered in the open step (auto steps of inference loops end on it).
     first_entered: Option<BlockId>,
@@ -249,6 +252,7 @@ impl Scheduler {
             submitted: std::collections::HashSet::new(),
             index,
             state: StepState::Closed,
+            torn: None,
             auto_step: false,
             first_entered: None,
             step: 0,
@@ -271,6 +275,7 @@ impl Scheduler {
     }
 
     fn check_live(&self) -> Result<()> {
+        self.check_whole()?;
         match self.state {
             StepState::ShutDown { dropped: false } => Err(Error::Shutdown("weight runtime")),
             StepState::ShutDown { dropped: true } => Err(Error::misuse(
@@ -279,6 +284,35 @@ impl Scheduler {
             )),
             _ => Ok(()),
         }
+    }
+
+    /// The error for any use of the model once a failed step left it part stepped.
+    fn check_whole(&self) -> Result<()> {
+        match &self.torn {
+            Some(why) => Err(Error::misuse(
+                format!("using the model after {why}"),
+                "a new handle loaded from the last checkpoint saved before that step: some of the model's values are the next step's and others are not",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The open step failed with `cause`: if it had begun updating the model (a host step
+    /// queued, or `or_updating`: the device's optimizer step), the model is part stepped from
+    /// now on.
+    pub(crate) fn tear_if_updating(&mut self, or_updating: bool, cause: impl FnOnce() -> String) {
+        if self.torn.is_none() && (or_updating || self.updates_queued()) {
+            let why = format!("step {} failed ({})", self.step + 1, cause());
+            self.bus.publish(EventKind::Warning {
+                source: Owner::Weights,
+                message: format!("{why}: the model is part stepped; it trains no more and its values are not saved"),
+            });
+            self.torn = Some(why);
+        }
+    }
+
+    pub(crate) fn is_torn(&self) -> bool {
+        self.torn.is_some()
     }
 
     pub(crate) fn block(&self, id: BlockId) -> Result<&Block> {

@@ -37,6 +37,7 @@ impl Scheduler {
     /// the block, sharing memory where it can (see `Block::value`). Valid until the next step
     /// or load. Also after shutdown (the host copy then holds every block's final values).
     pub(crate) fn param_value(&self, id: BlockId, i: usize) -> Result<Tensor> {
+        self.check_whole()?;
         self.wait_host_copy(id)?;
         self.block(id)?.value(i)
     }
