@@ -389,23 +389,29 @@ fn loss_that_fails(net: &Net, ids: &Tensor, targets: &Tensor, how: Option<&str>)
     net.head.forward(&net.ln.forward(&h)).view([-1, V]).cross_entropy_for_logits(&targets.view([-1]))
 }
 
+/// The model from `seed` on a handle whose blocks stream and spill, two AdamW steps trained.
+fn two_steps_trained(seed: i64) -> (Stagehand, Net, stagehand::optim::Optimizer, tch::Device) {
+    let device = common::device();
+    let dev = device.tch_device();
+    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
+    let net = managed_seeded(&sh, seed);
+    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
+    for s in 0..2 {
+        let (ids, targets) = batch(100 * seed + s, dev);
+        sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step");
+    }
+    (sh, net, opt, dev)
+}
+
 /// A step that fails in its forward changes no value: the next step says which step failed and
 /// why instead of training on from runtimes left mid-step, and `save` writes the values the
 /// steps before it left.
 #[test]
 fn a_step_that_fails_in_its_forward_ends_training_and_saves_the_values_before_it() {
-    let device = common::device();
-    let dev = device.tch_device();
-    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
-    let net = managed_seeded(&sh, 11);
-    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
-    for s in 0..2 {
-        let (ids, targets) = batch(500 + s, dev);
-        sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step");
-    }
+    let (sh, net, mut opt, dev) = two_steps_trained(11);
     opt.wait().expect("host steps done");
     let before = cpu(sh.var_store().expect("snapshot").variables());
-    let (ids, targets) = batch(502, dev);
+    let (ids, targets) = batch(1102, dev);
     let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, Some("forward"))).expect_err("out of memory");
     assert!(matches!(e, stagehand::Error::OutOfMemory(_)), "{e}");
     let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect_err("no step after a failed one");
@@ -428,16 +434,8 @@ fn a_step_that_fails_in_its_forward_ends_training_and_saves_the_values_before_it
 /// further step, and neither `save` nor `var_store` hands out that model.
 #[test]
 fn a_step_that_fails_while_its_optimizer_steps_refuses_to_save_the_part_stepped_model() {
-    let device = common::device();
-    let dev = device.tch_device();
-    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
-    let net = managed_seeded(&sh, 13);
-    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
-    for s in 0..2 {
-        let (ids, targets) = batch(600 + s, dev);
-        sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step");
-    }
-    let (ids, targets) = batch(602, dev);
+    let (sh, net, mut opt, dev) = two_steps_trained(13);
+    let (ids, targets) = batch(1302, dev);
     let e = sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, Some("backward"))).expect_err("backward fails");
     assert!(e.to_string().contains("must compute the same thing"), "{e}");
     let dir = tempfile::tempdir().expect("dir");

@@ -255,17 +255,23 @@ mod tests {
         assert_eq!(payload.downcast_ref::<String>().map(String::as_str), Some("stagehand layer 'fc': internal error: a bug"));
     }
 
-    #[test]
-    fn a_layers_device_full_in_a_step_reaches_the_caller_with_its_figures() {
-        const BUDGET: u64 = 1 << 20;
+    const BUDGET: u64 = 1 << 20;
+
+    /// A handle on the host device with one 4 x 4 linear block and SGD over it.
+    fn one_layer() -> (Stagehand, crate::nn::Linear, crate::optim::Optimizer) {
         let sh = Stagehand::builder()
             .budget_bytes(BUDGET)
             .device(crate::device::Device::host(BUDGET))
             .build()
             .expect("handle");
-        let r = sh.root();
-        let fc = crate::nn::linear(&r / "blocks" / 0 / "fc", 4, 4, Default::default());
-        let mut opt = sh.optimizer(tch::nn::Sgd::default(), 1e-2).expect("optimizer");
+        let fc = crate::nn::linear(&sh.root() / "blocks" / 0 / "fc", 4, 4, Default::default());
+        let opt = sh.optimizer(tch::nn::Sgd::default(), 1e-2).expect("optimizer");
+        (sh, fc, opt)
+    }
+
+    #[test]
+    fn a_layers_device_full_in_a_step_reaches_the_caller_with_its_figures() {
+        let (sh, fc, mut opt) = one_layer();
         let err = sh
             .train_step(&mut opt, || {
                 use tch::nn::Module;
@@ -292,15 +298,7 @@ mod tests {
 
         // A forward that asks libtorch for more host memory than any machine has (a batch too
         // large, say): the step returns the report instead of the panic unwinding out of it.
-        const BUDGET: u64 = 1 << 20;
-        let sh = Stagehand::builder()
-            .budget_bytes(BUDGET)
-            .device(crate::device::Device::host(BUDGET))
-            .build()
-            .expect("handle");
-        let r = sh.root();
-        let fc = crate::nn::linear(&r / "blocks" / 0 / "fc", 4, 4, Default::default());
-        let mut opt = sh.optimizer(tch::nn::Sgd::default(), 1e-2).expect("optimizer");
+        let (sh, fc, mut opt) = one_layer();
         let err = sh
             .train_step(&mut opt, || {
                 use tch::nn::Module;
