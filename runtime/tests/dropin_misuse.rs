@@ -411,3 +411,29 @@ fn a_backward_that_fails_after_host_steps_ran_leaves_a_model_that_refuses_every_
     let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(message.contains("using the model after step 4 failed"), "{message}");
 }
+
+/// A layer whose computation panics (a shape libtorch refuses, an out-of-memory caught by the
+/// caller) releases its block as the panic unwinds: a block left held would keep its slot from
+/// every later load, until the room had none left.
+#[test]
+fn a_layer_that_panics_releases_its_block() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let sh = handle(&device, BUDGET);
+    let model = layers(&sh);
+    // Adam's state makes the blocks stream at this budget.
+    let mut opt = sh.optimizer(nn::Adam::default(), 1e-2).expect("adam");
+    assert!(sh.prepare().expect("plan").streams());
+    let want = tch::no_grad(|| forward(&model, &x(dev))).double_value(&[]);
+    // Every block's computation panics, twice: more holds than the room has slots.
+    let wrong = Tensor::ones([4, D + 1], (Kind::Float, dev));
+    for _ in 0..2 {
+        for l in &model {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| l.forward(&wrong)));
+            assert!(r.is_err(), "libtorch refuses the shape");
+        }
+    }
+    let got = tch::no_grad(|| forward(&model, &x(dev))).double_value(&[]);
+    assert_eq!(got, want, "the model evaluates as before");
+    sh.train_step(&mut opt, || forward(&model, &x(dev))).expect("and trains");
+}

@@ -120,19 +120,15 @@ impl Binding {
                 Ok(())
             })?;
         }
-        rt.before_block(block)?;
+        // Held until released below, or until `f` unwinds (a libtorch op that panics, an
+        // out-of-memory): a block left held would keep its slot from every later load.
+        let held = rt.block(block)?;
         // Outside a step (evaluation, sampling) saved weights are handles whose backward is an
         // error: the block's slot holds another block by the time a backward could come.
-        let eval = match rt.evaluation_hooks() {
-            Ok(h) => h,
-            Err(e) => {
-                rt.after_block(block)?;
-                return Err(e);
-            }
-        };
+        let eval = rt.evaluation_hooks()?;
         let out = f();
         drop(eval);
-        rt.after_block(block)?;
+        held.release()?;
         Ok(out)
     }
 

@@ -78,12 +78,14 @@ impl std::fmt::Debug for WeightRuntime {
     }
 }
 
-/// A block in use: resident until the guard drops (which calls `after_block`).
+/// A block in use: resident until the guard drops (which calls `after_block`), also when the
+/// code using it unwinds, or until [`release`](Self::release).
 #[must_use = "the block is released when the guard drops"]
 #[derive(Debug)]
 pub struct BlockGuard {
     rt: WeightRuntime,
     id: BlockId,
+    released: bool,
 }
 
 impl BlockGuard {
@@ -91,12 +93,20 @@ impl BlockGuard {
     pub fn id(&self) -> BlockId {
         self.id
     }
+
+    /// Releases the block now, with `after_block`'s error (dropping the guard drops it).
+    pub fn release(mut self) -> Result<()> {
+        self.released = true;
+        self.rt.after_block(self.id)
+    }
 }
 
 impl Drop for BlockGuard {
     fn drop(&mut self) {
         // The guard only exists after a successful `before_block`, so the refcount is >= 1.
-        let _ = self.rt.after_block(self.id);
+        if !self.released {
+            let _ = self.rt.after_block(self.id);
+        }
     }
 }
 
@@ -364,6 +374,7 @@ impl WeightRuntime {
         Ok(BlockGuard {
             rt: self.clone(),
             id,
+            released: false,
         })
     }
 
