@@ -173,6 +173,17 @@ impl ActivationRuntime {
         self.shared.device.reset_peak();
     }
 
+    /// Releases what a step that failed before its backward left (most of its saved tensors
+    /// went as the failure unwound; copies in flight are finished first), without ending it:
+    /// nothing is learned from a partial forward. The next `begin_step` starts afresh.
+    pub fn abandon_step(&self) {
+        let weights = {
+            let mut g = self.shared.lock();
+            self.shared.retire_all(&mut g)
+        };
+        self.release_weights(weights);
+    }
+
     /// Turns the saved-tensor hooks on for this thread until the guard drops.
     pub fn managed_forward(&self) -> Result<ManagedForward> {
         Ok(ManagedForward {

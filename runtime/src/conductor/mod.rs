@@ -451,6 +451,12 @@ impl Conductor {
         self.transition(None, Phase::Eval)
     }
 
+    /// IDLE from inside a step that failed before its backward: abandoned, the next step begins
+    /// from here.
+    pub fn abandon_step(&self) -> Result<()> {
+        self.transition(None, Phase::Idle)
+    }
+
     /// STEP_END (publishes the step's metrics every `telemetry_interval_steps`).
     pub fn end_step(&self) -> Result<()> {
         self.transition(None, Phase::StepEnd)

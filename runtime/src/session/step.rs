@@ -31,16 +31,17 @@ pub(super) struct Run {
     pub skipped: u64,
     /// fp16's dynamic loss scale.
     pub scaler: crate::precision::LossScaler,
-    /// A step that failed once it had begun: the handle trains no more.
+    /// A step that failed once its backward had begun: the handle trains no more.
     pub failed: Option<StepFailure>,
     /// The step in progress got past its checks (a failure from then on is a [`StepFailure`]).
     pub began: bool,
 }
 
-/// A step that failed once it had begun (an out-of-memory, an error or panic of the forward, a
-/// failed copy). Its runtimes stopped mid-step (blocks held, saved tensors, copies in flight, a
-/// partial itinerary) and it may have stepped some blocks and not others, so the handle refuses
-/// further steps rather than train on from a state no step left. Where it had begun updating,
+/// A step that failed once its backward had begun (an out-of-memory, an error in backward, a
+/// failed copy; one that failed before is abandoned and training goes on). Its runtimes stopped
+/// mid-step (gradients in flight, saved tensors, a partial itinerary) and it may have stepped
+/// some blocks and not others, so the handle refuses further steps rather than train on from a
+/// state no step left. Where it had begun updating,
 /// the weight runtime refuses every read of the model's values too
 /// ([`WeightRuntime::fail_step`](crate::weights::WeightRuntime::fail_step)); otherwise a
 /// checkpoint still writes the values the earlier steps left.
@@ -75,6 +76,13 @@ impl StepFailure {
             },
         )
     }
+}
+
+/// How far a step got: its first backward, its optimizer phase.
+#[derive(Default)]
+struct Reached {
+    backward: std::cell::Cell<bool>,
+    optimizer: std::cell::Cell<bool>,
 }
 
 /// What one step did.
@@ -192,29 +200,62 @@ impl Stagehand {
     }
 
     fn step_inner(&self, opt: &mut Optimizer, micro_batches: usize, forward: impl FnMut(usize) -> Option<Tensor>) -> Result<StepReport> {
-        let updating = std::cell::Cell::new(false);
-        let r = self.step_body(opt, micro_batches, forward, &updating).map_err(|e| self.stop_group(self.explain_failure(e)));
+        let reached = Reached::default();
+        let r = self.step_body(opt, micro_batches, forward, &reached).map_err(|e| self.stop_group(self.explain_failure(e)));
         if let Err(e) = &r {
-            let mut run = self.run();
+            let (began, failed, step) = {
+                let run = self.run();
+                (run.began, run.failed.is_some(), run.step)
+            };
             // A step that never began (a check before it) leaves nothing behind.
-            if run.failed.is_none() && run.began {
-                let (step, cause) = (run.step, StepFailure::cause_of(e));
-                // Where it had begun updating, the weight runtime refuses every later use of
-                // the model, a checkpoint's read of its values included.
-                let model_changed = self.weights().fail_step(updating.get(), || cause.clone());
-                run.failed = Some(StepFailure { step, cause, model_changed });
+            if began && !failed {
+                let cause = StepFailure::cause_of(e);
+                // Before any backward nothing changed and nothing is owed: the step is
+                // abandoned and the next one begins as if it had not run (one device; in a
+                // group every rank has stopped).
+                let abandoned = !reached.backward.get() && self.member().is_none() && self.abandon_step(step, &cause).is_ok();
+                if !abandoned {
+                    // Where it had begun updating, the weight runtime refuses every later use
+                    // of the model, a checkpoint's read of its values included.
+                    let model_changed = self.weights().fail_step(reached.optimizer.get(), || cause.clone());
+                    self.run().failed = Some(StepFailure { step, cause, model_changed });
+                }
             }
         }
         r
     }
 
-    /// The step; `updating` is set once its optimizer phase begins.
+    /// Closes step `step`, which failed before its backward: each runtime back between steps,
+    /// its saved tensors released, a warning that says so.
+    fn abandon_step(&self, step: u64, cause: &str) -> Result<()> {
+        let (acts, conductor) = {
+            let run = self.run();
+            let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
+            (r.acts.clone(), r.conductor.clone())
+        };
+        self.weights().abandon_step()?;
+        if let Some(a) = &acts {
+            a.abandon_step();
+        }
+        if conductor.is_enabled() {
+            conductor.abandon_step()?;
+        } else {
+            self.bus.enter_phase(step, Phase::Idle);
+        }
+        self.bus.publish(EventKind::Warning {
+            source: Owner::Trainer,
+            message: format!("step {step} failed before its backward and was abandoned; nothing was changed: {cause}"),
+        });
+        Ok(())
+    }
+
+    /// The step; `reached` says how far it got.
     fn step_body(
         &self,
         opt: &mut Optimizer,
         micro_batches: usize,
         mut forward: impl FnMut(usize) -> Option<Tensor>,
-        updating: &std::cell::Cell<bool>,
+        reached: &Reached,
     ) -> Result<StepReport> {
         let (acts, conductor, step, tokens, limits, loss_scale) = {
             let mut run = self.run();
@@ -291,6 +332,7 @@ impl Stagehand {
                 }
             }
             self.publish_reading();
+            reached.backward.set(true);
             self.enter(&conductor, step, Phase::Backward)?;
             if non_finite_loss.is_some() {
                 break;
@@ -366,7 +408,7 @@ impl Stagehand {
                 true
             }
             (None, Some(scale)) => {
-                updating.set(true);
+                reached.optimizer.set(true);
                 self.enter(&conductor, step, Phase::Optimizer)?;
                 weights.collect_grads()?;
                 let overflow = opt.found_inf()?;
@@ -385,7 +427,7 @@ impl Stagehand {
                 overflow
             }
             (None, None) => {
-                updating.set(true);
+                reached.optimizer.set(true);
                 self.enter(&conductor, step, Phase::Optimizer)?;
                 opt.step()?;
                 false

@@ -323,6 +323,12 @@ impl WeightRuntime {
         s.is_torn()
     }
 
+    /// Closes the open step after it failed before its backward (see
+    /// [`Stagehand::train_step`](crate::Stagehand::train_step)): nothing learned, nothing stepped.
+    pub fn abandon_step(&self) -> Result<()> {
+        self.lock().abandon_step()
+    }
+
     /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.
     pub fn end_step(&self) -> Result<()> {
         self.lock().end_step()

@@ -702,6 +702,29 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Closes an open step that failed before its backward: nothing to learn from its partial
+    /// forward (the next step traces its own), no gradient or host step to wait for (a step
+    /// that queued one cannot be abandoned), its blocks' holds already released as the failure
+    /// unwound. Its number is used, as the handle's is.
+    pub(crate) fn abandon_step(&mut self) -> Result<()> {
+        self.check_live()?;
+        match self.state {
+            StepState::Open { backward: false, stepped: false } => {}
+            // It failed before the step opened.
+            StepState::Closed => return Ok(()),
+            _ => return Err(Error::internal(format!("abandoning step {} past its forward", self.step + 1))),
+        }
+        if !self.submitted.is_empty() {
+            return Err(Error::internal(format!("abandoning step {} with host steps queued", self.step + 1)));
+        }
+        self.reap();
+        self.update_expected = false;
+        self.eager = None;
+        self.step += 1;
+        self.state = StepState::Closed;
+        Ok(())
+    }
+
     pub(crate) fn end_step(&mut self) -> Result<()> {
         self.check_live()?;
         if matches!(self.state, StepState::Closed | StepState::Eval) {
