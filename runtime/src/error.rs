@@ -163,8 +163,6 @@ impl Error {
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The message a panic carried: `panic!` with a literal (`&str`) or with a formatted message
-/// (`String`); `None` for any other payload.
 /// libtorch's message without the C++ stack it appends ("Exception raised from ...", "frame #0:
 /// ..."), also where the message arrived quoted in a panic's text (escaped newlines), and
 /// without the `unwrap` wording of a panic around it.
@@ -179,6 +177,8 @@ pub(crate) fn without_cpp_stack(text: &str) -> String {
     text[..cut].trim_end().to_owned()
 }
 
+/// The message a panic carried: `panic!` with a literal (`&str`) or with a formatted message
+/// (`String`); `None` for any other payload.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
     payload
         .downcast_ref::<String>()

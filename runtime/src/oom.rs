@@ -35,12 +35,16 @@ fn bytes(b: u64) -> String {
     crate::events::insight::human_bytes(b)
 }
 
+/// What an out-of-memory of libtorch's CPU allocator was allocating: the report's `doing` names
+/// it, and its first words say host memory instead of device memory.
+pub(crate) const HOST_MEMORY: &str = "host memory (libtorch's CPU allocator)";
+
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.owners;
         let h = &self.held;
         // libtorch's CPU allocator failing is host memory (on the host device, its "VRAM").
-        let memory = if self.doing.starts_with("allocating host memory") { "host" } else { "device" };
+        let memory = if self.doing.contains(HOST_MEMORY) { "host" } else { "device" };
         write!(f, "out of {memory} memory in the {} of step {} while {}", self.phase, self.step, self.doing)?;
         if self.requested_bytes > 0 {
             write!(f, " ({} requested)", bytes(self.requested_bytes))?;

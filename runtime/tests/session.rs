@@ -112,10 +112,11 @@ impl stagehand::events::EventSink for Collect {
     }
 }
 
-/// `steps` steps of plain tch's AdamW on `net` from batch `first` on; the losses.
-fn plain_losses(vs: &nn::VarStore, net: &Net, lr: f64, first: i64, steps: i64) -> Vec<f64> {
+/// Plain tch's AdamW on `net`, a step for each batch seed of `batches`; the losses.
+fn plain_losses(vs: &nn::VarStore, net: &Net, lr: f64, batches: impl IntoIterator<Item = i64>) -> Vec<f64> {
     let mut opt = nn::AdamW::default().build(vs, lr).expect("adamw");
-    (first..first + steps)
+    batches
+        .into_iter()
         .map(|s| {
             let (ids, targets) = batch(s, vs.device());
             let loss = net.loss(&ids, &targets);
@@ -136,7 +137,7 @@ fn training_through_the_handle_equals_plain_tch() {
     // Plain tch, everything on the device.
     let (vs, net) = plain_seeded(5, dev);
     let initial = values(&vs);
-    let want = plain_losses(&vs, &net, lr, 100, steps);
+    let want = plain_losses(&vs, &net, lr, 100..100 + steps);
 
     // The same model through the handle: a budget that makes blocks stream and activations
     // spill, every spill checksummed and verified before its restore.
@@ -235,7 +236,7 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
     let cuda = device.is_cuda();
     let (steps, lr) = (4, 1e-2);
     let (vs, net) = plain_seeded(7, dev);
-    let want = plain_losses(&vs, &net, lr, 200, steps);
+    let want = plain_losses(&vs, &net, lr, 200..200 + steps);
 
     let (sh, _) = handle_with(&device, 400 << 10, |b| b.grouping(snn::Grouping::Parts(2)));
     let net = managed_seeded(&sh, 7);
@@ -258,10 +259,7 @@ fn blocks_split_into_parts_stream_and_train_as_plain_tch() {
     assert!(plan.streams(), "{plan:?}");
     assert_eq!(plan.prefetch_window, 2 * stagehand::session::plan::DEFAULT_PREFETCH_WINDOW);
     assert!(sh.weights().last_step_metrics().evictions > 0);
-    opt.wait().expect("host steps done");
-    let trained = cpu(sh.var_store().expect("snapshot").variables());
-    sh.shutdown().expect("shutdown");
-    assert_same(&trained, &values(&vs), cuda, "parameters");
+    assert_parameters_as_plain(&sh, &mut opt, &vs, cuda);
 }
 
 #[test]
@@ -271,7 +269,7 @@ fn a_prefetch_window_of_zero_loads_every_block_on_demand_and_trains_the_same() {
     let cuda = device.is_cuda();
     let (steps, lr) = (3, 1e-2);
     let (vs, net) = plain_seeded(9, dev);
-    let want = plain_losses(&vs, &net, lr, 300, steps);
+    let want = plain_losses(&vs, &net, lr, 300..300 + steps);
 
     let (sh, _) = handle_with(&device, 400 << 10, |b| b.prefetch_window(0));
     let net = managed_seeded(&sh, 9);
@@ -389,6 +387,15 @@ fn loss_that_fails(net: &Net, ids: &Tensor, targets: &Tensor, how: Option<&str>)
     net.head.forward(&net.ln.forward(&h)).view([-1, V]).cross_entropy_for_logits(&targets.view([-1]))
 }
 
+/// Every parameter trained through `sh` equals plain tch's in `vs` (once the host steps are
+/// done); the handle then shuts down.
+fn assert_parameters_as_plain(sh: &Stagehand, opt: &mut stagehand::optim::Optimizer, vs: &nn::VarStore, cuda: bool) {
+    opt.wait().expect("host steps done");
+    let trained = cpu(sh.var_store().expect("snapshot").variables());
+    sh.shutdown().expect("shutdown");
+    assert_same(&trained, &values(vs), cuda, "parameters");
+}
+
 /// The model from `seed` on a handle whose blocks stream and spill, two AdamW steps trained.
 fn two_steps_trained(seed: i64) -> (Stagehand, Net, stagehand::optim::Optimizer, tch::Device) {
     let device = common::device();
@@ -411,18 +418,9 @@ fn a_step_that_fails_in_its_forward_is_abandoned_and_training_goes_on_as_if_it_h
     let device = common::device();
     let dev = device.tch_device();
     let cuda = device.is_cuda();
-    let trained_on = [1100, 1101, 1103, 1104];
     let (vs, plain_net) = plain_seeded(11, dev);
-    let mut plain_opt = nn::AdamW::default().build(&vs, 1e-2).expect("adamw");
-    let want: Vec<f64> = trained_on
-        .iter()
-        .map(|&b| {
-            let (ids, targets) = batch(b, dev);
-            let loss = plain_net.loss(&ids, &targets);
-            plain_opt.backward_step(&loss);
-            loss.double_value(&[])
-        })
-        .collect();
+    // The failed step's batch, 1102, trains nothing.
+    let want = plain_losses(&vs, &plain_net, 1e-2, [1100, 1101, 1103, 1104]);
 
     let (sh, _) = handle_with(&device, 400 << 10, |b| b);
     let net = managed_seeded(&sh, 11);
@@ -443,10 +441,7 @@ fn a_step_that_fails_in_its_forward_is_abandoned_and_training_goes_on_as_if_it_h
         got.push(r.loss);
     }
     assert_losses(&got, &want, cuda);
-    opt.wait().expect("host steps done");
-    let trained = cpu(sh.var_store().expect("snapshot").variables());
-    sh.shutdown().expect("shutdown");
-    assert_same(&trained, &values(&vs), cuda, "parameters");
+    assert_parameters_as_plain(&sh, &mut opt, &vs, cuda);
 }
 
 /// A step that fails while its host steps run leaves some blocks stepped and others not: no

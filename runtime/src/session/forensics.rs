@@ -64,7 +64,7 @@ fn classify_text(text: &str) -> Option<Oom> {
     });
     Some(Oom {
         requested_bytes,
-        what: host.then(|| "host memory (libtorch's CPU allocator)".to_owned()),
+        what: host.then(|| crate::oom::HOST_MEMORY.to_owned()),
         budget_bytes: None,
     })
 }

@@ -41,10 +41,9 @@ pub(super) struct Run {
 /// failed copy; one that failed before is abandoned and training goes on). Its runtimes stopped
 /// mid-step (gradients in flight, saved tensors, a partial itinerary) and it may have stepped
 /// some blocks and not others, so the handle refuses further steps rather than train on from a
-/// state no step left. Where it had begun updating,
-/// the weight runtime refuses every read of the model's values too
-/// ([`WeightRuntime::fail_step`](crate::weights::WeightRuntime::fail_step)); otherwise a
-/// checkpoint still writes the values the earlier steps left.
+/// state no step left. Where it had begun updating, the weight runtime refuses every read of
+/// the model's values too ([`WeightRuntime::fail_step`](crate::weights::WeightRuntime::fail_step));
+/// otherwise a checkpoint still writes the values the earlier steps left.
 #[derive(Debug, Clone)]
 pub(super) struct StepFailure {
     pub step: u64,

@@ -307,12 +307,6 @@ impl WeightRuntime {
         Ok(Some(SavedTensorHooks::enable(Arc::new(WeightStore::new(resolver)))?))
     }
 
-    /// Whether the open step has queued a host optimizer step: from then on the model's values
-    /// are changing (false between steps).
-    pub fn updates_queued(&self) -> bool {
-        self.lock().updates_queued()
-    }
-
     /// The open step failed with `cause`. If it had begun updating the model (a host step
     /// queued, or `or_updating`: the caller's optimizer phase began), the model is part stepped:
     /// every later use of the runtime, and every read of its values (a checkpoint), is an error

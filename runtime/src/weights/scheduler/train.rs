@@ -241,8 +241,10 @@ impl Scheduler {
     /// Whether the open step queued a host step (the optimizer's call, or a block's as backward
     /// left it): from then on the model's values are changing. False between steps.
     pub(crate) fn updates_queued(&self) -> bool {
-        matches!(self.state, StepState::Open { stepped: true, .. })
-            || (matches!(self.state, StepState::Open { .. }) && !self.submitted.is_empty())
+        match self.state {
+            StepState::Open { stepped, .. } => stepped || !self.submitted.is_empty(),
+            _ => false,
+        }
     }
 
     /// Arms this step's backward: as it leaves each trained streamed block, that block's host
