@@ -15,7 +15,8 @@
 //! threads, every thread's), `MJ_OPT_THREADS` (the host optimizer's threads alone, the handle's
 //! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
 //! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
-//! handle's `recompute_fraction`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
+//! handle's `recompute_fraction`), `MJ_EARLY_STOP=0` (recomputations run their function to its
+//! end, the handle's `recompute_early_stop(false)`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
 //! tensors under a quarter of it, 0: none; the handle's `spill_batches`), `MJ_POOL_GIB` (the
 //! activation pool's pinned limit, the handle's `activation_pool_limit_bytes`); `MJ_PRECISION`
 //! (fp32, tf32, bf16, fp16; default bf16 where the device computes bf16 fast, else fp32: the
@@ -291,6 +292,10 @@ fn main() -> anyhow::Result<()> {
     if let Some(f) = recompute {
         println!("recompute fraction: {f}");
     }
+    let early_stop = std::env::var("MJ_EARLY_STOP").ok().map(|v| v != "0");
+    if let Some(on) = early_stop {
+        println!("recomputations stop at their last save: {on}");
+    }
     let batch_kib = std::env::var("MJ_SPILL_BATCH_KIB").ok().and_then(|v| v.parse::<u64>().ok());
     if let Some(k) = batch_kib {
         println!("spill batches: up to {k} KiB, tensors under {} KiB", k / 4);
@@ -308,6 +313,9 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(f) = recompute {
             b = b.recompute_fraction(f);
+        }
+        if let Some(on) = early_stop {
+            b = b.recompute_early_stop(on);
         }
         if let Some(n) = opt_threads {
             b = b.host_optimizer_threads(n);
@@ -375,6 +383,8 @@ fn main() -> anyhow::Result<()> {
     let host_a = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.host_ms));
     let recomputed = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.recompute_bytes as f64));
     let recompute_ms = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.recompute_ms));
+    let scopes = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.scopes_recomputed as f64));
+    let stopped = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.scopes_stopped_early as f64));
 
     // ---- the floor, measured in this run -----------------------------------------------------
     let bw = bandwidth::measure(&device, if cuda { 256 << 20 } else { 32 << 20 })?;
@@ -423,7 +433,7 @@ fn main() -> anyhow::Result<()> {
         );
     }
     println!(
-        "recomputed in backward instead of stored, per step: {:.1} MiB ({recompute_ms:.1} ms of host time)",
+        "recomputed in backward instead of stored, per step: {:.1} MiB ({recompute_ms:.1} ms of host time; {scopes:.0} scopes, {stopped:.0} stopped at their last save)",
         recomputed / MIB
     );
     println!(

@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,7 +45,8 @@ namespace {
 
 constexpr size_t kErrLen = 1024;
 
-// Callbacks into Rust. Each returns 0 on success, or non-zero with a message in `err`.
+// Callbacks into Rust. Each returns 0 on success, or non-zero with a message in `err` (pack: 2
+// for a recomputation's early stop).
 struct Callbacks {
   // Takes ownership of `tensor` (a heap at::Tensor). Writes the handle.
   int (*pack)(void* ctx, at::Tensor* tensor, uint64_t* handle, char* err, size_t err_len);
@@ -62,6 +64,13 @@ Callbacks g_callbacks{};
 std::atomic<bool> g_installed{false};
 thread_local void* t_ctx = nullptr;
 
+// A recomputation stopping at the last tensor backward needs (pack's status 2). Thrown before the
+// operation launches its kernel, caught by tch as any error; unlike c10::Error it captures no
+// stack trace, which would cost more than the work it saves.
+struct StopRecomputation final : std::exception {
+  const char* what() const noexcept override { return "stagehand: the recomputation stopped early"; }
+};
+
 class StagehandHooks final : public torch::autograd::SavedVariableHooks {
  public:
   explicit StagehandHooks(void* ctx) : ctx_(g_callbacks.retain(ctx)) {}
@@ -74,6 +83,7 @@ class StagehandHooks final : public torch::autograd::SavedVariableHooks {
   void call_pack_hook(const at::Tensor& tensor) override {
     char err[kErrLen] = {0};
     int rc = g_callbacks.pack(ctx_, new at::Tensor(tensor), &handle_, err, kErrLen);
+    if (rc == 2) throw StopRecomputation();
     TORCH_CHECK(rc == 0, "stagehand pack hook failed: ", err);
     packed_ = true;
   }

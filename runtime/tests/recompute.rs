@@ -135,6 +135,93 @@ fn the_hooks_time_leaves_out_the_recomputed_forward() {
     }
 }
 
+/// Two scopes in a row whose outputs no operation saves (the second's goes to a mean, the
+/// first's is the second's source): backward needs only what the functions saved. Each function
+/// saves a tensor three times (a sigmoid's output, then `a * a`), then a matmul's inputs, and
+/// counts the times it gets past that matmul.
+fn stacked(x: &Tensor, w: &[Tensor], past: &Arc<AtomicUsize>) -> Tensor {
+    let scope = |h: &Tensor, w: &Tensor| {
+        let past = past.clone();
+        recompute(&[h, w], move |s| {
+            let a = s[0].sigmoid();
+            let out = (&a * &a).matmul(&s[1]);
+            past.fetch_add(1, Ordering::SeqCst);
+            out * 2.0
+        })
+    };
+    scope(&scope(x, &w[0]), &w[1])
+}
+
+/// What three steps of SGD over [`stacked`] left: the gradients, the losses, each step's
+/// metrics, and how often the functions got past their matmul.
+struct Stacked {
+    grads: Vec<(String, Tensor)>,
+    losses: Vec<f64>,
+    metrics: Vec<ActivationStepMetrics>,
+    past: usize,
+}
+
+/// Trains [`stacked`] under `rt` (or plain), the loss the output's mean or, with
+/// `save_output`, its square's (the square saves the second scope's output).
+fn train_stacked(rt: Option<&ActivationRuntime>, save_output: bool) -> Stacked {
+    let dev = device().tch_device();
+    tch::manual_seed(11);
+    let vs = nn::VarStore::new(dev);
+    let w: Vec<Tensor> = (0..2).map(|i| vs.root().randn(&format!("w{i}"), &[16, 16], 0.0, 0.3)).collect();
+    let x = Tensor::randn([8, 16], (Kind::Float, dev));
+    let past = Arc::new(AtomicUsize::new(0));
+    let (losses, metrics) = sgd_steps(rt, &vs, || {
+        let out = stacked(&x, &w, &past);
+        if save_output { out.square() } else { out }.mean(Kind::Float)
+    });
+    Stacked {
+        grads: grads(&vs),
+        losses,
+        metrics,
+        past: past.load(Ordering::SeqCst),
+    }
+}
+
+fn early_stop_runtime(early: bool) -> ActivationRuntime {
+    let cfg = spill_all_builder().recompute_early_stop(early).build().expect("config");
+    ActivationRuntime::new(device(), cfg, Bus::disabled(), None).expect("runtime")
+}
+
+#[test]
+fn a_recomputation_stops_at_its_last_save_when_nothing_saved_its_output() {
+    let _rng = rng();
+    let plain = train_stacked(None, false);
+    assert_eq!(plain.past, 6, "three steps of two scopes");
+    for (early, past, stopped) in [(true, 6, 2), (false, 12, 0)] {
+        let rt = early_stop_runtime(early);
+        let run = train_stacked(Some(&rt), false);
+        assert_bit_identical(&plain.grads, &run.grads);
+        assert_eq!(plain.losses, run.losses);
+        // With the early stop backward's recomputations stop before the matmul after their last
+        // save; without it each function runs to its end in backward too.
+        assert_eq!(run.past, past, "early stop {early}");
+        for m in &run.metrics {
+            assert_eq!((m.scopes_recomputed, m.scopes_stopped_early), (2, stopped), "{m:?}");
+        }
+        assert_eq!(rt.live_records(), 0, "every record released");
+    }
+}
+
+/// A scope whose output a later operation saves is recomputed whole: the output is served.
+#[test]
+fn a_recomputation_whose_output_was_saved_runs_to_its_end() {
+    let _rng = rng();
+    let plain = train_stacked(None, true);
+    let rt = early_stop_runtime(true);
+    let run = train_stacked(Some(&rt), true);
+    assert_bit_identical(&plain.grads, &run.grads);
+    assert_eq!(plain.losses, run.losses);
+    assert_eq!(run.past, 6 + 3, "in backward the second scope runs to its end, the first stops");
+    for m in &run.metrics {
+        assert_eq!((m.scopes_recomputed, m.scopes_stopped_early), (2, 1), "{m:?}");
+    }
+}
+
 #[test]
 fn without_a_runtime_recompute_is_the_function() {
     let _rng = rng();

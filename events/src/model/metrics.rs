@@ -160,6 +160,13 @@ pub struct ActivationStepMetrics {
     /// inside an unpack, queueing kernels that run on the compute stream (not in `host_ms`).
     #[serde(default)]
     pub recompute_ms: f64,
+    /// Recompute scopes computed again in backward (each once, at its first unpack).
+    #[serde(default)]
+    pub scopes_recomputed: u64,
+    /// Of them, those stopped at their last saved tensor: what their function computes after
+    /// it (a block's last matmul, its residual) is not run again.
+    #[serde(default)]
+    pub scopes_stopped_early: u64,
     /// Milliseconds spent pinning host memory for spills: buffers pinned on the spot for spills
     /// no slab took, and a pool sized from the trace (the first step's cost of sizing it).
     #[serde(default)]

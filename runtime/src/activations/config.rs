@@ -94,6 +94,11 @@ pub struct ActivationConfig {
     /// (GPU time) for spill traffic (PCIe time and pinned memory).
     #[serde(default = "all")]
     pub recompute_fraction: f64,
+    /// A recomputation whose scope's output nothing saved stops at the function's last saved
+    /// tensor (what the function computes after it is not needed in backward: a checkpointed
+    /// block's last matmul). False runs every function to its end.
+    #[serde(default = "yes")]
+    pub recompute_early_stop: bool,
     /// Regions where spilling is allowed (empty: everywhere). A pattern matches a region path
     /// when it equals a run of its dotted segments: `mlp` matches `blocks.3.mlp`.
     pub regions: Vec<String>,
@@ -141,6 +146,7 @@ impl Default for ActivationConfig {
             batch_spills_below_bytes: DEFAULT_BATCH_SPILLS_BELOW_BYTES,
             spill_batch_bytes: DEFAULT_SPILL_BATCH_BYTES,
             recompute_fraction: 1.0,
+            recompute_early_stop: true,
             regions: Vec::new(),
             keep_tail_groups: DEFAULT_KEEP_TAIL_GROUPS,
             tail_max_bytes: None,
@@ -159,6 +165,10 @@ impl Default for ActivationConfig {
 
 fn all() -> f64 {
     1.0
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A fraction setting outside [0, 1] (NaN included) is a config error naming `field`.
@@ -311,6 +321,12 @@ impl ActivationConfigBuilder {
     /// [`ActivationConfig::recompute_fraction`]).
     pub fn recompute_fraction(mut self, fraction: f64) -> Self {
         self.cfg.recompute_fraction = fraction;
+        self
+    }
+    /// Whether recomputations stop at their last saved tensor (see
+    /// [`ActivationConfig::recompute_early_stop`]).
+    pub fn recompute_early_stop(mut self, on: bool) -> Self {
+        self.cfg.recompute_early_stop = on;
         self
     }
     /// Regions where spilling is allowed.

@@ -8,9 +8,12 @@
 //! the runtime brings the sources back, runs `f` again with grad mode on, collects what autograd
 //! saves in the same order, and serves every tensor of the scope from that one recomputation;
 //! it frees them when the last of them is released. A recomputation that saves tensors of other
-//! shapes than the forward did is an error, never a silent mismatch.
+//! shapes than the forward did is an error, never a silent mismatch. Unless a later operation
+//! saved the scope's output, the recomputation stops at `f`'s last save (the configuration's
+//! `recompute_early_stop`, see `torch::capture`): what `f` computes after it is not needed.
 //!
-//! `f` must compute the same values from the same sources: no dropout or other randomness. A
+//! `f` must compute the same values from the same sources: no dropout or other randomness, and
+//! nothing after its last saving operation that backward relies on (it may not run again). A
 //! streamed weight `f` uses must be one of its sources: saved as a handle to its block, it comes
 //! back resident for the recomputation (a weight's block need not be on the device otherwise;
 //! a scope whose function uses one it was not given is refused when it closes). That is how a
@@ -91,18 +94,26 @@ struct Frame {
     f: Option<RecomputeFn>,
     /// Handles of the saved sources, and whether each required grad.
     sources: Vec<(u64, bool)>,
-    /// Shapes of the tensors saved inside the scope, in order (to check the recomputation).
+    /// Shapes of the tensors saved inside the scope, one per member (to check the
+    /// recomputation).
     saved: Vec<Vec<i64>>,
+    /// For each save inside the scope, in order, the member it is: a tensor saved twice is one
+    /// member, and the recomputation saves it twice too.
+    order: Vec<usize>,
     output_sizes: Vec<i64>,
     /// The recomputation, from the first unpack until the last member is released.
-    cache: Option<Captured>,
+    cache: Option<Recomputed>,
     /// Live records pointing here.
     members: usize,
+    /// Live records standing for views of the scope's output: while there are none, the
+    /// recomputation stops at its last save.
+    output_members: usize,
 }
 
-struct Captured {
+struct Recomputed {
     saved: Vec<Tensor>,
-    output: Tensor,
+    /// `None` when the recomputation stopped at its last save.
+    output: Option<Tensor>,
 }
 
 /// The output of a closed scope, matched by storage when a later operation saves it.
@@ -182,6 +193,9 @@ impl Scopes {
         let Some(slot) = self.frames.get_mut(member.frame) else { return };
         let Some(frame) = slot.as_mut() else { return };
         frame.members = frame.members.saturating_sub(1);
+        if matches!(member.slot, Slot::Output { .. }) {
+            frame.output_members = frame.output_members.saturating_sub(1);
+        }
         if frame.members == 0 && frame.f.is_some() && self.open != Some(member.frame) {
             if let Some(frame) = slot.take() {
                 self.releases.extend(frame.sources.iter().map(|(h, _)| *h));
@@ -206,8 +220,13 @@ pub(super) enum Recomputation {
     /// The scope was recomputed already: the tensor.
     Served(Tensor),
     /// The scope's first unpack: run `f` again on the sources (handles, and whether each
-    /// required grad), then [`Scopes::store`] what it saved.
-    Needed { f: RecomputeFn, sources: Vec<(u64, bool)> },
+    /// required grad), stopped at its `stop_after`-th save where given, then [`Scopes::store`]
+    /// what it saved.
+    Needed {
+        f: RecomputeFn,
+        sources: Vec<(u64, bool)>,
+        stop_after: Option<usize>,
+    },
 }
 
 impl Scopes {
@@ -227,9 +246,11 @@ impl Scopes {
             f: None,
             sources: Vec::new(),
             saved: Vec::new(),
+            order: Vec::new(),
             output_sizes: Vec::new(),
             cache: None,
             members: 0,
+            output_members: 0,
         }));
         self.open = Some(frame);
         true
@@ -279,13 +300,17 @@ impl Scopes {
     pub(super) fn member_for(&mut self, records: &Records, t: &Tensor, identity: &TensorIdentity) -> Membership {
         let (frame, slot) = if let Some(frame) = self.open {
             // The same tensor saved twice in the scope is one member.
+            let Some(Some(f)) = self.frames.get_mut(frame) else { return Membership::Outside };
             if let Some(idx) = records.find_identity(identity) {
-                if records.get(idx).and_then(|r| r.recompute.as_ref()).is_some_and(|m| m.frame == frame) {
+                if let Some(Member { slot: Slot::Saved(i), .. }) =
+                    records.get(idx).and_then(|r| r.recompute.as_ref()).filter(|m| m.frame == frame)
+                {
+                    f.order.push(*i);
                     return Membership::Duplicate(idx);
                 }
             }
-            let Some(Some(f)) = self.frames.get_mut(frame) else { return Membership::Outside };
             f.saved.push(t.size());
+            f.order.push(f.saved.len() - 1);
             (frame, Slot::Saved(f.saved.len() - 1))
         } else {
             // A scope's sources are stored, even when one is another scope's output (see
@@ -308,12 +333,14 @@ impl Scopes {
         };
         if let Some(Some(f)) = self.frames.get_mut(frame) {
             f.members += 1;
+            f.output_members += usize::from(matches!(slot, Slot::Output { .. }));
         }
         Membership::Member(Member { frame, slot })
     }
 
-    /// The tensor `member` stands for, or what recomputing its scope takes.
-    pub(super) fn lookup(&self, member: &Member) -> Result<Recomputation> {
+    /// The tensor `member` stands for, or what recomputing its scope takes. With `early_stop`
+    /// a recomputation whose output nothing saved stops at its last save.
+    pub(super) fn lookup(&self, member: &Member, early_stop: bool) -> Result<Recomputation> {
         let frame = self.frame(member.frame)?;
         if let Some(c) = &frame.cache {
             return serve(c, &member.slot).map(Recomputation::Served);
@@ -322,16 +349,22 @@ impl Scopes {
             .f
             .clone()
             .ok_or_else(|| Error::internal("backward through a recompute scope whose function panicked in the forward"))?;
-        Ok(Recomputation::Needed { f, sources: frame.sources.clone() })
+        let stop_after = (early_stop && frame.output_members == 0 && !frame.order.is_empty()).then_some(frame.order.len());
+        Ok(Recomputation::Needed {
+            f,
+            sources: frame.sources.clone(),
+            stop_after,
+        })
     }
 
-    /// Keeps a recomputation of `member`'s scope (checked against the forward; the first one
-    /// kept wins) and serves `member` from it.
-    pub(super) fn store(&mut self, member: &Member, output: Tensor, saved: Vec<Tensor>) -> Result<Tensor> {
+    /// Keeps a recomputation of `member`'s scope (every tensor it saved, in order, and its
+    /// output unless it stopped early; checked against the forward; the first one kept wins)
+    /// and serves `member` from it.
+    pub(super) fn store(&mut self, member: &Member, output: Option<Tensor>, saved: Vec<Tensor>) -> Result<Tensor> {
         let frame = self.frame_mut(member.frame)?;
         if frame.cache.is_none() {
-            check(frame, &output, &saved)?;
-            frame.cache = Some(Captured { saved, output });
+            let saved = check(frame, output.as_ref(), saved)?;
+            frame.cache = Some(Recomputed { saved, output });
         }
         match &frame.cache {
             Some(c) => serve(c, &member.slot),
@@ -354,33 +387,56 @@ impl Scopes {
     }
 }
 
-/// The recomputation saved what the forward saved, shape for shape.
-fn check(frame: &Frame, output: &Tensor, saved: &[Tensor]) -> Result<()> {
+/// The recomputation saved what the forward saved, save for save and shape for shape (and
+/// returned an output of the forward's shape, unless it stopped early): its tensors, one per
+/// member.
+fn check(frame: &Frame, output: Option<&Tensor>, saved: Vec<Tensor>) -> Result<Vec<Tensor>> {
     let shapes: Vec<Vec<i64>> = saved.iter().map(Tensor::size).collect();
-    if shapes != frame.saved || output.size() != frame.output_sizes {
+    let forward: Vec<&Vec<i64>> = frame.order.iter().filter_map(|&i| frame.saved.get(i)).collect();
+    let output_differs = output.is_some_and(|o| o.size() != frame.output_sizes);
+    if shapes.len() != forward.len() || shapes.iter().zip(&forward).any(|(a, b)| a != *b) || output_differs {
+        let output = output.map_or_else(|| "stopped at its last save".to_owned(), |o| format!("returned {:?}", o.size()));
         let err: HookError = format!(
-            "recomputing a scope saved {} tensors of shapes {:?} and returned {:?}; the forward saved {} of shapes {:?} and returned {:?}: the function given to `recompute` must compute the same thing from the same sources (no randomness; and a fused operation that picks its kernel as it runs, such as scaled_dot_product_attention on CUDA, may pick another on backward's thread: call one kernel explicitly)",
+            "recomputing a scope saved {} tensors of shapes {:?} and {output}; the forward saved {} of shapes {:?} and returned {:?}: the function given to `recompute` must compute the same thing from the same sources (no randomness; and a fused operation that picks its kernel as it runs, such as scaled_dot_product_attention on CUDA, may pick another on backward's thread: call one kernel explicitly)",
             shapes.len(),
             shapes,
-            output.size(),
-            frame.saved.len(),
-            frame.saved,
+            forward.len(),
+            forward,
             frame.output_sizes
         )
         .into();
         return Err(Error::Saved(err));
     }
-    Ok(())
+    // The first save of each member (a later one of the same member is the same tensor).
+    let mut members: Vec<Option<Tensor>> = (0..frame.saved.len()).map(|_| None).collect();
+    for (&i, t) in frame.order.iter().zip(saved) {
+        if let Some(m @ None) = members.get_mut(i) {
+            *m = Some(t);
+        }
+    }
+    members
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| t.ok_or_else(|| Error::internal(format!("recompute scope member {i} was never saved"))))
+        .collect()
 }
 
-fn serve(c: &Captured, slot: &Slot) -> Result<Tensor> {
+fn serve(c: &Recomputed, slot: &Slot) -> Result<Tensor> {
     match slot {
         Slot::Saved(i) => c
             .saved
             .get(*i)
             .map(Tensor::shallow_clone)
             .ok_or_else(|| Error::internal(format!("recomputed tensor {i} is missing"))),
-        Slot::Output { sizes, strides, offset } => Ok(c.output.f_as_strided(sizes.as_slice(), strides.as_slice(), *offset)?),
+        Slot::Output { sizes, strides, offset } => {
+            // A view of the output saved after the recomputation stopped without it (a forward
+            // run while backward is under way).
+            let output = c
+                .output
+                .as_ref()
+                .ok_or_else(|| Error::internal("a view of a recompute scope's output is unpacked after its recomputation stopped without it"))?;
+            Ok(output.f_as_strided(sizes.as_slice(), strides.as_slice(), *offset)?)
+        }
     }
 }
 

@@ -977,7 +977,7 @@ impl Shared {
 
     /// Serves a recomputed record, recomputing its scope on the scope's first unpack.
     fn unpack_recomputed(&self, idx: usize) -> Result<Tensor> {
-        let (member, f, sources) = {
+        let (member, f, sources, stop_after) = {
             let mut g = self.lock();
             let rec = g
                 .records
@@ -985,9 +985,9 @@ impl Shared {
                 .ok_or_else(|| Error::internal(format!("recomputed record {idx} is gone")))?;
             rec.unpacked = true;
             let member = rec.recompute.clone().ok_or_else(|| Error::internal("a recomputed record without its scope"))?;
-            match g.scopes.lookup(&member)? {
+            match g.scopes.lookup(&member, self.config.recompute_early_stop)? {
                 Recomputation::Served(t) => return Ok(t),
-                Recomputation::Needed { f, sources } => (member, f, sources),
+                Recomputation::Needed { f, sources, stop_after } => (member, f, sources, stop_after),
             }
         };
         let mut args = Vec::with_capacity(sources.len());
@@ -995,12 +995,14 @@ impl Shared {
             args.push(self.unpack(handle)?.detach().set_requires_grad(requires_grad));
         }
         let t0 = Instant::now();
-        let (output, saved) = crate::torch::hooks::capture_saved(|| f.call(&args)).map_err(Error::Saved)?;
+        let captured = crate::torch::capture::capture_saved(|| f.call(&args), stop_after).map_err(Error::Saved)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let mut g = self.lock();
         g.metrics.recompute_ms += ms;
+        g.metrics.scopes_recomputed += 1;
+        g.metrics.scopes_stopped_early += u64::from(captured.output.is_none());
         g.foreign_ms += ms;
-        g.scopes.store(&member, output, saved)
+        g.scopes.store(&member, captured.output, captured.saved)
     }
 
     // ---- step boundaries ------------------------------------------------------------------

@@ -86,6 +86,7 @@ pub struct StagehandBuilder {
     kernel: Option<Kernel>,
     optimizer_threads: Option<usize>,
     recompute_fraction: f64,
+    recompute_early_stop: bool,
     spill_batches: Option<(u64, u64)>,
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
@@ -229,6 +230,15 @@ impl StagehandBuilder {
         self
     }
 
+    /// Whether a recomputation in backward stops at the function's last saved tensor when
+    /// nothing saved the scope's output (default: on). What a checkpointed block computes after
+    /// its last save (its last matmul, the residual) is not needed in backward. Off runs every
+    /// function to its end, for one whose later work must happen in backward too.
+    pub fn recompute_early_stop(mut self, on: bool) -> Self {
+        self.recompute_early_stop = on;
+        self
+    }
+
     /// Spilled tensors under `below_bytes` are copied in batches of up to `max_bytes`, one per
     /// block ([`ActivationConfig::batch_spills_below_bytes`](crate::activations::ActivationConfig::batch_spills_below_bytes));
     /// `(0, 0)` copies every tensor on its own. By default the plan sizes batches from the room
@@ -300,6 +310,7 @@ impl StagehandBuilder {
             kernel: self.kernel,
             optimizer_threads: self.optimizer_threads,
             recompute_fraction: self.recompute_fraction,
+            recompute_early_stop: self.recompute_early_stop,
             spill_batches: self.spill_batches,
             attachments: Vec::new(),
             telemetry: None,
@@ -443,6 +454,7 @@ impl StagehandBuilder {
             kernel: self.kernel,
             optimizer_threads: self.optimizer_threads,
             recompute_fraction: self.recompute_fraction,
+            recompute_early_stop: self.recompute_early_stop,
             spill_batches: self.spill_batches,
             state: Mutex::new(step::Run::default()),
             telemetry,
@@ -471,6 +483,7 @@ pub struct Stagehand {
     kernel: Option<Kernel>,
     optimizer_threads: Option<usize>,
     recompute_fraction: f64,
+    recompute_early_stop: bool,
     spill_batches: Option<(u64, u64)>,
     state: Mutex<step::Run>,
     telemetry: Option<crate::events::Telemetry>,
@@ -525,6 +538,7 @@ impl Stagehand {
             kernel: None,
             optimizer_threads: None,
             recompute_fraction: 1.0,
+            recompute_early_stop: true,
             spill_batches: None,
             attachments: Vec::new(),
             telemetry: None,
@@ -710,6 +724,7 @@ impl Stagehand {
                 .slabs_per_class(&[4])
                 .debug_checksums(self.checksums)
                 .recompute_fraction(self.recompute_fraction)
+                .recompute_early_stop(self.recompute_early_stop)
                 .build()?;
             Some(ActivationRuntime::new(self.device.clone(), cfg, self.bus.clone(), Some(weights.resolver()))?)
         } else {

@@ -19,6 +19,7 @@
 //! store may run tensor operations freely. A store error or panic becomes a torch error in the
 //! operation (forward) or in backward, never an abort.
 
+use super::grad_mode::GradMode;
 use super::ffi;
 use crate::error::{Error, Result};
 use std::marker::PhantomData;
@@ -181,11 +182,30 @@ impl Drop for StorageWatch {
 
 type Ctx = Arc<dyn SavedTensorStore>;
 
+thread_local! {
+    /// Set on a thread whose recomputation is stopping early (`torch::capture`): its failing
+    /// packs are that stop, which the shim throws without a stack trace.
+    static STOPPING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks (or stops marking) this thread's failing packs as a recomputation's early stop.
+pub(crate) fn set_stopping(on: bool) {
+    STOPPING.with(|s| s.set(on));
+}
+
+/// Whether a pack failing on this thread is a recomputation's early stop.
+pub(crate) fn stopping() -> bool {
+    STOPPING.with(std::cell::Cell::get)
+}
+
 /// Runs a callback with hooks off on this thread and grad mode off, catching panics.
 fn guarded<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, HookError>) -> std::result::Result<T, String> {
     // SAFETY: setting the thread-local context to null and restoring it is always valid.
     let prev = unsafe { ffi::stagehand_hooks_set_context(std::ptr::null_mut()) };
-    let out = catch_unwind(AssertUnwindSafe(|| tch::no_grad(f)));
+    let out = catch_unwind(AssertUnwindSafe(|| {
+        let _grad = GradMode::set(false);
+        f()
+    }));
     // SAFETY: restores the value read above on the same thread.
     unsafe { ffi::stagehand_hooks_set_context(prev) };
     match out {
@@ -228,37 +248,6 @@ pub(crate) fn outside_hooks<T>(what: &str, f: impl FnOnce() -> std::result::Resu
     guarded(what, f).map_err(|msg| Error::Torch(tch::TchError::Torch(msg)))
 }
 
-/// Collects the tensors autograd saves, in order, instead of storing them.
-#[derive(Default)]
-struct Capture(std::sync::Mutex<Vec<Tensor>>);
-
-impl SavedTensorStore for Capture {
-    fn pack(&self, tensor: Tensor) -> std::result::Result<u64, HookError> {
-        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        // Detached: a captured output must not hold its own graph.
-        v.push(tensor.detach());
-        Ok(v.len() as u64 - 1)
-    }
-
-    fn unpack(&self, handle: u64) -> std::result::Result<Tensor, HookError> {
-        Err(format!("a recomputation's own graph is never run backward (handle {handle})").into())
-    }
-
-    fn release(&self, _handle: u64) {}
-}
-
-/// Runs `f` with grad mode on and returns its output (detached) with every tensor autograd
-/// saved while it ran, in order: a recompute scope's forward, repeated in backward.
-pub(crate) fn capture_saved(f: impl FnOnce() -> Tensor) -> std::result::Result<(Tensor, Vec<Tensor>), HookError> {
-    let capture = Arc::new(Capture::default());
-    let output = tch::with_grad(|| -> std::result::Result<Tensor, HookError> {
-        let _hooks = SavedTensorHooks::enable(capture.clone()).map_err(|e| -> HookError { Box::new(e) })?;
-        Ok(f().detach())
-    })?;
-    let saved = std::mem::take(&mut *capture.0.lock().unwrap_or_else(|p| p.into_inner()));
-    Ok((output, saved))
-}
-
 unsafe extern "C" fn pack_cb(
     ctx: *mut c_void,
     t: *mut C_tensor,
@@ -278,7 +267,12 @@ unsafe extern "C" fn pack_cb(
         Err(msg) => {
             // SAFETY: the shim's buffer is valid for `err_len` bytes.
             unsafe { ffi::write_message(err, err_len, &msg) };
-            1
+            // 2: a recomputation stopping early, which the shim throws without a stack trace.
+            if stopping() {
+                2
+            } else {
+                1
+            }
         }
     }
 }

@@ -3,7 +3,9 @@
 
 pub mod alloc;
 pub mod amp;
+pub(crate) mod capture;
 pub(crate) mod ffi;
+mod grad_mode;
 pub mod hooks;
 mod init;
 pub mod optim;
