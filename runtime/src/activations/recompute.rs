@@ -13,7 +13,8 @@
 //! `recompute_early_stop`, see `torch::capture`): what `f` computes after it is not needed.
 //!
 //! `f` must compute the same values from the same sources: no dropout or other randomness, and
-//! nothing after its last saving operation that backward relies on (it may not run again). A
+//! nothing after its last saving operation that backward relies on (it may not run again: the
+//! stop unwinds `f` from inside that operation, so a lock `f` holds there is poisoned). A
 //! streamed weight `f` uses must be one of its sources: saved as a handle to its block, it comes
 //! back resident for the recomputation (a weight's block need not be on the device otherwise;
 //! a scope whose function uses one it was not given is refused when it closes). That is how a
