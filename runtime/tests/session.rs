@@ -360,31 +360,41 @@ fn two_blocks(sh: &Stagehand) {
 }
 
 /// `net`'s loss, failing as `how` says on the step it is told to: in the forward, with an
-/// allocation no host can make (an out-of-memory), or in backward, from a scope after the
-/// embedding whose function computes something else when backward runs it again (reached after
-/// every block, once their host steps are queued).
+/// allocation no host can make (an out-of-memory); or in backward, from a scope whose function
+/// computes something else when backward runs it again, either after the embedding (reached
+/// after every block, once their host steps are queued: `"backward"`) or on the logits (the
+/// first thing backward reaches, before any host step: `"early in backward"`).
 fn loss_that_fails(net: &Net, ids: &Tensor, targets: &Tensor, how: Option<&str>) -> Tensor {
     let mut h = net.tok.forward(ids);
     match how {
         Some("forward") => {
             let _ = Tensor::zeros([1i64 << 52], (Kind::Float, tch::Device::Cpu));
         }
-        Some("backward") => {
-            let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            h = stagehand::activations::recompute(&[&h], move |s| {
-                if calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-                    s[0].tanh()
-                } else {
-                    s[0].narrow(2, 0, D / 2).tanh().repeat([1, 1, 2])
-                }
-            });
-        }
+        Some("backward") => h = changes_in_backward(&h),
         _ => {}
     }
     for (fc1, fc2) in &net.blocks {
         h = &h + fc2.forward(&fc1.forward(&h).gelu("none"));
     }
-    net.head.forward(&net.ln.forward(&h)).view([-1, V]).cross_entropy_for_logits(&targets.view([-1]))
+    let mut logits = net.head.forward(&net.ln.forward(&h));
+    if how == Some("early in backward") {
+        logits = changes_in_backward(&logits);
+    }
+    logits.view([-1, V]).cross_entropy_for_logits(&targets.view([-1]))
+}
+
+/// `tanh(t)` in a recompute scope whose recomputation saves a tensor of another shape: an error
+/// when backward reaches it.
+fn changes_in_backward(t: &Tensor) -> Tensor {
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    stagehand::activations::recompute(&[t], move |s| {
+        if calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            s[0].tanh()
+        } else {
+            let half = s[0].size()[2] / 2;
+            s[0].narrow(2, 0, half).tanh().repeat([1, 1, 2])
+        }
+    })
 }
 
 /// Every parameter trained through `sh` equals plain tch's in `vs` (once the host steps are
@@ -439,6 +449,48 @@ fn a_step_that_fails_in_its_forward_is_abandoned_and_training_goes_on_as_if_it_h
     for b in [1103, 1104] {
         let r = step(b, None).expect("training goes on");
         got.push(r.loss);
+    }
+    assert_losses(&got, &want, cuda);
+    assert_parameters_as_plain(&sh, &mut opt, &vs, cuda);
+}
+
+/// A step that fails in its backward before any update (the first node backward reaches, with
+/// a micro-batch's gradients already summed) changed nothing either: it is abandoned, its
+/// gradients dropped, and the handle trains on as if it had not run, its losses and parameters
+/// plain tch's over the batches that trained.
+#[test]
+fn a_step_that_fails_in_its_backward_before_any_update_is_abandoned_and_its_gradients_dropped() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let cuda = device.is_cuda();
+    let (vs, plain_net) = plain_seeded(12, dev);
+    // The failed step's batch, 1202, trains nothing.
+    let want = plain_losses(&vs, &plain_net, 1e-2, [1200, 1201, 1203, 1204]);
+
+    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
+    let net = managed_seeded(&sh, 12);
+    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
+    let mut got = Vec::new();
+    let train = |b: i64, opt: &mut stagehand::optim::Optimizer| {
+        let (ids, targets) = batch(b, dev);
+        sh.train_step(opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step").loss
+    };
+    for b in [1200, 1201] {
+        got.push(train(b, &mut opt));
+    }
+    // Two micro-batches: the first's backward sums its gradients, the second's fails at once.
+    let (ids, targets) = batch(1202, dev);
+    let half = BATCH / 2;
+    let e = sh
+        .train_step_micro(&mut opt, 2, |i| {
+            let how = (i == 1).then_some("early in backward");
+            let rows = |t: &Tensor| t.narrow(0, i as i64 * half, half);
+            loss_that_fails(&net, &rows(&ids), &rows(&targets), how)
+        })
+        .expect_err("the second micro-batch's backward fails");
+    assert!(e.to_string().contains("must compute the same thing"), "{e}");
+    for b in [1203, 1204] {
+        got.push(train(b, &mut opt));
     }
     assert_losses(&got, &want, cuda);
     assert_parameters_as_plain(&sh, &mut opt, &vs, cuda);

@@ -173,9 +173,9 @@ impl ActivationRuntime {
         self.shared.device.reset_peak();
     }
 
-    /// Releases what a step that failed before its backward left (most of its saved tensors
-    /// went as the failure unwound; copies in flight are finished first), without ending it:
-    /// nothing is learned from a partial forward. The next `begin_step` starts afresh.
+    /// Releases what a step that failed before it updated anything left (most of its saved
+    /// tensors went as the failure unwound; copies in flight are finished first), without
+    /// ending it: nothing is learned from a partial step. The next `begin_step` starts afresh.
     pub fn abandon_step(&self) {
         let weights = {
             let mut g = self.shared.lock();

@@ -451,8 +451,8 @@ impl Conductor {
         self.transition(None, Phase::Eval)
     }
 
-    /// IDLE from inside a step that failed before its backward: abandoned, the next step begins
-    /// from here.
+    /// IDLE from inside a step that failed before it updated anything: abandoned, the next step
+    /// begins from here.
     pub fn abandon_step(&self) -> Result<()> {
         self.transition(None, Phase::Idle)
     }

@@ -37,13 +37,13 @@ pub(super) struct Run {
     pub began: bool,
 }
 
-/// A step that failed once its backward had begun (an out-of-memory, an error in backward, a
-/// failed copy; one that failed before is abandoned and training goes on). Its runtimes stopped
-/// mid-step (gradients in flight, saved tensors, a partial itinerary) and it may have stepped
-/// some blocks and not others, so the handle refuses further steps rather than train on from a
-/// state no step left. Where it had begun updating, the weight runtime refuses every read of
-/// the model's values too ([`WeightRuntime::fail_step`](crate::weights::WeightRuntime::fail_step));
-/// otherwise a checkpoint still writes the values the earlier steps left.
+/// A step that failed once it had begun updating the model (its optimizer phase, or a host step
+/// queued as backward left a block), or one a group's rank could not abandon alone. (One that
+/// failed before is abandoned and training goes on.) It may have stepped some blocks and not
+/// others, so the handle refuses further steps rather than train on from a state no step left.
+/// Where it had begun updating, the weight runtime refuses every read of the model's values too
+/// ([`WeightRuntime::fail_step`](crate::weights::WeightRuntime::fail_step)); otherwise a
+/// checkpoint still writes the values the earlier steps left.
 #[derive(Debug, Clone)]
 pub(super) struct StepFailure {
     pub step: u64,
@@ -209,10 +209,14 @@ impl Stagehand {
             // A step that never began (a check before it) leaves nothing behind.
             if began && !failed {
                 let cause = StepFailure::cause_of(e);
-                // Before any backward nothing changed and nothing is owed: the step is
-                // abandoned and the next one begins as if it had not run (one device; in a
-                // group every rank has stopped).
-                let abandoned = !reached.backward.get() && self.member().is_none() && self.abandon_step(step, &cause).is_ok();
+                // Before any update (the optimizer phase, a host step queued as backward left
+                // a block) nothing changed: the step is abandoned, its gradients dropped, and
+                // the next one begins as if it had not run (one device; in a group every rank
+                // has stopped).
+                let unchanged = !reached.optimizer.get() && !self.weights().updates_queued();
+                let abandoned = unchanged
+                    && self.member().is_none()
+                    && self.abandon_step(step, &cause, reached.backward.get()).is_ok();
                 if !abandoned {
                     // Where it had begun updating, the weight runtime refuses every later use
                     // of the model, a checkpoint's read of its values included.
@@ -224,9 +228,10 @@ impl Stagehand {
         r
     }
 
-    /// Closes step `step`, which failed before its backward: each runtime back between steps,
-    /// its saved tensors released, a warning that says so.
-    fn abandon_step(&self, step: u64, cause: &str) -> Result<()> {
+    /// Closes step `step`, which failed before it updated anything: each runtime back between
+    /// steps, its saved tensors released, its gradients dropped (`backward`: it had begun its
+    /// backward), a warning that says so.
+    fn abandon_step(&self, step: u64, cause: &str, backward: bool) -> Result<()> {
         let (acts, conductor) = {
             let run = self.run();
             let r = run.ready.as_ref().ok_or_else(|| crate::Error::internal("a step without a plan"))?;
@@ -243,7 +248,10 @@ impl Stagehand {
         }
         self.bus.publish(EventKind::Warning {
             source: Owner::Trainer,
-            message: format!("step {step} failed before its backward and was abandoned; nothing was changed: {cause}"),
+            message: format!(
+                "step {step} failed {} and was abandoned; nothing was changed: {cause}",
+                if backward { "in its backward, before any update, its gradients dropped," } else { "before its backward" }
+            ),
         });
         Ok(())
     }

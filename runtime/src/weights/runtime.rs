@@ -317,10 +317,16 @@ impl WeightRuntime {
         s.is_torn()
     }
 
-    /// Closes the open step after it failed before its backward (see
-    /// [`Stagehand::train_step`](crate::Stagehand::train_step)): nothing learned, nothing stepped.
+    /// Closes the open step after it failed before it updated anything (see
+    /// [`Stagehand::train_step`](crate::Stagehand::train_step)): nothing learned, nothing
+    /// stepped, the gradients it sent home dropped.
     pub fn abandon_step(&self) -> Result<()> {
         self.lock().abandon_step()
+    }
+
+    /// Whether the open step queued a host step: from then on the model's values are changing.
+    pub(crate) fn updates_queued(&self) -> bool {
+        self.lock().updates_queued()
     }
 
     /// Ends the step: learns the itinerary after step 0, publishes the step's metrics.

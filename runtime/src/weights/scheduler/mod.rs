@@ -702,20 +702,24 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Closes an open step that failed before its backward: nothing to learn from its partial
-    /// forward (the next step traces its own), no gradient or host step to wait for (a step
-    /// that queued one cannot be abandoned), its blocks' holds already released as the failure
-    /// unwound. Its number is used, as the handle's is.
+    /// Closes an open step that failed before it updated anything: nothing to learn from its
+    /// partial itinerary (the next step traces its own), no host step to wait for (a step that
+    /// queued one cannot be abandoned), its blocks' holds already released as the failure
+    /// unwound. Gradients its backward sent home are waited for and dropped: the next gradient
+    /// of each parameter starts a new sum. Its number is used, as the handle's is.
     pub(crate) fn abandon_step(&mut self) -> Result<()> {
         self.check_live()?;
-        match self.state {
-            StepState::Open { backward: false, stepped: false } => {}
+        let backward = match self.state {
+            StepState::Open { backward, stepped: false } => backward,
             // It failed before the step opened.
             StepState::Closed => return Ok(()),
-            _ => return Err(Error::internal(format!("abandoning step {} past its forward", self.step + 1))),
-        }
+            _ => return Err(Error::internal(format!("abandoning step {} past its optimizer", self.step + 1))),
+        };
         if !self.submitted.is_empty() {
             return Err(Error::internal(format!("abandoning step {} with host steps queued", self.step + 1)));
+        }
+        if backward {
+            self.zero_grads()?;
         }
         self.reap();
         self.update_expected = false;
