@@ -412,6 +412,43 @@ fn a_backward_that_fails_after_host_steps_ran_leaves_a_model_that_refuses_every_
     assert!(message.contains("using the model after step 4 failed"), "{message}");
 }
 
+/// A backward that fails before it leaves any block (an op libtorch has no derivative for, just
+/// before the loss) queued no host step: the model is unchanged, and the loop trains on after
+/// the caught error, as PyTorch's would, to the values plain tch reaches over the steps that ran.
+#[test]
+fn a_backward_that_fails_before_any_host_step_leaves_a_model_that_trains_on() {
+    let device = common::device();
+    let dev = device.tch_device();
+    let ms = ManagedVarStore::new(
+        nn::VarStore::new(tch::Device::Cpu),
+        LayerOptions { vram_budget: Some(BUDGET), device: Some(device.clone()), ..LayerOptions::default() },
+    )
+    .expect("store");
+    let model: Vec<snn::Linear> =
+        seeded(3, || (0..4).map(|i| snn::linear(ms.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let plain: Vec<nn::Linear> =
+        seeded(3, || (0..4).map(|i| nn::linear(vs.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
+    vs.set_device(dev);
+    let mut plain_opt = nn::Adam::default().build(&vs, 1e-2).expect("adam");
+    let mut opt = ms.optimizer(nn::Adam::default(), 1e-2).expect("adam");
+    for _ in 0..3 {
+        opt.backward_step(&forward(&model, &x(dev))).expect("step");
+        plain_opt.backward_step(&forward(&plain, &x(dev)));
+    }
+    let loss = forward(&model, &x(dev));
+    let loss = loss.nextafter(&loss.zeros_like());
+    let e = opt.backward_step(&loss).expect_err("backward fails");
+    assert!(e.to_string().contains("not implemented"), "{e}");
+    for _ in 0..2 {
+        opt.backward_step(&forward(&model, &x(dev))).expect("the loop trains on");
+        plain_opt.backward_step(&forward(&plain, &x(dev)));
+    }
+    opt.wait().expect("host steps done");
+    let trained = cpu(ms.var_store().expect("a model no step tore").variables());
+    assert_same(&trained, &values(&vs), device.is_cuda(), "parameters");
+}
+
 /// A layer whose computation panics (a shape libtorch refuses, an out-of-memory caught by the
 /// caller) releases its block as the panic unwinds: a block left held would keep its slot from
 /// every later load, until the room had none left.
