@@ -370,6 +370,17 @@ fn a_model_built_after_the_plan_was_made_trains_like_tch() {
     assert_eq!((m.h2d_bytes, m.evictions), (0, 0), "resident, nothing streams: {m:?}");
 }
 
+/// A ported tch model: four blocks of one linear each on a `ManagedVarStore` under `BUDGET`.
+fn ported(device: &Device) -> (ManagedVarStore, Vec<snn::Linear>) {
+    let ms = ManagedVarStore::new(
+        nn::VarStore::new(tch::Device::Cpu),
+        LayerOptions { vram_budget: Some(BUDGET), device: Some(device.clone()), ..LayerOptions::default() },
+    )
+    .expect("store");
+    let model = seeded(3, || (0..4).map(|i| snn::linear(ms.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
+    (ms, model)
+}
+
 /// A backward that fails after it queued its later blocks' host steps leaves the model part
 /// stepped (those blocks hold the next step's values, the first does not). A retried step
 /// would train on from it, as a caught out-of-memory is retried in PyTorch, where nothing steps
@@ -379,13 +390,7 @@ fn a_model_built_after_the_plan_was_made_trains_like_tch() {
 fn a_backward_that_fails_after_host_steps_ran_leaves_a_model_that_refuses_every_use() {
     let device = common::device();
     let dev = device.tch_device();
-    let ms = ManagedVarStore::new(
-        nn::VarStore::new(tch::Device::Cpu),
-        LayerOptions { vram_budget: Some(BUDGET), device: Some(device.clone()), ..LayerOptions::default() },
-    )
-    .expect("store");
-    let model: Vec<snn::Linear> =
-        seeded(3, || (0..4).map(|i| snn::linear(ms.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
+    let (ms, model) = ported(&device);
     let mut opt = ms.optimizer(nn::Adam::default(), 1e-2).expect("adam");
     for _ in 0..3 {
         opt.backward_step(&forward(&model, &x(dev))).expect("step");
@@ -419,13 +424,7 @@ fn a_backward_that_fails_after_host_steps_ran_leaves_a_model_that_refuses_every_
 fn a_backward_that_fails_before_any_host_step_leaves_a_model_that_trains_on() {
     let device = common::device();
     let dev = device.tch_device();
-    let ms = ManagedVarStore::new(
-        nn::VarStore::new(tch::Device::Cpu),
-        LayerOptions { vram_budget: Some(BUDGET), device: Some(device.clone()), ..LayerOptions::default() },
-    )
-    .expect("store");
-    let model: Vec<snn::Linear> =
-        seeded(3, || (0..4).map(|i| snn::linear(ms.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
+    let (ms, model) = ported(&device);
     let mut vs = nn::VarStore::new(tch::Device::Cpu);
     let plain: Vec<nn::Linear> =
         seeded(3, || (0..4).map(|i| nn::linear(vs.root() / "blocks" / i / "fc", D, D, Default::default())).collect());
