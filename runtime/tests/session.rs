@@ -420,80 +420,66 @@ fn two_steps_trained(seed: i64) -> (Stagehand, Net, stagehand::optim::Optimizer,
     (sh, net, opt, dev)
 }
 
-/// A step that fails before its backward (an out-of-memory in the forward) changed nothing: it
-/// is abandoned, and the handle trains on as if it had not run, its losses and parameters plain
-/// tch's over the batches that trained (bit for bit on the host device).
-#[test]
-fn a_step_that_fails_in_its_forward_is_abandoned_and_training_goes_on_as_if_it_had_not_run() {
+/// Plain tch and a handle from `seed`, over batches `100 * seed` on: two steps, a third that
+/// `fail` makes fail (given the handle, the model, the optimizer and its batch), two more. The
+/// handle's losses and parameters must be plain tch's over the four batches that trained (bit
+/// for bit on the host device). Returns the failed step's error.
+fn trains_on_as_if_the_failed_step_had_not_run(
+    seed: i64,
+    fail: impl FnOnce(&Stagehand, &Net, &mut stagehand::optim::Optimizer, i64) -> stagehand::Error,
+) -> stagehand::Error {
     let device = common::device();
     let dev = device.tch_device();
     let cuda = device.is_cuda();
-    let (vs, plain_net) = plain_seeded(11, dev);
-    // The failed step's batch, 1102, trains nothing.
-    let want = plain_losses(&vs, &plain_net, 1e-2, [1100, 1101, 1103, 1104]);
+    let first = 100 * seed;
+    let (vs, plain_net) = plain_seeded(seed, dev);
+    // The failed step's batch, the third, trains nothing.
+    let want = plain_losses(&vs, &plain_net, 1e-2, [first, first + 1, first + 3, first + 4]);
 
     let (sh, _) = handle_with(&device, 400 << 10, |b| b);
-    let net = managed_seeded(&sh, 11);
+    let net = managed_seeded(&sh, seed);
     let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
-    let mut step = |b: i64, fail: Option<&str>| {
+    let train = |b: i64, opt: &mut stagehand::optim::Optimizer| {
         let (ids, targets) = batch(b, dev);
-        sh.train_step(&mut opt, || loss_that_fails(&net, &ids, &targets, fail))
+        sh.train_step(opt, || loss_that_fails(&net, &ids, &targets, None)).expect("training goes on").loss
     };
-    let mut got = Vec::new();
-    for b in [1100, 1101] {
-        got.push(step(b, None).expect("step").loss);
-    }
-    let e = step(1102, Some("forward")).expect_err("out of memory");
-    assert!(matches!(e, stagehand::Error::OutOfMemory(_)), "{e}");
-    assert!(e.to_string().starts_with("out of host memory in the forward of step 3"), "{e}");
-    for b in [1103, 1104] {
-        let r = step(b, None).expect("training goes on");
-        got.push(r.loss);
-    }
+    let mut got = vec![train(first, &mut opt), train(first + 1, &mut opt)];
+    let e = fail(&sh, &net, &mut opt, first + 2);
+    got.extend([train(first + 3, &mut opt), train(first + 4, &mut opt)]);
     assert_losses(&got, &want, cuda);
     assert_parameters_as_plain(&sh, &mut opt, &vs, cuda);
+    e
+}
+
+/// A step that fails before its backward (an out-of-memory in the forward) changed nothing: it
+/// is abandoned, and the handle trains on as if it had not run.
+#[test]
+fn a_step_that_fails_in_its_forward_is_abandoned_and_training_goes_on_as_if_it_had_not_run() {
+    let e = trains_on_as_if_the_failed_step_had_not_run(11, |sh, net, opt, b| {
+        let (ids, targets) = batch(b, sh.device().tch_device());
+        sh.train_step(opt, || loss_that_fails(net, &ids, &targets, Some("forward"))).expect_err("out of memory")
+    });
+    assert!(matches!(e, stagehand::Error::OutOfMemory(_)), "{e}");
+    assert!(e.to_string().starts_with("out of host memory in the forward of step 3"), "{e}");
 }
 
 /// A step that fails in its backward before any update (the first node backward reaches, with
 /// a micro-batch's gradients already summed) changed nothing either: it is abandoned, its
-/// gradients dropped, and the handle trains on as if it had not run, its losses and parameters
-/// plain tch's over the batches that trained.
+/// gradients dropped, and the handle trains on as if it had not run.
 #[test]
 fn a_step_that_fails_in_its_backward_before_any_update_is_abandoned_and_its_gradients_dropped() {
-    let device = common::device();
-    let dev = device.tch_device();
-    let cuda = device.is_cuda();
-    let (vs, plain_net) = plain_seeded(12, dev);
-    // The failed step's batch, 1202, trains nothing.
-    let want = plain_losses(&vs, &plain_net, 1e-2, [1200, 1201, 1203, 1204]);
-
-    let (sh, _) = handle_with(&device, 400 << 10, |b| b);
-    let net = managed_seeded(&sh, 12);
-    let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
-    let mut got = Vec::new();
-    let train = |b: i64, opt: &mut stagehand::optim::Optimizer| {
-        let (ids, targets) = batch(b, dev);
-        sh.train_step(opt, || loss_that_fails(&net, &ids, &targets, None)).expect("step").loss
-    };
-    for b in [1200, 1201] {
-        got.push(train(b, &mut opt));
-    }
-    // Two micro-batches: the first's backward sums its gradients, the second's fails at once.
-    let (ids, targets) = batch(1202, dev);
-    let half = BATCH / 2;
-    let e = sh
-        .train_step_micro(&mut opt, 2, |i| {
+    let e = trains_on_as_if_the_failed_step_had_not_run(12, |sh, net, opt, b| {
+        // Two micro-batches: the first's backward sums its gradients, the second's fails at once.
+        let (ids, targets) = batch(b, sh.device().tch_device());
+        let half = BATCH / 2;
+        sh.train_step_micro(opt, 2, |i| {
             let how = (i == 1).then_some("early in backward");
             let rows = |t: &Tensor| t.narrow(0, i as i64 * half, half);
-            loss_that_fails(&net, &rows(&ids), &rows(&targets), how)
+            loss_that_fails(net, &rows(&ids), &rows(&targets), how)
         })
-        .expect_err("the second micro-batch's backward fails");
+        .expect_err("the second micro-batch's backward fails")
+    });
     assert!(e.to_string().contains("must compute the same thing"), "{e}");
-    for b in [1203, 1204] {
-        got.push(train(b, &mut opt));
-    }
-    assert_losses(&got, &want, cuda);
-    assert_parameters_as_plain(&sh, &mut opt, &vs, cuda);
 }
 
 /// A step that fails while its host steps run leaves some blocks stepped and others not: no

@@ -31,7 +31,8 @@ pub(super) struct Run {
     pub skipped: u64,
     /// fp16's dynamic loss scale.
     pub scaler: crate::precision::LossScaler,
-    /// A step that failed once its backward had begun: the handle trains no more.
+    /// A step that failed once it had begun updating the model (or in a group): the handle
+    /// trains no more.
     pub failed: Option<StepFailure>,
     /// The step in progress got past its checks (a failure from then on is a [`StepFailure`]).
     pub began: bool,

@@ -72,18 +72,16 @@ const STOPPED: &str = "the recomputation stopped: backward has every tensor it n
 impl SavedTensorStore for Capture {
     fn pack(&self, tensor: Tensor) -> Result<u64, HookError> {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if g.stopped {
-            set_stopping(true);
-            return Err(STOPPED.into());
-        }
-        // Detached: a captured output must not hold its own graph.
-        g.saved.push(tensor.detach());
-        if self.stop_after == Some(g.saved.len()) {
+        if !g.stopped {
+            // Detached: a captured output must not hold its own graph.
+            g.saved.push(tensor.detach());
+            if self.stop_after != Some(g.saved.len()) {
+                return Ok(g.saved.len() as u64 - 1);
+            }
             g.stopped = true;
-            set_stopping(true);
-            return Err(STOPPED.into());
         }
-        Ok(g.saved.len() as u64 - 1)
+        set_stopping(true);
+        Err(STOPPED.into())
     }
 
     fn unpack(&self, handle: u64) -> Result<Tensor, HookError> {

@@ -710,14 +710,11 @@ impl Scheduler {
     pub(crate) fn abandon_step(&mut self) -> Result<()> {
         self.check_live()?;
         let backward = match self.state {
-            StepState::Open { backward, stepped: false } => backward,
+            StepState::Open { backward, .. } if !self.updates_queued() => backward,
             // It failed before the step opened.
             StepState::Closed => return Ok(()),
-            _ => return Err(Error::internal(format!("abandoning step {} past its optimizer", self.step + 1))),
+            _ => return Err(Error::internal(format!("abandoning step {} once it began updating", self.step + 1))),
         };
-        if !self.submitted.is_empty() {
-            return Err(Error::internal(format!("abandoning step {} with host steps queued", self.step + 1)));
-        }
         if backward {
             self.zero_grads()?;
         }
