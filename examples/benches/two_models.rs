@@ -18,8 +18,10 @@
 //! libtorch holds on CUDA), `TM_STEPS`, `TM_PRECISION` (default bf16 where the device computes
 //! it fast, else fp32), `TM_TEACHER` (`full`, `int8`, `fp8`: how the teacher is stored),
 //! `TM_RESIDENT=0` (no resident term), `TM_CHECKPOINT` (1: both models' blocks checkpointed,
-//! 0: not; default: on in 16-bit precisions, as the demo). Telemetry goes to
-//! `$OUT/two_models.jsonl`.
+//! 0: not; default: on in 16-bit precisions, as the demo), `TM_MICRO` (the step's batch split into
+//! that many micro-batches, gradient accumulation: the teacher's forward and the student's
+//! forward+backward per micro-batch, one optimizer step; the resident term runs the same
+//! micro-batches). Telemetry goes to `$OUT/two_models.jsonl`.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench two_models`.
 
@@ -55,6 +57,11 @@ fn main() -> anyhow::Result<()> {
     let seq = env("TM_SEQ", if cuda { 512 } else { 64 });
     let batch = env("TM_BATCH", 8);
     let steps = env("TM_STEPS", if cuda { 6 } else { 4 }).max(3) as u64;
+    let micro = env("TM_MICRO", 1);
+    anyhow::ensure!(
+        micro >= 1 && batch % micro == 0,
+        "TM_MICRO={micro} does not split TM_BATCH={batch} into equal micro-batches"
+    );
     let precision: Precision = match std::env::var("TM_PRECISION") {
         Ok(p) => p.parse().map_err(anyhow::Error::msg)?,
         Err(_) if cuda && device.computes_bf16_fast() => Precision::Bf16,
@@ -82,8 +89,9 @@ fn main() -> anyhow::Result<()> {
     cfg.checkpoint = env("TM_CHECKPOINT", i64::from(cfg.checkpoint)) != 0;
     println!("device: {} ({})", device.info().name, if cuda { "cuda" } else { "host-simulated" });
     println!(
-        "models: student and teacher gpt L={layers} d={d} ({:.3} B parameters each), seq {seq}, batch {batch}, {precision}; teacher {}",
+        "models: student and teacher gpt L={layers} d={d} ({:.3} B parameters each), seq {seq}, batch {batch}{}, {precision}; teacher {}",
         cfg.parameters() as f64 / 1e9,
+        if micro > 1 { format!(" in {micro} micro-batches of {}", batch / micro) } else { String::new() },
         teacher_storage.map_or("at full width".to_string(), |q| format!("stored {q}"))
     );
     println!("budget: {:.0} MiB (one, for both)", budget as f64 / MIB);
@@ -119,9 +127,10 @@ fn main() -> anyhow::Result<()> {
     let (mut times, mut peaks, mut weights) = (Vec::new(), Vec::new(), Vec::new());
     for step in 1..=steps {
         let b = progression_batch(batch, seq, cfg.vocab, dev);
-        let r = sh.train_step(&mut opt, || {
-            let target = tch::no_grad(|| teacher.forward(&b.inputs).to_kind(Kind::Float));
-            student.forward(&b.inputs).to_kind(Kind::Float).mse_loss(&target, tch::Reduction::Mean)
+        let parts = b.inputs.chunk(micro, 0);
+        let r = sh.train_step_micro(&mut opt, parts.len(), |i| {
+            let target = tch::no_grad(|| teacher.forward(&parts[i]).to_kind(Kind::Float));
+            student.forward(&parts[i]).to_kind(Kind::Float).mse_loss(&target, tch::Reduction::Mean)
         })?;
         times.push(r.step_ms / 1e3);
         peaks.push(r.vram_peak_bytes);
@@ -134,6 +143,9 @@ fn main() -> anyhow::Result<()> {
         println!("  plan: {line}");
     }
     let step_s = mean(&times[1..]);
+    // Every step's events applied before the snapshot is read (the hub applies them on its
+    // own thread): a step missing there would leave its bytes out of the means below.
+    bus.flush();
     let snap = hub.snapshot();
     let records: Vec<_> = snap.steps.iter().filter(|r| r.step > 1 && r.step <= steps).collect();
     let n = records.len().max(1) as f64;
@@ -233,14 +245,16 @@ fn main() -> anyhow::Result<()> {
                 let b = progression_batch(batch, seq, cfg.vocab, dev);
                 device.synchronize()?;
                 let t0 = Instant::now();
-                let _ac = match precision.compute_kind() {
-                    Some(k) => Some(stagehand::torch::amp::Autocast::enter(cuda, k)?),
-                    None => None,
-                };
-                let target = tch::no_grad(|| t.forward(&b.inputs).to_kind(Kind::Float));
-                let loss = s.forward(&b.inputs).to_kind(Kind::Float).mse_loss(&target, tch::Reduction::Mean);
-                drop(_ac);
-                loss.backward();
+                for part in b.inputs.chunk(micro, 0) {
+                    let _ac = match precision.compute_kind() {
+                        Some(k) => Some(stagehand::torch::amp::Autocast::enter(cuda, k)?),
+                        None => None,
+                    };
+                    let target = tch::no_grad(|| t.forward(&part).to_kind(Kind::Float));
+                    let loss = s.forward(&part).to_kind(Kind::Float).mse_loss(&target, tch::Reduction::Mean);
+                    drop(_ac);
+                    (loss / micro as f64).backward();
+                }
                 device.synchronize()?;
                 best = best.min(t0.elapsed().as_secs_f64());
             }

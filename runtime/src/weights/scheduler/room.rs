@@ -209,7 +209,7 @@ impl Scheduler {
             return Ok(false);
         }
         // A prefetch that could not be given a slot of the room asks the Conductor for nothing.
-        if !demand && !self.may_free_slot(id, distance)? {
+        if !demand && !self.may_free_slot(id, distance, why == Load::Ahead)? {
             return Ok(false);
         }
         // Copies not reported yet hold their Conductor slots (and staging slabs, which a file-
@@ -242,7 +242,7 @@ impl Scheduler {
                 LoadSource::Staged(lease)
             }
         };
-        let Some(slot) = self.free_slot(id, demand, distance)? else {
+        let Some(slot) = self.free_slot(id, demand, distance, why == Load::Ahead)? else {
             return Ok(false);
         };
         self.residency.transition(id, BlockState::HostStaged, &self.bus)?;
@@ -429,28 +429,61 @@ impl Scheduler {
     /// and takes what it must.
     /// Whether a prefetch of `id` would find a slot of the room: one is free, or a loaded block
     /// is used later than `id` (so evicting it for `id` never moves more bytes).
-    fn may_free_slot(&mut self, id: BlockId, distance: Option<usize>) -> Result<bool> {
+    fn may_free_slot(&mut self, id: BlockId, distance: Option<usize>, ahead: bool) -> Result<bool> {
         if self.room()?.free().is_some() {
             return Ok(true);
         }
-        Ok(self.victim(id, distance.or(Some(self.route.distance(id)))).is_some())
+        Ok(self.victim(id, distance.or(Some(self.route.distance(id))), ahead).is_some())
     }
 
     /// The loaded block to evict to make room for `id` (`incoming`: its next use, `None` for a
     /// demand load, which may evict anything not in use).
-    fn victim(&self, id: BlockId, incoming: Option<usize>) -> Option<evictor::Victim> {
+    ///
+    /// In a step of several passes (micro-batches), a load further ahead than the next block
+    /// (`ahead`) waits, `None`, when the block in use now is needed later than the victim would
+    /// be: once its use ends it is Belady's choice, and displacing the victim now would cost
+    /// the victim another load later. At the next block the load is the next one and takes the
+    /// slot freed then, still a block ahead of its use. Seen with a frozen model before a
+    /// trained one: each teacher block just used is needed a pass later, the student's blocks
+    /// within the pass, and prefetching the teacher's next block while one of its blocks ran
+    /// evicted a student block that the same pass loaded again (two-models bench on the host
+    /// device, two micro-batches: 1.125x the minimum, now 1.000x). A step of one pass never
+    /// finds the block in use the better victim (forward, the blocks before it are needed
+    /// later in backward; backward, the blocks after it later in the next step), and a
+    /// forward-only cycle, where it always would, keeps its lead.
+    fn victim(&self, id: BlockId, incoming: Option<usize>, ahead: bool) -> Option<evictor::Victim> {
         let candidates: Vec<BlockId> =
             self.loaded.iter().copied().filter(|&b| b != id && self.residency.can_evict(b)).collect();
-        evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming)
+        let v = evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming)?;
+        if ahead && self.route.passes() > 1 && self.current_goes_later_than(id, v.distance) {
+            return None;
+        }
+        Some(v)
     }
 
-    fn free_slot(&mut self, id: BlockId, demand: bool, distance: Option<usize>) -> Result<Option<usize>> {
+    /// Whether the block in use now, a streamed one other than `id` that its use's end makes
+    /// evictable, is next needed more than `distance` positions from here.
+    fn current_goes_later_than(&self, id: BlockId, distance: usize) -> bool {
+        let (Some(cur), Some(it), Some(pos)) = (self.route.current(), self.route.itinerary(), self.route.pos()) else {
+            return false;
+        };
+        if cur == id || self.blocks[cur.0 as usize].resident || !self.loaded.contains(&cur) {
+            return false;
+        }
+        if self.residency.get(cur).map_or(true, |e| e.protected || e.state != BlockState::GpuReady) {
+            return false;
+        }
+        let next = it.distance(pos + 1, cur).map_or(usize::MAX, |d| d + 1);
+        next > distance
+    }
+
+    fn free_slot(&mut self, id: BlockId, demand: bool, distance: Option<usize>, ahead: bool) -> Result<Option<usize>> {
         for _ in 0..MAX_EVICTIONS_PER_LOAD {
             if let Some(i) = self.room()?.free() {
                 return Ok(Some(i));
             }
             let incoming = if demand { None } else { distance.or(Some(self.route.distance(id))) };
-            match self.victim(id, incoming) {
+            match self.victim(id, incoming, ahead && !demand) {
                 Some(v) => self.evict(v.block, EvictionReason::Budget, v.distance as f64)?,
                 None if !demand => return Ok(None),
                 None => {
