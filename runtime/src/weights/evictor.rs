@@ -46,10 +46,10 @@ pub fn choose(
 /// start (their host copy changed, so a device copy from the last step is stale). Returns the
 /// blocks loaded, in order, over `steps` simulated steps after a first (cold) one.
 ///
-/// A block whose next use comes after its invalidation is not used again in that copy: it is
-/// the first to go, as a block never used again is (Belady's MIN with each updated copy a
-/// block of its own, which keeps it minimal): in a step's last pass (micro-batch), a frozen
-/// block stays rather than a trained one whose next use is in the next step.
+/// A block whose next use comes after its invalidation is not used again in that copy, so it
+/// goes first, as a block never used again does (Belady's MIN with each updated copy a block of
+/// its own, which keeps it minimal). In a step's last pass (micro-batch) a frozen block then
+/// stays rather than a trained one whose next use is in the next step.
 ///
 /// One step is not enough to measure: where the itinerary only goes forward (inference), the
 /// minimum differs from step to step (16 blocks through 4 slots: 12, 12, 12, then 13 for a
