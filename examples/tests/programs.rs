@@ -123,6 +123,34 @@ fn a_student_distils_from_a_frozen_teacher_on_one_handle() {
 }
 
 #[test]
+fn a_student_distils_over_micro_batches_at_the_belady_minimum() {
+    let args = [
+        "--cpu", "--teacher-steps", "10", "--steps", "10", "--teacher-layers", "4", "--teacher-d", "64", "--student-layers", "2",
+        "--student-d", "32", "--seq", "16", "--batch", "4", "--budget-mib", "2", "--micro-batches", "2",
+    ];
+    let text = run(env!("CARGO_BIN_EXE_distill"), &args);
+    let curve: Vec<f64> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("step") && l.contains('|'))
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert!(curve.len() >= 5 && curve.iter().all(|l| l.is_finite()), "{text}");
+    // "last step: X MiB moved against a Belady minimum of Y MiB ...": both passes of each step
+    // go over the combined itinerary, and the weights move no more than its minimum.
+    let last = text.lines().find(|l| l.starts_with("last step:")).expect("the last step's bytes");
+    let mib: Vec<f64> = last.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    assert!(mib.len() == 2 && mib[1] > 0.0 && mib[0] == mib[1], "{last}");
+    // A count that does not divide the batch is refused before anything trains.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_distill"))
+        .args(["--cpu", "--batch", "4", "--micro-batches", "3"])
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("does not split --batch 4"), "{err}");
+}
+
+#[test]
 fn adapters_train_over_a_frozen_base_streamed_from_its_file() {
     let text = run(env!("CARGO_BIN_EXE_file-adapters"), &["40", "--full-check"]);
     let last = text.lines().last().expect("a summary line");

@@ -6,7 +6,8 @@
 //! `--teacher-quantize none`) and loaded from its checkpoint, the student built on the root.
 //! Each step runs the teacher's forward (under `no_grad`) and the student's forward and
 //! backward; one budget, one room and one Conductor serve both, Belady's rule evicting along
-//! the interleaved itinerary. The student learns from the teacher's softened distribution and
+//! the interleaved itinerary (with `--micro-batches N`, N such passes a step before one optimizer
+//! step). The student learns from the teacher's softened distribution and
 //! the targets. Printed: both loss curves, each model's share of the plan and of the copies,
 //! and what handing the pool over took against pinning the same bytes afresh. Phase 2 appears
 //! on the dashboards with `--serve` (and in a telemetry file with `--out`).
@@ -50,6 +51,11 @@ struct Args {
     seq: i64,
     #[arg(long, default_value_t = 16)]
     batch: i64,
+    /// Micro-batches a step in both phases (gradient accumulation): the batch in that many
+    /// forwards and backwards, each running the teacher's forward then the student's in phase
+    /// 2, and one optimizer step. Must divide --batch.
+    #[arg(long, default_value_t = 1)]
+    micro_batches: i64,
     /// How the frozen teacher is stored in phase 2: int8, fp8_e4m3 or none (full width).
     #[arg(long, default_value = "int8")]
     teacher_quantize: String,
@@ -93,6 +99,12 @@ fn mib(b: u64) -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    anyhow::ensure!(
+        args.micro_batches >= 1 && args.batch % args.micro_batches == 0,
+        "--micro-batches {} does not split --batch {} into equal micro-batches",
+        args.micro_batches,
+        args.batch
+    );
     stagehand::torch::init();
     let device = if args.cpu { Device::host(1 << 30) } else { Device::auto(1 << 30) };
     let precision = if device.is_cuda() && device.computes_bf16_fast() { Precision::Bf16 } else { Precision::Fp32 };
@@ -128,7 +140,9 @@ fn main() -> Result<()> {
     tch::manual_seed(10);
     for _ in 0..args.teacher_steps {
         let b = progression_batch(args.batch, args.seq, VOCAB, dev);
-        teacher_losses.push(sh.train_step(&mut opt, || Gpt::loss(&teacher.forward(&b.inputs), &b.targets))?.loss);
+        let (inputs, targets) = (b.inputs.chunk(args.micro_batches, 0), b.targets.chunk(args.micro_batches, 0));
+        let r = sh.train_step_micro(&mut opt, inputs.len(), |i| Gpt::loss(&teacher.forward(&inputs[i]), &targets[i]))?;
+        teacher_losses.push(r.loss);
     }
     opt.wait()?;
     sh.save(&teacher_file)?;
@@ -151,6 +165,7 @@ fn main() -> Result<()> {
         "teacher": {"layers": tcfg.n_layer, "d": tcfg.n_embd, "quantize": quantize.map(|q| q.name())},
         "student": {"layers": scfg.n_layer, "d": scfg.n_embd},
         "budget_bytes": budget, "precision": precision.name(), "alpha": args.alpha, "temperature": args.temperature,
+        "micro_batches": args.micro_batches,
     });
     let what = format!("student gpt L={} d={} distilled from a frozen teacher L={} d={}", scfg.n_layer, scfg.n_embd, tcfg.n_layer, tcfg.n_embd);
     let builder = Stagehand::builder().budget_bytes(budget).device(device.clone()).precision(precision).host_pool(pool.clone());
@@ -171,18 +186,21 @@ fn main() -> Result<()> {
     tch::manual_seed(30);
     for step in 1..=args.steps {
         let b = progression_batch(args.batch, args.seq, VOCAB, dev);
-        let mut hard = None;
-        let r = sh.train_step(&mut opt, || {
-            let soft_teacher = tch::no_grad(|| (teacher.forward(&b.inputs).to_kind(Kind::Float) / t).softmax(-1, Kind::Float));
-            let logits = student.forward(&b.inputs).to_kind(Kind::Float);
-            let ce = Gpt::loss(&logits, &b.targets);
-            hard = Some(ce.detach());
+        let (inputs, targets) = (b.inputs.chunk(args.micro_batches, 0), b.targets.chunk(args.micro_batches, 0));
+        let mut hard = Vec::new();
+        let r = sh.train_step_micro(&mut opt, inputs.len(), |i| {
+            let soft_teacher = tch::no_grad(|| (teacher.forward(&inputs[i]).to_kind(Kind::Float) / t).softmax(-1, Kind::Float));
+            let logits = student.forward(&inputs[i]).to_kind(Kind::Float);
+            let ce = Gpt::loss(&logits, &targets[i]);
+            hard.push(ce.detach());
             // KL(teacher || student) over the softened distributions, scaled by T² (Hinton et al.).
             let log_student = (&logits / t).log_softmax(-1, Kind::Float);
             let kl = (&soft_teacher * (soft_teacher.clamp_min(1e-12).log() - log_student)).sum_dim_intlist(-1, false, Kind::Float).mean(Kind::Float) * (t * t);
             ce * (1.0 - alpha) + kl * alpha
         })?;
-        curves.push((r.loss, hard.map_or(f64::NAN, |h| h.double_value(&[]))));
+        // The micro-batches are equal: the step's cross-entropy is the mean of theirs.
+        let ce = hard.iter().map(|h| h.double_value(&[])).sum::<f64>() / hard.len().max(1) as f64;
+        curves.push((r.loss, if hard.is_empty() { f64::NAN } else { ce }));
         if step == 1 {
             let s = pool.stats();
             println!(
