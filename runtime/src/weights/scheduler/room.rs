@@ -455,14 +455,15 @@ impl Scheduler {
         let candidates: Vec<BlockId> =
             self.loaded.iter().copied().filter(|&b| b != id && self.residency.can_evict(b)).collect();
         let v = evictor::choose(self.route.itinerary(), self.route.pos(), &candidates, incoming)?;
-        if ahead && self.route.passes() > 1 && self.current_goes_later_than(id, v.distance) {
+        if ahead && self.route.passes() > 1 && self.route.following() && self.current_goes_later_than(id, v.distance) {
             return None;
         }
         Some(v)
     }
 
     /// Whether the block in use now, a streamed one other than `id` that its use's end makes
-    /// evictable, is next needed more than `distance` positions from here.
+    /// evictable, is next needed more than `distance` positions from here (along the itinerary,
+    /// which the step follows).
     fn current_goes_later_than(&self, id: BlockId, distance: usize) -> bool {
         let (Some(cur), Some(it), Some(pos)) = (self.route.current(), self.route.itinerary(), self.route.pos()) else {
             return false;
