@@ -94,6 +94,16 @@ fn adapters_train_over_a_quantized_base_as_over_the_full_width_base() {
     assert!(less > 2.5, "an INT8 base moves far fewer bytes than a float32 one: {text}");
 }
 
+/// `distill` printed a loss curve of finite values ("step N  loss | cross-entropy").
+fn assert_distils(text: &str) {
+    let curve: Vec<f64> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("step") && l.contains('|'))
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert!(curve.len() >= 5 && curve.iter().all(|l| l.is_finite()), "{text}");
+}
+
 #[test]
 fn a_student_distils_from_a_frozen_teacher_on_one_handle() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -107,12 +117,7 @@ fn a_student_distils_from_a_frozen_teacher_on_one_handle() {
     assert!(text.contains("quantized to int8"), "{text}");
     assert!(text.contains("cut from the handed pool"), "{text}");
     assert!(text.contains("handing the pool over"), "{text}");
-    let curve: Vec<f64> = text
-        .lines()
-        .filter(|l| l.trim_start().starts_with("step") && l.contains('|'))
-        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
-        .collect();
-    assert!(curve.len() >= 5 && curve.iter().all(|l| l.is_finite()), "{text}");
+    assert_distils(&text);
     // The telemetry the dashboards read names both models and the teacher's quantization.
     let jsonl = std::fs::read_to_string(&file).expect("telemetry written");
     for kind in ["\"kind\":\"model_registered\"", "\"kind\":\"model_memory\"", "\"kind\":\"quantized\"", "\"models\":[{\"model\":\"main\""] {
@@ -129,12 +134,7 @@ fn a_student_distils_over_micro_batches_at_the_belady_minimum() {
         "--student-d", "32", "--seq", "16", "--batch", "4", "--budget-mib", "2", "--micro-batches", "2",
     ];
     let text = run(env!("CARGO_BIN_EXE_distill"), &args);
-    let curve: Vec<f64> = text
-        .lines()
-        .filter(|l| l.trim_start().starts_with("step") && l.contains('|'))
-        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
-        .collect();
-    assert!(curve.len() >= 5 && curve.iter().all(|l| l.is_finite()), "{text}");
+    assert_distils(&text);
     // "last step: X MiB moved against a Belady minimum of Y MiB ...": both passes of each step
     // go over the combined itinerary, and the weights move no more than its minimum.
     let last = text.lines().find(|l| l.starts_with("last step:")).expect("the last step's bytes");
