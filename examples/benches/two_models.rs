@@ -5,7 +5,8 @@
 //! backward and optimizer step, the student learning the teacher's outputs.
 //!
 //! Prints, for steady state (every step after the first): the step time against the floor of
-//! the combined bytes, max(H2D bytes / H2D bandwidth, D2H bytes / D2H bandwidth) with the
+//! the combined bytes, max(H2D bytes / H2D bandwidth, D2H bytes / D2H bandwidth) (every byte
+//! on the link: weights, restored activations, and over micro-batches the gradient sums) with the
 //! bandwidths measured in this run (target <= 1.25x); against that floor with the student's host
 //! optimizer step timed alone beside it (as the main job's floor has it); and against the fuller
 //! floor that adds the resident forward (teacher) and forward+backward (student) when both fit
@@ -152,16 +153,23 @@ fn main() -> anyhow::Result<()> {
     let per = |f: &dyn Fn(&stagehand::events::snapshot::StepRecord) -> f64| records.iter().map(|r| f(r)).sum::<f64>() / n;
     let w_h2d = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.load_bytes() as f64));
     let w_min = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.min_h2d_bytes as f64));
-    let h2d = w_h2d + per(&|r| r.activations.as_ref().map_or(0.0, |a| a.restore_bytes as f64));
+    // Over micro-batches the student's gradient sums come back to the device to be added to
+    // (see the weights' accumulation): bytes on the link as the weights' are, as the main job
+    // bench counts them.
+    let g_sum = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_h2d_bytes as f64));
+    let restores = per(&|r| r.activations.as_ref().map_or(0.0, |a| a.restore_bytes as f64));
+    let h2d = w_h2d + restores + g_sum;
     let d2h = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.d2h_bytes as f64)) + per(&|r| r.activations.as_ref().map_or(0.0, |a| a.spill_bytes as f64));
 
     let bw = bandwidth::measure(&device, if cuda { 256 << 20 } else { 32 << 20 })?;
     let bytes_floor = (h2d / bw.h2d).max(d2h / bw.d2h);
     println!("pinned bandwidth: H2D {:.1} GB/s, D2H {:.1} GB/s", bw.h2d / 1e9, bw.d2h / 1e9);
     println!(
-        "per step: H2D {:.1} MiB (weights {:.1}), D2H {:.1} MiB; floor of the combined bytes {:.1} ms",
+        "per step: H2D {:.1} MiB (weights {:.1}, restores {:.1}, gradient sums {:.1}), D2H {:.1} MiB; floor of the combined bytes {:.1} ms",
         h2d / MIB,
         w_h2d / MIB,
+        restores / MIB,
+        g_sum / MIB,
         d2h / MIB,
         bytes_floor * 1e3
     );
