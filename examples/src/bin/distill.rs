@@ -65,8 +65,8 @@ struct Args {
     /// Softmax temperature of the distillation term.
     #[arg(long, default_value_t = 2.0)]
     temperature: f64,
-    /// Device budget in MiB for each phase (default: the teacher streams; on CUDA above what
-    /// libtorch holds).
+    /// Device budget in MiB for each phase (default: the budget where both phases' plans stream
+    /// the teacher with their prefetch window covered, from the handles' budget guides).
     #[arg(long)]
     budget_mib: Option<u64>,
     /// Run on the host device even when CUDA is present.
@@ -93,6 +93,29 @@ fn gpt_config(layers: i64, d: i64, seq: i64, precision: Precision) -> GptConfig 
     GptConfig { checkpoint: false, ..cfg.with_precision(precision) }
 }
 
+/// The smallest budget where each phase's plan keeps its prefetch window ahead of the block in
+/// use while the teacher streams (`BudgetGuide::full_window_bytes`), the larger of the two:
+/// phase 1 trains the teacher alone, phase 2 runs it frozen (stored as `quantize` says) beside
+/// the trained student. Read off the guides of handles made for the purpose, with the models
+/// registered as the phases register them, after libtorch's own allocations on the device.
+fn default_budget(device: &Device, precision: Precision, tcfg: GptConfig, scfg: GptConfig, quantize: Option<QuantFormat>) -> Result<u64> {
+    device.warm_up()?;
+    let guide = |phase2: bool| -> Result<u64> {
+        let total = device.info().total_bytes;
+        let sh = Stagehand::builder().budget_bytes(total).device(device.clone()).precision(precision).bus(Bus::disabled()).build()?;
+        if phase2 {
+            let opts = quantize.map_or(ModelOptions::frozen(), |q| ModelOptions::frozen().quantized(q));
+            let _teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", opts)?), tcfg);
+            let _student = Gpt::new(&StreamedLayersAt(sh.root()), scfg);
+            Ok(sh.budget_guide()?.full_window_bytes)
+        } else {
+            let _teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", ModelOptions::trained())?), tcfg);
+            Ok(sh.budget_guide()?.full_window_bytes)
+        }
+    };
+    Ok(guide(false)?.max(guide(true)?))
+}
+
 fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
@@ -116,12 +139,7 @@ fn main() -> Result<()> {
     let scfg = gpt_config(args.student_layers, args.student_d, args.seq, precision);
     let budget = match args.budget_mib {
         Some(m) => m << 20,
-        None => {
-            device.warm_up()?;
-            // The teacher's blocks stream through a room of a few of them.
-            let block = 12 * args.teacher_d * args.teacher_d * precision.weight_bytes() as i64;
-            6 * block as u64 + (1 << 20) + device.memory().allocated
-        }
+        None => default_budget(&device, precision, tcfg, scfg, quantize)?,
     };
     let lr = 3e-3 * (128.0 / args.teacher_d as f64).min(1.0);
     println!("distillation: teacher gpt L={} d={} ({:.1}M params), student L={} d={} ({:.1}M), {precision}", tcfg.n_layer, tcfg.n_embd, tcfg.parameters() as f64 / 1e6, scfg.n_layer, scfg.n_embd, scfg.parameters() as f64 / 1e6);
