@@ -103,17 +103,20 @@ fn default_budget(device: &Device, precision: Precision, tcfg: GptConfig, scfg: 
     let guide = |phase2: bool| -> Result<u64> {
         let total = device.info().total_bytes;
         let sh = Stagehand::builder().budget_bytes(total).device(device.clone()).precision(precision).bus(Bus::disabled()).build()?;
-        if phase2 {
-            let opts = quantize.map_or(ModelOptions::frozen(), |q| ModelOptions::frozen().quantized(q));
-            let _teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", opts)?), tcfg);
-            let _student = Gpt::new(&StreamedLayersAt(sh.root()), scfg);
-            Ok(sh.budget_guide()?.full_window_bytes)
-        } else {
-            let _teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", ModelOptions::trained())?), tcfg);
-            Ok(sh.budget_guide()?.full_window_bytes)
-        }
+        let opts = if phase2 { frozen_teacher(quantize) } else { ModelOptions::trained() };
+        let _teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", opts)?), tcfg);
+        let _student = phase2.then(|| Gpt::new(&StreamedLayersAt(sh.root()), scfg));
+        Ok(sh.budget_guide()?.full_window_bytes)
     };
     Ok(guide(false)?.max(guide(true)?))
+}
+
+/// Phase 2's teacher: frozen, stored as `quantize` says (full width where `None`).
+fn frozen_teacher(quantize: Option<QuantFormat>) -> ModelOptions {
+    match quantize {
+        Some(q) => ModelOptions::frozen().quantized(q),
+        None => ModelOptions::frozen(),
+    }
 }
 
 fn mib(b: u64) -> f64 {
@@ -189,11 +192,7 @@ fn main() -> Result<()> {
     let builder = Stagehand::builder().budget_bytes(budget).device(device.clone()).precision(precision).host_pool(pool.clone());
     let sh = watch.builder(builder, &device, "distill", what, config).build()?;
     sh.set_tokens_per_step((args.batch * args.seq) as u64);
-    let opts = match quantize {
-        Some(q) => ModelOptions::frozen().quantized(q),
-        None => ModelOptions::frozen(),
-    };
-    let teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", opts)?), tcfg);
+    let teacher = Gpt::new(&StreamedLayersAt(sh.model("teacher", frozen_teacher(quantize))?), tcfg);
     tch::manual_seed(20);
     let student = Gpt::new(&StreamedLayersAt(sh.root()), scfg);
     let missing = sh.load_partial(&teacher_file)?;

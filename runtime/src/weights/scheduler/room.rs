@@ -209,7 +209,7 @@ impl Scheduler {
             return Ok(false);
         }
         // A prefetch that could not be given a slot of the room asks the Conductor for nothing.
-        if !demand && !self.may_free_slot(id, distance, why == Load::Ahead)? {
+        if !demand && !self.may_free_slot(id, distance, why)? {
             return Ok(false);
         }
         // Copies not reported yet hold their Conductor slots (and staging slabs, which a file-
@@ -242,7 +242,7 @@ impl Scheduler {
                 LoadSource::Staged(lease)
             }
         };
-        let Some(slot) = self.free_slot(id, demand, distance, why == Load::Ahead)? else {
+        let Some(slot) = self.free_slot(id, why, distance)? else {
             return Ok(false);
         };
         self.residency.transition(id, BlockState::HostStaged, &self.bus)?;
@@ -424,16 +424,13 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// A free slot for `id`, evicting the block used farthest ahead if needed. A prefetch only
-    /// displaces a block needed later than itself; a demand load lets landed prefetches finish
-    /// and takes what it must.
-    /// Whether a prefetch of `id` would find a slot of the room: one is free, or a loaded block
-    /// is used later than `id` (so evicting it for `id` never moves more bytes).
-    fn may_free_slot(&mut self, id: BlockId, distance: Option<usize>, ahead: bool) -> Result<bool> {
+    /// Whether a prefetch of `id` (`why`) would find a slot of the room: one is free, or a
+    /// loaded block is used later than `id` (so evicting it for `id` never moves more bytes).
+    fn may_free_slot(&mut self, id: BlockId, distance: Option<usize>, why: Load) -> Result<bool> {
         if self.room()?.free().is_some() {
             return Ok(true);
         }
-        Ok(self.victim(id, distance.or(Some(self.route.distance(id))), ahead).is_some())
+        Ok(self.victim(id, distance.or(Some(self.route.distance(id))), why == Load::Ahead).is_some())
     }
 
     /// The loaded block to evict to make room for `id` (`incoming`: its next use, `None` for a
@@ -478,13 +475,17 @@ impl Scheduler {
         next > distance
     }
 
-    fn free_slot(&mut self, id: BlockId, demand: bool, distance: Option<usize>, ahead: bool) -> Result<Option<usize>> {
+    /// A free slot for `id`, evicting the block used farthest ahead if needed. A prefetch only
+    /// displaces a block needed later than itself; a demand load lets landed prefetches finish
+    /// and takes what it must.
+    fn free_slot(&mut self, id: BlockId, why: Load, distance: Option<usize>) -> Result<Option<usize>> {
+        let demand = why == Load::Demand;
         for _ in 0..MAX_EVICTIONS_PER_LOAD {
             if let Some(i) = self.room()?.free() {
                 return Ok(Some(i));
             }
             let incoming = if demand { None } else { distance.or(Some(self.route.distance(id))) };
-            match self.victim(id, incoming, ahead && !demand) {
+            match self.victim(id, incoming, why == Load::Ahead) {
                 Some(v) => self.evict(v.block, EvictionReason::Budget, v.distance as f64)?,
                 None if !demand => return Ok(None),
                 None => {
