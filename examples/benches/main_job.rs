@@ -16,7 +16,8 @@
 //! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
 //! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
 //! handle's `recompute_fraction`), `MJ_EARLY_STOP=0` (recomputations run their function to its
-//! end, the handle's `recompute_early_stop(false)`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
+//! end, the handle's `recompute_early_stop(false)`), `MJ_HOST_SUMS=0` (later micro-batches'
+//! gradients added on the device, the handle's `host_gradient_sums(false)`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
 //! tensors under a quarter of it, 0: none; the handle's `spill_batches`), `MJ_POOL_GIB` (the
 //! activation pool's pinned limit, the handle's `activation_pool_limit_bytes`); `MJ_PRECISION`
 //! (fp32, tf32, bf16, fp16; default bf16 where the device computes bf16 fast, else fp32: the
@@ -304,7 +305,14 @@ fn main() -> anyhow::Result<()> {
     if let Some(g) = pool_gib {
         println!("activation pool limit: {g} GiB");
     }
+    let host_sums = std::env::var("MJ_HOST_SUMS").ok().map(|v| v != "0");
+    if let Some(on) = host_sums {
+        println!("later micro-batches' gradients added on the host: {on}");
+    }
     let customize = |mut b: stagehand::StagehandBuilder| {
+        if let Some(on) = host_sums {
+            b = b.host_gradient_sums(on);
+        }
         if let Some(g) = pool_gib {
             b = b.activation_pool_limit_bytes(g.saturating_mul(1 << 30));
         }
@@ -372,6 +380,8 @@ fn main() -> anyhow::Result<()> {
     let w_min = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.min_h2d_bytes as f64));
     let w_d2h = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.d2h_bytes as f64));
     let g_sum = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_h2d_bytes as f64));
+    let host_sum_bytes = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_host_bytes as f64));
+    let host_sum_ms = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_host_ms));
     let a_restore = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.restore_bytes as f64));
     let a_spill = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.spill_bytes as f64));
     let pageable = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.pageable_bytes as f64));
@@ -413,6 +423,9 @@ fn main() -> anyhow::Result<()> {
         w_d2h / MIB,
         a_spill / MIB
     );
+    if host_sum_bytes > 0.0 {
+        println!("  gradient sums on the host: {:.1} MiB added a step, {host_sum_ms:.1} ms on their worker", host_sum_bytes / MIB);
+    }
     println!(
         "weights moved per step: {:.1} MiB against a Belady minimum of {:.1} MiB ({:.3}x)",
         w_h2d / MIB,

@@ -1,7 +1,8 @@
 //! Gradient accumulation through the handle: `train_step_micro` over two micro-batches trains as
 //! plain tch does accumulating `loss / 2` of each before one optimizer step (bit-identical on the
-//! host device), with the streamed blocks' gradients summed on the device: the second
-//! micro-batch's gradients take in the first's, brought back from their host buffers. Each
+//! host device), with the streamed blocks' gradients summed on the host (the second
+//! micro-batch's gradients cross the link once and a worker adds them into the first's there)
+//! or on the device (the first's sums brought back from their host buffers). Each
 //! micro-batch follows the itinerary: the host steps start during the last one's backward, and a
 //! micro-batch's first blocks are prefetched across the end of the one before.
 
@@ -95,7 +96,16 @@ fn assert_trains_as(sh: &Stagehand, got: &[f64], want: &[f64], vs: &nn::VarStore
 }
 
 #[test]
-fn two_micro_batches_equal_plain_accumulation() {
+fn two_micro_batches_equal_plain_accumulation_with_host_sums() {
+    two_micro_batches_equal_plain_accumulation(true);
+}
+
+#[test]
+fn two_micro_batches_equal_plain_accumulation_with_device_sums() {
+    two_micro_batches_equal_plain_accumulation(false);
+}
+
+fn two_micro_batches_equal_plain_accumulation(host_sums: bool) {
     let device = common::device();
     let dev = device.tch_device();
     let (steps, lr) = (4, 1e-2);
@@ -104,18 +114,27 @@ fn two_micro_batches_equal_plain_accumulation() {
     let cuda = device.is_cuda();
     let bus = Bus::with_hub(Arc::new(Hub::new()), 1 << 16);
     let events = common::Collected::on(&bus);
-    let sh = handle(&device, 96 << 10).bus(bus.clone()).kernel(Kernel::Exact).build().expect("handle");
+    let sh = handle(&device, 96 << 10).bus(bus.clone()).kernel(Kernel::Exact).host_gradient_sums(host_sums).build().expect("handle");
     let model = streamed(&sh, 3);
     let mut opt = sh.optimizer(nn::AdamW::default(), lr).expect("optimizer");
     let mut got = Vec::new();
+    let block = ((D * D + D) * 4) as u64;
     for s in 0..steps {
         got.push(sh.train_step_micro(&mut opt, 2, |i| loss(&model, &micro(s, i, dev))).expect("step").loss);
-        // The blocks that left the device after the first micro-batch's backward have their
-        // sums brought back once, whole, in the second's; each of those sums also left twice.
         let m = sh.weights().last_step_metrics();
-        let block = ((D * D + D) * 4) as u64;
-        assert!(m.grad_sum_h2d_bytes > 0 && m.grad_sum_h2d_bytes % block == 0, "step {s}: {m:?}");
-        assert!(2 * m.grad_sum_h2d_bytes <= m.d2h_bytes, "step {s}: {m:?}");
+        if host_sums {
+            // The blocks that left the device after the first micro-batch's backward send
+            // their second gradients once, added on the host: nothing comes back.
+            assert_eq!(m.grad_sum_h2d_bytes, 0, "step {s}: {m:?}");
+            assert!(m.grad_sum_host_bytes > 0 && m.grad_sum_host_bytes % block == 0, "step {s}: {m:?}");
+            assert_eq!(m.d2h_bytes, LAYERS as u64 * block + m.grad_sum_host_bytes, "step {s}: {m:?}");
+        } else {
+            // The blocks that left the device after the first micro-batch's backward have their
+            // sums brought back once, whole, in the second's; each of those sums also left twice.
+            assert!(m.grad_sum_h2d_bytes > 0 && m.grad_sum_h2d_bytes % block == 0, "step {s}: {m:?}");
+            assert!(2 * m.grad_sum_h2d_bytes <= m.d2h_bytes, "step {s}: {m:?}");
+            assert_eq!(m.grad_sum_host_bytes, 0, "step {s}: {m:?}");
+        }
         assert_eq!(m.load_bytes() + m.grad_sum_h2d_bytes, m.h2d_bytes, "step {s}: the sums are part of the copies in");
         // Each micro-batch follows the itinerary (in the first step, the first micro-batch's
         // order): the host steps start as the last backward leaves each block, and the minimum

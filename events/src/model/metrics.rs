@@ -59,6 +59,13 @@ pub struct WeightStepMetrics {
     /// when nothing accumulated.
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub grad_sum_h2d_bytes: u64,
+    /// Gradient accumulation on the host: bytes of later gradients added into their sums there
+    /// (they crossed the link once, in `d2h_bytes`), and the milliseconds the adds took on their
+    /// worker thread, beside the training thread. Absent when nothing accumulated on the host.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub grad_sum_host_bytes: u64,
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub grad_sum_host_ms: f64,
     /// Streamed blocks the host optimizer was given to step, and how many of them it was given
     /// while backward still ran (each as backward left its block, overlapping the rest of it);
     /// the others were given at the optimizer's call, after backward. Absent when none.

@@ -326,15 +326,15 @@ pub(crate) struct BlockJob {
     pub(crate) groups: Groups,
     /// What the gradients are multiplied by first (1 / the loss scale of the step).
     pub(crate) grad_scale: f32,
-    /// Copies that must complete before the step touches the block's host memory (its
-    /// gradients landing, a load still reading its weights).
-    pub(crate) ready: Vec<crate::device::StreamEvent>,
+    /// What must complete before the step touches the block's host memory (its gradients
+    /// landing and added up, a load still reading its weights).
+    pub(crate) ready: Vec<crate::weights::stepper::Ready>,
 }
 
 impl Job for BlockJob {
     fn wait_ready(&mut self) -> Result<()> {
         for e in &self.ready {
-            e.synchronize()?;
+            e.wait()?;
         }
         Ok(())
     }

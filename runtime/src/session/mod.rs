@@ -87,6 +87,7 @@ pub struct StagehandBuilder {
     optimizer_threads: Option<usize>,
     recompute_fraction: f64,
     recompute_early_stop: bool,
+    host_gradient_sums: bool,
     spill_batches: Option<(u64, u64)>,
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
@@ -239,6 +240,17 @@ impl StagehandBuilder {
         self
     }
 
+    /// Where the later micro-batches' gradients are added to the sum so far (default: on the
+    /// host). On, each crosses the link once and a worker thread adds it on the host beside the
+    /// training thread; off, the sum comes back to the device to take it in there, one more
+    /// copy each way per gradient, with the compute stream waiting for the sum's return
+    /// ([`WeightConfig::host_gradient_sums`](crate::weights::WeightConfig::host_gradient_sums)).
+    /// A data-parallel rank adds its shards on the device either way.
+    pub fn host_gradient_sums(mut self, on: bool) -> Self {
+        self.host_gradient_sums = on;
+        self
+    }
+
     /// Spilled tensors under `below_bytes` are copied in batches of up to `max_bytes`, one per
     /// block ([`ActivationConfig::batch_spills_below_bytes`](crate::activations::ActivationConfig::batch_spills_below_bytes));
     /// `(0, 0)` copies every tensor on its own. By default the plan sizes batches from the room
@@ -311,6 +323,7 @@ impl StagehandBuilder {
             optimizer_threads: self.optimizer_threads,
             recompute_fraction: self.recompute_fraction,
             recompute_early_stop: self.recompute_early_stop,
+            host_gradient_sums: self.host_gradient_sums,
             spill_batches: self.spill_batches,
             attachments: Vec::new(),
             telemetry: None,
@@ -426,6 +439,7 @@ impl StagehandBuilder {
         if let Some(pool) = self.host_pool {
             store.runtime().set_host_pool(pool)?;
         }
+        store.runtime().set_host_gradient_sums(self.host_gradient_sums)?;
         let member = match group {
             Some((member, model)) => {
                 store.runtime().join_group(member.clone(), model)?;
@@ -539,6 +553,7 @@ impl Stagehand {
             optimizer_threads: None,
             recompute_fraction: 1.0,
             recompute_early_stop: true,
+            host_gradient_sums: true,
             spill_batches: None,
             attachments: Vec::new(),
             telemetry: None,

@@ -1,16 +1,16 @@
-//! Gradient accumulation on the device. A parameter's first gradient of an accumulation window
-//! goes straight to its pinned host buffer; a later one (a micro-batch after the first, a weight
-//! used twice) is added to the sum so far on the device, not on the host: the sum comes back
-//! from the host buffer into a scratch slab (on the gradient sink's copy stream, so it is read
-//! before the sink's next copy overwrites the buffer), the compute stream adds the new gradient
-//! to it in place, and the sum then leaves as a first gradient does.
+//! Gradient accumulation on the device, for a data-parallel rank's shards and where the host
+//! sums (`super::host_sum`, the default on one device) are turned off. A parameter's first
+//! gradient of an accumulation window goes straight to its pinned host buffer; a later one (a
+//! micro-batch after the first, a weight used twice) is added to the sum so far on the device:
+//! the sum comes back from the host buffer into a scratch slab (on the gradient sink's copy
+//! stream, so it is read before the sink's next copy overwrites the buffer), the compute stream
+//! adds the new gradient to it in place, and the sum then leaves as a first gradient does.
 //!
-//! Why not on the host: the host sum needs the new gradient there first, a synchronous copy to
-//! pageable memory that drains the device's queue, and then an add on the training thread. For a
-//! 6.5 B parameter model in two micro-batches that took 13 s a step, against 1.7 s of device
-//! work per micro-batch. On the device the sum costs one more copy each way, on the copy
-//! engines, and one add per parameter, and the training thread waits for nothing. The sum is
-//! the one autograd makes when it accumulates into `.grad` on the device, in the same dtype.
+//! The cost: one more copy each way per gradient, and the compute stream waits for the sum's
+//! return, which queues behind the gradient copies issued before it. A rank's host is its step
+//! (its share of the optimizer), so its shards add here rather than take host bandwidth. The
+//! sum is the one autograd makes when it accumulates into `.grad` on the device, in the same
+//! dtype.
 
 use crate::device::{HostBuffer, HostMemory, Order, StreamEvent};
 use crate::error::Result;

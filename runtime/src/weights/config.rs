@@ -71,6 +71,12 @@ pub struct WeightConfig {
     /// block backward has left would otherwise hold its gradients at once.
     #[serde(default)]
     pub max_inflight_grad_bytes: Option<u64>,
+    /// Gradient accumulation (micro-batches, a weight used twice): a later gradient of the
+    /// window is copied to the host and added there into the sum so far (on, the default), or
+    /// the sum comes back to the device to take it in there and is copied home again (off: one
+    /// more copy each way per gradient, and the compute stream waits for the sum's return).
+    #[serde(default = "on")]
+    pub host_gradient_sums: bool,
     /// Where the weights' room came from, for error messages ("a quarter of the 4096 MiB
     /// budget"); empty: the field it was set by.
     #[serde(default)]
@@ -100,6 +106,7 @@ impl Default for WeightConfig {
             inference_mode: false,
             cyclic_pins: true,
             max_inflight_grad_bytes: None,
+            host_gradient_sums: true,
             room_origin: String::new(),
             precision: crate::precision::Precision::Fp32,
             file_check: super::file::FileCheck::Sampled,
@@ -275,6 +282,11 @@ impl WeightConfigBuilder {
     /// Most device bytes of gradients in flight to the host.
     pub fn max_inflight_grad_bytes(mut self, bytes: Option<u64>) -> Self {
         self.cfg.max_inflight_grad_bytes = bytes;
+        self
+    }
+    /// Where later gradients of an accumulation window are added ([`WeightConfig::host_gradient_sums`]).
+    pub fn host_gradient_sums(mut self, on: bool) -> Self {
+        self.cfg.host_gradient_sums = on;
         self
     }
     /// The validated config.

@@ -13,6 +13,9 @@
 //! - `scheduler`: loads, prefetch, finalisation on copy events, eviction, gradients sent home
 //!   as backward leaves each block, host optimizer steps gating loads, evaluations (forwards
 //!   outside a step).
+//! - `grads`: gradients sent home as backward leaves each block; later gradients of an
+//!   accumulation window added into their sums on the host (`host_sum`, a worker beside the
+//!   training thread) or on the device (`accumulate`, and a data-parallel rank's `reduce`).
 //! - `stepper`: the worker thread that runs host optimizer steps in the order the next forward
 //!   needs the blocks; the optimizer hands it jobs through its `Job` trait.
 //! - `claims`: each variable managed by one block of one runtime, process-wide.
@@ -34,6 +37,7 @@ pub mod config;
 pub(crate) mod evictor;
 pub mod file;
 mod grads;
+mod host_sum;
 pub(crate) mod handles;
 pub(crate) mod itinerary;
 mod loads;

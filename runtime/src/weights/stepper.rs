@@ -40,6 +40,33 @@ pub(crate) trait Job: Send {
     }
 }
 
+/// What a host step waits for before it touches its block's host memory.
+#[derive(Debug, Clone)]
+pub(crate) enum Ready {
+    /// A copy's completion: a gradient landing, a load still reading the block's weights.
+    Copy(crate::device::StreamEvent),
+    /// The host adds of the block's later gradients into their sums (`super::host_sum`).
+    Adds(super::host_sum::AddsDone),
+}
+
+impl Ready {
+    /// Blocks until it happened.
+    pub(crate) fn wait(&self) -> Result<()> {
+        match self {
+            Ready::Copy(e) => e.synchronize(),
+            Ready::Adds(a) => a.wait(),
+        }
+    }
+
+    /// Whether it happened (never blocks).
+    pub(crate) fn is_complete(&self) -> bool {
+        match self {
+            Ready::Copy(e) => e.is_complete(),
+            Ready::Adds(a) => a.is_complete(),
+        }
+    }
+}
+
 /// A queued job, where it comes in the order of submission (the order its copies were issued
 /// in), and when it was queued.
 struct Queued {
@@ -49,9 +76,8 @@ struct Queued {
 }
 
 /// Makes a block's step: given the block, which of its parameters received a gradient in this
-/// window, and the copies that must complete before the step may touch its host memory.
-pub(crate) type JobMaker =
-    Box<dyn FnMut(crate::events::BlockId, &[bool], Vec<crate::device::StreamEvent>) -> Result<Box<dyn Job>> + Send>;
+/// window, and what must complete before the step may touch its host memory.
+pub(crate) type JobMaker = Box<dyn FnMut(crate::events::BlockId, &[bool], Vec<Ready>) -> Result<Box<dyn Job>> + Send>;
 
 #[derive(Default)]
 struct State {

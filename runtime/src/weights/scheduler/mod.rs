@@ -212,6 +212,12 @@ impl Drop for Scheduler {
     }
 }
 
+/// Threads the host's gradient adds use: half the cores, the rest left to the training thread
+/// and the host optimizer, which overlap them.
+fn host_sum_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
 impl Scheduler {
     pub(crate) fn new(device: Device, cfg: WeightConfig, bus: Bus, index: PtrIndex) -> Result<Scheduler> {
         cfg.validate()?;
@@ -231,7 +237,7 @@ impl Scheduler {
         let guards = GuardSlot::default();
         Ok(Scheduler {
             loader: Copier::new(&device, bus.clone(), Owner::Weights)?,
-            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?, guards.clone()),
+            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?, guards.clone(), cfg.host_gradient_sums.then(host_sum_threads))?,
             guards,
             device,
             bus,
@@ -354,6 +360,21 @@ impl Scheduler {
 
     pub(crate) fn set_max_inflight_grad_bytes(&mut self, bytes: Option<u64>) {
         self.cfg.max_inflight_grad_bytes = bytes;
+    }
+
+    /// Where later gradients of an accumulation window are added from now on
+    /// ([`WeightConfig::host_gradient_sums`]); only while no gradient is on its way.
+    pub(crate) fn set_host_gradient_sums(&mut self, on: bool) -> Result<()> {
+        if on == self.cfg.host_gradient_sums {
+            return Ok(());
+        }
+        if self.grads.in_flight() > 0 || self.blocks.iter().any(|b| b.grads.iter().any(|g| g.received)) {
+            return Err(Error::misuse("choosing where gradients accumulate", "between accumulation windows, before a gradient is sent"));
+        }
+        let copier = Copier::new(&self.device, self.bus.clone(), Owner::Weights)?;
+        self.grads = GradSink::new(copier, self.guards.clone(), on.then(host_sum_threads))?;
+        self.cfg.host_gradient_sums = on;
+        Ok(())
     }
 
     pub(crate) fn set_auto_step(&mut self, on: bool) {
@@ -761,7 +782,10 @@ impl Scheduler {
         let update_host_ms = self.update_waits.host_ms();
         let update_idle = self.update_waits.take_ms()?;
         let (collective_ms, collective_bytes) = self.take_collective_totals();
+        let (sum_time, sum_bytes) = self.grads.take_host_work();
         let m = &mut self.metrics;
+        m.grad_sum_host_ms = sum_time.as_secs_f64() * 1e3;
+        m.grad_sum_host_bytes = sum_bytes;
         let seen = m.prefetch_hits + m.prefetch_misses;
         m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
         m.vram_used_mib = mem.allocated as f64 / (1u64 << 20) as f64;
@@ -1041,6 +1065,10 @@ impl Scheduler {
             }
         }
         if keep_pool {
+            // Copies and host adds still in flight end before their buffers go (a failed one
+            // was its step's error).
+            let _ = self.wait_all_grads();
+            self.grads.release_spares();
             for b in &mut self.blocks {
                 b.source = Source::Released;
                 b.grads.clear();

@@ -174,10 +174,10 @@ impl Scheduler {
 
     /// The copies and collectives a host step of `id` must see complete: its gradients
     /// landing (one device), or its shard landing (a group).
-    pub(super) fn grad_events(&self, id: BlockId) -> Vec<crate::device::StreamEvent> {
+    pub(super) fn grads_ready(&self, id: BlockId) -> Vec<crate::weights::stepper::Ready> {
         match &self.rank {
-            Some(r) => r.reduce.pending_events(id),
-            None => self.grads.pending_events(id),
+            Some(r) => r.reduce.pending_events(id).into_iter().map(crate::weights::stepper::Ready::Copy).collect(),
+            None => self.grads.ready(id),
         }
     }
 

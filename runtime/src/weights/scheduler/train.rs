@@ -6,7 +6,7 @@ use super::super::block::{ParamGrad, Source};
 use super::{Scheduler, StepState};
 use crate::error::{Error, Result};
 use crate::events::{BlockId, BlockState, Direction, Owner, Priority};
-use crate::weights::stepper::{Job, JobMaker, Stepper};
+use crate::weights::stepper::{Job, JobMaker, Ready, Stepper};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -55,7 +55,7 @@ impl Scheduler {
         }
         let conductor = self.conductor.clone();
         let slot = || conductor.acquire_slot(Direction::D2h, Owner::Weights, Priority::Required).ok();
-        let moved = self.grads.flush(id, &mut self.blocks[id.0 as usize], slot)?;
+        let moved = self.grads.flush(id, &mut self.blocks[id.0 as usize], &self.pool, slot)?;
         self.metrics.d2h_bytes += moved;
         self.metrics.count_grad_sums(self.grads.take_sum_bytes());
         if let Some(cap) = self.cfg.max_inflight_grad_bytes {
@@ -166,7 +166,7 @@ impl Scheduler {
     /// from this step is evicted first: its device copy would be stale.
     pub(crate) fn submit_updates(
         &mut self,
-        mut job: impl FnMut(BlockId, &[bool], Vec<crate::device::StreamEvent>) -> Result<Box<dyn Job>>,
+        mut job: impl FnMut(BlockId, &[bool], Vec<Ready>) -> Result<Box<dyn Job>>,
     ) -> Result<()> {
         self.check_live()?;
         let stepper = self
@@ -224,7 +224,7 @@ impl Scheduler {
                 _ => {}
             }
             let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
-            let ready = if self.rank.is_some() { self.loads.pending_events(id) } else { Vec::new() };
+            let ready = if self.rank.is_some() { self.loads.pending_events(id).into_iter().map(Ready::Copy).collect() } else { Vec::new() };
             let j = job(id, &received, ready)?;
             self.submit_job(&stepper, id, priority as u64, j);
             self.submitted.insert(id);
@@ -278,6 +278,7 @@ impl Scheduler {
         if b.grads.iter().any(|g| !g.received) || self.used_again_in_backward(id) {
             return Ok(());
         }
+
         match self.residency.state(id)? {
             BlockState::GpuReady if self.residency.can_evict(id) => {
                 self.evict(id, crate::events::EvictionReason::Explicit, 0.0)?;
@@ -286,8 +287,8 @@ impl Scheduler {
             // In use or landing: its step waits for the optimizer's own call.
             _ => return Ok(()),
         }
-        let mut ready = self.grad_events(id);
-        ready.extend(self.loads.pending_events(id));
+        let mut ready = self.grads_ready(id);
+        ready.extend(self.loads.pending_events(id).into_iter().map(Ready::Copy));
         let received: Vec<bool> = self.blocks[id.0 as usize].grads.iter().map(|g| g.received).collect();
         let priority = self.forward_position(id);
         let stepper = self.stepper.clone().ok_or_else(|| Error::internal("armed without a stepper"))?;
