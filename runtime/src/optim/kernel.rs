@@ -107,12 +107,13 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 }
 
 #[inline(always)]
-fn f16_to_f32(b: u16) -> f32 {
+pub fn f16_to_f32(b: u16) -> f32 {
     half::f16::from_bits(b).to_f32()
 }
 
+/// Round to nearest even (NaN stays NaN).
 #[inline(always)]
-fn f32_to_f16(x: f32) -> u16 {
+pub fn f32_to_f16(x: f32) -> u16 {
     half::f16::from_f32(x).to_bits()
 }
 

@@ -298,8 +298,17 @@ impl Drop for HostSum {
 }
 
 fn work(shared: &Shared, threads: usize) {
-    // libtorch's CPU threads are set per thread: the adds use their own share of the cores.
-    tch::set_num_threads(i32::try_from(threads).unwrap_or(1));
+    // A pool of the adds' own: libtorch's thread count is not set here, as setting it would
+    // also set it for every thread that first runs a libtorch kernel afterwards.
+    let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("stagehand-gradsum-{i}")).build() {
+        Ok(p) => p,
+        Err(e) => {
+            let mut st = shared.lock();
+            st.failed = Some(format!("starting the gradient-sum threads: {e}"));
+            shared.cv.notify_all();
+            return;
+        }
+    };
     let mut st = shared.lock();
     loop {
         if st.shutdown {
@@ -309,7 +318,7 @@ fn work(shared: &Shared, threads: usize) {
             st = shared.cv.wait(st).unwrap_or_else(|p| p.into_inner());
             continue;
         };
-        let Some(sum) = st.sums.get_mut(&add.key).and_then(|h| h.buf.take()) else {
+        let Some(mut sum) = st.sums.get_mut(&add.key).and_then(|h| h.buf.take()) else {
             st.failed.get_or_insert_with(|| format!("block {}: an add without its sum", add.key.0));
             shared.cv.notify_all();
             continue;
@@ -317,7 +326,7 @@ fn work(shared: &Shared, threads: usize) {
         st.running = true;
         drop(st);
         let t0 = Instant::now();
-        let result = add_into(&sum, &add);
+        let result = pool.install(|| add_into(&mut sum, &add));
         let took = t0.elapsed();
         st = shared.lock();
         st.running = false;
@@ -345,11 +354,54 @@ fn work(shared: &Shared, threads: usize) {
     }
 }
 
-/// `sum += incoming`, both `add.numel` elements of `add.kind` at the start of their buffers.
-fn add_into(sum: &HostBuffer, add: &Add) -> Result<()> {
-    let s = super::registry::param_tensor(sum, 0, &[add.numel], add.kind)?;
-    let g = super::registry::param_tensor(&add.incoming, 0, &[add.numel], add.kind)?;
-    let _ = s.shallow_clone().f_add_(&g)?;
+/// Elements each task of the pool adds.
+const CHUNK: usize = 1 << 16;
+
+/// `sum += incoming`, both `add.numel` elements of `add.kind` at the start of their buffers,
+/// on the current rayon pool: each element in float32, rounded once to the dtype (to nearest
+/// even), as libtorch's adds on the host and on CUDA round them.
+fn add_into(sum: &mut HostBuffer, add: &Add) -> Result<()> {
+    use crate::optim::kernel::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    use rayon::prelude::*;
+    let n = usize::try_from(add.numel).map_err(|_| Error::internal("a gradient of negative length"))?;
+    let bytes = n * add.kind.elt_size_in_bytes();
+    if sum.len() < bytes || add.incoming.len() < bytes {
+        return Err(Error::internal(format!(
+            "a gradient of {bytes} bytes for buffers of {} and {}",
+            sum.len(),
+            add.incoming.len()
+        )));
+    }
+    let (s, g) = (&mut sum.as_mut_slice()[..bytes], &add.incoming.as_slice()[..bytes]);
+    fn words<'a, T: Copy>(s: &'a mut [u8], g: &'a [u8]) -> Result<(&'a mut [T], &'a [T])> {
+        // SAFETY: u16 and f32 have no invalid bit patterns; `align_to` keeps within the
+        // slices and says where alignment fails (checked: the pool's buffers are aligned).
+        let (a, s, c) = unsafe { s.align_to_mut::<T>() };
+        let (d, g, e) = unsafe { g.align_to::<T>() };
+        if !(a.is_empty() && c.is_empty() && d.is_empty() && e.is_empty()) {
+            return Err(Error::internal("a host gradient buffer not aligned to its dtype"));
+        }
+        Ok((s, g))
+    }
+    match add.kind {
+        Kind::Float => {
+            let (s, g) = words::<f32>(s, g)?;
+            s.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(s, g)| s.iter_mut().zip(g).for_each(|(a, b)| *a += *b));
+        }
+        Kind::BFloat16 => {
+            let (s, g) = words::<u16>(s, g)?;
+            s.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .for_each(|(s, g)| s.iter_mut().zip(g).for_each(|(a, b)| *a = f32_to_bf16(bf16_to_f32(*a) + bf16_to_f32(*b))));
+        }
+        Kind::Half => {
+            let (s, g) = words::<u16>(s, g)?;
+            s.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .for_each(|(s, g)| s.iter_mut().zip(g).for_each(|(a, b)| *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b))));
+        }
+        k => return Err(Error::internal(format!("adding gradients of {k:?} on the host"))),
+    }
     Ok(())
 }
 
@@ -371,13 +423,13 @@ mod tests {
         super::super::registry::param_tensor(buf, 0, &[numel], kind).expect("view").copy()
     }
 
-    /// Three later gradients into one sum, in bf16 and fp32, through spares bounded to one
+    /// Three later gradients into one sum, in bf16, fp16 and fp32, through spares bounded to one
     /// gradient: the sum is libtorch's own `((s + a) + b) + c` in the gradients' dtype, bit for
     /// bit, the spares never exceed their bound, and the sum comes home once its adds ran.
     #[test]
     fn later_gradients_add_up_as_libtorch_adds_them_within_the_spares_bound() {
         let pool = HostPool::new(&Device::host(1 << 30));
-        for kind in [Kind::BFloat16, Kind::Float] {
+        for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
             let n = 10_000i64;
             let g: Vec<Tensor> = (0..4).map(|i| (Tensor::randn([n], (Kind::Float, tch::Device::Cpu)) * (i + 1)).to_kind(kind)).collect();
             let want = ((&g[0] + &g[1]) + &g[2]) + &g[3];
@@ -388,6 +440,8 @@ mod tests {
             for later in &g[1..] {
                 sums.hold(key, &mut home).expect("hold");
                 assert!(home.is_none(), "the worker holds the sum");
+                // Held for an add not queued yet: a step of the block would wait.
+                assert!(sums.adds_done(BlockId(7)).is_some_and(|d| !d.is_complete()));
                 let spare = sums.take_spare(bytes, bytes as u64, &pool, |_| Ok(false)).expect("spare");
                 assert!(sums.held <= bytes as u64, "{} bytes of spares held", sums.held);
                 let v = super::super::registry::param_tensor(&spare, 0, &[n], kind).expect("view");
@@ -395,9 +449,11 @@ mod tests {
                 drop(v);
                 sums.add(key, spare, kind, n).expect("add");
             }
-            let done = sums.adds_done(BlockId(7)).expect("adds held");
-            done.wait().expect("adds ran");
-            assert!(done.is_complete() && sums.adds_done(BlockId(7)).is_none());
+            if let Some(done) = sums.adds_done(BlockId(7)) {
+                done.wait().expect("adds ran");
+                assert!(done.is_complete());
+            }
+            assert!(sums.adds_done(BlockId(7)).is_none());
             let mut back = sums.take_home(Some(BlockId(7))).expect("home");
             assert_eq!(back.len(), 1);
             let (k, buf) = back.remove(0);
@@ -419,7 +475,7 @@ mod tests {
         sums.hold(key, &mut home).expect("hold");
         let big = pool.alloc(4096).expect("alloc");
         sums.add(key, big, Kind::Float, 1 << 22).expect("queued");
-        let e = sums.adds_done(BlockId(0)).map(|d| d.wait()).unwrap_or(Ok(())).expect_err("failed add");
+        let e = sums.wait(|_| true).expect_err("failed add");
         assert!(e.to_string().contains("adding gradients on the host"), "{e}");
         assert!(sums.take_home(None).is_err());
         let mut again = Some(pool.alloc(64).expect("alloc"));
