@@ -326,7 +326,7 @@ fn work(shared: &Shared, threads: usize) {
         st.running = true;
         drop(st);
         let t0 = Instant::now();
-        let result = pool.install(|| add_into(&mut sum, &add));
+        let result = add_into(&pool, &mut sum, &add);
         let took = t0.elapsed();
         st = shared.lock();
         st.running = false;
@@ -358,9 +358,10 @@ fn work(shared: &Shared, threads: usize) {
 const CHUNK: usize = 1 << 16;
 
 /// `sum += incoming`, both `add.numel` elements of `add.kind` at the start of their buffers,
-/// on the current rayon pool: each element in float32, rounded once to the dtype (to nearest
-/// even), as libtorch's adds on the host and on CUDA round them.
-fn add_into(sum: &mut HostBuffer, add: &Add) -> Result<()> {
+/// on `pool` (a gradient of one chunk or less on the calling thread: a hand-over to the pool
+/// costs more than such an add): each element in float32, rounded once to the dtype (to
+/// nearest even), as libtorch's adds on the host and on CUDA round them.
+fn add_into(pool: &rayon::ThreadPool, sum: &mut HostBuffer, add: &Add) -> Result<()> {
     use crate::optim::kernel::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
     use rayon::prelude::*;
     let n = usize::try_from(add.numel).map_err(|_| Error::internal("a gradient of negative length"))?;
@@ -383,22 +384,26 @@ fn add_into(sum: &mut HostBuffer, add: &Add) -> Result<()> {
         }
         Ok((s, g))
     }
+    fn chunks<T: Copy + Send + Sync>(pool: &rayon::ThreadPool, s: &mut [T], g: &[T], f: impl Fn(T, T) -> T + Sync) {
+        let run = |s: &mut [T], g: &[T]| s.iter_mut().zip(g).for_each(|(a, b)| *a = f(*a, *b));
+        if s.len() <= CHUNK {
+            run(s, g);
+        } else {
+            pool.install(|| s.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(s, g)| run(s, g)));
+        }
+    }
     match add.kind {
         Kind::Float => {
             let (s, g) = words::<f32>(s, g)?;
-            s.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(s, g)| s.iter_mut().zip(g).for_each(|(a, b)| *a += *b));
+            chunks(pool, s, g, |a, b| a + b);
         }
         Kind::BFloat16 => {
             let (s, g) = words::<u16>(s, g)?;
-            s.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(s, g)| s.iter_mut().zip(g).for_each(|(a, b)| *a = f32_to_bf16(bf16_to_f32(*a) + bf16_to_f32(*b))));
+            chunks(pool, s, g, |a, b| f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b)));
         }
         Kind::Half => {
             let (s, g) = words::<u16>(s, g)?;
-            s.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(s, g)| s.iter_mut().zip(g).for_each(|(a, b)| *a = f32_to_f16(f16_to_f32(*a) + f16_to_f32(*b))));
+            chunks(pool, s, g, |a, b| f32_to_f16(f16_to_f32(a) + f16_to_f32(b)));
         }
         k => return Err(Error::internal(format!("adding gradients of {k:?} on the host"))),
     }
