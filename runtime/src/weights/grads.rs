@@ -57,16 +57,16 @@ const SPARE_BLOCKS: u64 = 3;
 impl GradSink {
     /// A sink copying on `copier`; `host_sum_threads`: later gradients of a window are added on
     /// the host with that many threads (`None`: on the device).
-    pub(crate) fn new(copier: Copier, guards: GuardSlot, host_sum_threads: Option<usize>) -> Result<GradSink> {
-        Ok(GradSink {
+    pub(crate) fn new(copier: Copier, guards: GuardSlot, host_sum_threads: Option<usize>) -> GradSink {
+        GradSink {
             copier,
             inflight: Vec::new(),
             guards,
-            host: host_sum_threads.map(HostSum::new).transpose()?,
+            host: host_sum_threads.map(HostSum::new),
             sum: DeviceSum::default(),
             error: None,
             largest_flush: 0,
-        })
+        }
     }
 
     /// Sends `block`'s device gradients to the host and frees them on the device (spare buffers

@@ -111,7 +111,9 @@ impl AddsDone {
 /// The worker and the spare buffers.
 pub(crate) struct HostSum {
     shared: Arc<Shared>,
+    /// Started by the first add: a run that never accumulates starts no threads.
     worker: Option<JoinHandle<()>>,
+    threads: usize,
     /// Spare incoming buffers.
     spare: Vec<HostBuffer>,
     /// Bytes of incoming buffers this sink holds: spare, in copies, at the worker.
@@ -126,15 +128,24 @@ impl std::fmt::Debug for HostSum {
 }
 
 impl HostSum {
-    /// Starts the worker; its adds use `threads` of libtorch's CPU threads.
-    pub(crate) fn new(threads: usize) -> Result<HostSum> {
+    /// Host sums whose adds run on `threads` threads.
+    pub(crate) fn new(threads: usize) -> HostSum {
         let shared = Arc::new(Shared { state: Mutex::new(State::default()), cv: Condvar::new() });
-        let s = shared.clone();
+        HostSum { shared, worker: None, threads: threads.max(1), spare: Vec::new(), held: 0 }
+    }
+
+    fn start(&mut self) -> Result<()> {
+        if self.worker.is_some() {
+            return Ok(());
+        }
+        let s = self.shared.clone();
+        let threads = self.threads;
         let worker = std::thread::Builder::new()
             .name("stagehand-gradsum".into())
-            .spawn(move || work(&s, threads.max(1)))
+            .spawn(move || work(&s, threads))
             .map_err(|e| Error::internal(format!("starting the gradient-sum thread: {e}")))?;
-        Ok(HostSum { shared, worker: Some(worker), spare: Vec::new(), held: 0 })
+        self.worker = Some(worker);
+        Ok(())
     }
 
     /// A spare buffer of at least `bytes` for an incoming gradient. Past `cap` bytes of incoming
@@ -194,6 +205,7 @@ impl HostSum {
     /// Takes `key`'s sum for one more add (a later gradient on its way): from the worker, which
     /// has it already (an add before this one), or from `home` (landed).
     pub(crate) fn hold(&mut self, key: Key, home: &mut Option<HostBuffer>) -> Result<()> {
+        self.start()?;
         let mut st = self.shared.lock();
         failed(&st)?;
         if let Some(h) = st.sums.get_mut(&key) {
@@ -439,7 +451,7 @@ mod tests {
             let g: Vec<Tensor> = (0..4).map(|i| (Tensor::randn([n], (Kind::Float, tch::Device::Cpu)) * (i + 1)).to_kind(kind)).collect();
             let want = ((&g[0] + &g[1]) + &g[2]) + &g[3];
             let bytes = (n as usize) * kind.elt_size_in_bytes();
-            let mut sums = HostSum::new(2).expect("worker");
+            let mut sums = HostSum::new(2);
             let key = (BlockId(7), 1);
             let mut home = Some(filled(&pool, &g[0]));
             for later in &g[1..] {
@@ -474,7 +486,7 @@ mod tests {
     #[test]
     fn a_failed_add_is_an_error_not_a_hang() {
         let pool = HostPool::new(&Device::host(1 << 30));
-        let mut sums = HostSum::new(1).expect("worker");
+        let mut sums = HostSum::new(1);
         let key = (BlockId(0), 0);
         let mut home = Some(pool.alloc(64).expect("alloc"));
         sums.hold(key, &mut home).expect("hold");
