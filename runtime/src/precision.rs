@@ -250,6 +250,39 @@ impl LossScaler {
     }
 }
 
+// ---- 16-bit conversions ---------------------------------------------------------------------
+
+#[inline(always)]
+pub fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// Round to nearest even, as libtorch's float -> bfloat16 conversion (NaN stays NaN).
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let nan = ((bits >> 16) | 0x40) as u16;
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    let nearest = (bits.wrapping_add(rounding) >> 16) as u16;
+    // A select rather than an early return: the loops that call this vectorize.
+    if x.is_nan() {
+        nan
+    } else {
+        nearest
+    }
+}
+
+#[inline(always)]
+pub fn f16_to_f32(b: u16) -> f32 {
+    half::f16::from_bits(b).to_f32()
+}
+
+/// Round to nearest even (NaN stays NaN).
+#[inline(always)]
+pub fn f32_to_f16(x: f32) -> u16 {
+    half::f16::from_f32(x).to_bits()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

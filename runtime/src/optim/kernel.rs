@@ -86,36 +86,8 @@ pub struct KernelError(String);
 
 // ---- conversions --------------------------------------------------------------------------
 
-#[inline(always)]
-pub fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
-}
-
-/// Round to nearest even, as libtorch's float -> bfloat16 conversion (NaN stays NaN).
-#[inline(always)]
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let nan = ((bits >> 16) | 0x40) as u16;
-    let rounding = 0x7fff + ((bits >> 16) & 1);
-    let nearest = (bits.wrapping_add(rounding) >> 16) as u16;
-    // A select rather than an early return: the loops that call this vectorize.
-    if x.is_nan() {
-        nan
-    } else {
-        nearest
-    }
-}
-
-#[inline(always)]
-pub fn f16_to_f32(b: u16) -> f32 {
-    half::f16::from_bits(b).to_f32()
-}
-
-/// Round to nearest even (NaN stays NaN).
-#[inline(always)]
-pub fn f32_to_f16(x: f32) -> u16 {
-    half::f16::from_f32(x).to_bits()
-}
+// The 16-bit conversions are the precision module's (the host's gradient sums use them too).
+pub use crate::precision::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// The first moment's 8-bit code of `x` in [-1, 1] (its block's values over their largest
 /// magnitude): a sign bit, 4 exponent bits `e` and 3 mantissa bits `k`, meaning

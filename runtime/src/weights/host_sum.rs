@@ -374,7 +374,7 @@ const CHUNK: usize = 1 << 16;
 /// costs more than such an add): each element in float32, rounded once to the dtype (to
 /// nearest even), as libtorch's adds on the host and on CUDA round them.
 fn add_into(pool: &rayon::ThreadPool, sum: &mut HostBuffer, add: &Add) -> Result<()> {
-    use crate::optim::kernel::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    use crate::precision::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
     use rayon::prelude::*;
     let n = usize::try_from(add.numel).map_err(|_| Error::internal("a gradient of negative length"))?;
     let bytes = n * add.kind.elt_size_in_bytes();
