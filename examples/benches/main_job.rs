@@ -16,8 +16,8 @@
 //! `host_optimizer_threads`), `MJ_PARTS` (each block streamed as that many parts, the handle's
 //! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
 //! handle's `recompute_fraction`), `MJ_EARLY_STOP=0` (recomputations run their function to its
-//! end, the handle's `recompute_early_stop(false)`), `MJ_HOST_SUMS=0` (later micro-batches'
-//! gradients added on the device, the handle's `host_gradient_sums(false)`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
+//! end, the handle's `recompute_early_stop(false)`), `MJ_HOST_SUMS=1` (later micro-batches'
+//! gradients added on the host, the handle's `host_gradient_sums(true)`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
 //! tensors under a quarter of it, 0: none; the handle's `spill_batches`), `MJ_POOL_GIB` (the
 //! activation pool's pinned limit, the handle's `activation_pool_limit_bytes`); `MJ_PRECISION`
 //! (fp32, tf32, bf16, fp16; default bf16 where the device computes bf16 fast, else fp32: the

@@ -22,8 +22,8 @@
 //! 0: not; default: on in 16-bit precisions, as the demo), `TM_MICRO` (the step's batch split into
 //! that many micro-batches, gradient accumulation: the teacher's forward and the student's
 //! forward+backward per micro-batch, one optimizer step; the resident term runs the same
-//! micro-batches), `TM_HOST_SUMS=0` (the later micro-batches' gradients added on the device, the
-//! handle's `host_gradient_sums(false)`). Telemetry goes to `$OUT/two_models.jsonl`.
+//! micro-batches), `TM_HOST_SUMS=1` (the later micro-batches' gradients added on the host, the
+//! handle's `host_gradient_sums(true)`). Telemetry goes to `$OUT/two_models.jsonl`.
 //!
 //! Run: `cargo bench -p stagehand-examples --bench two_models`.
 
@@ -113,7 +113,7 @@ fn main() -> anyhow::Result<()> {
         .bus(bus.clone())
         .precision(precision)
         .optimizer_state(storage)
-        .host_gradient_sums(env("TM_HOST_SUMS", 1) != 0)
+        .host_gradient_sums(env("TM_HOST_SUMS", 0) != 0)
         .telemetry(TelemetryConfig { level: Level::Full, path: Some(file.clone()), ..TelemetryConfig::default() })
         .build()?;
     sh.set_tokens_per_step((batch * seq) as u64);
@@ -155,7 +155,7 @@ fn main() -> anyhow::Result<()> {
     let per = |f: &dyn Fn(&stagehand::events::snapshot::StepRecord) -> f64| records.iter().map(|r| f(r)).sum::<f64>() / n;
     let w_h2d = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.load_bytes() as f64));
     let w_min = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.min_h2d_bytes as f64));
-    // Over micro-batches with the sums on the device (`TM_HOST_SUMS=0`) the student's gradient
+    // Over micro-batches with the sums on the device (the default) the student's gradient
     // sums come back to be added to: bytes on the link as the weights' are, as the main job
     // bench counts them.
     let g_sum = per(&|r| r.weights.as_ref().map_or(0.0, |w| w.grad_sum_h2d_bytes as f64));

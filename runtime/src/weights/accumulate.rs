@@ -1,14 +1,15 @@
-//! Gradient accumulation on the device, for a data-parallel rank's shards and where the host
-//! sums (`super::host_sum`, the default on one device) are turned off. A parameter's first
+//! Gradient accumulation on the device (the default; `super::host_sum` adds on the host where
+//! `host_gradient_sums` is on, and a data-parallel rank's shards always add here). A parameter's first
 //! gradient of an accumulation window goes straight to its pinned host buffer; a later one (a
 //! micro-batch after the first, a weight used twice) is added to the sum so far on the device:
 //! the sum comes back from the host buffer into a scratch slab (on the gradient sink's copy
 //! stream, so it is read before the sink's next copy overwrites the buffer), the compute stream
 //! adds the new gradient to it in place, and the sum then leaves as a first gradient does.
 //!
-//! The cost: one more copy each way per gradient, and the compute stream waits for the sum's
-//! return, which queues behind the gradient copies issued before it. A rank's host is its step
-//! (its share of the optimizer), so its shards add here rather than take host bandwidth. The
+//! The cost: one more copy each way per gradient, on the copy engines, and the compute stream
+//! waits for the sum's return. The host's alternative costs host memory bandwidth and cores
+//! instead, which the host optimizer, the copies and the training thread need: on an H100's
+//! 16-core host it made steps slower (the benchmark notes, "Gradient sums on the host"). The
 //! sum is the one autograd makes when it accumulates into `.grad` on the device, in the same
 //! dtype.
 

@@ -72,10 +72,12 @@ pub struct WeightConfig {
     #[serde(default)]
     pub max_inflight_grad_bytes: Option<u64>,
     /// Gradient accumulation (micro-batches, a weight used twice): a later gradient of the
-    /// window is copied to the host and added there into the sum so far (on, the default), or
-    /// the sum comes back to the device to take it in there and is copied home again (off: one
-    /// more copy each way per gradient, and the compute stream waits for the sum's return).
-    #[serde(default = "on")]
+    /// window is copied to the host and added there into the sum so far by a worker thread (on),
+    /// or the sum comes back to the device to take it in there and is copied home again (off,
+    /// the default). On saves the link a copy each way per gradient and costs host memory
+    /// bandwidth and cores: on an H100's 16-core host it was the slower of the two (the
+    /// benchmark notes, "Gradient sums on the host").
+    #[serde(default)]
     pub host_gradient_sums: bool,
     /// Where the weights' room came from, for error messages ("a quarter of the 4096 MiB
     /// budget"); empty: the field it was set by.
@@ -106,7 +108,7 @@ impl Default for WeightConfig {
             inference_mode: false,
             cyclic_pins: true,
             max_inflight_grad_bytes: None,
-            host_gradient_sums: true,
+            host_gradient_sums: false,
             room_origin: String::new(),
             precision: crate::precision::Precision::Fp32,
             file_check: super::file::FileCheck::Sampled,

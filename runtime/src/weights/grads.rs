@@ -5,9 +5,9 @@
 //!
 //! A parameter's first gradient in an accumulation window is copied straight into its host
 //! buffer; a later one (gradient accumulation over micro-batches) is added to the sum so far:
-//! on the host by default, copied to a spare buffer and added there by a worker
-//! (`super::host_sum`), or on the device, the sum brought back from that buffer
-//! (`super::accumulate`) and copied home again.
+//! on the device by default, the sum brought back from that buffer (`super::accumulate`) and
+//! copied home again, or, with `host_gradient_sums`, copied to a spare buffer and added on the
+//! host by a worker (`super::host_sum`).
 
 use super::accumulate::DeviceSum;
 use super::block::Block;

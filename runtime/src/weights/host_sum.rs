@@ -5,12 +5,14 @@
 //! the gradients' dtype: the float32 sum of the two, rounded once, as the device's add rounds it,
 //! so the result is the one autograd makes when it accumulates into `.grad`.
 //!
-//! Why on the host: the device's alternative (`super::accumulate`) brings each sum so far back
-//! over the link to add to it there, which doubles backward's copies and makes the compute
-//! stream wait for those reads behind the gradient copies queued before them. Here the device
-//! only copies out, as for a first gradient, and never waits; the host pays a pass over the
-//! gradient's bytes per micro-batch, in the micro-batches before the last, while the optimizer
-//! idles. A block's host step waits for its adds (`HostSum::adding`).
+//! Why on the host: the device's way (`super::accumulate`, the default) brings each sum so far
+//! back over the link to add to it there, which doubles backward's copies and makes the compute
+//! stream wait for those reads. Here the device only copies out, as for a first gradient, and
+//! never waits; the host pays a pass over the gradient's bytes per micro-batch (six bytes of
+//! memory traffic per bf16 element), which is worth it only where the link, not the host's
+//! memory bandwidth, is short: on an H100's 16-core host the adds ran at 8-9 GB/s of gradients
+//! beside the copies and the optimizer and held the training thread back (the benchmark notes).
+//! A block's host step waits for its adds (`AddsDone`).
 //!
 //! Buffers: while its adds run, a sum belongs to the worker (the block's `buf` is `None`, as
 //! while a copy writes it) and comes home once the last one is done; spare buffers are cut from

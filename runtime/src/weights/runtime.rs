@@ -544,8 +544,8 @@ impl WeightRuntime {
         self.lock().set_max_inflight_grad_bytes(bytes);
     }
 
-    /// Where later gradients of an accumulation window are added: on the host (`true`, the
-    /// default) or on the device; see [`WeightConfig::host_gradient_sums`]. Only between
+    /// Where later gradients of an accumulation window are added: on the host (`true`) or on
+    /// the device (`false`, the default); see [`WeightConfig::host_gradient_sums`]. Only between
     /// accumulation windows, before any gradient of one was sent.
     pub fn set_host_gradient_sums(&self, on: bool) -> Result<()> {
         self.lock().set_host_gradient_sums(on)
