@@ -1,9 +1,10 @@
 //! Gradient accumulation on the host. A parameter's first gradient of an accumulation window
 //! goes straight to its pinned host buffer (the sum); a later one (a micro-batch after the
 //! first, a weight used twice) goes to a spare pinned buffer of its own, and once that copy has
-//! landed a worker thread adds it into the sum, `sum += incoming`, with libtorch's CPU kernel in
-//! the gradients' dtype: the float32 sum of the two, rounded once, as the device's add rounds it,
-//! so the result is the one autograd makes when it accumulates into `.grad`.
+//! landed a worker thread adds it into the sum, `sum += incoming`, on a rayon pool of its own:
+//! the float32 sum of the two rounded once to the gradients' dtype (to nearest even), as
+//! libtorch's adds round it on the host and on CUDA, so the result is the one autograd makes
+//! when it accumulates into `.grad`.
 //!
 //! Why on the host: the device's way (`super::accumulate`, the default) brings each sum so far
 //! back over the link to add to it there, which doubles backward's copies and makes the compute
