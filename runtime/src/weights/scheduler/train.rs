@@ -259,9 +259,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// When armed: queues `id`'s host step now that backward has left it. Its gradients and
-    /// any load still reading its host memory complete before the step runs (the worker waits
-    /// on their events); a copy on the device goes, since it is stale once the step ran.
+    /// When armed: queues `id`'s host step now that backward has left it. Its gradients (their
+    /// copies, and with host sums their adds) and any load still reading its host memory
+    /// complete before the step runs (the worker waits for them, `Ready`); a copy on the device
+    /// goes, since it is stale once the step ran.
     pub(super) fn eager_update(&mut self, id: BlockId) -> Result<()> {
         if self.eager.is_none() || self.submitted.contains(&id) {
             return Ok(());
@@ -278,7 +279,6 @@ impl Scheduler {
         if b.grads.iter().any(|g| !g.received) || self.used_again_in_backward(id) {
             return Ok(());
         }
-
         match self.residency.state(id)? {
             BlockState::GpuReady if self.residency.can_evict(id) => {
                 self.evict(id, crate::events::EvictionReason::Explicit, 0.0)?;
