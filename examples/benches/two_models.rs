@@ -127,7 +127,7 @@ fn main() -> anyhow::Result<()> {
     let student = Gpt::new(&StreamedLayersAt(sh.root()), cfg);
     let mut opt = sh.optimizer(nn::AdamW::default(), 1e-4)?;
     let dev = device.tch_device();
-    let (mut times, mut peaks, mut weights) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut times, mut peaks, mut weights, mut breakdowns) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 1..=steps {
         let b = progression_batch(batch, seq, cfg.vocab, dev);
         let parts = b.inputs.chunk(micro, 0);
@@ -138,6 +138,7 @@ fn main() -> anyhow::Result<()> {
         times.push(r.step_ms / 1e3);
         peaks.push(r.vram_peak_bytes);
         weights.push(sh.weights().last_step_metrics());
+        breakdowns.push(r.time.clone());
         println!("  step {step}: {:.1} ms, loss {:.4}, peak {:.0} MiB", r.step_ms, r.loss, r.vram_peak_bytes as f64 / MIB);
     }
     opt.wait()?;
@@ -146,6 +147,21 @@ fn main() -> anyhow::Result<()> {
         println!("  plan: {line}");
     }
     let step_s = mean(&times[1..]);
+    // Where the steady steps' time went, and the training thread's time in the weights' hooks:
+    // "compute" is what remains once the waits are counted, so it includes the GPU idling
+    // behind a training thread that has not queued the next kernels yet.
+    let steady = &breakdowns[1..];
+    let avg = |f: fn(&stagehand::events::StepTimeBreakdown) -> f64| steady.iter().map(f).sum::<f64>() / steady.len().max(1) as f64;
+    println!(
+        "time per step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, weight stalls {:.1}, restore stalls {:.1}, optimizer {:.1} ms; the weights' hooks {:.1} ms",
+        avg(|b| b.compute_ms),
+        avg(|b| b.h2d_wait_ms),
+        avg(|b| b.d2h_wait_ms),
+        avg(|b| b.weight_stall_ms),
+        avg(|b| b.restore_stall_ms),
+        avg(|b| b.optimizer_ms),
+        weights[1..].iter().map(|w| w.host_ms).sum::<f64>() / weights[1..].len().max(1) as f64
+    );
     // Every step's events applied before the snapshot is read (the hub applies them on its
     // own thread): a step missing there would leave its bytes out of the means below.
     bus.flush();
