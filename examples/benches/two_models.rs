@@ -138,7 +138,7 @@ fn main() -> anyhow::Result<()> {
         times.push(r.step_ms / 1e3);
         peaks.push(r.vram_peak_bytes);
         weights.push(sh.weights().last_step_metrics());
-        breakdowns.push(r.time.clone());
+        breakdowns.push(r.time);
         println!("  step {step}: {:.1} ms, loss {:.4}, peak {:.0} MiB", r.step_ms, r.loss, r.vram_peak_bytes as f64 / MIB);
     }
     opt.wait()?;
