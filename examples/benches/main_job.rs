@@ -17,7 +17,9 @@
 //! `Grouping::Parts`), `MJ_RECOMPUTE` (the fraction of recompute scopes that recompute, the
 //! handle's `recompute_fraction`), `MJ_EARLY_STOP=0` (recomputations run their function to its
 //! end, the handle's `recompute_early_stop(false)`), `MJ_HOST_SUMS=1` (later micro-batches'
-//! gradients added on the host, the handle's `host_gradient_sums(true)`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
+//! gradients added on the host, the handle's `host_gradient_sums(true)`), `MJ_HOOK_GPU=1` (the
+//! compute stream's time inside the weights' hooks measured, the handle's
+//! `measure_hook_gpu_time`), `MJ_SPILL_BATCH_KIB` (spill batches of up to that many KiB for
 //! tensors under a quarter of it, 0: none; the handle's `spill_batches`), `MJ_POOL_GIB` (the
 //! activation pool's pinned limit, the handle's `activation_pool_limit_bytes`); `MJ_PRECISION`
 //! (fp32, tf32, bf16, fp16; default bf16 where the device computes bf16 fast, else fp32: the
@@ -305,11 +307,15 @@ fn main() -> anyhow::Result<()> {
     if let Some(g) = pool_gib {
         println!("activation pool limit: {g} GiB");
     }
+    let hook_gpu = std::env::var("MJ_HOOK_GPU").is_ok_and(|v| v != "0");
     let host_sums = std::env::var("MJ_HOST_SUMS").ok().map(|v| v != "0");
     if let Some(on) = host_sums {
         println!("later micro-batches' gradients added on the host: {on}");
     }
     let customize = |mut b: stagehand::StagehandBuilder| {
+        if hook_gpu {
+            b = b.measure_hook_gpu_time(true);
+        }
         if let Some(on) = host_sums {
             b = b.host_gradient_sums(on);
         }
@@ -390,6 +396,7 @@ fn main() -> anyhow::Result<()> {
     let h2d = w_h2d + a_restore + g_sum;
     let d2h = w_d2h + a_spill;
     let host_w = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.host_ms));
+    let hook_gpu_ms = sum(&|r| r.weights.as_ref().map_or(0.0, |w| w.hook_gpu_ms));
     let host_a = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.host_ms));
     let recomputed = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.recompute_bytes as f64));
     let recompute_ms = sum(&|r| r.activations.as_ref().map_or(0.0, |a| a.recompute_ms));
@@ -453,6 +460,9 @@ fn main() -> anyhow::Result<()> {
         "training-thread time in Stagehand's hooks per step: {:.1} ms (weights {host_w:.1}, saved tensors {host_a:.1}; the recomputation above not in it)",
         host_w + host_a
     );
+    if hook_gpu {
+        println!("  the compute stream inside the weights' hooks per step: {hook_gpu_ms:.1} ms (idle while the training thread is in them, plus the waits and kernels they queue)");
+    }
     println!(
         "host optimizer busy per step: {:.1} ms (steady mean; overlapping the step), against {:.1} ms alone; {:.1} of its {:.1} blocks a step given to it while backward ran",
         mean(steady(&s.host_optimizer_ms)),

@@ -292,6 +292,37 @@ fn a_prefetch_window_of_zero_loads_every_block_on_demand_and_trains_the_same() {
     sh.shutdown().expect("shutdown");
 }
 
+/// The compute stream's time inside the weights' hooks, on request: each step measures some,
+/// never more than the hooks' own time (on the host device the two clocks are one: a hook's span
+/// lies inside its timed call), and nothing when not asked for.
+#[test]
+fn the_hooks_gpu_time_is_measured_on_request() {
+    let device = common::device();
+    let dev = device.tch_device();
+    for on in [true, false] {
+        let (sh, _) = handle_with(&device, 400 << 10, |b| b.measure_hook_gpu_time(on));
+        let net = managed_seeded(&sh, 9);
+        let mut opt = sh.optimizer(nn::AdamW::default(), 1e-2).expect("optimizer");
+        let mut total = 0.0;
+        for s in 0..3 {
+            let (ids, targets) = batch(300 + s, dev);
+            sh.train_step(&mut opt, || net.loss(&ids, &targets)).expect("step");
+            let m = sh.weights().last_step_metrics();
+            total += m.hook_gpu_ms;
+            if !on {
+                assert_eq!(m.hook_gpu_ms, 0.0, "not measured: {m:?}");
+            } else if !device.is_cuda() {
+                assert!(m.hook_gpu_ms > 0.0, "step {s}: {m:?}");
+                assert!(m.hook_gpu_ms <= m.host_ms + m.update_wait_ms + 0.5, "step {s}: {m:?}");
+            }
+        }
+        // On CUDA a span counts once the stream has passed it: by the third step's end, the
+        // first two steps' have.
+        assert_eq!(total > 0.0, on, "{total} ms");
+        sh.shutdown().expect("shutdown");
+    }
+}
+
 #[test]
 fn budgets_that_cannot_work_are_refused_with_the_reason() {
     let e = Stagehand::builder().build().expect_err("no budget");

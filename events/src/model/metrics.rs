@@ -44,6 +44,13 @@ pub struct WeightStepMetrics {
     /// thread that queues the kernels.
     #[serde(default)]
     pub host_ms: f64,
+    /// Measured on request (the handle's `measure_hook_gpu_time`): milliseconds of the compute
+    /// stream between the hooks' entries and exits, that is the GPU idling while the training
+    /// thread is in the hooks with nothing queued, plus what the hooks themselves queue there
+    /// (waits for weight copies, dequantization, gradient sums on the device). A hook's span is
+    /// counted in the first step whose end finds the stream past it. Absent when not measured.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub hook_gpu_ms: f64,
     /// Each model's share, when the runtime streams the blocks of several models (a handle with
     /// a teacher or a reference model beside the trained one); empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -95,6 +95,18 @@ impl IdleSpans {
         }
         Ok(ms)
     }
+
+    /// The idle milliseconds of the waits the compute stream has passed, in order up to the
+    /// first it has not, which stay for a later call (never blocks).
+    pub fn take_passed_ms(&mut self) -> f64 {
+        let passed = self.spans.iter().take_while(|s| s.idle_ms().is_some()).count();
+        let mut ms = 0.0;
+        for s in self.spans.drain(..passed) {
+            self.host_ms -= s.host_ms;
+            ms += s.idle_ms().unwrap_or(0.0);
+        }
+        ms
+    }
 }
 
 #[cfg(test)]
@@ -113,5 +125,10 @@ mod tests {
         assert!(ms >= 5.0, "{ms}");
         assert_eq!(spans.host_ms(), 0.0, "taken with the spans");
         assert_eq!(spans.take_ms().expect("read again"), 0.0, "taken once");
+        let p = d.idle_probe().expect("probe");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        spans.push(p.end(&d).expect("end"));
+        assert!(spans.take_passed_ms() >= 2.0, "passed at once on the host device");
+        assert_eq!(spans.take_passed_ms(), 0.0, "taken once");
     }
 }

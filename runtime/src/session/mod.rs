@@ -88,6 +88,7 @@ pub struct StagehandBuilder {
     recompute_fraction: f64,
     recompute_early_stop: bool,
     host_gradient_sums: bool,
+    measure_hook_gpu_time: bool,
     spill_batches: Option<(u64, u64)>,
     attachments: Vec<Attach>,
     telemetry: Option<crate::events::TelemetryConfig>,
@@ -254,6 +255,15 @@ impl StagehandBuilder {
         self
     }
 
+    /// Measures the compute stream's time inside the weights' hooks (each step's
+    /// `hook_gpu_ms`: the GPU idling while the training thread is in them, plus the waits and
+    /// kernels they queue), to tell whether the hooks hold the GPU up. Two CUDA events a hook;
+    /// off by default.
+    pub fn measure_hook_gpu_time(mut self, on: bool) -> Self {
+        self.measure_hook_gpu_time = on;
+        self
+    }
+
     /// Spilled tensors under `below_bytes` are copied in batches of up to `max_bytes`, one per
     /// block ([`ActivationConfig::batch_spills_below_bytes`](crate::activations::ActivationConfig::batch_spills_below_bytes));
     /// `(0, 0)` copies every tensor on its own. By default the plan sizes batches from the room
@@ -327,6 +337,7 @@ impl StagehandBuilder {
             recompute_fraction: self.recompute_fraction,
             recompute_early_stop: self.recompute_early_stop,
             host_gradient_sums: self.host_gradient_sums,
+            measure_hook_gpu_time: self.measure_hook_gpu_time,
             spill_batches: self.spill_batches,
             attachments: Vec::new(),
             telemetry: None,
@@ -443,6 +454,7 @@ impl StagehandBuilder {
             store.runtime().set_host_pool(pool)?;
         }
         store.runtime().set_host_gradient_sums(self.host_gradient_sums)?;
+        store.runtime().set_measure_hook_gpu_time(self.measure_hook_gpu_time);
         let member = match group {
             Some((member, model)) => {
                 store.runtime().join_group(member.clone(), model)?;
@@ -557,6 +569,7 @@ impl Stagehand {
             recompute_fraction: 1.0,
             recompute_early_stop: true,
             host_gradient_sums: false,
+            measure_hook_gpu_time: false,
             spill_batches: None,
             attachments: Vec::new(),
             telemetry: None,

@@ -551,6 +551,12 @@ impl WeightRuntime {
         self.lock().set_host_gradient_sums(on)
     }
 
+    /// Measures the compute stream's time inside the weights' hooks from now on: each step's
+    /// `hook_gpu_ms` (two events a hook; off by default).
+    pub fn set_measure_hook_gpu_time(&self, on: bool) {
+        self.lock().set_measure_hook_gpu(on);
+    }
+
     /// Steps begin when the first block runs again or after a backward (layer mode).
     pub fn set_auto_step(&self, on: bool) {
         self.lock().set_auto_step(on);

@@ -136,6 +136,8 @@ pub(crate) struct Scheduler {
     last_metrics: WeightStepMetrics,
     /// This step's waits for the host optimizer, read as the compute stream's idle time.
     update_waits: IdleSpans,
+    /// The hooks' spans on the compute stream, when measured (`set_measure_hook_gpu`).
+    hook_spans: Option<IdleSpans>,
     /// The Belady minimum of bytes a step, for the streamed order, room and trained blocks it
     /// was computed for, and each model's share of it.
     min_bytes: Option<(MinKey, u64, Vec<u64>)>,
@@ -265,6 +267,7 @@ impl Scheduler {
             metrics: WeightStepMetrics::default(),
             last_metrics: WeightStepMetrics::default(),
             update_waits: IdleSpans::default(),
+            hook_spans: None,
             min_bytes: None,
             pins: None,
             other_route: Route::default(),
@@ -779,12 +782,14 @@ impl Scheduler {
             .map(|(_, m)| m)
             .collect();
         let wait = self.loads.take_wait_ms(false);
+        let hook_gpu_ms = self.hook_spans.as_mut().map_or(0.0, IdleSpans::take_passed_ms);
         let update_host_ms = self.update_waits.host_ms();
         let update_idle = self.update_waits.take_ms()?;
         let (collective_ms, collective_bytes) = self.take_collective_totals();
         let (sum_time, sum_bytes) = self.grads.take_host_work();
         let m = &mut self.metrics;
         m.grad_sum_host_ms = sum_time.as_secs_f64() * 1e3;
+        m.hook_gpu_ms = hook_gpu_ms;
         m.grad_sum_host_bytes = sum_bytes;
         let seen = m.prefetch_hits + m.prefetch_misses;
         m.hit_rate = if seen == 0 { 0.0 } else { m.prefetch_hits as f64 / seen as f64 };
@@ -874,9 +879,27 @@ impl Scheduler {
     /// step's `host_ms` (what the runtime itself costs the thread that queues the kernels).
     fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         let t0 = Instant::now();
+        let probe = match self.hook_spans {
+            Some(_) => Some(self.device.idle_probe()?),
+            None => None,
+        };
         let r = f(self);
+        if let Some(p) = probe {
+            let span = p.end(&self.device)?;
+            if let Some(s) = &mut self.hook_spans {
+                s.push(span);
+            }
+        }
         self.metrics.host_ms += t0.elapsed().as_secs_f64() * 1e3;
         r
+    }
+
+    /// Measures the compute stream's time inside the hooks from now on (`hook_gpu_ms` of each
+    /// step's metrics): two events a hook.
+    pub(crate) fn set_measure_hook_gpu(&mut self, on: bool) {
+        if on != self.hook_spans.is_some() {
+            self.hook_spans = on.then(IdleSpans::default);
+        }
     }
 
     fn enter_inner(&mut self, id: BlockId) -> Result<()> {
