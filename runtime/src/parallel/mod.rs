@@ -37,7 +37,7 @@
 //! **One process, a thread per GPU.** The reason is the host side: the model's host copy (the
 //! pinned weights every GPU streams from, the float32 masters) and the host optimizer's state
 //! are the largest things a run holds, and one process holds them once: every rank's blocks
-//! point at rank 0's host copy ([`crate::weights::shared`]). A process per GPU (torchrun's
+//! point at rank 0's host copy (`weights::shared`). A process per GPU (torchrun's
 //! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`) would hold N copies, or share them through shared memory
 //! and cross-process synchronisation of the optimizer's writes; the one process needs neither.
 //! libtorch is thread-safe per device (each GPU has its own autograd thread, its own cuBLAS
