@@ -481,18 +481,7 @@ fn main() -> anyhow::Result<()> {
         over(later),
         s.step_peaks.iter().map(|&b| b >> 20).collect::<Vec<_>>()
     );
-    let t: Vec<StepTimeBreakdown> = steady(&s.breakdowns).to_vec();
-    let avg = |f: fn(&StepTimeBreakdown) -> f64| t.iter().map(f).sum::<f64>() / t.len().max(1) as f64;
-    println!(
-        "time per step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, weight stalls {:.1}, restore stalls {:.1}, optimizer {:.1}, other {:.1} ms",
-        avg(|b| b.compute_ms),
-        avg(|b| b.h2d_wait_ms),
-        avg(|b| b.d2h_wait_ms),
-        avg(|b| b.weight_stall_ms),
-        avg(|b| b.restore_stall_ms),
-        avg(|b| b.optimizer_ms),
-        avg(|b| b.other_ms)
-    );
+    println!("{}", stagehand_examples::report::time_per_step(steady(&s.breakdowns)));
     if let Some(line) = backwards.line(0) {
         println!("backward: {line}");
     }

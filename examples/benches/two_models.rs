@@ -152,18 +152,12 @@ fn main() -> anyhow::Result<()> {
     // Where the steady steps' time went, and the training thread's time in the weights' hooks:
     // "compute" is what remains once the waits are counted, so it includes the GPU idling
     // behind a training thread that has not queued the next kernels yet.
-    let steady = &breakdowns[1..];
-    let avg = |f: fn(&stagehand::events::StepTimeBreakdown) -> f64| steady.iter().map(f).sum::<f64>() / steady.len().max(1) as f64;
+    let per_step = |f: fn(&stagehand::events::WeightStepMetrics) -> f64| weights[1..].iter().map(f).sum::<f64>() / weights[1..].len().max(1) as f64;
     println!(
-        "time per step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, weight stalls {:.1}, restore stalls {:.1}, optimizer {:.1} ms; the weights' hooks {:.1} ms (the compute stream inside them {:.1} ms, when measured)",
-        avg(|b| b.compute_ms),
-        avg(|b| b.h2d_wait_ms),
-        avg(|b| b.d2h_wait_ms),
-        avg(|b| b.weight_stall_ms),
-        avg(|b| b.restore_stall_ms),
-        avg(|b| b.optimizer_ms),
-        weights[1..].iter().map(|w| w.host_ms).sum::<f64>() / weights[1..].len().max(1) as f64,
-        weights[1..].iter().map(|w| w.hook_gpu_ms).sum::<f64>() / weights[1..].len().max(1) as f64
+        "{}; the weights' hooks {:.1} ms (the compute stream inside them {:.1} ms, when measured)",
+        stagehand_examples::report::time_per_step(&breakdowns[1..]),
+        per_step(|w| w.host_ms),
+        per_step(|w| w.hook_gpu_ms)
     );
     // Every step's events applied before the snapshot is read (the hub applies them on its
     // own thread): a step missing there would leave its bytes out of the means below.

@@ -116,3 +116,19 @@ impl Report<'_> {
         out
     }
 }
+
+/// The mean of `steps`' breakdowns, as the benches print it: "time per step: compute .., H2D
+/// wait .., ... other .. ms".
+pub fn time_per_step(steps: &[stagehand::events::StepTimeBreakdown]) -> String {
+    let avg = |f: fn(&stagehand::events::StepTimeBreakdown) -> f64| steps.iter().map(f).sum::<f64>() / steps.len().max(1) as f64;
+    format!(
+        "time per step: compute {:.1}, H2D wait {:.1}, D2H wait {:.1}, weight stalls {:.1}, restore stalls {:.1}, optimizer {:.1}, other {:.1} ms",
+        avg(|b| b.compute_ms),
+        avg(|b| b.h2d_wait_ms),
+        avg(|b| b.d2h_wait_ms),
+        avg(|b| b.weight_stall_ms),
+        avg(|b| b.restore_stall_ms),
+        avg(|b| b.optimizer_ms),
+        avg(|b| b.other_ms)
+    )
+}
