@@ -25,6 +25,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
 #include <ATen/ops/_fused_sgd.h>
 #include <ATen/ops/empty.h>
 #include <torch/optim/adam.h>
@@ -612,6 +614,33 @@ int stagehand_autocast_set(int cuda, int enabled, int dtype, int enter, char* er
   } catch (const std::exception& e) {
     write_err(err, err_len, e.what());
     return 1;
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------
+
+// One of libtorch's fused attention kernels (0 flash, 1 cuDNN; CUDA, 16-bit (batch, heads,
+// time, head dim) inputs), called as itself rather than through scaled_dot_product_attention's
+// dispatcher, which may choose a different backend for the same call on another thread; tch
+// binds neither. Autograd records it as the dispatcher would. Null with a message when libtorch
+// refuses the inputs.
+at::Tensor* stagehand_fused_attention(int kernel, const at::Tensor* q, const at::Tensor* k, const at::Tensor* v,
+                                      int causal, char* err, size_t err_len) {
+  try {
+    if (kernel == 0) {
+      auto out = at::_scaled_dot_product_flash_attention(*q, *k, *v, 0.0, causal != 0, false, std::nullopt);
+      return new at::Tensor(std::get<0>(out));
+    }
+    if (kernel == 1) {
+      auto out = at::_scaled_dot_product_cudnn_attention(*q, *k, *v, std::nullopt, true, 0.0, causal != 0, false,
+                                                         std::nullopt);
+      return new at::Tensor(std::get<0>(out));
+    }
+    write_err(err, err_len, "unknown attention kernel");
+    return nullptr;
+  } catch (const std::exception& e) {
+    write_err(err, err_len, e.what());
+    return nullptr;
   }
 }
 

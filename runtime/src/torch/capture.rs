@@ -67,10 +67,19 @@ struct Inner {
     stopped: bool,
 }
 
+/// The handle of a save left out of the capture (never unpacked: see `unpack`).
+const UNNAMED: u64 = u64::MAX;
+
 const STOPPED: &str = "the recomputation stopped: backward has every tensor it needs";
 
 impl SavedTensorStore for Capture {
     fn pack(&self, tensor: Tensor) -> Result<u64, HookError> {
+        // A tensor of a kind tch cannot name (flash attention's RNG seed and offset on CUDA)
+        // never became a member of the scope in the forward (the activation runtime keeps it
+        // where it is, apart), so it is neither one of the saves to match nor one to count.
+        if tensor.f_kind().is_err() {
+            return Ok(UNNAMED);
+        }
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if !g.stopped {
             // Detached: a captured output must not hold its own graph.
@@ -103,4 +112,29 @@ fn quiet_stops() {
             }
         }));
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    /// The forward keeps a tensor of an unnamed kind apart from the scope's members, so the
+    /// capture neither records it nor counts it toward the stop: with a stop after two saves, a
+    /// function that saves one between two named tensors stops at the second named one.
+    #[test]
+    fn a_save_of_an_unnamed_kind_is_neither_captured_nor_counted() {
+        let capture = Capture {
+            stop_after: Some(2),
+            inner: Mutex::new(Inner::default()),
+        };
+        let a = Tensor::ones([3], (Kind::Float, Device::Cpu));
+        assert_eq!(capture.pack(a.shallow_clone()).expect("a first save"), 0);
+        assert_eq!(capture.pack(crate::torch::hooks::unsigned_scalar()).expect("an unnamed kind"), UNNAMED);
+        assert!(capture.pack(a.shallow_clone()).is_err(), "the second named save is the stop");
+        set_stopping(false);
+        let g = capture.inner.lock().expect("not poisoned");
+        assert!(g.stopped);
+        assert_eq!(g.saved.iter().map(Tensor::size).collect::<Vec<_>>(), vec![vec![3], vec![3]]);
+    }
 }

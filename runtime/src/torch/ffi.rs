@@ -60,6 +60,15 @@ extern "C" {
     pub(crate) fn stagehand_hooks_set_context(ctx: *mut c_void) -> *mut c_void;
     pub(crate) fn stagehand_hooks_get_context() -> *mut c_void;
     pub(crate) fn stagehand_unsigned_scalar() -> *mut C_tensor;
+    pub(crate) fn stagehand_fused_attention(
+        kernel: c_int,
+        q: *const C_tensor,
+        k: *const C_tensor,
+        v: *const C_tensor,
+        causal: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut C_tensor;
     pub(crate) fn stagehand_tensor_identity(
         t: *const C_tensor,
         storage_ptr: *mut u64,

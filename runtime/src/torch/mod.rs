@@ -3,6 +3,7 @@
 
 pub mod alloc;
 pub mod amp;
+pub mod attention;
 pub(crate) mod capture;
 pub(crate) mod ffi;
 mod grad_mode;

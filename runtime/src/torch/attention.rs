@@ -1,0 +1,98 @@
+//! libtorch's fused attention kernels called by name, which tch does not bind.
+//!
+//! `Tensor::scaled_dot_product_attention` lets libtorch's dispatcher pick a backend per call,
+//! from the inputs and from global and per-thread switches, so the same call can run one kernel
+//! in the forward and another when backward's thread recomputes it; a recompute scope refuses a
+//! recomputation that saves other tensors than the forward did. Calling a kernel by name keeps
+//! both the same. tch binds only the memory-efficient kernel's forward
+//! (`Tensor::internal_scaled_dot_product_efficient_attention`); these are the faster two on
+//! current GPUs (on an H100 at a 6.5 B GPT's shape, forward and backward: cuDNN 2.7 ms, flash
+//! 4.4, memory-efficient 8.3; docs/benchmarks.md).
+
+use super::ffi;
+use crate::error::{Error, Result};
+use std::os::raw::{c_char, c_int};
+use tch::Tensor;
+
+/// A fused attention kernel of libtorch's CUDA build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKernel {
+    /// FlashAttention-2 (compute capability 8.0 or later, head dims up to 256).
+    Flash,
+    /// cuDNN's fused attention (its own limits, by cuDNN version and GPU).
+    Cudnn,
+}
+
+/// Causal (or full) attention over `(batch, heads, time, head dim)` query, key and value with
+/// one fused kernel, scaled by 1/sqrt(head dim), without dropout, recorded for autograd. CUDA
+/// tensors in bfloat16 or float16 only: anything the kernel does not take is an error with
+/// libtorch's reason, never another kernel.
+pub fn fused_attention(kernel: AttentionKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+    let code = match kernel {
+        AttentionKernel::Flash => 0,
+        AttentionKernel::Cudnn => 1,
+    };
+    let mut err = [0 as c_char; 1024];
+    // SAFETY: three live tensors borrowed for the call and an error buffer of its length; the
+    // shim returns a new tensor handle or null.
+    let out = unsafe {
+        ffi::stagehand_fused_attention(code, q.as_ptr(), k.as_ptr(), v.as_ptr(), c_int::from(causal), err.as_mut_ptr(), err.len())
+    };
+    if out.is_null() {
+        return Err(Error::Torch(tch::TchError::Torch(format!("{kernel:?} attention: {}", ffi::message(&err)))));
+    }
+    // SAFETY: a tensor the shim allocated for us, owned from here.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn host_tensors_are_refused_with_the_reason() {
+        let q = Tensor::randn([1, 2, 8, 16], (Kind::BFloat16, Device::Cpu));
+        for kernel in [AttentionKernel::Flash, AttentionKernel::Cudnn] {
+            let e = fused_attention(kernel, &q, &q, &q, true).expect_err("the fused kernels are CUDA's");
+            assert!(e.to_string().contains(&format!("{kernel:?} attention")), "{e}");
+        }
+    }
+
+    /// On CUDA: the same values and gradients as the memory-efficient kernel, within bf16's
+    /// rounding, causal and not (the two differ, so the flag reaches the kernel), for q, k and v
+    /// that are strided views of one projection, as a GPT block makes them.
+    #[test]
+    fn on_cuda_each_computes_what_the_efficient_kernel_does_forward_and_backward() {
+        crate::torch::init();
+        if !crate::torch::cuda_available() {
+            return;
+        }
+        let opts = (Kind::BFloat16, Device::Cuda(0));
+        let (b, h, t, hd) = (2, 4, 256, 64);
+        let qkv = Tensor::randn([b, t, 3, h, hd], opts).set_requires_grad(true);
+        let g = Tensor::randn([b, h, t, hd], opts);
+        let run = |kernel: Option<AttentionKernel>, causal: bool| {
+            let part = |i: i64| qkv.select(2, i).transpose(1, 2);
+            let (q, k, v) = (part(0), part(1), part(2));
+            let y = match kernel {
+                Some(kernel) => fused_attention(kernel, &q, &k, &v, causal).expect("a fused kernel on CUDA"),
+                None => Tensor::internal_scaled_dot_product_efficient_attention(&q, &k, &v, None::<&Tensor>, true, 0.0, causal, None).0,
+            };
+            let grad = Tensor::run_backward(&[(&y * &g).sum(Kind::Float)], &[&qkv], false, false);
+            (y.to_kind(Kind::Float), grad[0].to_kind(Kind::Float))
+        };
+        let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) <= 3e-2 * (1.0 + b.abs().max().double_value(&[]));
+        for kernel in [AttentionKernel::Flash, AttentionKernel::Cudnn] {
+            for causal in [true, false] {
+                let (y, dy) = run(Some(kernel), causal);
+                let (ye, dye) = run(None, causal);
+                assert!(close(&y, &ye), "{kernel:?}: outputs differ (causal {causal})");
+                assert!(close(&dy, &dye), "{kernel:?}: gradients differ (causal {causal})");
+            }
+            let (causal, _) = run(Some(kernel), true);
+            let (full, _) = run(Some(kernel), false);
+            assert!(!close(&causal, &full), "{kernel:?}: the causal flag made no difference");
+        }
+    }
+}
