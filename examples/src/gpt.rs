@@ -131,8 +131,9 @@ pub enum Attention {
     /// Matmuls and a softmax, the probabilities recomputed in backward rather than stored.
     #[default]
     Recomputed,
-    /// libtorch's fused scaled-dot-product attention (flash attention on CUDA in 16 bits): the
-    /// probabilities are never materialised. What 16-bit training uses.
+    /// libtorch's fused scaled-dot-product attention (on CUDA in 16 bits cuDNN's or flash
+    /// attention; see `fixed_kernel_attention` for checkpointed blocks): the probabilities are
+    /// never materialised. What 16-bit training uses.
     Fused,
 }
 
