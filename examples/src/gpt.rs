@@ -13,8 +13,7 @@
 
 use stagehand::activations::recompute;
 use stagehand::nn as snn;
-use stagehand::torch::attention::{fused_attention, AttentionKernel};
-use std::sync::Mutex;
+use stagehand::torch::attention::fixed_kernel_attention;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
@@ -132,8 +131,9 @@ pub enum Attention {
     #[default]
     Recomputed,
     /// libtorch's fused scaled-dot-product attention (on CUDA in 16 bits cuDNN's or flash
-    /// attention; see `fixed_kernel_attention` for checkpointed blocks): the probabilities are
-    /// never materialised. What 16-bit training uses.
+    /// attention; in a checkpointed block one kernel by name, see
+    /// [`fixed_kernel_attention`]): the probabilities are never materialised. What 16-bit
+    /// training uses.
     Fused,
 }
 
@@ -273,15 +273,15 @@ impl BlockMath {
         let k = qkv.select(2, 1).transpose(1, 2);
         let v = qkv.select(2, 2).transpose(1, 2);
         if self.attention == Attention::Fused {
-            let y = if self.scoped || !q.device().is_cuda() {
+            let y = if self.scoped {
                 Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
             } else {
-                // Inside a checkpointed block on CUDA, one fixed kernel: libtorch's dispatcher
+                // Inside a checkpointed block, one fixed kernel: on CUDA libtorch's dispatcher
                 // may pick another backend for the same call on backward's thread (seen on the
                 // second GPU of a group: cuDNN's in backward after the efficient kernel in the
                 // forward), and a recomputation that saves other tensors than the forward did
                 // is refused.
-                fixed_kernel_attention(&q, &k, &v)
+                fixed_kernel_attention(&q, &k, &v, true).expect("attention")
             };
             return linear(1, &y.transpose(1, 2).contiguous().view([b, t, c]));
         }
@@ -295,44 +295,6 @@ impl BlockMath {
         });
         let y = att.matmul(&v);
         linear(1, &y.transpose(1, 2).contiguous().view([b, t, c]))
-    }
-}
-
-/// The fused kernels a checkpointed block tries on CUDA, fastest first: at the 6.5 B row's shape
-/// on an H100, forward and backward, cuDNN's 2.7 ms, flash 4.4, memory-efficient 8.3
-/// (docs/benchmarks.md).
-const KERNELS: [AttentionKernel; 2] = [AttentionKernel::Cudnn, AttentionKernel::Flash];
-
-/// Causal attention by one kernel chosen from the inputs and the device alone (see the caller):
-/// the first of [`KERNELS`] the device runs for these inputs' dtype and shape, else the
-/// memory-efficient kernel. Which one runs is learnt from the first call on each device for
-/// each dtype and shape and kept, so every later such call there, forward or recomputation,
-/// takes the same kernel.
-fn fixed_kernel_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
-    /// Per device index, dtype and query shape, the kernel chosen (`None`: memory-efficient).
-    type Choice = ((usize, Kind, Vec<i64>), Option<AttentionKernel>);
-    static CHOSEN: Mutex<Vec<Choice>> = Mutex::new(Vec::new());
-    let efficient = || Tensor::internal_scaled_dot_product_efficient_attention(q, k, v, None::<&Tensor>, true, 0.0, true, None).0;
-    let tch::Device::Cuda(index) = q.device() else {
-        return efficient();
-    };
-    let key = (index, q.kind(), q.size());
-    let mut chosen = CHOSEN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&(_, kernel)) = chosen.iter().find(|(known, _)| *known == key) {
-        drop(chosen);
-        return match kernel {
-            Some(kernel) => fused_attention(kernel, q, k, v, true).expect("this kernel ran on this device before"),
-            None => efficient(),
-        };
-    }
-    // Tried without grad: autograd saves an operation's inputs before its kernel refuses them,
-    // and inside a recompute scope those saves would count as the forward's.
-    let runs = KERNELS.iter().copied().find(|&kernel| tch::no_grad(|| fused_attention(kernel, q, k, v, true)).is_ok());
-    chosen.push((key, runs));
-    drop(chosen);
-    match runs {
-        Some(kernel) => fused_attention(kernel, q, k, v, true).expect("this kernel ran on these inputs"),
-        None => efficient(),
     }
 }
 

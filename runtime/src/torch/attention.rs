@@ -12,7 +12,8 @@
 use super::ffi;
 use crate::error::{Error, Result};
 use std::os::raw::{c_char, c_int};
-use tch::Tensor;
+use std::sync::Mutex;
+use tch::{Kind, Tensor};
 
 /// A fused attention kernel of libtorch's CUDA build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -45,10 +46,62 @@ pub fn fused_attention(kernel: AttentionKernel, q: &Tensor, k: &Tensor, v: &Tens
     Ok(unsafe { Tensor::from_ptr(out) })
 }
 
+/// The fused kernels [`fixed_kernel_attention`] tries on CUDA, fastest first.
+const KERNELS: [AttentionKernel; 2] = [AttentionKernel::Cudnn, AttentionKernel::Flash];
+
+/// Attention that runs one kernel for every call of the same device, dtype, shape and
+/// causality, forward or recomputation on another thread: on CUDA the first of cuDNN's and flash
+/// attention that takes the inputs, else the memory-efficient kernel; on the host, libtorch's
+/// `scaled_dot_product_attention` (its choice there follows the inputs alone). Which kernel
+/// runs is learnt from the first such call and kept for the process. `(batch, heads, time, head
+/// dim)` inputs, scaled by 1/sqrt(head dim), no dropout.
+pub fn fixed_kernel_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+    /// A call's device index, dtype, query shape and causality, and the kernel it got (`None`:
+    /// memory-efficient).
+    type Choice = ((usize, Kind, Vec<i64>, bool), Option<AttentionKernel>);
+    static CHOSEN: Mutex<Vec<Choice>> = Mutex::new(Vec::new());
+    let tch::Device::Cuda(index) = q.device() else {
+        return Ok(Tensor::f_scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, causal, None, false)?);
+    };
+    let efficient = || -> Result<Tensor> {
+        Ok(Tensor::f_internal_scaled_dot_product_efficient_attention(q, k, v, None::<&Tensor>, true, 0.0, causal, None)?.0)
+    };
+    let key = (index, q.f_kind()?, q.size(), causal);
+    let mut chosen = CHOSEN.lock().unwrap_or_else(|e| e.into_inner());
+    let kernel = match chosen.iter().find(|(known, _)| *known == key) {
+        Some(&(_, kernel)) => kernel,
+        None => {
+            // Tried without grad: autograd saves an operation's inputs before its kernel refuses
+            // them, and inside a recompute scope those saves would count as the forward's.
+            let runs = KERNELS.iter().copied().find(|&kernel| tch::no_grad(|| fused_attention(kernel, q, k, v, causal)).is_ok());
+            chosen.push((key, runs));
+            runs
+        }
+    };
+    drop(chosen);
+    match kernel {
+        Some(kernel) => fused_attention(kernel, q, k, v, causal),
+        None => efficient(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tch::{Device, Kind};
+
+    /// On the host it is libtorch's own attention, to the bit.
+    #[test]
+    fn on_the_host_the_fixed_kernel_is_libtorchs_attention() {
+        let q = Tensor::randn([2, 3, 16, 8], (Kind::Float, Device::Cpu));
+        let k = Tensor::randn([2, 3, 16, 8], (Kind::Float, Device::Cpu));
+        let v = Tensor::randn([2, 3, 16, 8], (Kind::Float, Device::Cpu));
+        for causal in [true, false] {
+            let want = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, causal, None, false);
+            let got = fixed_kernel_attention(&q, &k, &v, causal).expect("attention");
+            assert!(got.equal(&want), "causal {causal}");
+        }
+    }
 
     #[test]
     fn host_tensors_are_refused_with_the_reason() {
@@ -94,5 +147,12 @@ mod tests {
             let (full, _) = run(Some(kernel), false);
             assert!(!close(&causal, &full), "{kernel:?}: the causal flag made no difference");
         }
+        // The fixed kernel: one of them (an H100 takes cuDNN's), the same values call after call.
+        let part = |i: i64| qkv.select(2, i).transpose(1, 2).detach();
+        let (q, k, v) = (part(0), part(1), part(2));
+        let first = fixed_kernel_attention(&q, &k, &v, true).expect("fixed");
+        let again = fixed_kernel_attention(&q, &k, &v, true).expect("fixed again");
+        assert!(close(&first.to_kind(Kind::Float), &run(None, true).0), "the fixed kernel computes attention");
+        assert!(first.equal(&again), "the same kernel, the same values");
     }
 }
