@@ -10,7 +10,7 @@
 //! 4.4, memory-efficient 8.3; docs/benchmarks.md).
 
 use super::ffi;
-use crate::error::{Error, Result};
+use crate::error::{Error, HookError, Result};
 use std::os::raw::{c_char, c_int};
 use std::sync::Mutex;
 use tch::{Kind, Tensor};
@@ -71,9 +71,7 @@ pub fn fixed_kernel_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) 
     let kernel = match chosen.iter().find(|(known, _)| *known == key) {
         Some(&(_, kernel)) => kernel,
         None => {
-            // Tried without grad: autograd saves an operation's inputs before its kernel refuses
-            // them, and inside a recompute scope those saves would count as the forward's.
-            let runs = KERNELS.iter().copied().find(|&kernel| tch::no_grad(|| fused_attention(kernel, q, k, v, causal)).is_ok());
+            let runs = KERNELS.iter().copied().find(|&kernel| trains(kernel, q, k, v, causal));
             chosen.push((key, runs));
             runs
         }
@@ -83,6 +81,24 @@ pub fn fixed_kernel_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) 
         Some(kernel) => fused_attention(kernel, q, k, v, causal),
         None => efficient(),
     }
+}
+
+/// Whether `kernel` takes these inputs forward and backward: run on detached copies of them
+/// (the same layout), with the saved-tensor hooks off, since a recompute scope's forward would
+/// otherwise count the trial's saves as its own (autograd saves an operation's inputs before its
+/// kernel can refuse them), and with a gradient laid out as a GPT block's projection sends it.
+fn trains(kernel: AttentionKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> bool {
+    super::hooks::outside_hooks("trying an attention kernel", || {
+        let _grad = super::grad_mode::GradMode::set(true);
+        let leaves: Vec<Tensor> = [q, k, v].iter().map(|t| t.detach().set_requires_grad(true)).collect();
+        let y = fused_attention(kernel, &leaves[0], &leaves[1], &leaves[2], causal).map_err(|e| -> HookError { Box::new(e) })?;
+        let out = y.f_transpose(1, 2)?.f_contiguous()?;
+        let weights = out.f_ones_like()?;
+        let loss = (&out * &weights).f_sum(Kind::Float)?;
+        let grads = Tensor::f_run_backward(&[loss], &leaves, false, false)?;
+        Ok(grads.len() == 3)
+    })
+    .unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -110,6 +126,34 @@ mod tests {
             let e = fused_attention(kernel, &q, &q, &q, true).expect_err("the fused kernels are CUDA's");
             assert!(e.to_string().contains(&format!("{kernel:?} attention")), "{e}");
         }
+    }
+
+    /// Counts the tensors autograd saves while it is the thread's store.
+    struct Counting(std::sync::atomic::AtomicU64);
+
+    impl crate::torch::SavedTensorStore for Counting {
+        fn pack(&self, _: Tensor) -> std::result::Result<u64, HookError> {
+            Ok(self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        }
+        fn unpack(&self, handle: u64) -> std::result::Result<Tensor, HookError> {
+            Err(format!("never unpacked ({handle})").into())
+        }
+        fn release(&self, _: u64) {}
+    }
+
+    /// A kernel that refuses its inputs does so after autograd saved them (on the host, where
+    /// both fused kernels refuse every input): the trial of a kernel saves nothing into the
+    /// thread's store, so a recompute scope open around it counts nothing of it.
+    #[test]
+    fn trying_a_kernel_saves_nothing_where_calling_it_would() {
+        let store = std::sync::Arc::new(Counting(0.into()));
+        let _hooks = crate::torch::SavedTensorHooks::enable(store.clone()).expect("hooks");
+        let q = Tensor::randn([1, 2, 8, 16], (Kind::BFloat16, Device::Cpu)).set_requires_grad(true);
+        let saved = || store.0.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(!trains(AttentionKernel::Cudnn, &q, &q, &q, true), "the host has no fused kernel");
+        assert_eq!(saved(), 0, "the trial saved nothing");
+        assert!(fused_attention(AttentionKernel::Cudnn, &q, &q, &q, true).is_err());
+        assert!(saved() > 0, "a refused call saves its inputs first: the hazard the trial avoids");
     }
 
     /// On CUDA: the same values and gradients as the memory-efficient kernel, within bf16's
