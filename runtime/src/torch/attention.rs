@@ -67,24 +67,29 @@ pub fn fixed_kernel_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) 
         Ok(Tensor::f_internal_scaled_dot_product_efficient_attention(q, k, v, None::<&Tensor>, true, 0.0, causal, None)?.0)
     };
     let key = (index, q.f_kind()?, q.size(), causal);
-    let mut chosen = CHOSEN.lock().unwrap_or_else(|e| e.into_inner());
-    let kernel = match chosen.iter().find(|(known, _)| *known == key) {
-        Some(&(_, kernel)) => kernel,
+    let known = |chosen: &[Choice]| chosen.iter().find(|(known, _)| *known == key).map(|&(_, kernel)| kernel);
+    let found = known(&CHOSEN.lock().unwrap_or_else(|e| e.into_inner()));
+    let kernel = match found {
+        Some(kernel) => kernel,
         None => {
+            // Tried without the lock held (a trial runs a backward); where two threads tried
+            // the same call at once, the first choice recorded is everyone's.
             let runs = KERNELS.iter().copied().find(|&kernel| trains(kernel, q, k, v, causal));
-            chosen.push((key, runs));
-            runs
+            let mut chosen = CHOSEN.lock().unwrap_or_else(|e| e.into_inner());
+            known(&chosen).unwrap_or_else(|| {
+                chosen.push((key.clone(), runs));
+                runs
+            })
         }
     };
-    drop(chosen);
     match kernel {
         Some(kernel) => fused_attention(kernel, q, k, v, causal),
         None => efficient(),
     }
 }
 
-/// Whether `kernel` takes these inputs forward and backward: run on detached copies of them
-/// (the same layout), with the saved-tensor hooks off, since a recompute scope's forward would
+/// Whether `kernel` takes these inputs forward and backward: run on detached aliases of them
+/// (the same storage and layout), with the saved-tensor hooks off, since a recompute scope's forward would
 /// otherwise count the trial's saves as its own (autograd saves an operation's inputs before its
 /// kernel can refuse them), and with a gradient laid out as a GPT block's projection sends it.
 fn trains(kernel: AttentionKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> bool {
