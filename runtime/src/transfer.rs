@@ -65,6 +65,12 @@ impl Copier {
         })
     }
 
+    /// A copier of the same device, bus and owner on a copy stream of its own: copies that must
+    /// not queue behind this one's.
+    pub fn sibling(&self) -> Result<Copier> {
+        Copier::new(self.device(), self.bus.clone(), self.owner)
+    }
+
     /// The device.
     pub fn device(&self) -> &Device {
         self.stream.device()

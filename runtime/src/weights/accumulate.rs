@@ -2,9 +2,12 @@
 //! `host_gradient_sums` is on, and a data-parallel rank's shards always add here). A parameter's first
 //! gradient of an accumulation window goes straight to its pinned host buffer; a later one (a
 //! micro-batch after the first, a weight used twice) is added to the sum so far on the device:
-//! the sum comes back from the host buffer into a scratch slab (on the gradient sink's copy
-//! stream, so it is read before the sink's next copy overwrites the buffer), the compute stream
-//! adds the new gradient to it in place, and the sum then leaves as a first gradient does.
+//! the sum comes back from the host buffer into a scratch slab, the compute stream adds the new
+//! gradient to it in place once it landed, and the sum then leaves as a first gradient does.
+//! The sums come back on a copy stream of their own: on the sink's stream each would queue
+//! behind the gradients going out before it, in the other direction of the link, and the
+//! compute stream waits for it. The sink's next copy into that buffer is ordered after the add,
+//! so after the read.
 //!
 //! The cost: one more copy each way per gradient, on the copy engines, and the compute stream
 //! waits for the sum's return. The host's alternative costs host memory bandwidth and cores
@@ -33,9 +36,9 @@ unsafe impl Send for HostRead {}
 
 // SAFETY: the memory does not move (a `HostBuffer`'s allocation stays where it is while the
 // value moves), and nothing writes or frees it before the read completes: the only writer is
-// the sink's next copy into the buffer, issued after the read on the same copy stream, and the
-// buffer is given back (and may be freed) only once that copy completed. The sink waits for
-// every read before it reports its copies landed (`DeviceSum::wait_all`).
+// the sink's next copy into the buffer, ordered after the compute stream's add, which waits for
+// the read, and the buffer is given back (and may be freed) only once that copy completed. The
+// sink waits for every read before it reports its copies landed (`DeviceSum::wait_all`).
 unsafe impl HostMemory for HostRead {
     fn host_ptr(&self) -> *const u8 {
         self.ptr
@@ -47,8 +50,10 @@ unsafe impl HostMemory for HostRead {
 
 /// The device side of gradient accumulation: a scratch slab for the sums coming back, and the
 /// copies reading them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DeviceSum {
+    /// The sums' own copy stream.
+    copier: Copier,
     /// Bytes, on the device; dropped at the end of each accumulation window.
     scratch: Option<Tensor>,
     /// The compute stream after the last add that read the scratch: the next sums may land in
@@ -61,15 +66,20 @@ pub(crate) struct DeviceSum {
 }
 
 impl DeviceSum {
+    /// Sums brought back on `copier`'s stream (one no other copies use).
+    pub(crate) fn new(copier: Copier) -> DeviceSum {
+        DeviceSum { copier, scratch: None, free: None, reads: Vec::new(), read_bytes: 0 }
+    }
+
     /// Adds to each device gradient the sum so far in its host buffer (`(buffer, gradient)`,
     /// the gradient contiguous, its bytes at the start of the buffer), in place, on the compute
-    /// stream. The buffers may be handed to copies on `copier`'s stream right after: the reads
-    /// come first there.
-    pub(crate) fn add_host_sums(&mut self, copier: &Copier, pairs: &[(&HostBuffer, &Tensor)], subject: &str) -> Result<()> {
+    /// stream. The buffers may be written by copies ordered after the compute stream's work
+    /// queued so far (`Order::AfterCompute`) right after: the adds wait for the reads.
+    pub(crate) fn add_host_sums(&mut self, pairs: &[(&HostBuffer, &Tensor)], subject: &str) -> Result<()> {
         if pairs.is_empty() {
             return Ok(());
         }
-        let device = copier.device().clone();
+        let device = self.copier.device().clone();
         let sizes: Vec<u64> = pairs.iter().map(|(_, g)| crate::torch::tensor_bytes(g)).collect();
         for (&(buf, _), &bytes) in pairs.iter().zip(&sizes) {
             if (buf.host_len() as u64) < bytes {
@@ -97,7 +107,7 @@ impl DeviceSum {
                 None => Order::AfterCompute,
             };
             let read = HostRead { ptr: buf.host_ptr(), len: buf.host_len() };
-            let t = copier.h2d(&view, read, 0, order, None, || format!("{subject}: the sum so far")).map_err(|f| f.error)?;
+            let t = self.copier.h2d(&view, read, 0, order, None, || format!("{subject}: the sum so far")).map_err(|f| f.error)?;
             self.reads.push(t);
             self.read_bytes += bytes;
             views.push(view);
@@ -113,14 +123,14 @@ impl DeviceSum {
             Ok(())
         })?;
         self.free = Some(device.record_compute()?);
-        self.reap(copier);
+        self.reap();
         Ok(())
     }
 
     /// Reports the reads that completed.
-    fn reap(&mut self, copier: &Copier) {
+    fn reap(&mut self) {
         for t in std::mem::take(&mut self.reads) {
-            if let Err(t) = copier.finish(t) {
+            if let Err(t) = self.copier.finish(t) {
                 self.reads.push(t);
             }
         }
@@ -137,9 +147,9 @@ impl DeviceSum {
     }
 
     /// Waits for every read and gives the scratch slab back (the window's sums are all in).
-    pub(crate) fn wait_all(&mut self, copier: &Copier) -> Result<()> {
+    pub(crate) fn wait_all(&mut self) -> Result<()> {
         for t in std::mem::take(&mut self.reads) {
-            copier.wait(t)?;
+            self.copier.wait(t)?;
         }
         self.scratch = None;
         self.free = None;

@@ -57,16 +57,16 @@ const SPARE_BLOCKS: u64 = 3;
 impl GradSink {
     /// A sink copying on `copier`; `host_sum_threads`: later gradients of a window are added on
     /// the host with that many threads (`None`: on the device).
-    pub(crate) fn new(copier: Copier, guards: GuardSlot, host_sum_threads: Option<usize>) -> GradSink {
-        GradSink {
+    pub(crate) fn new(copier: Copier, guards: GuardSlot, host_sum_threads: Option<usize>) -> Result<GradSink> {
+        Ok(GradSink {
+            sum: DeviceSum::new(copier.sibling()?),
             copier,
             inflight: Vec::new(),
             guards,
             host: host_sum_threads.map(HostSum::new),
-            sum: DeviceSum::default(),
             error: None,
             largest_flush: 0,
-        }
+        })
     }
 
     /// Sends `block`'s device gradients to the host and frees them on the device (spare buffers
@@ -106,7 +106,7 @@ impl GradSink {
                     buf.map(|b| (b, g)).ok_or_else(|| Error::internal(format!("block {id}: a gradient's sum so far has no host buffer")))
                 })
                 .collect::<Result<Vec<(&HostBuffer, &tch::Tensor)>>>()?;
-            self.sum.add_host_sums(&self.copier, &later, &format!("block '{}' gradients", block.spec.name))?;
+            self.sum.add_host_sums(&later, &format!("block '{}' gradients", block.spec.name))?;
         }
         self.largest_flush = self.largest_flush.max(outgoing.iter().map(|(_, g)| crate::torch::tensor_bytes(g)).sum());
         for (gi, g) in outgoing {
@@ -328,7 +328,7 @@ impl GradSink {
             h.wait(|_| true)?;
         }
         self.take_home(None, blocks, |b| b.0 as usize)?;
-        self.sum.wait_all(&self.copier)
+        self.sum.wait_all()
     }
 
     /// Gives the host sums' spare buffers back to the pool (the runtime shuts down).

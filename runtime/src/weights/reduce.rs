@@ -56,8 +56,9 @@ pub(crate) struct ReduceSink {
 }
 
 impl ReduceSink {
-    pub(crate) fn new(collective: Arc<Collective>, copier: Copier, guards: GuardSlot) -> ReduceSink {
-        ReduceSink { collective, copier, guards, inflight: Vec::new(), collective_ms: 0.0, collective_bytes: 0, sum: DeviceSum::default() }
+    pub(crate) fn new(collective: Arc<Collective>, copier: Copier, guards: GuardSlot) -> Result<ReduceSink> {
+        let sum = DeviceSum::new(copier.sibling()?);
+        Ok(ReduceSink { collective, copier, guards, inflight: Vec::new(), collective_ms: 0.0, collective_bytes: 0, sum })
     }
 
     /// Reduces `block`'s device gradients over the group and sends this rank's shard of the sum
@@ -105,7 +106,7 @@ impl ReduceSink {
             device.compute_wait(op.done())?;
             let buf = block.shard.as_ref().and_then(|s| s.buf.as_ref());
             let buf = buf.ok_or_else(|| Error::internal(format!("block {id}: its gradient shard's buffer is missing")))?;
-            self.sum.add_host_sums(&self.copier, &[(buf, &out)], &format!("block '{name}' gradient shard"))?;
+            self.sum.add_host_sums(&[(buf, &out)], &format!("block '{name}' gradient shard"))?;
             Order::AfterCompute
         };
         let buf = self.take_buffer(id, block)?;
@@ -201,7 +202,7 @@ impl ReduceSink {
             let id = b.block;
             self.land(b, blocks.get_mut(id.0 as usize))?;
         }
-        self.sum.wait_all(&self.copier)
+        self.sum.wait_all()
     }
 
     /// Keeps at most `cap` device bytes in flight (buckets and shards): what completed first,

@@ -239,7 +239,7 @@ impl Scheduler {
         let guards = GuardSlot::default();
         Ok(Scheduler {
             loader: Copier::new(&device, bus.clone(), Owner::Weights)?,
-            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?, guards.clone(), cfg.host_gradient_sums.then(host_sum_threads)),
+            grads: GradSink::new(Copier::new(&device, bus.clone(), Owner::Weights)?, guards.clone(), cfg.host_gradient_sums.then(host_sum_threads))?,
             guards,
             device,
             bus,
@@ -375,7 +375,7 @@ impl Scheduler {
             return Err(Error::misuse("choosing where gradients accumulate", "between accumulation windows, before a gradient is sent"));
         }
         let copier = Copier::new(&self.device, self.bus.clone(), Owner::Weights)?;
-        self.grads = GradSink::new(copier, self.guards.clone(), on.then(host_sum_threads));
+        self.grads = GradSink::new(copier, self.guards.clone(), on.then(host_sum_threads))?;
         self.cfg.host_gradient_sums = on;
         Ok(())
     }

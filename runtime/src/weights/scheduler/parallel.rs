@@ -68,7 +68,7 @@ impl Scheduler {
             return Err(Error::misuse("joining a data-parallel group", "join before the model's blocks are registered, once"));
         }
         let copier = Copier::new(&self.device, self.bus.clone(), Owner::Weights)?;
-        self.rank = Some(Rank { reduce: ReduceSink::new(member.collective.clone(), copier, self.guards.clone()), member, model, submitted: HashMap::new() });
+        self.rank = Some(Rank { reduce: ReduceSink::new(member.collective.clone(), copier, self.guards.clone())?, member, model, submitted: HashMap::new() });
         Ok(())
     }
 
