@@ -90,14 +90,15 @@ pub fn fixed_kernel_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) 
     }
 }
 
-/// Whether `kernel` takes these inputs forward and backward: run on detached aliases of them
-/// (the same storage and layout), with the saved-tensor hooks off, since a recompute scope's forward would
+/// Whether `kernel` takes these inputs forward and backward: run on detached aliases of their
+/// first sequence (the same storage, layout and shape but the batch, so that the trial's memory
+/// is a sequence's), with the saved-tensor hooks off, since a recompute scope's forward would
 /// otherwise count the trial's saves as its own (autograd saves an operation's inputs before its
 /// kernel can refuse them), and with a gradient laid out as a GPT block's projection sends it.
 fn trains(kernel: AttentionKernel, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> bool {
     super::hooks::outside_hooks("trying an attention kernel", || {
         let _grad = super::grad_mode::GradMode::set(true);
-        let leaves: Vec<Tensor> = [q, k, v].iter().map(|t| t.detach().set_requires_grad(true)).collect();
+        let leaves = [q, k, v].iter().map(|t| Ok(t.f_narrow(0, 0, 1)?.detach().set_requires_grad(true))).collect::<std::result::Result<Vec<Tensor>, HookError>>()?;
         let y = fused_attention(kernel, &leaves[0], &leaves[1], &leaves[2], causal).map_err(|e| -> HookError { Box::new(e) })?;
         let out = y.f_transpose(1, 2)?.f_contiguous()?;
         let weights = out.f_ones_like()?;
