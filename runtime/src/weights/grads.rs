@@ -214,10 +214,15 @@ impl GradSink {
         while self.inflight.len() > 1 && held > cap {
             let c = self.inflight.remove(0);
             held -= c.transfer.bytes();
-            let (buf, _) = self.copier.wait(c.transfer)?;
-            self.landed(c.block, c.grad, buf, c.incoming, blocks, |b| b.0 as usize)?;
+            self.land(c, blocks, |b| b.0 as usize)?;
         }
         Ok(())
+    }
+
+    /// Waits for one copy and hands what landed on ([`landed`](Self::landed)).
+    fn land(&mut self, c: GradCopy, blocks: &mut [Block], index: impl Fn(BlockId) -> usize) -> Result<()> {
+        let (buf, _) = self.copier.wait(c.transfer)?;
+        self.landed(c.block, c.grad, buf, c.incoming, blocks, index)
     }
 
     /// A copy landed: a sum goes back to its block (`blocks[index(block)]`), a later gradient
@@ -307,8 +312,7 @@ impl GradSink {
         self.kept_error()?;
         while let Some(i) = self.inflight.iter().position(|c| c.block == id) {
             let c = self.inflight.remove(i);
-            let (buf, _) = self.copier.wait(c.transfer)?;
-            self.landed(c.block, c.grad, buf, c.incoming, std::slice::from_mut(block), |_| 0)?;
+            self.land(c, std::slice::from_mut(block), |_| 0)?;
         }
         if let Some(h) = &self.host {
             h.wait(|k| k.0 == id)?;
@@ -321,8 +325,7 @@ impl GradSink {
     pub(crate) fn wait_all(&mut self, blocks: &mut [Block]) -> Result<()> {
         self.kept_error()?;
         for c in std::mem::take(&mut self.inflight) {
-            let (buf, _) = self.copier.wait(c.transfer)?;
-            self.landed(c.block, c.grad, buf, c.incoming, blocks, |b| b.0 as usize)?;
+            self.land(c, blocks, |b| b.0 as usize)?;
         }
         if let Some(h) = &self.host {
             h.wait(|_| true)?;
